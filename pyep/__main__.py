@@ -1,0 +1,3 @@
+from pyep.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""`pyep` command line. Each sub-command lives in its own module under pyep/cli/ and exposes
+`add_parser(subparsers)`; the parser it adds sets `func(args) -> int`. Exit status 2 means bad input."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import List, Optional
+
+# sub-command name -> module. Imported lazily so that `pyep qp ...` never pays for torch.
+COMMANDS = {
+    "qp": "pyep.cli.qp",
+    "softnic": "pyep.cli.softnic",
+    "info": "pyep.cli.info",
+}
+
+
+class CliError(Exception):
+    """Bad input on the command line: printed without a traceback, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pyep", description="pyep: IBGDA engine and MoE expert parallelism")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, modname in COMMANDS.items():
+        importlib.import_module(modname).add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"pyep {args.command}: error: {exc}", file=sys.stderr)
+        return 2
