@@ -1,0 +1,265 @@
+"""`EpBuffer`: low-latency MoE dispatch/combine (DeepEP low-latency / Mooncake EP contract).
+
+The front checks every argument (pyep.ep.validate) before anything is sent, keeps the handle
+bookkeeping (owner, dispatch sequence, buffer half, membership epoch) and delegates the work to a
+backend (pyep.ep.backend describes the contract): the native CUDA backend where it can run, else the
+reference backend over torch.distributed.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
+
+from ._dist import all_reduce_min_bounded, group_device, resolve_group
+from .backend import (CombineOptions, CompletedEvent, DispatchOptions, EpBackend, EventLike,
+                      PeerTransport)
+from .config import DEFAULT_TIMEOUT_US, MAX_TOPK, EpConfig
+from .config import size_hint as _size_hint
+from .handle import Handle
+from .validate import check_active_ranks, validate_combine, validate_dispatch, validate_handle
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+log = logging.getLogger("pyep.ep")
+
+RecvX = Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]]
+Hook = Optional[Callable[[], None]]
+
+
+def _native_unavailable_reason(config: EpConfig) -> Optional[str]:
+    """Local check: can this process run the native backend? None if yes, else why not."""
+    import torch
+    try:
+        from .native import NativeBackend
+    except Exception as exc:  # any import failure means "not here"; the reason is logged
+        return f"pyep.ep.native is not importable ({type(exc).__name__}: {exc})"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    check = getattr(NativeBackend, "unavailable_reason", None)
+    return check(config) if check is not None else None
+
+
+def _make_backend(group: "dist.ProcessGroup", config: EpConfig) -> EpBackend:
+    import torch
+    from .reference import ReferenceBackend
+    if config.backend == "reference":
+        return ReferenceBackend(group, config)
+    reason = _native_unavailable_reason(config)
+    if config.backend == "native":
+        if reason is not None:
+            from .backend import BackendUnavailable
+            raise BackendUnavailable(f"backend='native' cannot run here: {reason}")
+        from .native import NativeBackend
+        return NativeBackend(group, config)
+    # "auto": every rank must pick the same backend, so agree on the local answers first.
+    flag = torch.tensor([0 if reason else 1], dtype=torch.int32, device=group_device(group))
+    all_reduce_min_bounded(flag, group, config.timeout_us, "EpBuffer backend selection")
+    if int(flag.item()) == 1:
+        from .native import NativeBackend
+        return NativeBackend(group, config)
+    log.info("EpBuffer: using the reference backend (%s)",
+             reason or "another rank cannot run the native backend")
+    return ReferenceBackend(group, config)
+
+
+class EpBuffer:
+    """Low-latency expert-parallel dispatch/combine over a process group.
+
+    dispatch -> (recv_x or (recv_x, scales), recv_count, handle, event, hook)
+    combine  -> (out, event, hook)
+    At most two dispatch results may be in flight: the handle of dispatch #n is refused once
+    dispatch #n+2 was issued. All ranks of the group must make the same calls in the same order.
+    """
+
+    def __init__(self, group: Optional["dist.ProcessGroup"] = None, device_name: str = "mlx5_0", *,
+                 num_max_dispatch_tokens_per_rank: int = 128, hidden: int = 7168, num_experts: int = 256,
+                 transport: str = "auto", timeout_us: int = DEFAULT_TIMEOUT_US, backend: str = "auto",
+                 num_qps_per_peer: Optional[int] = None, allow_nvlink: bool = True,
+                 num_buffer_bytes: Optional[int] = None, max_topk: int = MAX_TOPK,
+                 ranks_per_node: Optional[int] = None, check_values: bool = True) -> None:
+        config = EpConfig(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=hidden,
+                          num_experts=num_experts, max_topk=max_topk, transport=transport,
+                          allow_nvlink=allow_nvlink, device_name=device_name, timeout_us=timeout_us,
+                          num_qps_per_peer=num_qps_per_peer, num_buffer_bytes=num_buffer_bytes,
+                          ranks_per_node=ranks_per_node, backend=backend, check_values=check_values)
+        self._init(group, config)
+
+    @classmethod
+    def from_config(cls, config: EpConfig, group: Optional["dist.ProcessGroup"] = None) -> "EpBuffer":
+        if not isinstance(config, EpConfig):
+            raise TypeError(f"config must be an EpConfig, got {type(config).__name__}")
+        self = cls.__new__(cls)
+        self._init(group, config)
+        return self
+
+    def _init(self, group: Optional["dist.ProcessGroup"], config: EpConfig) -> None:
+        import torch.distributed as dist
+        self._destroyed = True   # until the backend exists, nothing may be called
+        self._group = resolve_group(group)
+        self._num_ranks = dist.get_world_size(self._group)
+        self._rank = dist.get_rank(self._group)
+        config.check_group_size(self._num_ranks)
+        self._config = config
+        self._owner = uuid.uuid4().hex
+        self._epoch = 0
+        self._seq = 0
+        self._backend = _make_backend(self._group, config)
+        self._device = self._backend.device
+        self._destroyed = False
+        log.debug("EpBuffer rank %d/%d: %s, backend %s", self._rank, self._num_ranks,
+                  config.describe_shape(self._num_ranks), self._backend.name)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def config(self) -> EpConfig:
+        return self._config
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def num_ranks(self) -> int:
+        return self._num_ranks
+
+    @property
+    def num_local_experts(self) -> int:
+        return self._config.num_experts // self._num_ranks
+
+    @property
+    def device(self) -> "torch.device":
+        return self._device
+
+    @property
+    def backend_name(self) -> str:
+        return self._backend.name
+
+    @property
+    def group(self) -> "dist.ProcessGroup":
+        return self._group
+
+    @staticmethod
+    def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, num_ranks: int,
+                  max_topk: int = MAX_TOPK) -> int:
+        """Bytes of the native low-latency buffer for a shape (both halves)."""
+        return _size_hint(num_max_dispatch_tokens_per_rank, hidden, num_experts, num_ranks, max_topk)
+
+    @property
+    def num_buffer_bytes(self) -> int:
+        given = self._config.num_buffer_bytes
+        return given if given is not None else self._config.size_hint(self._num_ranks)
+
+    def _check_alive(self, what: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"EpBuffer.{what}() called after destroy()")
+
+    # ------------------------------------------------------------------ dispatch / combine
+    def dispatch(self, x: "torch.Tensor", topk_idx: "torch.Tensor", *, use_fp8: bool = True,
+                 round_scale: bool = False, use_ue8m0: bool = False,
+                 active_ranks: Optional["torch.Tensor"] = None, timeout_us: Optional[int] = None,
+                 async_finish: bool = False, return_recv_hook: bool = False,
+                 cumulative_local_expert_recv_stats: Optional["torch.Tensor"] = None
+                 ) -> Tuple[RecvX, "torch.Tensor", Handle, EventLike, Hook]:
+        import torch
+        self._check_alive("dispatch")
+        timeout = validate_dispatch(
+            self._config, self._num_ranks, self._device, x, topk_idx, use_fp8=use_fp8,
+            round_scale=round_scale, use_ue8m0=use_ue8m0, active_ranks=active_ranks,
+            timeout_us=timeout_us, async_finish=async_finish, return_recv_hook=return_recv_hook,
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+        # The half is consumed even if the backend fails half-way: its state is unknown after that.
+        self._seq += 1
+        seq = self._seq
+        opts = DispatchOptions(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                               active_ranks=active_ranks, timeout_us=timeout, async_finish=async_finish,
+                               return_recv_hook=return_recv_hook,
+                               cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                               buffer_idx=seq & 1, seq=seq)
+        with torch.profiler.record_function("pyep::dispatch"):
+            res = self._backend.dispatch(x, topk_idx, opts)
+        if return_recv_hook and res.hook is None:
+            raise RuntimeError(f"backend {self._backend.name} returned no hook for return_recv_hook=True")
+        cfg = self._config
+        handle = Handle(src_info=res.src_info, layout_range=res.layout_range,
+                        num_max_dispatch_tokens_per_rank=cfg.num_max_dispatch_tokens_per_rank,
+                        hidden=cfg.hidden, num_experts=cfg.num_experts, num_tokens=int(x.shape[0]),
+                        num_topk=int(topk_idx.shape[1]), owner=self._owner, epoch=self._epoch, seq=seq,
+                        buffer_idx=seq & 1, use_fp8=use_fp8, extras=res.extras)
+        recv: RecvX = (res.recv_x, res.recv_scales) if use_fp8 else res.recv_x
+        event = res.event if res.event is not None else CompletedEvent(f"dispatch #{seq}")
+        return recv, res.recv_count, handle, event, (res.hook if return_recv_hook else None)
+
+    def combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
+                handle: Handle, *, active_ranks: Optional["torch.Tensor"] = None,
+                timeout_us: Optional[int] = None, zero_copy: bool = False, async_finish: bool = False,
+                return_recv_hook: bool = False, out: Optional["torch.Tensor"] = None
+                ) -> Tuple["torch.Tensor", EventLike, Hook]:
+        import torch
+        self._check_alive("combine")
+        handle, timeout = validate_combine(
+            self._config, self._num_ranks, self._device, x, topk_idx, topk_weights, handle,
+            owner=self._owner, epoch=self._epoch, last_seq=self._seq, active_ranks=active_ranks,
+            timeout_us=timeout_us, zero_copy=zero_copy, async_finish=async_finish,
+            return_recv_hook=return_recv_hook, out=out)
+        opts = CombineOptions(active_ranks=active_ranks, timeout_us=timeout, zero_copy=zero_copy,
+                              async_finish=async_finish, return_recv_hook=return_recv_hook, out=out)
+        with torch.profiler.record_function("pyep::combine"):
+            res = self._backend.combine(x, topk_idx, topk_weights, handle, opts)
+        if return_recv_hook and res.hook is None:
+            raise RuntimeError(f"backend {self._backend.name} returned no hook for return_recv_hook=True")
+        event = res.event if res.event is not None else CompletedEvent(f"combine of dispatch #{handle.seq}")
+        return res.out, event, (res.hook if return_recv_hook else None)
+
+    def get_next_combine_buffer(self, handle: Handle) -> "torch.Tensor":
+        """bf16 [E_l, R*T, H] to write expert outputs into for combine(..., zero_copy=True)."""
+        self._check_alive("get_next_combine_buffer")
+        validate_handle(handle, self._config, self._num_ranks, owner=self._owner, epoch=self._epoch,
+                        last_seq=self._seq)
+        return self._backend.next_combine_buffer(handle)
+
+    # ------------------------------------------------------------------ membership / lifetime
+    def update_ep_member(self, active_ranks: Optional["torch.Tensor"] = None) -> None:
+        """Collective: re-admit restarted ranks (rebuild their connections). Older handles go stale."""
+        self._check_alive("update_ep_member")
+        check_active_ranks(active_ranks, self._num_ranks, self._device)
+        self._backend.update_ep_member(active_ranks)
+        self._epoch += 1
+
+    def clean(self) -> None:
+        """Reset the communication buffers (collective where the backend needs it). Older handles go
+        stale."""
+        self._check_alive("clean")
+        clean = getattr(self._backend, "clean", None)
+        if clean is not None:
+            clean()
+        self._epoch += 1
+
+    def transport_table(self) -> List[PeerTransport]:
+        self._check_alive("transport_table")
+        return list(self._backend.transport_table())
+
+    def describe(self) -> str:
+        self._check_alive("describe")
+        lines = [f"EpBuffer rank {self._rank}/{self._num_ranks}: backend {self._backend.name}, "
+                 f"{self._config.describe_shape(self._num_ranks)}, device {self._device}"]
+        lines += ["  " + p.describe() for p in self.transport_table()]
+        return "\n".join(lines)
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._backend.destroy()
+
+    def __enter__(self) -> "EpBuffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._destroyed else self._backend.name
+        return f"EpBuffer(rank={self._rank}, num_ranks={self._num_ranks}, {state})"

@@ -1,0 +1,150 @@
+"""The native low-latency buffer layout: THE definition of every offset the kernels use.
+
+One buffer per rank, identical layout on every rank (a sender computes addresses in the receiver's
+buffer from its own layout). Two halves, one per in-flight call (the dispatch of call s and its combine
+use half s & 1). Each half holds
+
+    signals   dispatch counts int32 [E_l][R] (from source rank r for local expert e, sent as -count-1
+              so that 0 means "not arrived"), combine flags int32 [R] (one per source rank)
+    drecv     dispatch receive area [R source ranks][S slots] of M-byte messages. A sender orders the
+              messages it sends to one rank by (local expert, token, k), so the messages of expert e
+              from rank r are contiguous. S = T * min(K_max, E_l): a rank sends at most T*K entries,
+              and at most T per expert (the sender clamps), so S bounds both.
+    crecv     combine receive area [T tokens][K_max slots] of M-byte rows: the expert output for
+              token t, top-k slot k lands at (t, k); indexed by (token, slot), not by (expert, token)
+              as DeepEP does, so it needs T*K_max rows instead of E*T.
+
+M = 16 + 2H: a 16-byte header (source token, k, local expert, 0) and a BF16 payload (the FP8 payload
+H + 4*ceil(G/4)*4 bytes with its scales is never larger).
+
+On the NIC path the same memory doubles as staging: a dispatch message for (t, k) is staged in the
+sender's own crecv slot (t, k) -- only the expert owner that will receive it writes that slot later,
+and only after it has received the message -- and a combine row is staged in the drecv slot its input
+arrived in, which its token owner overwrites only in a later call, after this combine's flag.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HEADER_BYTES = 16
+FP8_GROUP = 128
+SIGNAL_ALIGN = 256
+REGION_ALIGN = 4096
+FETCH_BYTES = 256   # scratch where NIC atomics deposit the fetched old value (never read)
+# int32 words of the per-rank (not remotely written) workspace: 4 done-counters per half, padded,
+# then per half a decision word per source rank for dispatch and for combine, then send-failure flags.
+WS_HEADER_WORDS = 16
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _int(name: str, v: object, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
+    if v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    return v
+
+
+@dataclass(frozen=True)
+class LLLayout:
+    num_max_tokens: int          # T
+    hidden: int                  # H
+    num_experts: int             # E
+    num_ranks: int               # R
+    max_topk: int                # K_max
+    num_local_experts: int       # E_l
+    msg_bytes: int               # M
+    slots_per_src: int           # S
+    off_dsig: int                # offsets inside a half
+    off_csig: int
+    off_drecv: int
+    off_crecv: int
+    half_bytes: int
+    off_fetch: int               # after both halves
+    total_bytes: int
+
+    # ---- addresses (byte offsets from the buffer base); the kernels compute the same numbers
+    def half_base(self, half: int) -> int:
+        if half not in (0, 1):
+            raise ValueError(f"half must be 0 or 1, got {half}")
+        return half * self.half_bytes
+
+    def dsig_offset(self, half: int, local_expert: int, src: int) -> int:
+        return self.half_base(half) + self.off_dsig + 4 * (local_expert * self.num_ranks + src)
+
+    def csig_offset(self, half: int, src: int) -> int:
+        return self.half_base(half) + self.off_csig + 4 * src
+
+    def drecv_offset(self, half: int, src: int, slot: int) -> int:
+        return self.half_base(half) + self.off_drecv + (src * self.slots_per_src + slot) * self.msg_bytes
+
+    def crecv_offset(self, half: int, token: int, k: int) -> int:
+        return self.half_base(half) + self.off_crecv + (token * self.max_topk + k) * self.msg_bytes
+
+    @property
+    def fp8_msg_bytes(self) -> int:
+        """Bytes of an FP8 message on the wire: header, H e4m3 bytes, scales padded to 16 bytes."""
+        groups = self.hidden // FP8_GROUP
+        return HEADER_BYTES + self.hidden + _align(4 * groups, 16)
+
+    @property
+    def bf16_msg_bytes(self) -> int:
+        return HEADER_BYTES + 2 * self.hidden
+
+    @property
+    def signal_ranges(self) -> list:
+        """(offset, bytes) of the signal areas of both halves: what must be zero between calls."""
+        return [(self.half_base(h) + self.off_dsig, self.off_drecv - self.off_dsig) for h in (0, 1)]
+
+    def workspace_words(self) -> int:
+        return ws_words(self.num_ranks)
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        return (f"LL buffer T={self.num_max_tokens} H={self.hidden} E={self.num_experts} "
+                f"R={self.num_ranks} K_max={self.max_topk}: {self.total_bytes / mib:.1f} MiB "
+                f"(per half: dispatch recv {self.num_ranks}x{self.slots_per_src} msgs of "
+                f"{self.msg_bytes} B = {(self.off_crecv - self.off_drecv) / mib:.1f} MiB, combine recv "
+                f"{self.num_max_tokens}x{self.max_topk} rows = "
+                f"{(self.half_bytes - self.off_crecv) / mib:.1f} MiB)")
+
+
+def ws_words(num_ranks: int) -> int:
+    """int32 words of the local workspace (done counters, per-source decisions, failure flags)."""
+    return WS_HEADER_WORDS + 5 * num_ranks
+
+
+def ll_buffer_layout(T: int, H: int, E: int, R: int, K_max: int = 16) -> LLLayout:
+    """Layout of the native low-latency buffer for T tokens per rank, hidden H, E experts, R ranks and
+    at most K_max top-k slots."""
+    _int("T", T, 1)
+    _int("H", H, FP8_GROUP)
+    if H % FP8_GROUP:
+        raise ValueError(f"H must be a multiple of {FP8_GROUP}, got {H}")
+    _int("E", E, 1)
+    _int("R", R, 1)
+    _int("K_max", K_max, 1)
+    if E % R:
+        raise ValueError(f"E ({E}) must be divisible by R ({R})")
+    e_l = E // R
+    msg = HEADER_BYTES + 2 * H
+    slots = T * min(K_max, e_l)
+    off_dsig = 0
+    off_csig = _align(off_dsig + 4 * e_l * R, SIGNAL_ALIGN)
+    off_drecv = _align(off_csig + 4 * R, REGION_ALIGN)
+    off_crecv = _align(off_drecv + R * slots * msg, REGION_ALIGN)
+    half = _align(off_crecv + T * K_max * msg, REGION_ALIGN)
+    off_fetch = 2 * half
+    total = _align(off_fetch + FETCH_BYTES, REGION_ALIGN)
+    return LLLayout(num_max_tokens=T, hidden=H, num_experts=E, num_ranks=R, max_topk=K_max,
+                    num_local_experts=e_l, msg_bytes=msg, slots_per_src=slots, off_dsig=off_dsig,
+                    off_csig=off_csig, off_drecv=off_drecv, off_crecv=off_crecv, half_bytes=half,
+                    off_fetch=off_fetch, total_bytes=total)
+
+
+def ll_buffer_bytes(T: int, H: int, E: int, R: int, K_max: int = 16) -> int:
+    """Bytes of the native low-latency buffer (both halves) for this shape."""
+    return ll_buffer_layout(T, H, E, R, K_max).total_bytes

@@ -1,0 +1,271 @@
+"""Reference backend: the low-latency EP contract in plain torch over torch.distributed collectives
+(gloo on CPU, NCCL on GPU). It is the oracle for the GPU tests, the fallback when no kernels are
+built, and the "what you would write without pyep" baseline of the benchmark.
+
+Messages mirror the native wire format: a 16-byte header of four int32 (source token index, top-k
+slot, local expert, reserved) followed by the payload, all exchanged as bytes with one counts
+all-to-all and one data all-to-all per call. Every collective wait is bounded by the call's timeout.
+With return_recv_hook the exchange happens in the call and the hook does the receive-side placement,
+so outputs read before the hook runs are zero -- a caller that forgets the hook sees it in tests.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+
+from . import fp8
+from ._dist import all_to_all_bounded, barrier_bounded, group_device
+from .backend import (CombineOptions, CombineResult, CompletedEvent, DispatchOptions, DispatchResult,
+                      PeerTransport)
+from .config import EpConfig
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from .handle import Handle
+
+log = logging.getLogger("pyep.ep.reference")
+HEADER_BYTES = 16
+
+
+class _OnceHook:
+    """Runs the receive half once; calling it again is harmless."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Optional[Callable[[], None]] = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+def _bytes(t: "torch.Tensor") -> "torch.Tensor":
+    """[M, ...] tensor -> [M, nbytes] uint8 view (dtype-agnostic transport: gloo has no bf16/fp8)."""
+    import torch
+    width = t.element_size()
+    for d in t.shape[1:]:
+        width *= d
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, group: "dist.ProcessGroup", config: EpConfig) -> None:
+        import torch.distributed as dist
+        self.group = group
+        self.config = config
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.num_local_experts = config.num_local_experts(self.num_ranks)
+        self.device = group_device(group)
+        self._combine_bufs: List[Optional["torch.Tensor"]] = [None, None]
+        self._backend_name = str(dist.get_backend(group))
+
+    @staticmethod
+    def unavailable_reason(config: EpConfig) -> Optional[str]:
+        return None
+
+    # ---------------------------------------------------------------- exchange
+    def _exchange(self, send: "torch.Tensor", send_counts: "torch.Tensor", width: int,
+                  timeout_us: int, what: str) -> Tuple["torch.Tensor", "torch.Tensor"]:
+        """Rows of `send` (uint8 [M, width], grouped by destination rank) go to their ranks; returns
+        (received rows grouped by source rank, int64 counts per source)."""
+        import torch
+        recv_counts = torch.empty_like(send_counts)
+        all_to_all_bounded(recv_counts, send_counts, None, None, self.group, timeout_us,
+                           f"{what} (counts all-to-all)")
+        in_splits = send_counts.tolist()
+        out_splits = recv_counts.tolist()
+        recv = torch.empty((sum(out_splits), width), dtype=torch.uint8, device=self.device)
+        # Split sizes count elements of dim 0, so rows of `width` bytes travel as a whole.
+        all_to_all_bounded(recv, send, out_splits, in_splits, self.group, timeout_us,
+                           f"{what} (data all-to-all)")
+        return recv, recv_counts
+
+    def _active(self, active_ranks: Optional["torch.Tensor"]) -> "torch.Tensor":
+        import torch
+        if active_ranks is None:
+            return torch.ones(self.num_ranks, dtype=torch.bool, device=self.device)
+        return active_ranks != 0
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch(self, x: "torch.Tensor", topk_idx: "torch.Tensor", opts: DispatchOptions) -> DispatchResult:
+        import torch
+        cfg, dev = self.config, self.device
+        r_n, e_l, t_max, h = self.num_ranks, self.num_local_experts, cfg.num_max_dispatch_tokens_per_rank, cfg.hidden
+        n, k = topk_idx.shape
+        active = self._active(opts.active_ranks)
+        with torch.profiler.record_function("pyep::reference::dispatch_send"):
+            flat = topk_idx.reshape(-1)
+            owner = torch.div(flat.clamp_min(0), e_l, rounding_mode="floor")
+            valid = (flat >= 0) & active[owner]
+            entry = valid.nonzero().reshape(-1)            # ascending (t, k) order
+            dest = owner[entry]
+            order = torch.sort(dest, stable=True).indices  # group by destination, keep (t, k) order
+            entry, dest = entry[order], dest[order]
+            tok = torch.div(entry, k, rounding_mode="floor")
+            header = torch.stack([tok, entry % k, flat[entry] % e_l, torch.zeros_like(tok)], dim=1)
+            parts = [_bytes(header.to(torch.int32))]
+            if opts.use_fp8:
+                q, scales = fp8.quantize_fp8(x, opts.round_scale)
+                parts += [q.view(torch.uint8)[tok], _bytes(scales[tok])]
+            else:
+                parts.append(_bytes(x[tok]))
+            send = torch.cat(parts, dim=1)
+            counts = torch.bincount(dest, minlength=r_n).to(torch.int64)
+            recv, recv_counts = self._exchange(send, counts, send.shape[1], opts.timeout_us,
+                                               f"dispatch #{opts.seq}")
+
+        rows = r_n * t_max
+        groups = h // fp8.GROUP
+        # FP8 rows are placed as bytes: index_put is not implemented for float8 on every device.
+        recv_x = torch.zeros((e_l, rows, h), dtype=torch.uint8 if opts.use_fp8 else torch.bfloat16,
+                             device=dev)
+        scales_out: Optional[torch.Tensor] = None
+        if opts.use_fp8:
+            # Column-major per expert (DeepEP's layout): allocate [E_l, G, rows], hand out the transpose.
+            if opts.use_ue8m0:
+                scales_out = torch.zeros((e_l, fp8.num_packed_ue8m0(h), rows), dtype=torch.int32,
+                                         device=dev).transpose(1, 2)
+            else:
+                scales_out = torch.zeros((e_l, groups, rows), dtype=torch.float32, device=dev).transpose(1, 2)
+        recv_count = torch.zeros(e_l, dtype=torch.int32, device=dev)
+        src_info = torch.zeros((e_l, rows), dtype=torch.int32, device=dev)
+        layout_range = torch.zeros((e_l, r_n), dtype=torch.int64, device=dev)
+        topk_slot = torch.full((e_l, rows), -1, dtype=torch.int32, device=dev)
+
+        def receive() -> None:
+            with torch.profiler.record_function("pyep::reference::dispatch_recv"):
+                src = torch.repeat_interleave(torch.arange(r_n, device=dev), recv_counts)
+                keep = active[src]
+                msgs, src = recv[keep], src[keep]
+                hdr = msgs[:, :HEADER_BYTES].contiguous().view(torch.int32).to(torch.int64)
+                le = hdr[:, 2]
+                key = le * r_n + src
+                order = torch.sort(key, stable=True).indices  # by expert, then rank, then (t, k)
+                msgs, key, hdr = msgs[order], key[order], hdr[order]
+                cnt = torch.bincount(key, minlength=e_l * r_n).to(torch.int64)
+                first = torch.cumsum(cnt, 0) - cnt                  # first sorted index of each key
+                cnt2 = cnt.view(e_l, r_n)
+                begin = torch.cumsum(cnt2, 1) - cnt2
+                row = torch.arange(key.numel(), device=dev) - first[key] + begin.reshape(-1)[key]
+                le = torch.div(key, r_n, rounding_mode="floor")
+                layout_range.copy_((begin << 32) | cnt2)
+                recv_count.copy_(cnt2.sum(1).to(torch.int32))
+                src_info[le, row] = hdr[:, 0].to(torch.int32)
+                topk_slot[le, row] = hdr[:, 1].to(torch.int32)
+                body = msgs[:, HEADER_BYTES:]
+                if opts.use_fp8:
+                    recv_x[le, row] = body[:, :h]
+                    sc = body[:, h:h + 4 * groups].contiguous().view(torch.float32)
+                    if opts.use_ue8m0:
+                        scales_out[le, row] = fp8.pack_ue8m0(sc)
+                    else:
+                        scales_out[le, row] = sc
+                else:
+                    recv_x[le, row] = body.contiguous().view(torch.bfloat16)
+                if opts.cumulative_local_expert_recv_stats is not None:
+                    opts.cumulative_local_expert_recv_stats.add_(recv_count)
+
+        hook: Optional[Callable[[], None]] = None
+        if opts.return_recv_hook:
+            hook = _OnceHook(receive)
+        else:
+            receive()
+        return DispatchResult(recv_x=recv_x.view(torch.float8_e4m3fn) if opts.use_fp8 else recv_x,
+                              recv_scales=scales_out, recv_count=recv_count,
+                              src_info=src_info, layout_range=layout_range,
+                              event=CompletedEvent(f"reference dispatch #{opts.seq}"), hook=hook,
+                              extras={"topk_slot": topk_slot})
+
+    # ---------------------------------------------------------------- combine
+    def combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
+                handle: "Handle", opts: CombineOptions) -> CombineResult:
+        import torch
+        cfg, dev = self.config, self.device
+        r_n, e_l, h = self.num_ranks, self.num_local_experts, cfg.hidden
+        n, k = topk_idx.shape
+        active = self._active(opts.active_ranks)
+        src_x = self.next_combine_buffer(handle) if opts.zero_copy else x
+        with torch.profiler.record_function("pyep::reference::combine_send"):
+            cnt = handle.counts()                               # [E_l, R]
+            pair = torch.repeat_interleave(torch.arange(e_l * r_n, device=dev), cnt.reshape(-1))
+            le = torch.div(pair, r_n, rounding_mode="floor")
+            src = pair % r_n
+            rc = cnt.sum(1)
+            row = torch.arange(pair.numel(), device=dev) - (torch.cumsum(rc, 0) - rc)[le]
+            keep = active[src]                                  # never send to a rank marked dead
+            le, src, row = le[keep], src[keep], row[keep]
+            order = torch.sort(src, stable=True).indices
+            le, src, row = le[order], src[order], row[order]
+            if "topk_slot" not in handle.extras:
+                raise ValueError("handle was not produced by the reference backend (no top-k slots)")
+            slot = handle.extras["topk_slot"][le, row]
+            if bool((slot < 0).any()):
+                raise RuntimeError("reference combine: handle rows without a top-k slot; the handle "
+                                   "was not produced by the reference backend")
+            header = torch.stack([handle.src_info[le, row].to(torch.int64), slot.to(torch.int64),
+                                  le, torch.zeros_like(le)], dim=1).to(torch.int32)
+            send = torch.cat([_bytes(header), _bytes(src_x[le, row])], dim=1)
+            counts = torch.bincount(src, minlength=r_n).to(torch.int64)
+            recv, recv_counts = self._exchange(send, counts, HEADER_BYTES + 2 * h, opts.timeout_us,
+                                               f"combine of dispatch #{handle.seq}")
+        out = opts.out if opts.out is not None else torch.empty((n, h), dtype=torch.bfloat16, device=dev)
+        out.zero_()
+
+        def receive() -> None:
+            with torch.profiler.record_function("pyep::reference::combine_recv"):
+                owner_rank = torch.repeat_interleave(torch.arange(r_n, device=dev), recv_counts)
+                keep_msg = active[owner_rank]
+                msgs = recv[keep_msg]
+                hdr = msgs[:, :HEADER_BYTES].contiguous().view(torch.int32).to(torch.int64)
+                y = torch.zeros((n, k, h), dtype=torch.bfloat16, device=dev)
+                got = torch.zeros((n, k), dtype=torch.bool, device=dev)
+                y[hdr[:, 0], hdr[:, 1]] = msgs[:, HEADER_BYTES:].contiguous().view(torch.bfloat16)
+                got[hdr[:, 0], hdr[:, 1]] = True
+                owner = torch.div(topk_idx.clamp_min(0), e_l, rounding_mode="floor")
+                use = got & (topk_idx >= 0) & active[owner]
+                acc = torch.zeros((n, h), dtype=torch.float32, device=dev)
+                for j in range(k):   # k ascending, one fp32 rounding per step, as the kernels do
+                    term = topk_weights[:, j:j + 1] * y[:, j].to(torch.float32)
+                    acc = torch.where(use[:, j:j + 1], acc + term, acc)
+                out.copy_(acc.to(torch.bfloat16))
+
+        hook: Optional[Callable[[], None]] = None
+        if opts.return_recv_hook:
+            hook = _OnceHook(receive)
+        else:
+            receive()
+        return CombineResult(out=out, event=CompletedEvent(f"reference combine of dispatch #{handle.seq}"),
+                             hook=hook)
+
+    # ---------------------------------------------------------------- the rest
+    def next_combine_buffer(self, handle: "Handle") -> "torch.Tensor":
+        import torch
+        cfg = self.config
+        buf = self._combine_bufs[handle.buffer_idx]
+        if buf is None:
+            buf = torch.zeros((self.num_local_experts, self.num_ranks * cfg.num_max_dispatch_tokens_per_rank,
+                               cfg.hidden), dtype=torch.bfloat16, device=self.device)
+            self._combine_bufs[handle.buffer_idx] = buf
+        return buf
+
+    def update_ep_member(self, active_ranks: Optional["torch.Tensor"]) -> None:
+        # Nothing per peer to rebuild; the barrier keeps the call collective like the native one.
+        barrier_bounded(self.group, self.device, self.config.timeout_us, "reference update_ep_member")
+
+    def clean(self) -> None:
+        for buf in self._combine_bufs:
+            if buf is not None:
+                buf.zero_()
+
+    def transport_table(self) -> List[PeerTransport]:
+        detail = f"{self._backend_name} all_to_all"
+        return [PeerTransport(r, "local" if r == self.rank else "reference",
+                              "torch copy" if r == self.rank else detail) for r in range(self.num_ranks)]
+
+    def destroy(self) -> None:
+        self._combine_bufs = [None, None]

@@ -1,0 +1,173 @@
+"""Argument checks shared by every backend. EpBuffer runs them before any communication or kernel
+launch, so a rejected call changes no state. Wrong Python/torch types and dtypes raise TypeError;
+wrong shapes, devices, layouts and values raise ValueError. Every message names the argument, what
+was expected and what was given."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
+
+from .config import DEFAULT_TIMEOUT_US, EpConfig
+from .handle import Handle
+
+if TYPE_CHECKING:
+    import torch
+
+Shape = Sequence[Optional[int]]   # None: any size in that dimension
+
+
+def _fmt_shape(shape: Shape) -> str:
+    return "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def check_tensor(name: str, t: Any, *, dtype: "torch.dtype", shape: Shape, device: "torch.device",
+                 contiguous: bool = True) -> "torch.Tensor":
+    import torch
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want
+                                    for got, want in zip(t.shape, shape)):
+        raise ValueError(f"{name} must have shape {_fmt_shape(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {list(t.stride())} for shape "
+                         f"{list(t.shape)})")
+    return t
+
+
+def check_timeout(name: str, value: Any, default: int = DEFAULT_TIMEOUT_US) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (microseconds) or None, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0 microseconds, got {value}")
+    return value
+
+
+def _capturing(t: "torch.Tensor") -> bool:
+    import torch
+    return bool(t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_topk_values(name: str, topk_idx: "torch.Tensor", num_experts: int) -> None:
+    """Every entry in [-1, E) and no expert twice in one row (a repeated expert would let one token
+    take two of the T rows reserved per source rank and overflow the receive area)."""
+    import torch
+    if topk_idx.numel() == 0 or _capturing(topk_idx):
+        return
+    bad_range = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
+    srt = topk_idx.sort(dim=1).values
+    dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()
+    flags = torch.stack([bad_range, dup]).tolist()   # the one host sync of these checks
+    if flags[0]:
+        pos = ((topk_idx < -1) | (topk_idx >= num_experts)).nonzero()[0].tolist()
+        raise ValueError(f"{name} entries must be in [-1, {num_experts}), got "
+                         f"{int(topk_idx[pos[0], pos[1]])} at [{pos[0]}, {pos[1]}]")
+    if flags[1]:
+        row = int(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(dim=1).nonzero()[0])
+        raise ValueError(f"{name} row {row} names an expert more than once: "
+                         f"{topk_idx[row].tolist()} (use -1 for unused slots)")
+
+
+def check_active_ranks(active_ranks: Any, num_ranks: int, device: "torch.device") -> None:
+    import torch
+    if active_ranks is None:
+        return
+    check_tensor("active_ranks", active_ranks, dtype=torch.int32, shape=(num_ranks,), device=device)
+
+
+def validate_dispatch(cfg: EpConfig, num_ranks: int, device: "torch.device", x: Any, topk_idx: Any, *,
+                      use_fp8: Any, round_scale: Any, use_ue8m0: Any, active_ranks: Any,
+                      timeout_us: Any, async_finish: Any, return_recv_hook: Any,
+                      cumulative_local_expert_recv_stats: Any) -> int:
+    """Checks a dispatch call; returns the timeout to use (microseconds)."""
+    import torch
+    t_max, h, e = cfg.num_max_dispatch_tokens_per_rank, cfg.hidden, cfg.num_experts
+    for name, flag in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
+                       ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+        check_bool(name, flag)
+    if use_ue8m0 and not round_scale:
+        raise ValueError("use_ue8m0=True requires round_scale=True (UE8M0 stores power-of-two scales)")
+    if (round_scale or use_ue8m0) and not use_fp8:
+        raise ValueError("round_scale/use_ue8m0 only apply to FP8 dispatch: pass use_fp8=True")
+    if async_finish and return_recv_hook:
+        raise ValueError("async_finish and return_recv_hook are exclusive: with a hook the receive "
+                         "half runs when you call it, there is nothing left to wait for")
+    check_tensor("x", x, dtype=torch.bfloat16, shape=(None, h), device=device)
+    n = x.shape[0]
+    if n > t_max:
+        raise ValueError(f"x has {n} tokens, more than num_max_dispatch_tokens_per_rank={t_max}")
+    if not isinstance(topk_idx, torch.Tensor):
+        raise TypeError(f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx must have shape [{n}, K], got {list(topk_idx.shape)}")
+    k = topk_idx.shape[1]
+    if not 1 <= k <= cfg.max_topk:
+        raise ValueError(f"topk_idx has K={k} columns; K must be in [1, {cfg.max_topk}]")
+    check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(n, k), device=device)
+    check_active_ranks(active_ranks, num_ranks, device)
+    if cumulative_local_expert_recv_stats is not None:
+        check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                     dtype=torch.int32, shape=(e // num_ranks,), device=device)
+    timeout = check_timeout("timeout_us", timeout_us, cfg.timeout_us)
+    if cfg.check_values:
+        check_topk_values("topk_idx", topk_idx, e)
+    return timeout
+
+
+def validate_handle(handle: Any, cfg: EpConfig, num_ranks: int, *, owner: str, epoch: int,
+                    last_seq: int) -> Handle:
+    if not isinstance(handle, Handle):
+        raise TypeError(f"handle must be the pyep Handle returned by dispatch, got "
+                        f"{type(handle).__name__}")
+    if handle.owner != owner:
+        raise ValueError("handle was issued by another EpBuffer (each buffer's combine needs the "
+                         "handle of its own dispatch)")
+    if handle.epoch != epoch:
+        raise ValueError(f"handle is stale: it predates update_ep_member()/clean() (handle epoch "
+                         f"{handle.epoch}, buffer epoch {epoch})")
+    if handle.seq < last_seq - 1:
+        raise ValueError(f"handle is stale: it belongs to dispatch #{handle.seq} whose buffer half "
+                         f"was reused by dispatch #{handle.seq + 2}; at most two dispatch results may "
+                         f"be in flight (latest dispatch is #{last_seq})")
+    shape = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, handle.num_ranks)
+    want = (cfg.num_max_dispatch_tokens_per_rank, cfg.hidden, cfg.num_experts, num_ranks)
+    if shape != want:
+        raise ValueError(f"handle shape (T, H, E, R)={shape} does not match this buffer's {want}")
+    return handle
+
+
+def validate_combine(cfg: EpConfig, num_ranks: int, device: "torch.device", x: Any, topk_idx: Any,
+                     topk_weights: Any, handle: Any, *, owner: str, epoch: int, last_seq: int,
+                     active_ranks: Any, timeout_us: Any, zero_copy: Any, async_finish: Any,
+                     return_recv_hook: Any, out: Any) -> Tuple[Handle, int]:
+    """Checks a combine call; returns (handle, timeout in microseconds)."""
+    import torch
+    for name, flag in (("zero_copy", zero_copy), ("async_finish", async_finish),
+                       ("return_recv_hook", return_recv_hook)):
+        check_bool(name, flag)
+    if async_finish and return_recv_hook:
+        raise ValueError("async_finish and return_recv_hook are exclusive")
+    h = validate_handle(handle, cfg, num_ranks, owner=owner, epoch=epoch, last_seq=last_seq)
+    e_l = cfg.num_experts // num_ranks
+    rows = num_ranks * cfg.num_max_dispatch_tokens_per_rank
+    check_tensor("x", x, dtype=torch.bfloat16, shape=(e_l, rows, cfg.hidden), device=device)
+    n, k = h.num_tokens, h.num_topk
+    check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(n, k), device=device)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(n, k), device=device)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(n, cfg.hidden), device=device)
+    check_active_ranks(active_ranks, num_ranks, device)
+    timeout = check_timeout("timeout_us", timeout_us, cfg.timeout_us)
+    if cfg.check_values:
+        check_topk_values("topk_idx", topk_idx, cfg.num_experts)
+    return h, timeout

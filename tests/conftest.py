@@ -1,0 +1,33 @@
+"""Shared pytest setup: the repository and tests/ on sys.path (so an uninstalled checkout works and
+spawned workers can import test modules), and session-wide multi-process gloo pools."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Iterator
+
+import pytest
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_TESTS)
+for _p in (_ROOT, _TESTS):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from multiproc import DistPool  # noqa: E402
+
+
+# Session scope: starting workers (spawn + importing torch) costs seconds on a 2-core runner, so
+# every module shares them. A test that breaks a pool (timeout, dead rank) makes it restart lazily.
+@pytest.fixture(scope="session")
+def pool2() -> Iterator[DistPool]:
+    """Two gloo ranks on 127.0.0.1."""
+    with DistPool(2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def pool4() -> Iterator[DistPool]:
+    """Four gloo ranks on 127.0.0.1."""
+    with DistPool(4) as pool:
+        yield pool
