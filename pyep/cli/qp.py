@@ -1,0 +1,190 @@
+"""`pyep qp`: queue-pair diagnostics.
+
+Each action (`pyep qp ACTION ...`) is a `QpAction`. The WQE/CQE encode/decode actions live here; other
+actions live in modules named `pyep/cli/qp_<something>.py` that define `QP_ACTIONS: tuple[QpAction, ...]`
+and are picked up without editing this file. An action's `run` returns the exit status and raises
+`CliError` for bad input (exit status 2); argparse rejects malformed numbers itself (also status 2).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import pkgutil
+import re
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable, Dict, List, Optional, Tuple
+
+from . import CliError
+
+log = logging.getLogger("pyep.cli.qp")
+
+_NUMBER = re.compile(r"(?:0[xX][0-9a-fA-F]+|[0-9]+)")
+
+
+@dataclass(frozen=True)
+class QpAction:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]  # adds the action's arguments
+    run: Callable[[argparse.Namespace], int]
+
+
+def uint_arg(bits: int) -> Callable[[str], int]:
+    """argparse `type=` for an unsigned field of `bits` bits, written in decimal or 0x-hex."""
+    def parse(text: str) -> int:
+        if not _NUMBER.fullmatch(text.strip()):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative decimal or 0x-hex number")
+        value = int(text.strip(), 0) if text.strip()[:2].lower() == "0x" else int(text.strip(), 10)
+        if value >> bits:
+            raise argparse.ArgumentTypeError(f"{text} does not fit in {bits} bits (max {(1 << bits) - 1:#x})")
+        return value
+    parse.__name__ = f"uint{bits}"
+    return parse
+
+
+def _wqe_module() -> ModuleType:
+    # Imported here so that `pyep --help` works (and says what is wrong) without a built engine.
+    from .. import wqe
+    return wqe
+
+
+def _engine_or_exit() -> bool:
+    try:
+        importlib.import_module("pyep._engine")
+    except ImportError as exc:
+        # Not bad input: the installation is incomplete, so exit status 1 and say how to fix it.
+        print(f"pyep qp: error: the native engine cannot be loaded ({exc}); build it with "
+              "`python setup.py build_ext --inplace` in the pyep checkout", file=sys.stderr)
+        return False
+    return True
+
+
+# --- encode-wqe -------------------------------------------------------------------------------------
+# Fields each opcode needs; every other field must be absent (a stray one means the user expects an
+# effect the WQE will not have).
+_ADDR_FIELDS = ("laddr", "lkey", "raddr", "rkey")
+_REQUIRED: Dict[str, Tuple[str, ...]] = {
+    "rdma_write": _ADDR_FIELDS + ("length",),
+    "masked_fa32": _ADDR_FIELDS + ("add",),
+    "fa64": _ADDR_FIELDS + ("add",),
+    "nop": (),
+}
+_OPTIONAL_FIELDS = _ADDR_FIELDS + ("length", "add")
+
+
+def _configure_encode(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--opcode", required=True, choices=sorted(_REQUIRED), help="operation to encode")
+    p.add_argument("--wqe-index", required=True, type=uint_arg(16), help="producer index (16 bits)")
+    p.add_argument("--qpn", required=True, type=uint_arg(24), help="QP number (24 bits)")
+    p.add_argument("--signaled", action="store_true", help="ask for a CQE (MLX5_WQE_CTRL_CQ_UPDATE)")
+    p.add_argument("--fence", action="store_true", help="wait for earlier reads/atomics (MLX5_WQE_CTRL_FENCE)")
+    p.add_argument("--laddr", type=uint_arg(64), help="local address: write source or fetch destination")
+    p.add_argument("--lkey", type=uint_arg(32), help="local memory key")
+    p.add_argument("--raddr", type=uint_arg(64), help="remote address")
+    p.add_argument("--rkey", type=uint_arg(32), help="remote memory key")
+    p.add_argument("--length", type=uint_arg(31), help="rdma_write: bytes to write (< 2^31)")
+    p.add_argument("--add", type=uint_arg(64), help="atomics: addend (masked_fa32: 32 bits)")
+
+
+def _run_encode(args: argparse.Namespace) -> int:
+    need = _REQUIRED[args.opcode]
+    missing = [f"--{f}" for f in need if getattr(args, f) is None]
+    if missing:
+        raise CliError(f"--opcode {args.opcode} needs {', '.join(missing)}")
+    stray = [f"--{f}" for f in _OPTIONAL_FIELDS if f not in need and getattr(args, f) is not None]
+    if stray:
+        raise CliError(f"--opcode {args.opcode} does not use {', '.join(stray)}")
+    if not _engine_or_exit():
+        return 1
+    wqe = _wqe_module()
+    fields = {f: getattr(args, f) for f in need}
+    try:
+        wr = wqe.WorkRequest(wqe.POSTED_OPCODES[args.opcode], signaled=args.signaled, fence=args.fence, **fields)
+        raw = wqe.encode_wqe(wr, args.wqe_index, args.qpn)
+    except (TypeError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    print(raw.hex())
+    return 0
+
+
+# --- decode-wqe / decode-cqe ------------------------------------------------------------------------
+def _configure_decode(what: str) -> Callable[[argparse.ArgumentParser], None]:
+    def configure(p: argparse.ArgumentParser) -> None:
+        p.add_argument("hex", nargs="+", metavar="HEX",
+                       help=f"the 64-byte {what} as 128 hex digits (spaces, ':' and '_' allowed; '-' reads stdin)")
+        p.add_argument("--json", action="store_true", help="print the fields as JSON")
+    return configure
+
+
+def _read_hex(parts: List[str], what: str, nbytes: int) -> bytes:
+    text = sys.stdin.read() if parts == ["-"] else " ".join(parts)
+    try:
+        return _wqe_module().parse_hex(text, nbytes, what)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _run_decode_wqe(args: argparse.Namespace) -> int:
+    raw = _read_hex(args.hex, "WQE", _wqe_module().WQEBB_BYTES)
+    if not _engine_or_exit():
+        return 1
+    decoded = _wqe_module().decode_wqe(raw)
+    print(json.dumps(decoded.to_json()) if args.json else "\n".join(decoded.describe()))
+    return 0
+
+
+def _run_decode_cqe(args: argparse.Namespace) -> int:
+    raw = _read_hex(args.hex, "CQE", _wqe_module().CQE_BYTES)
+    if not _engine_or_exit():
+        return 1
+    decoded = _wqe_module().decode_cqe(raw)
+    print(json.dumps(decoded.to_json()) if args.json else "\n".join(decoded.describe()))
+    return 0
+
+
+BUILTIN_ACTIONS: Tuple[QpAction, ...] = (
+    QpAction("encode-wqe", "print the 64-byte WQEBB pyep builds for a work request (128 hex digits)",
+             _configure_encode, _run_encode),
+    QpAction("decode-wqe", "explain a 64-byte send WQE", _configure_decode("WQE"), _run_decode_wqe),
+    QpAction("decode-cqe", "explain a 64-byte CQE (completion or error)", _configure_decode("CQE"), _run_decode_cqe),
+)
+
+
+def all_actions() -> Tuple[QpAction, ...]:
+    """Built-in actions plus those of every pyep/cli/qp_*.py module, sorted by name."""
+    from . import __path__ as cli_path
+    actions = list(BUILTIN_ACTIONS)
+    for info in pkgutil.iter_modules(cli_path):
+        if info.name.startswith("qp_"):
+            mod = importlib.import_module(f"{__package__}.{info.name}")
+            actions.extend(getattr(mod, "QP_ACTIONS", ()))
+    names = [a.name for a in actions]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise RuntimeError(f"pyep qp: actions defined twice: {', '.join(dupes)}")
+    return tuple(sorted(actions, key=lambda a: a.name))
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("qp", help="queue-pair diagnostics: encode/decode WQEs and CQEs, ...",
+                       description="Queue-pair diagnostics.")
+    actions = p.add_subparsers(dest="qp_action", metavar="ACTION")
+    for action in all_actions():
+        ap = actions.add_parser(action.name, help=action.help, description=action.help)
+        action.configure(ap)
+        ap.set_defaults(func=action.run)
+
+    def no_action(args: argparse.Namespace) -> int:
+        p.print_help(sys.stderr)
+        return 2
+    p.set_defaults(func=no_action)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """`pyep qp ...` on its own (for tools and tests)."""
+    from . import main as pyep_main
+    return pyep_main(["qp"] + list(sys.argv[1:] if argv is None else argv))
