@@ -43,7 +43,7 @@ def want_cuda() -> bool:
 
 def make_extension():
     if want_cuda():
-        from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+        from torch.utils.cpp_extension import BuildExtension, CUDAExtension, library_paths
         arch = os.environ.get("PYEP_CUDA_ARCH", "90a")
         ext = CUDAExtension(
             name="pyep._engine",
@@ -51,6 +51,8 @@ def make_extension():
             include_dirs=INCLUDES,
             define_macros=DEFINES + [("PYEP_WITH_CUDA", "1")],
             libraries=["cuda"],
+            # CUDAExtension links libc10/libtorch; find them without requiring `import torch` first.
+            extra_link_args=[f"-Wl,-rpath,{p}" for p in library_paths(device_type="cuda")],
             extra_compile_args={
                 "cxx": CXX_FLAGS,
                 "nvcc": ["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
