@@ -13,6 +13,10 @@ COMMANDS = {
     "qp": "pyep.cli.qp",
     "softnic": "pyep.cli.softnic",
     "info": "pyep.cli.info",
+    "bench": "pyep.cli.bench",
+    "launch": "pyep.cli.launch",
+    "nic": "pyep.cli.nic",
+    "doctor": "pyep.cli.doctor",
 }
 
 

@@ -1,0 +1,158 @@
+"""Bounded synchronisation for the benchmark: barriers between phases, waits for the device, and
+gathers of results to rank 0. Every wait has a deadline and its error names what it waited for."""
+from __future__ import annotations
+
+import datetime
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator, List, Optional
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+
+# align(): 256 MB exceeds every GPU's L2; a 4096^3 bf16 GEMM runs ~0.1-0.3 ms on H100/H200, long
+# enough for the host (under the profiler, too) to queue a whole dispatch or combine call.
+FLUSH_BYTES = 256 << 20
+GEMM_N = 4096
+
+
+class Sync:
+    """Barriers and device waits on one process group. On CUDA the barrier is an all-reduce on the
+    current stream followed by a polled event, so the host wait is bounded and every rank leaves the
+    barrier as soon as its GPU has seen all peers (a few microseconds apart)."""
+
+    def __init__(self, group: "dist.ProcessGroup", device: "torch.device", timeout_s: float) -> None:
+        import torch
+        import torch.distributed as dist
+        self.group = group
+        self.device = device
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.cuda = device.type == "cuda"
+        self._token = torch.ones(1, dtype=torch.int32, device=device)
+        if self.cuda:
+            self._flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+            self._lhs = torch.randn(GEMM_N, GEMM_N, device=device).to(torch.bfloat16)
+            self._rhs = torch.randn(GEMM_N, GEMM_N, device=device).to(torch.bfloat16)
+            self._prod = torch.empty(GEMM_N, GEMM_N, dtype=torch.bfloat16, device=device)
+
+    def _ranks(self) -> List[int]:
+        return list(range(self.world_size))
+
+    def wait_work(self, work: "dist.Work", what: str) -> None:
+        if self.cuda:
+            # NCCL: wait() only orders the current stream after the collective; the bounded host wait
+            # is the spinning device_wait. (A wait(timeout=...) would poll with millisecond sleeps
+            # and let the ranks leave the barrier milliseconds apart.)
+            work.wait()
+            self.device_wait(what)
+            return
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise TimeoutError(f"{what}: ranks {self._ranks()} did not all take part within "
+                               f"{self.timeout_s:g} s ({exc})") from exc
+        if ok is False:
+            raise TimeoutError(f"{what}: ranks {self._ranks()} did not all take part within "
+                               f"{self.timeout_s:g} s")
+
+    def device_wait(self, what: str) -> None:
+        """Wait until the current stream has finished everything queued so far."""
+        if not self.cuda:
+            return
+        import torch
+        ev = torch.cuda.Event()
+        ev.record()
+        deadline = time.monotonic() + self.timeout_s
+        # Spinning (not sleeping) keeps the ranks' exits from a barrier microseconds apart.
+        while not ev.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: the GPU (rank {self.rank}, {self.device}) did not finish "
+                                   f"within {self.timeout_s:g} s")
+
+    def barrier(self, what: str) -> None:
+        import torch.distributed as dist
+        work = dist.all_reduce(self._token, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        self.wait_work(work, f"barrier ({what})")
+
+    def align(self) -> None:
+        """GPU only, after a barrier: line up the start of the next call on all GPUs, the way DeepEP's
+        benchmark does. The stream first overwrites a buffer larger than L2 (no timed call finds the
+        previous one's data cached) and runs a GEMM of a few hundred microseconds -- time for the host
+        to queue the timed call behind it -- then an all-reduce, which ends on every GPU at nearly
+        the same moment; the timed call starts right after. Without it each rank would start when its
+        host got there, microseconds apart, and the first rank's kernels would count the wait for the
+        others. These are torch operators, so kineto links their kernels to launches outside the
+        timed ranges. The host does not wait here: the device_wait after the timed call bounds it."""
+        if not self.cuda:
+            return
+        import torch
+        import torch.distributed as dist
+        with torch.profiler.record_function("pyep_bench::align"):
+            self._flush.zero_()
+            torch.mm(self._lhs, self._rhs, out=self._prod)
+            dist.all_reduce(self._token, op=dist.ReduceOp.MIN, group=self.group)
+
+    def all_min(self, value: int, what: str) -> int:
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self.wait_work(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True), what)
+        return int(t.item())
+
+    def gather(self, t: "torch.Tensor", what: str) -> List["torch.Tensor"]:
+        """Every rank's copy of a same-shaped tensor (returned on all ranks, as CPU tensors)."""
+        import torch
+        import torch.distributed as dist
+        src = t.to(self.device).contiguous()
+        outs = [torch.empty_like(src) for _ in range(self.world_size)]
+        self.wait_work(dist.all_gather(outs, src, group=self.group, async_op=True), what)
+        return [o.cpu() for o in outs]
+
+    def gather_strings(self, text: str, what: str, width: int = 256) -> List[str]:
+        import torch
+        raw = text.encode("utf-8")[:width]
+        buf = torch.zeros(width + 1, dtype=torch.uint8)
+        buf[0] = len(raw)
+        if raw:
+            buf[1:1 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        out = []
+        for row in self.gather(buf, what):
+            n = int(row[0])
+            out.append(bytes(row[1:1 + n].tolist()).decode("utf-8", errors="replace"))
+        return out
+
+
+class WallTimer:
+    """Wall time of one call: CUDA events on the current stream on GPU (what the stream spent from the
+    call's first launch to its last, host stalls included), perf_counter on CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._start: Optional[object] = None
+        self._end: Optional[object] = None
+        self._t0 = 0.0
+        self._t1 = 0.0
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        if self.cuda:
+            import torch
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+            yield
+            self._end.record()
+        else:
+            self._t0 = time.perf_counter()
+            yield
+            self._t1 = time.perf_counter()
+
+    def elapsed_us(self) -> float:
+        """Valid once the device finished the measured work (after Sync.device_wait on GPU)."""
+        if self.cuda:
+            assert self._start is not None and self._end is not None
+            return float(self._start.elapsed_time(self._end)) * 1000.0   # type: ignore[attr-defined]
+        return (self._t1 - self._t0) * 1e6

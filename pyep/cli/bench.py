@@ -1,0 +1,268 @@
+"""`pyep bench`: the low-latency EP benchmark. Run one process per GPU (torchrun or `pyep launch`); a
+plain `pyep bench` runs a single rank. Settings come from the flags, else from the PYEP_EP_* variables
+`pyep launch` exports, else the defaults (T=128, H=7168, K=8, E=288, FP8 dispatch / BF16 combine).
+Rank 0 prints the tables and writes bench.json, bench.txt and bench.png into --out.
+Exit status: 0 all measured rows passed the correctness guard, 1 a row failed it or nothing could be
+measured, 2 bad input."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+import sys
+import time
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from ..bench.config import BENCH_BACKENDS, DISPATCH_DTYPES, SWEEP_TOKENS, BenchConfig, RoutingSpec
+from . import CliError
+
+log = logging.getLogger("pyep.bench")
+
+# PYEP_* variable -> (flag dest, type): the launcher's EP settings, used where no flag is given.
+ENV_DEFAULTS: Dict[str, Tuple[str, type]] = {
+    "PYEP_EP_BACKEND": ("backend", str), "PYEP_EP_TRANSPORT": ("transport", str),
+    "PYEP_EP_DIST_BACKEND": ("dist_backend", str), "PYEP_EP_NUM_EXPERTS": ("experts", int),
+    "PYEP_EP_HIDDEN": ("hidden", int), "PYEP_EP_NUM_TOPK": ("topk", int),
+    "PYEP_EP_MAX_DISPATCH_TOKENS": ("tokens", str), "PYEP_EP_TIMEOUT_US": ("timeout_us", int),
+    "PYEP_VIRTUAL_NODE_SIZE": ("ranks_per_node", int),
+}
+BUILTIN_DEFAULTS = {"backend": "auto", "transport": "auto", "dist_backend": "auto", "experts": 288,
+                    "hidden": 7168, "topk": 8, "tokens": "128", "timeout_us": 10_000_000,
+                    "ranks_per_node": None}
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("shape")
+    g.add_argument("--tokens", help="max dispatch tokens per rank T, or a comma list (default 128)")
+    g.add_argument("--tokens-sweep", action="store_true",
+                   help=f"T in {','.join(map(str, SWEEP_TOKENS))}, the buffer rebuilt for each")
+    g.add_argument("--hidden", type=int, help="hidden size H, a multiple of 128 (default 7168)")
+    g.add_argument("--topk", type=int, help="experts per token K (default 8)")
+    g.add_argument("--experts", type=int, help="number of experts E, divisible by the ranks (default 288)")
+    g.add_argument("--dispatch-dtype", choices=DISPATCH_DTYPES, default="fp8")
+    g = p.add_argument_group("routing")
+    g.add_argument("--routing", default="uniform",
+                   help="comma list of uniform, zipf[:S], hot[:FRACTION] (default uniform)")
+    g.add_argument("--zipf-s", type=float, default=1.0, help="zipf exponent when not given inline")
+    g.add_argument("--hot-fraction", type=float, default=0.25,
+                   help="fraction of tokens that hit the hot expert, when not given inline")
+    g.add_argument("--hot-expert", type=int, default=0, help="id of the hot expert (default 0)")
+    g.add_argument("--drop-fraction", type=float, default=0.0,
+                   help="fraction of (token, k) entries set to -1 (default 0)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("what to run")
+    g.add_argument("--backend", choices=BENCH_BACKENDS,
+                   help="auto: native and the reference beside it where native runs, else the reference")
+    g.add_argument("--transport", help="native transport(s), comma list of auto, nvlink, ibgda, emulated, "
+                                       "emulated-internode")
+    g.add_argument("--ranks-per-node", type=int, help="virtual node size (default: detected)")
+    g.add_argument("--iters", type=int, default=50)
+    g.add_argument("--warmup", type=int, default=10)
+    g.add_argument("--no-hook", action="store_true", help="skip the send/receive-half measurements")
+    g.add_argument("--no-kineto", action="store_true", help="skip the profiled pass (no per-kernel times)")
+    g.add_argument("--timeout-us", type=int, help="EpBuffer per-call timeout (default 10 s)")
+    g.add_argument("--wait-timeout-s", type=float, default=120.0, help="bound of every benchmark wait")
+    g = p.add_argument_group("environment and output")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    g.add_argument("--dist-backend", choices=("auto", "nccl", "gloo"))
+    g.add_argument("--out", help="result directory (default $PYEP_RUN_DIR, else runs/bench-<time>)")
+    g.add_argument("--no-plot", action="store_true")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="low-latency EP benchmark (dispatch/combine us and GB/s)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    configure(p)
+    p.set_defaults(func=run)
+
+
+def _resolve(args: argparse.Namespace, environ: Mapping[str, str], notes: List[str]) -> Dict[str, object]:
+    """Flag, else PYEP_* variable, else built-in default, for the settings a launcher may export."""
+    out: Dict[str, object] = {}
+    from_env = {dest: (var, typ) for var, (dest, typ) in ENV_DEFAULTS.items() if environ.get(var, "") != ""}
+    for dest, default in BUILTIN_DEFAULTS.items():
+        given = getattr(args, dest, None)
+        if given is not None:
+            out[dest] = given
+        elif dest in from_env:
+            var, typ = from_env[dest]
+            raw = environ[var]
+            try:
+                out[dest] = typ(raw)
+            except ValueError:
+                raise CliError(f"environment variable {var}={raw!r} is not a valid {typ.__name__}") from None
+            notes.append(f"{dest}={raw} from {var}")
+        else:
+            out[dest] = default
+    return out
+
+
+def _ints(text: str, what: str) -> Tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        raise CliError(f"{what} must be integers (comma-separated), got {text!r}") from None
+    if not vals:
+        raise CliError(f"{what} is empty")
+    return vals
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Tuple[BenchConfig, str, List[str]]:
+    """(config, dist backend choice, notes); CliError on bad input."""
+    notes: List[str] = []
+    s = _resolve(args, environ, notes)
+    if args.tokens_sweep and args.tokens is not None:
+        raise CliError("--tokens and --tokens-sweep are exclusive")
+    tokens = SWEEP_TOKENS if args.tokens_sweep else _ints(str(s["tokens"]), "--tokens")
+    try:
+        routings = tuple(RoutingSpec.parse(r, args.zipf_s, args.hot_fraction)
+                         for r in str(args.routing).split(",") if r.strip())
+        transports = tuple(t.strip() for t in str(s["transport"]).split(",") if t.strip())
+        backend = str(s["backend"])
+        cfg = BenchConfig(tokens=tokens, hidden=int(s["hidden"]), topk=int(s["topk"]),  # type: ignore[arg-type]
+                          experts=int(s["experts"]), routings=routings, hot_expert=args.hot_expert,  # type: ignore[arg-type]
+                          drop_fraction=args.drop_fraction, dispatch_dtype=args.dispatch_dtype,
+                          transports=transports, backend=backend, iters=args.iters, warmup=args.warmup,
+                          hook=not args.no_hook, kineto=not args.no_kineto, seed=args.seed,
+                          timeout_us=int(s["timeout_us"]), wait_timeout_s=args.wait_timeout_s,  # type: ignore[arg-type]
+                          ranks_per_node=s["ranks_per_node"], plot=not args.no_plot)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as exc:
+        raise CliError(str(exc)) from None
+    dist_backend = str(s["dist_backend"])
+    if dist_backend not in ("auto", "nccl", "gloo"):
+        raise CliError(f"dist backend must be auto, nccl or gloo, got {dist_backend!r}")
+    return cfg, dist_backend, notes
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if not raw.isdigit():
+        raise CliError(f"environment variable {name}={raw!r} is not a non-negative integer")
+    return int(raw)
+
+
+def init_distributed(device: str, dist_backend: str, timeout_s: float, environ: Mapping[str, str]):  # type: ignore[no-untyped-def]
+    """(group, device, owned). Uses an existing default group, else torchrun's env:// variables, else
+    a one-rank group on 127.0.0.1."""
+    import torch
+    import torch.distributed as dist
+
+    from ..ep._dist import group_device
+    if dist.is_initialized():
+        return dist.group.WORLD, group_device(dist.group.WORLD), False
+    world = _env_int(environ, "WORLD_SIZE", 1)
+    rank = _env_int(environ, "RANK", 0)
+    local_rank = _env_int(environ, "LOCAL_RANK", 0)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CliError("--device cuda: no CUDA device is available to this torch")
+    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    backend = dist_backend if dist_backend != "auto" else ("nccl" if cuda else "gloo")
+    if cuda and backend != "nccl":
+        if device == "cuda":
+            raise CliError("--device cuda needs --dist-backend nccl (gloo groups work on CPU tensors)")
+        cuda = False
+    if backend == "nccl" and not cuda:
+        raise CliError("--dist-backend nccl needs a CUDA device")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs = {}
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    else:
+        # Ranks on one machine share its cores: one thread each keeps them from fighting.
+        local_world = _env_int(environ, "LOCAL_WORLD_SIZE", world)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    if world == 1 and not environ.get("MASTER_ADDR"):
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, **kwargs)
+    else:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout,
+                                **kwargs)
+    return dist.group.WORLD, group_device(dist.group.WORLD), True
+
+
+def _device_name(device) -> str:  # type: ignore[no-untyped-def]
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()})"
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    from ..launch.progress import report
+    report(done, total, label)
+
+
+def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> int:
+    env = os.environ if environ is None else environ
+    cfg, dist_backend, notes = config_from_args(args, env)
+    group, device, owned = init_distributed(args.device, dist_backend, cfg.wait_timeout_s, env)
+    try:
+        return _run(cfg, args, env, group, device, notes)
+    finally:
+        if owned:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _run(cfg: BenchConfig, args: argparse.Namespace, environ: Mapping[str, str], group, device,  # type: ignore[no-untyped-def]
+         notes: List[str]) -> int:
+    from rich.console import Console
+
+    from ..bench import plot as plotting
+    from ..bench import report
+    from ..bench.suite import Suite
+    try:
+        suite = Suite(cfg, group, device, progress=_progress)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    names = suite.sync.gather_strings(_device_name(device), "device names")
+    rows = suite.run()
+    if suite.rank != 0:
+        return _exit_code(rows)
+    notes = notes + suite.notes
+    env_info = report.environment(names, suite.dist_backend)
+    out_dir = args.out or environ.get("PYEP_RUN_DIR") or os.path.join(
+        "runs", "bench-" + time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+    width = None if sys.stdout.isatty() else 200
+    console = Console(record=True, width=width)
+    report.render(console, cfg, env_info, rows, notes)
+    doc = report.bench_document(cfg, env_info, rows, notes)
+    json_path = os.path.join(out_dir, "bench.json")
+    png: Optional[str] = None
+    if cfg.plot:
+        png = plotting.plot(os.path.join(out_dir, "bench.png"), cfg, rows, suite.world_size, names[0])
+    doc["files"] = {"json": "bench.json", "text": "bench.txt", "plot": os.path.basename(png) if png else None}
+    report.write_json(json_path, doc)
+    console.print(f"results: {json_path}" + (f", {png}" if png else ""), markup=False, highlight=False)
+    console.save_text(os.path.join(out_dir, "bench.txt"))
+    return _exit_code(rows)
+
+
+def _exit_code(rows) -> int:  # type: ignore[no-untyped-def]
+    measured = [r for r in rows if not r.skipped]
+    if not measured:
+        log.error("no benchmark row could be measured")
+        return 1
+    return 1 if any(r.check is not None and not r.check.passed for r in measured) else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Stand-alone entry (`python tools/bench_ep.py`), the same as `python -m pyep bench`."""
+    p = argparse.ArgumentParser(prog="pyep bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    configure(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except CliError as exc:
+        print(f"pyep bench: error: {exc}", file=sys.stderr)
+        return 2
