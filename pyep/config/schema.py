@@ -93,10 +93,11 @@ class LauncherConfig:
 
 @dataclass
 class IbConfig:
-    """RDMA settings for the IBGDA transport (real NIC or softnic). gid_index None = automatic."""
+    """RDMA settings for the IBGDA transport (real NIC or softnic). None = not set here: the rank falls
+    back to NCCL_IB_GID_INDEX / NCCL_IB_TC / NCCL_IB_SL from its environment, then to automatic/0."""
     gid_index: Optional[int] = None
-    traffic_class: int = 0
-    sl: int = 0
+    traffic_class: Optional[int] = None
+    sl: Optional[int] = None
     mtu: int = 4096
     qps_per_peer: int = 1
     queue_depth: int = 1024

@@ -266,9 +266,9 @@ def _check_ep(cfg: ClusterConfig, world: int, per_node: int, has_gpus: bool, bad
             bad(e + ("dist_backend",), "NCCL needs GPUs; these nodes have none (use gloo)")
     if ib.gid_index is not None and not 0 <= ib.gid_index < 256:
         bad(e + ("ib", "gid_index"), f"{ib.gid_index} must be in 0-255")
-    if not 0 <= ib.traffic_class < 256:
+    if ib.traffic_class is not None and not 0 <= ib.traffic_class < 256:
         bad(e + ("ib", "traffic_class"), f"{ib.traffic_class} must be in 0-255")
-    if not 0 <= ib.sl < 16:
+    if ib.sl is not None and not 0 <= ib.sl < 16:
         bad(e + ("ib", "sl"), f"{ib.sl} must be in 0-15")
     if ib.mtu not in VALID_MTU:
         bad(e + ("ib", "mtu"), f"{ib.mtu} is not an IB MTU ({', '.join(map(str, VALID_MTU))})")
