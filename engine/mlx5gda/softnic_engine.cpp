@@ -13,7 +13,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <sstream>
 
 #include "mlx5gda/softnic_internal.h"
 
@@ -130,11 +129,11 @@ Step Impl::fail(QpObj& q, Completion c, uint8_t syndrome, uint8_t vendor, const 
     q.stats.last_syndrome = syndrome;
     q.stats.last_vendor_syndrome = vendor;
     q.stats.last_error_wqe = c.wqe_index;
-    std::ostringstream msg;
-    msg << "node " << node_id << " QP " << hex(q.qpn) << " WQE " << c.wqe_index << " (opcode " << hex(c.wqe_opcode)
-        << "): syndrome " << hex(syndrome) << " vendor " << hex(vendor) << ": " << why;
-    q.stats.last_error = msg.str();
-    event(msg.str());
+    const std::string msg = "node " + std::to_string(node_id) + " QP " + hex(q.qpn) + " WQE " +
+                            std::to_string(c.wqe_index) + " (opcode " + hex(c.wqe_opcode) + "): syndrome " +
+                            hex(syndrome) + " vendor " + hex(vendor) + ": " + why;
+    q.stats.last_error = msg;
+    event(msg);
     set_state(q, prm::kQpsErr);
     return Step::Done;
 }

@@ -16,6 +16,14 @@
 
 #include "mlx5gda/softnic.h"
 
+namespace {
+std::string hex_id(uint64_t v) {
+    char buf[24];
+    std::snprintf(buf, sizeof(buf), "0x%llx", (unsigned long long)v);
+    return buf;
+}
+}  // namespace
+
 namespace pyep {
 namespace softnic {
 
@@ -85,11 +93,11 @@ std::unique_ptr<ShmSegment> ShmSegment::create(const std::string& name, size_t b
                 const auto* h = static_cast<const SegHeader*>(old->base());
                 const int32_t pid = __atomic_load_n(&h->pid, __ATOMIC_ACQUIRE);
                 if (__atomic_load_n(&h->alive, __ATOMIC_ACQUIRE) && process_alive(pid)) {
-                    std::ostringstream msg;
-                    msg << "softnic node " << h->node_id << " already exists in fabric 0x" << std::hex
-                        << h->fabric_id << std::dec << " (process " << pid << " owns " << name
-                        << "): node ids must be unique per fabric";
-                    throw std::runtime_error(msg.str());
+                    const std::string msg = "softnic node " + std::to_string(h->node_id) +
+                                            " already exists in fabric " + hex_id(h->fabric_id) + " (process " +
+                                            std::to_string(pid) + " owns " + name +
+                                            "): node ids must be unique per fabric";
+                    throw std::runtime_error(msg);
                 }
             }
             shm_unlink(name.c_str());
@@ -313,10 +321,9 @@ PeerInfo decode_peer_info(const uint8_t* data, size_t size, uint64_t expect_fabr
     }
     if (r.at + 4 != size) throw std::invalid_argument("softnic connect blob has trailing bytes");
     if (expect_fabric != 0 && info.fabric_id != expect_fabric) {
-        std::ostringstream msg;
-        msg << "softnic connect blob from fabric 0x" << std::hex << info.fabric_id << ", expected 0x"
-            << expect_fabric << " (a blob from another job or a stale store?)";
-        throw std::invalid_argument(msg.str());
+        const std::string msg = "softnic connect blob from fabric " + hex_id(info.fabric_id) + ", expected " +
+                                hex_id(expect_fabric) + " (a blob from another job or a stale store?)";
+        throw std::invalid_argument(msg);
     }
     if (info.host_id != this_host_id())
         throw std::invalid_argument("softnic connect blob from node " + std::to_string(info.node_id) +

@@ -2,6 +2,8 @@
 // (softnic_engine.cpp). Not part of the API.
 #pragma once
 
+#include <cstdio>
+
 #include <atomic>
 #include <deque>
 #include <map>
@@ -195,10 +197,12 @@ class CtlLock {
     std::unique_lock<std::mutex> lk_;
 };
 
+// snprintf, not iostreams: this runs on the softnic thread, and iostreams there crashed in builds whose
+// compiler wrapper links its own libstdc++ copy (locale facets of two copies mixed).
 inline std::string hex(uint64_t v) {
-    std::ostringstream s;
-    s << "0x" << std::hex << v;
-    return s.str();
+    char buf[24];
+    std::snprintf(buf, sizeof(buf), "0x%llx", (unsigned long long)v);
+    return buf;
 }
 
 inline const char* state_name(uint32_t s) {

@@ -1,0 +1,135 @@
+// pyep._engine part "ep": the low-latency EP kernels and the CUDA runtime helpers of the NVLink
+// transport. CUDA builds only (this file is empty in the host-only build). Pointers and CUDA streams
+// cross as Python ints (tensor.data_ptr(), torch.cuda.current_stream().cuda_stream), so launches stay
+// CUDA-graph capturable and no torch header is needed.
+#if defined(PYEP_WITH_CUDA)
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "bindings/registry.h"
+#include "kernels/ll_launch.h"
+
+namespace py = pybind11;
+using namespace pyep::ll;
+
+namespace {
+
+void register_ep(py::module_& m) {
+    auto ep = m.def_submodule("ep", "Low-latency MoE dispatch/combine kernels (pyep.ep.native drives them)");
+
+    py::class_<LLStatic>(ep, "LLStatic")
+        .def(py::init<>())
+        .def_readwrite("rank", &LLStatic::rank)
+        .def_readwrite("num_ranks", &LLStatic::num_ranks)
+        .def_readwrite("num_local_experts", &LLStatic::num_local_experts)
+        .def_readwrite("num_max_tokens", &LLStatic::num_max_tokens)
+        .def_readwrite("hidden", &LLStatic::hidden)
+        .def_readwrite("max_topk", &LLStatic::max_topk)
+        .def_readwrite("buf", &LLStatic::buf)
+        .def_readwrite("peer_base", &LLStatic::peer_base)
+        .def_readwrite("remote_addr", &LLStatic::remote_addr)
+        .def_readwrite("rkeys", &LLStatic::rkeys)
+        .def_readwrite("lkey", &LLStatic::lkey)
+        .def_readwrite("qps", &LLStatic::qps)
+        .def_readwrite("num_qps_per_peer", &LLStatic::num_qps_per_peer)
+        .def_readwrite("flag_expect", &LLStatic::flag_expect)
+        .def_readwrite("fetch_addr", &LLStatic::fetch_addr)
+        .def_readwrite("workspace", &LLStatic::workspace)
+        .def_readwrite("half_bytes", &LLStatic::half_bytes)
+        .def_readwrite("off_dsig", &LLStatic::off_dsig)
+        .def_readwrite("off_csig", &LLStatic::off_csig)
+        .def_readwrite("off_drecv", &LLStatic::off_drecv)
+        .def_readwrite("off_crecv", &LLStatic::off_crecv)
+        .def_readwrite("msg_bytes", &LLStatic::msg_bytes)
+        .def_readwrite("slots_per_src", &LLStatic::slots_per_src)
+        .def_readwrite("num_blocks", &LLStatic::num_blocks);
+
+    ep.def(
+        "dispatch",
+        [](const LLStatic& s, uint64_t x, uint64_t topk, int num_tokens, int num_topk, int half, bool use_fp8,
+           bool round_scale, bool use_ue8m0, uint64_t active, uint64_t recv_x, uint64_t recv_scales,
+           uint64_t src_info, uint64_t recv_slot, uint64_t layout_range, uint64_t recv_count, uint64_t cum_stats,
+           uint64_t timeout_ns, int phases, uint64_t stream) {
+            LLDispatchCall c;
+            c.x = x;
+            c.topk = topk;
+            c.num_tokens = num_tokens;
+            c.num_topk = num_topk;
+            c.half = half;
+            c.use_fp8 = use_fp8;
+            c.round_scale = round_scale;
+            c.use_ue8m0 = use_ue8m0;
+            c.active = active;
+            c.recv_x = recv_x;
+            c.recv_scales = recv_scales;
+            c.src_info = src_info;
+            c.recv_slot = recv_slot;
+            c.layout_range = layout_range;
+            c.recv_count = recv_count;
+            c.cum_stats = cum_stats;
+            c.timeout_ns = timeout_ns;
+            c.phases = phases;
+            launch_dispatch(s, c, stream);
+        },
+        py::arg("static"), py::arg("x"), py::arg("topk"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("half"),
+        py::arg("use_fp8"), py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("active"), py::arg("recv_x"),
+        py::arg("recv_scales"), py::arg("src_info"), py::arg("recv_slot"), py::arg("layout_range"),
+        py::arg("recv_count"), py::arg("cum_stats"), py::arg("timeout_ns"), py::arg("phases"), py::arg("stream"),
+        "Launch the dispatch kernel (phases: 1 send, 2 receive, 3 both).");
+
+    ep.def(
+        "combine",
+        [](const LLStatic& s, uint64_t x, uint64_t topk, uint64_t weights, int num_tokens, int num_topk, int half,
+           uint64_t src_info, uint64_t recv_slot, uint64_t layout_range, uint64_t active, uint64_t out,
+           uint64_t timeout_ns, int phases, uint64_t stream) {
+            LLCombineCall c;
+            c.x = x;
+            c.topk = topk;
+            c.weights = weights;
+            c.num_tokens = num_tokens;
+            c.num_topk = num_topk;
+            c.half = half;
+            c.src_info = src_info;
+            c.recv_slot = recv_slot;
+            c.layout_range = layout_range;
+            c.active = active;
+            c.out = out;
+            c.timeout_ns = timeout_ns;
+            c.phases = phases;
+            launch_combine(s, c, stream);
+        },
+        py::arg("static"), py::arg("x"), py::arg("topk"), py::arg("weights"), py::arg("num_tokens"),
+        py::arg("num_topk"), py::arg("half"), py::arg("src_info"), py::arg("recv_slot"), py::arg("layout_range"),
+        py::arg("active"), py::arg("out"), py::arg("timeout_ns"), py::arg("phases"), py::arg("stream"),
+        "Launch the combine kernel (phases: 1 send, 2 receive, 3 both).");
+
+    ep.def("dispatch_smem_bytes", &dispatch_smem_bytes, py::arg("static"));
+    ep.def("combine_smem_bytes", &combine_smem_bytes, py::arg("static"));
+    ep.attr("threads_per_block") = kThreadsPerBlock;
+
+    ep.def("device_alloc", &device_alloc, py::arg("bytes"));
+    ep.def("device_free", &device_free, py::arg("ptr"));
+    ep.def("memset_async", &memset_async, py::arg("ptr"), py::arg("value"), py::arg("bytes"), py::arg("stream"));
+    ep.def(
+        "memcpy_htod", [](uint64_t dst, py::bytes data) {
+            const std::string s = data;
+            memcpy_htod(dst, s.data(), s.size());
+        },
+        py::arg("dst"), py::arg("data"));
+    ep.def(
+        "ipc_get_handle", [](uint64_t ptr) { return py::bytes(ipc_get_handle(ptr)); }, py::arg("ptr"));
+    ep.def(
+        "ipc_open_handle", [](py::bytes h) { return ipc_open_handle(std::string(h)); }, py::arg("handle"));
+    ep.def("ipc_close_handle", &ipc_close_handle, py::arg("ptr"));
+    ep.def("device_pci_bus_id", &device_pci_bus_id, py::arg("device"));
+    ep.def("can_access_peer", &can_access_peer, py::arg("device"), py::arg("peer_device"));
+    ep.def("current_device", &current_device);
+    ep.def("num_sms", &num_sms, py::arg("device"));
+    ep.def("max_smem_optin", &max_smem_optin, py::arg("device"));
+}
+
+pyep::bindings::Registrar reg("ep", &register_ep);
+
+}  // namespace
+#endif  // PYEP_WITH_CUDA

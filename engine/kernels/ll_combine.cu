@@ -1,0 +1,268 @@
+// Low-latency combine: every expert owner sends each received row's output back into the token owner's
+// combine receive area at (token, top-k slot) -- NVLink/local stores, or staged + RDMA write -- then one
+// flag per destination after all data; the token owner waits (bounded) for every active source and
+// reduces out[t] = sum over k ascending of w[t,k] * y[t,k] in fp32 (one multiply and one add per term,
+// no FMA, so the result is bit-identical to the reference backend), rounding to bf16 once.
+//
+// Send work is spread evenly over all warps as (row, 2 KiB chunk) items, so a hot expert does not
+// serialise on one warp group. The reduce is spread as (token, 256-channel) items.
+#if !defined(PYEP_LL_CPU_SIM)
+#include <cuda_runtime.h>
+#endif
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/ll_common.cuh"
+
+namespace pyep {
+namespace ll {
+namespace {
+
+struct CombineSmem {
+    int* flag;      // [4]
+    int* active;    // [R]
+    int* ok;        // [R]
+    int* cnt;       // [E] rows per (local expert, source rank), e-major
+    int* rowstart;  // [E + 1]
+    int* srcoff;    // [E]
+};
+
+__device__ CombineSmem carve_combine(uint8_t* p, int R, int E) {
+    CombineSmem m;
+    int* q = reinterpret_cast<int*>(p);
+    m.flag = q; q += 4;
+    m.active = q; q += R;
+    m.ok = q; q += R;
+    m.cnt = q; q += E;
+    m.rowstart = q; q += E + 1;
+    m.srcoff = q;
+    return m;
+}
+
+__device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm) {
+    const int R = s.num_ranks, El = s.num_local_experts, E = R * El, T = s.num_max_tokens, H = s.hidden;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int half = c.half;
+    int* active = reinterpret_cast<int*>(c.active);
+    uint8_t* hb = reinterpret_cast<uint8_t*>(s.buf);
+    const int64_t* lr = reinterpret_cast<const int64_t*>(c.layout_range);
+
+    for (int r = tid; r < R; r += blockDim.x) sm.active[r] = ld_volatile(active + r) != 0;
+    for (int p = tid; p < E; p += blockDim.x) {
+        const int n = (int)(__ldg(lr + p) & 0xffffffffll);
+        sm.cnt[p] = n;
+        sm.rowstart[p] = n;
+    }
+    __syncthreads();
+    for (int r = tid; r < R; r += blockDim.x) {
+        int acc = 0;
+        for (int e = 0; e < El; ++e) {
+            sm.srcoff[e * R + r] = acc;
+            acc += sm.cnt[e * R + r];
+        }
+    }
+    block_exclusive_scan(sm.rowstart, E);
+    const int total = sm.rowstart[E];
+
+    const int RT = R * T;
+    const int row_int4 = H / 8;
+    const int per_item = 32 * kCopyUnroll;
+    const int chunks = (row_int4 + per_item - 1) / per_item;
+    const int64_t items = (int64_t)total * chunks;
+    const int* src_info = reinterpret_cast<const int*>(c.src_info);
+    const int* recv_slot = reinterpret_cast<const int*>(c.recv_slot);
+    for (int64_t it = (int64_t)blockIdx.x * kWarps + warp; it < items; it += (int64_t)gridDim.x * kWarps) {
+        const int q = (int)(it / chunks), ch = (int)(it - (int64_t)q * chunks);
+        const int p = find_range(sm.rowstart, E, q);
+        const int e = p / R, r = p - e * R;
+        if (!sm.active[r]) continue;
+        const int i = q - sm.rowstart[p];
+        const int row = q - sm.rowstart[e * R];
+        const size_t in_row = (size_t)e * RT + row;
+        const int t = __ldg(src_info + in_row), k = __ldg(recv_slot + in_row);
+        if (t < 0 || t >= T || k < 0 || k >= s.max_topk) continue;  // never write outside the slot area
+        const int4* src4 = reinterpret_cast<const int4*>(reinterpret_cast<const uint8_t*>(c.x) + in_row * 2 * (size_t)H);
+        const uint64_t doff = off_crecv(s, half, t, k);
+        const uint64_t pb = peer_base(s, r);
+        if (pb != 0) {
+            int4* dst4 = reinterpret_cast<int4*>(pb + doff);
+            const int j0 = ch * per_item + lane;
+            int4 v[kCopyUnroll];
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u)
+                if (j0 + u * 32 < row_int4) v[u] = ld_nc_v4(src4 + j0 + u * 32);
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u)
+                if (j0 + u * 32 < row_int4) st_v4(dst4 + j0 + u * 32, v[u]);
+        } else if (ch == 0) {
+            // NIC: stage the whole row in the slot its input arrived in (layout.py explains why that
+            // slot is free), then one RDMA write on the expert's QP.
+            uint8_t* stage = hb + off_drecv(s, half, r, (uint64_t)(sm.srcoff[p] + i));
+            int4* st4 = reinterpret_cast<int4*>(stage);
+            for (int j = lane; j < row_int4; j += 32) st_v4(st4 + j, ld_nc_v4(src4 + j));
+            __threadfence_system();   // the NIC reads the staged row over PCIe
+            __syncwarp();
+            if (lane == 0) {
+                const int st = gda::post_rdma_write(peer_qp(s, r, e % s.num_qps_per_peer), (uint64_t)stage, s.lkey,
+                                                    remote_addr(s, r) + doff, rkey_of(s, r), (uint32_t)(2 * H), false,
+                                                    c.timeout_ns);
+                if (st != gda::kOk) note_failure(s, r);
+            }
+            __syncwarp();
+        }
+    }
+
+    if (arrive_last(ws_counter(s, half, kCombineSendDone), sm.flag, true)) {
+        const int* fail = ws_fail(s);
+        for (int r = tid; r < R; r += blockDim.x) {
+            const uint64_t pb = peer_base(s, r);
+            if (sm.active[r] && pb != 0) st_release_sys(reinterpret_cast<int*>(pb + off_csig(s, half, s.rank)), 1);
+        }
+        // NIC: a +1 on every QP of the peer, so the flag completes only after the data of all of them.
+        for (int i = warp; i < R * s.num_qps_per_peer; i += kWarps) {
+            const int r = i / s.num_qps_per_peer, j = i - r * s.num_qps_per_peer;
+            if (lane != 0 || !sm.active[r] || peer_base(s, r) != 0 || ld_volatile(fail + r)) continue;
+            const int st = gda::post_masked_fa32(peer_qp(s, r, j), remote_addr(s, r) + off_csig(s, half, s.rank),
+                                                 rkey_of(s, r), 1u, s.fetch_addr, s.lkey, false, c.timeout_ns);
+            if (st != gda::kOk) note_failure(s, r);
+        }
+        __syncthreads();
+        finish_failures(s, active);
+        if (tid == 0) *ws_counter(s, half, kCombineSendDone) = 0;
+    }
+}
+
+__device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm) {
+    const int R = s.num_ranks, El = s.num_local_experts, E = R * El, H = s.hidden;
+    const int N = c.num_tokens, K = c.num_topk;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int half = c.half;
+    int* state = ws_cstate(s, half);
+    int* active = reinterpret_cast<int*>(c.active);
+    uint8_t* hb = reinterpret_cast<uint8_t*>(s.buf);
+    const int* expect = reinterpret_cast<const int*>(s.flag_expect);
+
+    for (int r = tid; r < R; r += blockDim.x) {
+        const int* sig = reinterpret_cast<const int*>(hb + off_csig(s, half, r));
+        const int st = resolve_source(state, active, r, sig, 1, 0, max(1, expect[r]), c.timeout_ns);
+        // Re-read with acquire: when another block decided, this block still needs its own edge to
+        // the data the flag publishes.
+        sm.ok[r] = st == kArrived && ld_acquire_sys(sig) != 0;
+    }
+    __syncthreads();
+
+    const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
+    const float* weights = reinterpret_cast<const float*>(c.weights);
+    const int cols = H / 8;               // int4 columns of a row
+    const int col_chunks = (cols + 31) / 32;
+    const int64_t items = (int64_t)N * col_chunks;
+    for (int64_t it = (int64_t)blockIdx.x * kWarps + warp; it < items; it += (int64_t)gridDim.x * kWarps) {
+        const int t = (int)(it / col_chunks);
+        const int col = (int)(it - (int64_t)t * col_chunks) * 32 + lane;
+        int my_e = -1;
+        float my_w = 0.0f;
+        if (lane < K) {
+            my_e = expert_of(topk, t * K + lane, E);
+            my_w = __ldg(weights + t * K + lane);
+            if (my_e >= 0 && !sm.ok[my_e / El]) my_e = -1;
+        }
+        const bool live = col < cols;
+        // k ascending, four loads in flight at a time: the order of the fp32 additions is fixed, and
+        // registers stay low enough for a full block of 512 threads.
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+        for (int k0 = 0; k0 < K; k0 += 4) {
+            int4 y[4];
+            bool use[4];
+            float w[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int k = k0 + j;
+                use[j] = __shfl_sync(0xffffffffu, my_e, k & 31) >= 0 && k < K;
+                w[j] = __shfl_sync(0xffffffffu, my_w, k & 31);
+                if (use[j] && live) y[j] = ld_v4(hb + off_crecv(s, half, t, k) + (uint64_t)col * 16);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (!use[j] || !live) continue;
+                const uint32_t v[4] = {(uint32_t)y[j].x, (uint32_t)y[j].y, (uint32_t)y[j].z, (uint32_t)y[j].w};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w[j], bf16_lo(v[q])));
+                    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w[j], bf16_hi(v[q])));
+                }
+            }
+        }
+        if (!live) continue;
+        int4 o;
+        uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const __nv_bfloat162 b = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+            ow[j] = *reinterpret_cast<const uint32_t*>(&b);
+        }
+        st_v4(reinterpret_cast<uint8_t*>(c.out) + ((size_t)t * cols + col) * 16, o);
+    }
+
+    if (arrive_last(ws_counter(s, half, kCombineRecvDone), sm.flag, false)) {
+        int* sig = reinterpret_cast<int*>(hb + off_csig(s, half, 0));
+        for (int r = tid; r < R; r += blockDim.x) sig[r] = 0;
+        finish_decisions(state, active, R);
+        if (tid == 0) *ws_counter(s, half, kCombineRecvDone) = 0;
+    }
+}
+
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) ll_combine_kernel(LLStatic s, LLCombineCall c) {
+    uint8_t* smem = dynamic_smem();
+    CombineSmem sm = carve_combine(smem, s.num_ranks, s.num_ranks * s.num_local_experts);
+    if (c.phases & kPhaseSend) combine_send(s, c, sm);
+    if (c.phases & kPhaseRecv) {
+        __syncthreads();
+        combine_recv(s, c, sm);
+    }
+}
+
+#if !defined(PYEP_LL_CPU_SIM)
+void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+#endif
+
+}  // namespace
+
+int combine_smem_bytes(const LLStatic& s) {
+    const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
+    return 4 * (4 + 2 * R + 3 * E + 1);
+}
+
+#if !defined(PYEP_LL_CPU_SIM)
+void check_static(const LLStatic& s);  // ll_runtime.cu
+
+void launch_combine(const LLStatic& s, const LLCombineCall& c, uint64_t stream) {
+    check_static(s);
+    if (c.num_tokens < 0 || c.num_tokens > s.num_max_tokens)
+        throw std::invalid_argument("ll combine: num_tokens " + std::to_string(c.num_tokens) + " outside [0, T]");
+    if (c.num_topk < 1 || c.num_topk > s.max_topk || c.num_topk > kMaxTopk)
+        throw std::invalid_argument("ll combine: num_topk " + std::to_string(c.num_topk) + " outside [1, K_max]");
+    if (c.half != 0 && c.half != 1) throw std::invalid_argument("ll combine: half must be 0 or 1");
+    if (!c.active || !c.layout_range || !c.src_info || !c.recv_slot)
+        throw std::invalid_argument("ll combine: active/handle pointers are null");
+    if ((c.phases & kPhaseSend) && !c.x) throw std::invalid_argument("ll combine: x pointer is null");
+    if ((c.phases & kPhaseRecv) && c.num_tokens > 0 && (!c.topk || !c.weights || !c.out))
+        throw std::invalid_argument("ll combine: topk/weights/out pointers are null");
+    if (!(c.phases & (kPhaseSend | kPhaseRecv))) throw std::invalid_argument("ll combine: no phase");
+    const int smem = combine_smem_bytes(s);
+    if (smem > 48 * 1024)
+        check(cudaFuncSetAttribute(ll_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+              "ll combine smem attribute");
+    ll_combine_kernel<<<s.num_blocks, kThreadsPerBlock, smem, reinterpret_cast<cudaStream_t>(stream)>>>(s, c);
+    check(cudaGetLastError(), "ll combine launch");
+}
+
+#endif  // !PYEP_LL_CPU_SIM
+
+}  // namespace ll
+}  // namespace pyep

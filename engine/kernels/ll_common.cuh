@@ -1,0 +1,273 @@
+// Device helpers shared by the low-latency dispatch and combine kernels: memory accesses with explicit
+// PTX semantics, the consistent per-source arrival decision with a %globaltimer timeout, the
+// "last block" completion protocol, block scans, and addressing of the buffer layout
+// (pyep/ep/layout.py is the definition; the offsets arrive in LLStatic).
+//
+// PYEP_LL_CPU_SIM: the same source compiles as host C++ against tests/ll_sim/cuda_shim.h, where every
+// block thread is an OS thread; only the few raw PTX accesses below have host twins there.
+#pragma once
+
+#include <stdint.h>
+#if !defined(PYEP_LL_CPU_SIM)
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#endif
+
+#include "kernels/ll_launch.h"
+#include "mlx5gda/qp.h"
+
+namespace pyep {
+namespace ll {
+
+constexpr int kWarps = kThreadsPerBlock / 32;
+constexpr int kMaxTopk = 16;
+constexpr int kMaxGroups = 128;        // H <= 16384 -> at most 128 FP8 groups of 128 channels
+constexpr int kCopyUnroll = 4;         // int4 per lane in flight per copy item
+constexpr int kHeaderBytes = 16;
+
+// Workspace words (layout.py: ws_words). Done counters per half, then per-source decision words.
+enum WsCounter : int { kDispatchSendDone = 0, kDispatchRecvDone = 1, kCombineSendDone = 2, kCombineRecvDone = 3 };
+__device__ __forceinline__ int* ws_counter(const LLStatic& s, int half, int which) {
+    return reinterpret_cast<int*>(s.workspace) + half * 4 + which;
+}
+__device__ __forceinline__ int* ws_dstate(const LLStatic& s, int half) {
+    return reinterpret_cast<int*>(s.workspace) + 16 + half * s.num_ranks;
+}
+__device__ __forceinline__ int* ws_cstate(const LLStatic& s, int half) {
+    return reinterpret_cast<int*>(s.workspace) + 16 + 2 * s.num_ranks + half * s.num_ranks;
+}
+__device__ __forceinline__ int* ws_fail(const LLStatic& s) {
+    return reinterpret_cast<int*>(s.workspace) + 16 + 4 * s.num_ranks;
+}
+
+// Decision about one source rank in one call, shared by all blocks through the workspace.
+enum SrcState : int { kUndecided = 0, kArrived = 1, kTimedOut = 2, kInactive = 3 };
+
+// ---- addressing (byte offsets from a buffer base) ---------------------------------------------------
+__device__ __forceinline__ uint64_t off_dsig(const LLStatic& s, int half, int le, int src) {
+    return half * s.half_bytes + s.off_dsig + 4ull * ((uint64_t)le * s.num_ranks + src);
+}
+__device__ __forceinline__ uint64_t off_csig(const LLStatic& s, int half, int src) {
+    return half * s.half_bytes + s.off_csig + 4ull * src;
+}
+__device__ __forceinline__ uint64_t off_drecv(const LLStatic& s, int half, int src, uint64_t slot) {
+    return half * s.half_bytes + s.off_drecv + ((uint64_t)src * s.slots_per_src + slot) * s.msg_bytes;
+}
+__device__ __forceinline__ uint64_t off_crecv(const LLStatic& s, int half, int token, int k) {
+    return half * s.half_bytes + s.off_crecv + ((uint64_t)token * s.max_topk + k) * s.msg_bytes;
+}
+__device__ __forceinline__ uint64_t peer_base(const LLStatic& s, int r) {
+    return reinterpret_cast<const uint64_t*>(s.peer_base)[r];
+}
+__device__ __forceinline__ gda::Qp* peer_qp(const LLStatic& s, int r, int j) {
+    return reinterpret_cast<gda::Qp*>(s.qps) + (r * s.num_qps_per_peer + j);
+}
+__device__ __forceinline__ uint64_t remote_addr(const LLStatic& s, int r) {
+    return reinterpret_cast<const uint64_t*>(s.remote_addr)[r];
+}
+__device__ __forceinline__ uint32_t rkey_of(const LLStatic& s, int r) {
+    return reinterpret_cast<const uint32_t*>(s.rkeys)[r];
+}
+
+// ---- memory accesses --------------------------------------------------------------------------------
+#if !defined(PYEP_LL_CPU_SIM)
+#define LL_SPIN_HINT() ((void)0)
+__device__ __forceinline__ uint8_t* dynamic_smem() {
+    extern __shared__ __align__(16) uint8_t ll_dynamic_smem[];
+    return ll_dynamic_smem;
+}
+// Read-only inputs (x, topk, weights, the handle): the non-coherent path, no L1 allocation.
+__device__ __forceinline__ int4 ld_nc_v4(const void* p) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+// Data other GPUs / the NIC wrote during this kernel (after an acquire): coherent loads.
+__device__ __forceinline__ int4 ld_v4(const void* p) {
+    int4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_v4(void* p, int4 v) {
+    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};"
+                 ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+    int v;
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+    asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_volatile(const int* p) {
+    int v;
+    asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ float ld_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+#else
+#define LL_SPIN_HINT() sim_spin_hint()
+__device__ __forceinline__ uint8_t* dynamic_smem() { return sim_smem(); }
+__device__ __forceinline__ int4 ld_nc_v4(const void* p) { return sim_ld_v4(p); }
+__device__ __forceinline__ int4 ld_v4(const void* p) { return sim_ld_v4(p); }
+__device__ __forceinline__ void st_v4(void* p, int4 v) { sim_st_v4(p, v); }
+__device__ __forceinline__ int ld_acquire_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+__device__ __forceinline__ void st_release_sys(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+__device__ __forceinline__ int ld_volatile(const int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+__device__ __forceinline__ float ld_f32(const float* p) {
+    float v;
+    __builtin_memcpy(&v, p, 4);
+    return v;
+}
+#endif
+__device__ __forceinline__ int expert_of(const int64_t* topk, int i, int num_experts) {
+    const int64_t v = __ldg(topk + i);
+    return (v >= 0 && v < num_experts) ? (int)v : -1;
+}
+
+// ---- block-level building blocks --------------------------------------------------------------------
+// In-place exclusive prefix sum of a[0..n) in shared memory, a[n] = total. Run by every thread (warp 0
+// does the work); the caller syncs before and this function syncs after.
+__device__ __forceinline__ void block_exclusive_scan(int* a, int n) {
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        int carry = 0;
+        for (int base = 0; base < n; base += 32) {
+            const int i = base + lane;
+            const int v = i < n ? a[i] : 0;
+            int incl = v;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            if (i < n) a[i] = carry + incl - v;
+            carry += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0) a[n] = carry;
+    }
+    __syncthreads();
+}
+
+// Largest p in [0, n) with a[p] <= q, for a non-decreasing a with a[0] <= q < a[n]: the pair whose
+// row range [a[p], a[p+1]) holds q (empty pairs are skipped because their successor starts at q too).
+__device__ __forceinline__ int find_range(const int* a, int n, int q) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (a[mid] <= q) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// Completion protocol: every block calls this once after its part; the last block of the grid to
+// arrive gets true (in all its threads). With `publish`, every thread first fences at system scope, so
+// its stores into peers' memory are visible system-wide before the arrival that the last block's
+// signals are ordered after (not relying on cumulativity through the barrier for remote stores).
+__device__ __forceinline__ bool arrive_last(int* counter, int* s_flag, bool publish) {
+    if (publish) __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        const int prev = atomicAdd(counter, 1);
+        const bool last = prev == (int)gridDim.x - 1;
+        if (last) __threadfence_system();
+        *s_flag = last ? 1 : 0;
+    }
+    __syncthreads();
+    return *s_flag != 0;
+}
+
+// Decides whether source rank r delivered its signals in this call, identically for every block: the
+// first block to see all of r's signals ready (or to time out, or to find r inactive) records the
+// outcome with a CAS; everyone else adopts it. Signals are `n` words at sig[i * stride]; ready means
+// nonzero (expect == 0) or >= expect. The timeout runs on %globaltimer (nanoseconds), never clock64.
+__device__ __forceinline__ int resolve_source(int* state, const int* active, int r, const int* sig, int n,
+                                              int stride, int expect, uint64_t timeout_ns) {
+    int st = ld_volatile(state + r);
+    if (st != kUndecided) return st;
+    int outcome = kArrived;
+    if (ld_volatile(active + r) == 0) {
+        outcome = kInactive;
+    } else {
+        uint64_t deadline = 0;
+        for (int i = 0; i < n && outcome == kArrived; ++i) {
+            for (;;) {
+                const int v = ld_acquire_sys(sig + (size_t)i * stride);
+                if (expect == 0 ? v != 0 : v >= expect) break;
+                LL_SPIN_HINT();
+                st = ld_volatile(state + r);
+                if (st != kUndecided) return st;
+                const uint64_t now = gda::now_ns();
+                if (deadline == 0) {
+                    deadline = now + timeout_ns;
+                } else if (now > deadline) {
+                    outcome = kTimedOut;
+                    break;
+                }
+            }
+        }
+    }
+    const int prev = atomicCAS(state + r, kUndecided, outcome);
+    return prev == kUndecided ? outcome : prev;
+}
+
+// At the end of a receive phase (last block only): a source that timed out is marked inactive in the
+// caller's active_ranks, and the decisions are cleared for the next call on this half. Marks are
+// applied only here, after every block of the launch has read active_ranks, so that all blocks of a
+// launch see one membership.
+__device__ __forceinline__ void finish_decisions(int* state, int* active, int num_ranks) {
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+        if (ld_volatile(state + r) == kTimedOut) atomicExch(active + r, 0);
+        state[r] = kUndecided;
+    }
+}
+
+// Send failures on the NIC path (a post that returned an error) are collected in the workspace and
+// applied by the last block of the send phase, for the same reason.
+__device__ __forceinline__ void finish_failures(const LLStatic& s, int* active) {
+    int* fail = ws_fail(s);
+    for (int r = threadIdx.x; r < s.num_ranks; r += blockDim.x) {
+        if (ld_volatile(fail + r)) {
+            atomicExch(active + r, 0);
+            fail[r] = 0;
+        }
+    }
+}
+
+// ---- FP8 (pyep/ep/fp8.py is the definition) ---------------------------------------------------------
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+__device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
+    amax = fmaxf(amax, 1e-4f);
+    float scale = __fdiv_rn(amax, 448.0f);
+    if (round_scale) {
+        const uint32_t bits = __float_as_uint(scale);
+        uint32_t e = (bits >> 23) & 0xffu;
+        if (bits & 0x7fffffu) e += 1;
+        scale = __uint_as_float(e << 23);
+    }
+    return scale;
+}
+
+__device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d, float inv) {
+    const __nv_fp8x2_storage_t lo =
+        __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, inv), __fmul_rn(b, inv)), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi =
+        __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(c, inv), __fmul_rn(d, inv)), __NV_SATFINITE, __NV_E4M3);
+    return (uint32_t)lo | ((uint32_t)hi << 16);
+}
+
+// ---- NIC posting -----------------------------------------------------------------------------------
+__device__ __forceinline__ void note_failure(const LLStatic& s, int r) { atomicExch(ws_fail(s) + r, 1); }
+
+}  // namespace ll
+}  // namespace pyep

@@ -1,0 +1,416 @@
+// Low-latency dispatch: FP8 cast (optional), per-(destination, expert) slot assignment in (token, k)
+// order, messages written straight from registers into the destination rank's receive area (NVLink /
+// local) or staged and RDMA-written (NIC), count signals after the data, then the receive side packs
+// the messages into recv_x / scales / src_info / layout_range.
+//
+// Send: block b handles tokens b, b + grid, ... Every block first builds the histogram of this rank's
+// valid entries per expert (so slot bases are known without any cross-block agreement), then per
+// token computes each top-k entry's rank among earlier entries of the same expert, casts the row once
+// and stores it to all K destinations. The last block to finish sends every count signal (-count-1).
+// Receive: every block decides each source rank's arrival (consistently, see resolve_source), builds
+// the row prefix over (expert, source) pairs, and copies an even share of the messages (items of
+// 32 lanes x 4 int4), so skewed routing does not serialise on one expert.
+#if !defined(PYEP_LL_CPU_SIM)
+#include <cuda_runtime.h>
+#endif
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/ll_common.cuh"
+
+namespace pyep {
+namespace ll {
+namespace {
+
+struct DispatchSmem {
+    uint64_t* addr;     // [kMaxTopk] where the message for slot k goes (peer memory, or local staging)
+    uint64_t* raddr;    // [kMaxTopk] NIC path: remote address
+    float* scale;       // [kMaxGroups]
+    int* target;        // [kMaxTopk] expert of slot k, -1 = not sent
+    int* rank;          // [kMaxTopk] entries of the same expert before (t, k)
+    int* kind;          // [kMaxTopk] 0 none, 1 store, 2 NIC
+    int* dst;           // [kMaxTopk]
+    int* flag;          // [4]
+    int* active;        // [R]
+    int* hist;          // [E]
+    int* base;          // [E + 1]
+    int* cnt;           // [E] received count per (local expert, source) pair, e-major
+    int* rowstart;      // [E + 1]
+    int* srcoff;        // [E]
+};
+
+__device__ DispatchSmem carve_dispatch(uint8_t* p, int R, int E) {
+    DispatchSmem m;
+    m.addr = reinterpret_cast<uint64_t*>(p); p += 8 * kMaxTopk;
+    m.raddr = reinterpret_cast<uint64_t*>(p); p += 8 * kMaxTopk;
+    m.scale = reinterpret_cast<float*>(p); p += 4 * kMaxGroups;
+    int* q = reinterpret_cast<int*>(p);
+    m.target = q; q += kMaxTopk;
+    m.rank = q; q += kMaxTopk;
+    m.kind = q; q += kMaxTopk;
+    m.dst = q; q += kMaxTopk;
+    m.flag = q; q += 4;
+    m.active = q; q += R;
+    m.hist = q; q += E;
+    m.base = q; q += E + 1;
+    m.cnt = q; q += E;
+    m.rowstart = q; q += E + 1;
+    m.srcoff = q;
+    return m;
+}
+
+template <bool kFp8>
+__device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, DispatchSmem& sm) {
+    const int R = s.num_ranks, El = s.num_local_experts, E = R * El, T = s.num_max_tokens, H = s.hidden;
+    const int N = c.num_tokens, K = c.num_topk, tid = threadIdx.x, lane = tid & 31;
+    const int G = H / 128;
+    const int half = c.half;
+    int* active = reinterpret_cast<int*>(c.active);
+    const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
+
+    // The first token's row does not depend on anything: start loading it before the histogram so
+    // the HBM latency overlaps the routing work.
+    const int t0 = blockIdx.x;
+    int4 pre_a = make_int4(0, 0, 0, 0), pre_b = pre_a;
+    if (t0 < N && tid < H / 16) {
+        const uint8_t* xr = reinterpret_cast<const uint8_t*>(c.x) + (size_t)t0 * H * 2 + (size_t)tid * 32;
+        pre_a = ld_nc_v4(xr);
+        pre_b = ld_nc_v4(xr + 16);
+    }
+    for (int r = tid; r < R; r += blockDim.x) sm.active[r] = ld_volatile(active + r) != 0;
+    for (int e = tid; e < E; e += blockDim.x) sm.hist[e] = 0;
+    if (tid < kMaxTopk) {
+        int e = (t0 < N && tid < K) ? expert_of(topk, t0 * K + tid, E) : -1;
+        if (e >= 0 && ld_volatile(active + e / El) == 0) e = -1;
+        sm.target[tid] = e;
+        sm.rank[tid] = 0;
+    }
+    __syncthreads();
+    // One pass over all entries: the per-expert histogram, and for the first token each top-k entry's
+    // rank among earlier entries of the same expert (later tokens get their own pass below).
+    for (int i = tid; i < N * K; i += blockDim.x) {
+        const int e = expert_of(topk, i, E);
+        if (e < 0 || !sm.active[e / El]) continue;
+        atomicAdd(&sm.hist[e], 1);
+        if (t0 < N && i < t0 * K + K)
+            for (int k = 0; k < K; ++k)
+                if (i < t0 * K + k && e == sm.target[k]) atomicAdd(&sm.rank[k], 1);
+    }
+    __syncthreads();
+    // At most T rows per (expert, source) fit the receiver (only repeated experts in a row exceed it,
+    // which validation rejects); the clamp keeps every slot inside its region regardless.
+    for (int e = tid; e < E; e += blockDim.x) sm.base[e] = min(sm.hist[e], T);
+    __syncthreads();
+    block_exclusive_scan(sm.base, E);
+
+    const uint32_t msg_len = kFp8 ? (uint32_t)(kHeaderBytes + H + ((4 * G + 15) / 16) * 16)
+                                  : (uint32_t)(kHeaderBytes + 2 * H);
+    const int scale_vecs = kFp8 ? (G + 3) / 4 : 0;
+    for (int t = t0; t < N; t += gridDim.x) {
+        if (t != t0) {
+            if (tid < kMaxTopk) {
+                int e = tid < K ? expert_of(topk, t * K + tid, E) : -1;
+                if (e >= 0 && !sm.active[e / El]) e = -1;
+                sm.target[tid] = e;
+                sm.rank[tid] = 0;
+            }
+            __syncthreads();
+            const int pos0 = t * K;
+            for (int i = tid; i < pos0 + K; i += blockDim.x) {
+                const int e = expert_of(topk, i, E);
+                if (e < 0) continue;
+                for (int k = 0; k < K; ++k)
+                    if (i < pos0 + k && e == sm.target[k]) atomicAdd(&sm.rank[k], 1);
+            }
+            __syncthreads();
+        }
+        if (tid < K) {
+            const int e = sm.target[tid];
+            int kind = 0;
+            if (e >= 0 && sm.rank[tid] < T) {
+                const int dst = e / El;
+                const uint64_t slot = (uint64_t)(sm.base[e] - sm.base[dst * El] + sm.rank[tid]);
+                const uint64_t off = off_drecv(s, half, s.rank, slot);
+                const uint64_t pb = peer_base(s, dst);
+                sm.dst[tid] = dst;
+                if (pb != 0) {
+                    kind = 1;
+                    sm.addr[tid] = pb + off;
+                } else {
+                    kind = 2;
+                    sm.addr[tid] = s.buf + off_crecv(s, half, t, tid);
+                    sm.raddr[tid] = remote_addr(s, dst) + off;
+                }
+            }
+            sm.kind[tid] = kind;
+        }
+        __syncthreads();
+
+        const uint8_t* xrow = reinterpret_cast<const uint8_t*>(c.x) + (size_t)t * H * 2;
+        for (int ch = tid; ch < H / 16; ch += blockDim.x) {
+            const bool pre = t == t0 && ch == tid;
+            const int4 a = pre ? pre_a : ld_nc_v4(xrow + (size_t)ch * 32);
+            const int4 b = pre ? pre_b : ld_nc_v4(xrow + (size_t)ch * 32 + 16);
+            if (kFp8) {
+                const uint32_t w[8] = {(uint32_t)a.x, (uint32_t)a.y, (uint32_t)a.z, (uint32_t)a.w,
+                                       (uint32_t)b.x, (uint32_t)b.y, (uint32_t)b.z, (uint32_t)b.w};
+                float f[16];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    f[2 * j] = bf16_lo(w[j]);
+                    f[2 * j + 1] = bf16_hi(w[j]);
+                }
+                float amax = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(f[j]));
+                // The 8 chunks of one 128-channel group are 8 consecutive lanes (H/16 and the block
+                // size are multiples of 8, so a group is either wholly in this iteration or not).
+                const unsigned gmask = 0xffu << (lane & 24);
+                amax = fmaxf(amax, __shfl_xor_sync(gmask, amax, 1));
+                amax = fmaxf(amax, __shfl_xor_sync(gmask, amax, 2));
+                amax = fmaxf(amax, __shfl_xor_sync(gmask, amax, 4));
+                const float scale = fp8_scale(amax, c.round_scale != 0);
+                const float inv = __fdiv_rn(1.0f, scale);
+                int4 q;
+                q.x = (int)fp8x4(f[0], f[1], f[2], f[3], inv);
+                q.y = (int)fp8x4(f[4], f[5], f[6], f[7], inv);
+                q.z = (int)fp8x4(f[8], f[9], f[10], f[11], inv);
+                q.w = (int)fp8x4(f[12], f[13], f[14], f[15], inv);
+                if ((ch & 7) == 0) sm.scale[ch >> 3] = scale;
+                for (int k = 0; k < K; ++k)
+                    if (sm.kind[k]) st_v4(reinterpret_cast<void*>(sm.addr[k] + kHeaderBytes + (uint64_t)ch * 16), q);
+            } else {
+                for (int k = 0; k < K; ++k) {
+                    if (!sm.kind[k]) continue;
+                    uint8_t* d = reinterpret_cast<uint8_t*>(sm.addr[k] + kHeaderBytes + (uint64_t)ch * 32);
+                    st_v4(d, a);
+                    st_v4(d + 16, b);
+                }
+            }
+        }
+        __syncthreads();
+        // Header (token, k, local expert) and, for FP8, the scales padded to whole int4.
+        const int per_msg = 1 + scale_vecs;
+        for (int j = tid; j < K * per_msg; j += blockDim.x) {
+            const int k = j / per_msg, w = j - k * per_msg;
+            if (!sm.kind[k]) continue;
+            int4 v;
+            uint64_t at;
+            if (w == 0) {
+                v = make_int4(t, k, sm.target[k] % El, 0);
+                at = sm.addr[k];
+            } else {
+                const int g = (w - 1) * 4;
+                v.x = g < G ? __float_as_int(sm.scale[g]) : 0;
+                v.y = g + 1 < G ? __float_as_int(sm.scale[g + 1]) : 0;
+                v.z = g + 2 < G ? __float_as_int(sm.scale[g + 2]) : 0;
+                v.w = g + 3 < G ? __float_as_int(sm.scale[g + 3]) : 0;
+                at = sm.addr[k] + kHeaderBytes + H + (uint64_t)(w - 1) * 16;
+            }
+            st_v4(reinterpret_cast<void*>(at), v);
+        }
+        // NIC destinations: the NIC reads the staged message over PCIe, so every writer makes its
+        // stores visible system-wide first; the message then goes out on the QP of its expert, where
+        // the count signal will follow it (RC executes a QP's WQEs in order).
+        bool nic = false;
+        for (int k = 0; k < K; ++k) nic |= sm.kind[k] == 2;
+        if (nic) __threadfence_system();
+        __syncthreads();
+        if (tid < K && sm.kind[tid] == 2) {
+            const int dst = sm.dst[tid];
+            const int le = sm.target[tid] % El;
+            const int st = gda::post_rdma_write(peer_qp(s, dst, le % s.num_qps_per_peer), sm.addr[tid], s.lkey,
+                                                sm.raddr[tid], rkey_of(s, dst), msg_len, false, c.timeout_ns);
+            if (st != gda::kOk) note_failure(s, dst);
+        }
+        __syncthreads();
+    }
+
+    if (arrive_last(ws_counter(s, half, kDispatchSendDone), sm.flag, true)) {
+        const int* fail = ws_fail(s);
+        for (int i = tid; i < E; i += blockDim.x) {
+            const int dst = i / El, le = i - dst * El;
+            const uint64_t pb = peer_base(s, dst);
+            if (!sm.active[dst] || pb == 0) continue;
+            st_release_sys(reinterpret_cast<int*>(pb + off_dsig(s, half, le, s.rank)), -min(sm.hist[i], T) - 1);
+        }
+        // NIC signals: one posting lane per warp (qp.h's ordering spin assumes independent posters).
+        for (int i = tid / 32; i < E; i += kWarps) {
+            const int dst = i / El, le = i - dst * El;
+            if (lane != 0 || !sm.active[dst] || peer_base(s, dst) != 0 || ld_volatile(fail + dst)) continue;
+            const int st = gda::post_masked_fa32(peer_qp(s, dst, le % s.num_qps_per_peer),
+                                                 remote_addr(s, dst) + off_dsig(s, half, le, s.rank), rkey_of(s, dst),
+                                                 (uint32_t)(-min(sm.hist[i], T) - 1), s.fetch_addr, s.lkey, false,
+                                                 c.timeout_ns);
+            if (st != gda::kOk) note_failure(s, dst);
+        }
+        __syncthreads();
+        finish_failures(s, active);
+        if (tid == 0) *ws_counter(s, half, kDispatchSendDone) = 0;
+    }
+}
+
+template <bool kFp8>
+__device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, DispatchSmem& sm) {
+    const int R = s.num_ranks, El = s.num_local_experts, E = R * El, T = s.num_max_tokens, H = s.hidden;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int half = c.half;
+    const int G = H / 128;
+    int* state = ws_dstate(s, half);
+    int* active = reinterpret_cast<int*>(c.active);
+    uint8_t* hb = reinterpret_cast<uint8_t*>(s.buf);
+
+    for (int r = tid; r < R; r += blockDim.x) {
+        const int* sig = reinterpret_cast<const int*>(hb + off_dsig(s, half, 0, r));
+        const int st = resolve_source(state, active, r, sig, El, R, 0, c.timeout_ns);
+        for (int e = 0; e < El; ++e) {
+            int n = 0;
+            if (st == kArrived) n = max(0, min(-ld_acquire_sys(sig + (size_t)e * R) - 1, T));
+            sm.cnt[e * R + r] = n;
+        }
+    }
+    __syncthreads();
+    for (int r = tid; r < R; r += blockDim.x) {
+        int acc = 0;
+        for (int e = 0; e < El; ++e) {
+            sm.srcoff[e * R + r] = acc;
+            acc += sm.cnt[e * R + r];
+        }
+    }
+    for (int p = tid; p < E; p += blockDim.x) sm.rowstart[p] = sm.cnt[p];
+    __syncthreads();
+    block_exclusive_scan(sm.rowstart, E);
+    const int total = sm.rowstart[E];
+    if (blockIdx.x == 0) {
+        int64_t* lr = reinterpret_cast<int64_t*>(c.layout_range);
+        for (int p = tid; p < E; p += blockDim.x) {
+            const int e = p / R;
+            const int64_t begin = sm.rowstart[p] - sm.rowstart[e * R];
+            lr[p] = (begin << 32) | (int64_t)sm.cnt[p];
+        }
+        int* rc = reinterpret_cast<int*>(c.recv_count);
+        int* cum = reinterpret_cast<int*>(c.cum_stats);
+        for (int e = tid; e < El; e += blockDim.x) {
+            const int n = sm.rowstart[(e + 1) * R] - sm.rowstart[e * R];
+            rc[e] = n;
+            if (cum) cum[e] += n;
+        }
+    }
+
+    const int RT = R * T;
+    const int payload_int4 = kFp8 ? H / 16 : H / 8;
+    const int per_item = 32 * kCopyUnroll;
+    const int chunks = (payload_int4 + per_item - 1) / per_item;
+    const int64_t items = (int64_t)total * chunks;
+    int* src_info = reinterpret_cast<int*>(c.src_info);
+    int* recv_slot = reinterpret_cast<int*>(c.recv_slot);
+    for (int64_t it = (int64_t)blockIdx.x * kWarps + warp; it < items; it += (int64_t)gridDim.x * kWarps) {
+        const int q = (int)(it / chunks), ch = (int)(it - (int64_t)q * chunks);
+        const int p = find_range(sm.rowstart, E, q);
+        const int e = p / R, r = p - e * R;
+        const int i = q - sm.rowstart[p];
+        const int row = q - sm.rowstart[e * R];
+        const uint8_t* msg = hb + off_drecv(s, half, r, (uint64_t)(sm.srcoff[p] + i));
+        const size_t out_row = (size_t)e * RT + row;
+        const int4* src4 = reinterpret_cast<const int4*>(msg + kHeaderBytes);
+        int4* dst4 = reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(c.recv_x) + out_row * (size_t)(kFp8 ? H : 2 * H));
+        const int j0 = ch * per_item + lane;
+        int4 v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u)
+            if (j0 + u * 32 < payload_int4) v[u] = ld_v4(src4 + j0 + u * 32);
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u)
+            if (j0 + u * 32 < payload_int4) st_v4(dst4 + j0 + u * 32, v[u]);
+        if (ch != 0) continue;
+        if (lane == 0) {
+            const int4 hdr = ld_v4(msg);
+            src_info[out_row] = hdr.x;
+            recv_slot[out_row] = hdr.y;
+        }
+        if (kFp8) {
+            const float* sc = reinterpret_cast<const float*>(msg + kHeaderBytes + H);
+            if (!c.use_ue8m0) {
+                float* out = reinterpret_cast<float*>(c.recv_scales);
+                for (int g = lane; g < G; g += 32) out[((size_t)e * G + g) * RT + row] = ld_f32(sc + g);
+            } else {
+                const int W = (G + 3) / 4;
+                int* out = reinterpret_cast<int*>(c.recv_scales);
+                for (int w = lane; w < W; w += 32) {
+                    uint32_t packed = 0;
+#pragma unroll
+                    for (int b = 0; b < 4; ++b) {
+                        const int g = 4 * w + b;
+                        if (g < G) packed |= ((__float_as_uint(ld_f32(sc + g)) >> 23) & 0xffu) << (8 * b);
+                    }
+                    out[((size_t)e * W + w) * RT + row] = (int)packed;
+                }
+            }
+        }
+    }
+
+    if (arrive_last(ws_counter(s, half, kDispatchRecvDone), sm.flag, false)) {
+        // Every block has read this half's counts: clear them for the call after next, which peers
+        // can only start after they have this call's results from us.
+        int* sig = reinterpret_cast<int*>(hb + off_dsig(s, half, 0, 0));
+        for (int i = tid; i < E; i += blockDim.x) sig[i] = 0;
+        finish_decisions(state, active, R);
+        if (tid == 0) *ws_counter(s, half, kDispatchRecvDone) = 0;
+    }
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) ll_dispatch_kernel(LLStatic s, LLDispatchCall c) {
+    uint8_t* smem = dynamic_smem();
+    DispatchSmem sm = carve_dispatch(smem, s.num_ranks, s.num_ranks * s.num_local_experts);
+    if (c.phases & kPhaseSend) dispatch_send<kFp8>(s, c, sm);
+    if (c.phases & kPhaseRecv) {
+        __syncthreads();
+        dispatch_recv<kFp8>(s, c, sm);
+    }
+}
+
+#if !defined(PYEP_LL_CPU_SIM)
+void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+#endif
+
+}  // namespace
+
+int dispatch_smem_bytes(const LLStatic& s) {
+    const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
+    return 16 * kMaxTopk + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + R + 5 * E + 2);
+}
+
+#if !defined(PYEP_LL_CPU_SIM)
+void check_static(const LLStatic& s);  // ll_runtime.cu
+
+void launch_dispatch(const LLStatic& s, const LLDispatchCall& c, uint64_t stream) {
+    check_static(s);
+    if (c.num_tokens < 0 || c.num_tokens > s.num_max_tokens)
+        throw std::invalid_argument("ll dispatch: num_tokens " + std::to_string(c.num_tokens) + " outside [0, T]");
+    if (c.num_topk < 1 || c.num_topk > s.max_topk || c.num_topk > kMaxTopk)
+        throw std::invalid_argument("ll dispatch: num_topk " + std::to_string(c.num_topk) + " outside [1, K_max]");
+    if (c.half != 0 && c.half != 1) throw std::invalid_argument("ll dispatch: half must be 0 or 1");
+    if (!c.active) throw std::invalid_argument("ll dispatch: active pointer is null");
+    if ((c.phases & kPhaseSend) && c.num_tokens > 0 && (!c.x || !c.topk))
+        throw std::invalid_argument("ll dispatch: x/topk pointers are null");
+    if ((c.phases & kPhaseRecv) && (!c.recv_x || !c.src_info || !c.recv_slot || !c.layout_range || !c.recv_count ||
+                                    (c.use_fp8 && !c.recv_scales)))
+        throw std::invalid_argument("ll dispatch: an output pointer is null");
+    if (!(c.phases & (kPhaseSend | kPhaseRecv))) throw std::invalid_argument("ll dispatch: no phase");
+    const int smem = dispatch_smem_bytes(s);
+    auto kern = c.use_fp8 ? ll_dispatch_kernel<true> : ll_dispatch_kernel<false>;
+    if (smem > 48 * 1024)
+        check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "ll dispatch smem attribute");
+    kern<<<s.num_blocks, kThreadsPerBlock, smem, reinterpret_cast<cudaStream_t>(stream)>>>(s, c);
+    check(cudaGetLastError(), "ll dispatch launch");
+}
+
+#endif  // !PYEP_LL_CPU_SIM
+
+}  // namespace ll
+}  // namespace pyep

@@ -1,0 +1,110 @@
+// Host entry points of the low-latency EP kernels (dispatch / combine) and the small CUDA runtime
+// helpers the Python side needs for the NVLink transport (device buffers, IPC handles, peer access).
+// Plain C++ types only (pointers and streams travel as uint64), so the pybind11 layer needs no CUDA
+// headers. The buffer layout these offsets describe is defined in pyep/ep/layout.py.
+#pragma once
+
+#include <stdint.h>
+
+#include <string>
+
+namespace pyep {
+namespace ll {
+
+// Everything that stays fixed for the lifetime of one EP buffer.
+struct LLStatic {
+    int rank = 0;
+    int num_ranks = 0;            // R
+    int num_local_experts = 0;    // E_l
+    int num_max_tokens = 0;       // T
+    int hidden = 0;               // H
+    int max_topk = 0;             // K_max
+    uint64_t buf = 0;             // this rank's buffer (device pointer)
+    uint64_t peer_base = 0;       // device uint64[R]: where this rank may store into peer r's buffer
+                                  // (own buffer for self, IPC mapping for NVLink), 0 = NIC path
+    uint64_t remote_addr = 0;     // device uint64[R]: peer r's buffer address as its MR sees it
+    uint64_t rkeys = 0;           // device uint32[R]
+    uint32_t lkey = 0;            // this rank's buffer MR
+    uint64_t qps = 0;             // device gda::Qp[R * num_qps_per_peer] (entries of NIC peers only)
+    int num_qps_per_peer = 1;
+    uint64_t flag_expect = 0;     // device int32[R]: combine flag value source r ends with
+    uint64_t fetch_addr = 0;      // registered scratch for the fetched value of NIC atomics
+    uint64_t workspace = 0;       // device int32[ws_words(R)], zeroed at creation, self-resetting
+    // Layout (pyep/ep/layout.py)
+    uint64_t half_bytes = 0;
+    uint64_t off_dsig = 0;
+    uint64_t off_csig = 0;
+    uint64_t off_drecv = 0;
+    uint64_t off_crecv = 0;
+    uint64_t msg_bytes = 0;
+    uint64_t slots_per_src = 0;
+    int num_blocks = 0;           // grid size (<= number of SMs: every block must be resident)
+};
+
+enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2 };
+
+struct LLDispatchCall {
+    uint64_t x = 0;               // bf16 [N, H]
+    uint64_t topk = 0;            // int64 [N, K]
+    int num_tokens = 0;           // N
+    int num_topk = 0;             // K
+    int half = 0;
+    int use_fp8 = 0;
+    int round_scale = 0;
+    int use_ue8m0 = 0;
+    uint64_t active = 0;          // int32 [R] (never 0: the backend passes its own mask when the caller has none)
+    uint64_t recv_x = 0;          // bf16 or e4m3 [E_l, R*T, H]
+    uint64_t recv_scales = 0;     // fp32 [E_l, G, R*T] or int32 [E_l, ceil(G/4), R*T]
+    uint64_t src_info = 0;        // int32 [E_l, R*T]
+    uint64_t recv_slot = 0;       // int32 [E_l, R*T]: top-k slot of each received row
+    uint64_t layout_range = 0;    // int64 [E_l, R]
+    uint64_t recv_count = 0;      // int32 [E_l]
+    uint64_t cum_stats = 0;       // int32 [E_l] or 0
+    uint64_t timeout_ns = 0;
+    int phases = kPhaseSend | kPhaseRecv;
+};
+
+struct LLCombineCall {
+    uint64_t x = 0;               // bf16 [E_l, R*T, H]
+    uint64_t topk = 0;            // int64 [N, K]
+    uint64_t weights = 0;         // fp32 [N, K]
+    int num_tokens = 0;
+    int num_topk = 0;
+    int half = 0;
+    uint64_t src_info = 0;        // from the dispatch
+    uint64_t recv_slot = 0;
+    uint64_t layout_range = 0;
+    uint64_t active = 0;
+    uint64_t out = 0;             // bf16 [N, H]
+    uint64_t timeout_ns = 0;
+    int phases = kPhaseSend | kPhaseRecv;
+};
+
+// Throw std::invalid_argument / std::runtime_error with a message on bad arguments or launch errors.
+void launch_dispatch(const LLStatic& s, const LLDispatchCall& c, uint64_t stream);
+void launch_combine(const LLStatic& s, const LLCombineCall& c, uint64_t stream);
+// Dynamic shared memory bytes a launch needs (the host checks it against the device limit).
+int dispatch_smem_bytes(const LLStatic& s);
+int combine_smem_bytes(const LLStatic& s);
+#if defined(PYEP_LL_THREADS)
+constexpr int kThreadsPerBlock = PYEP_LL_THREADS;   // CPU simulation: fewer threads per block
+#else
+constexpr int kThreadsPerBlock = 512;
+#endif
+
+// CUDA runtime helpers for the transports.
+uint64_t device_alloc(uint64_t bytes);
+void device_free(uint64_t ptr);
+void memset_async(uint64_t ptr, int value, uint64_t bytes, uint64_t stream);
+void memcpy_htod(uint64_t dst, const void* src, uint64_t bytes);
+std::string ipc_get_handle(uint64_t ptr);     // 64 bytes
+uint64_t ipc_open_handle(const std::string& handle);
+void ipc_close_handle(uint64_t ptr);
+std::string device_pci_bus_id(int device);
+bool can_access_peer(int device, int peer_device);
+int current_device();
+int num_sms(int device);
+int max_smem_optin(int device);
+
+}  // namespace ll
+}  // namespace pyep

@@ -1,0 +1,116 @@
+// Host side of the low-latency EP kernels: argument checks shared by the launchers, and the CUDA
+// runtime calls the transports need (device buffers, IPC handles, peer-access queries).
+#if !defined(PYEP_LL_CPU_SIM)
+#include <cuda_runtime.h>
+#endif
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/ll_common.cuh"
+
+namespace pyep {
+namespace ll {
+void check_static(const LLStatic& s) {
+    auto bad = [](const std::string& m) { throw std::invalid_argument("ll buffer: " + m); };
+    if (s.num_ranks < 1) bad("num_ranks must be >= 1");
+    if (s.rank < 0 || s.rank >= s.num_ranks) bad("rank outside [0, num_ranks)");
+    if (s.num_local_experts < 1) bad("num_local_experts must be >= 1");
+    if (s.num_max_tokens < 1) bad("num_max_tokens must be >= 1");
+    if (s.hidden < 128 || s.hidden % 128 || s.hidden > 128 * kMaxGroups)
+        bad("hidden must be a multiple of 128 in [128, " + std::to_string(128 * kMaxGroups) + "]");
+    if (s.max_topk < 1 || s.max_topk > kMaxTopk) bad("max_topk must be in [1, 16]");
+    if (!s.buf || !s.peer_base || !s.flag_expect || !s.workspace) bad("buffer/table pointers must be set");
+    if (s.num_qps_per_peer < 1) bad("num_qps_per_peer must be >= 1");
+    if (s.num_blocks < 1) bad("num_blocks must be >= 1");
+    if (s.msg_bytes != (uint64_t)(kHeaderBytes + 2 * s.hidden)) bad("msg_bytes does not match the hidden size");
+    if ((s.half_bytes | s.off_drecv | s.off_crecv | s.msg_bytes) % 16) bad("layout offsets must be 16-byte aligned");
+    if ((int64_t)s.num_ranks * s.num_max_tokens >= (1ll << 31)) bad("R*T must fit in int32");
+}
+
+#if !defined(PYEP_LL_CPU_SIM)
+namespace {
+
+void check(cudaError_t e, const std::string& what) {
+    if (e != cudaSuccess) throw std::runtime_error(what + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+uint64_t device_alloc(uint64_t bytes) {
+    void* p = nullptr;
+    check(cudaMalloc(&p, bytes), "cudaMalloc(" + std::to_string(bytes) + " bytes)");
+    return reinterpret_cast<uint64_t>(p);
+}
+
+void device_free(uint64_t ptr) {
+    if (ptr) check(cudaFree(reinterpret_cast<void*>(ptr)), "cudaFree");
+}
+
+void memset_async(uint64_t ptr, int value, uint64_t bytes, uint64_t stream) {
+    check(cudaMemsetAsync(reinterpret_cast<void*>(ptr), value, bytes, reinterpret_cast<cudaStream_t>(stream)),
+          "cudaMemsetAsync");
+}
+
+void memcpy_htod(uint64_t dst, const void* src, uint64_t bytes) {
+    check(cudaMemcpy(reinterpret_cast<void*>(dst), src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+}
+
+std::string ipc_get_handle(uint64_t ptr) {
+    cudaIpcMemHandle_t h;
+    check(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(ptr)), "cudaIpcGetMemHandle");
+    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+uint64_t ipc_open_handle(const std::string& handle) {
+    if (handle.size() != sizeof(cudaIpcMemHandle_t))
+        throw std::invalid_argument("IPC handle must be " + std::to_string(sizeof(cudaIpcMemHandle_t)) + " bytes, got " +
+                                    std::to_string(handle.size()));
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    void* p = nullptr;
+    check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+    return reinterpret_cast<uint64_t>(p);
+}
+
+void ipc_close_handle(uint64_t ptr) {
+    if (ptr) check(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr)), "cudaIpcCloseMemHandle");
+}
+
+std::string device_pci_bus_id(int device) {
+    char buf[64] = {0};
+    check(cudaDeviceGetPCIBusId(buf, sizeof(buf), device), "cudaDeviceGetPCIBusId");
+    return std::string(buf);
+}
+
+bool can_access_peer(int device, int peer_device) {
+    if (device == peer_device) return true;
+    int ok = 0;
+    check(cudaDeviceCanAccessPeer(&ok, device, peer_device), "cudaDeviceCanAccessPeer");
+    return ok != 0;
+}
+
+int current_device() {
+    int d = 0;
+    check(cudaGetDevice(&d), "cudaGetDevice");
+    return d;
+}
+
+int num_sms(int device) {
+    int n = 0;
+    check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute(SMs)");
+    return n;
+}
+
+int max_smem_optin(int device) {
+    int n = 0;
+    check(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+          "cudaDeviceGetAttribute(smem optin)");
+    return n;
+}
+
+#endif  // !PYEP_LL_CPU_SIM
+
+}  // namespace ll
+}  // namespace pyep

@@ -1,0 +1,431 @@
+"""The native low-latency EP backend: the CUDA kernels of engine/kernels/ll_*.cu over per-peer
+transports (local stores, NVLink IPC stores, or RDMA writes posted by the GPU on a real NIC or the
+softnic). Implements pyep.ep.backend.EpBackend; the buffer layout is pyep.ep.layout.
+
+Streams: a call launches on the current stream, or with async_finish on this backend's communication
+stream (which first waits for the current stream) and returns an event; the next non-async call on
+the current stream waits for that event, so calls never overlap on the device. Nothing in dispatch or
+combine blocks the host, so both are CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+
+from ._dist import barrier_bounded
+from .backend import (BackendUnavailable, CombineOptions, CombineResult, DispatchOptions, DispatchResult,
+                      PeerTransport)
+from .config import EpConfig
+from .layout import LLLayout, ll_buffer_layout, ws_words
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from .handle import Handle
+
+log = logging.getLogger("pyep.ep.native")
+PHASE_SEND, PHASE_RECV = 1, 2
+SETUP_TIMEOUT_FLOOR_S = 120.0   # first IPC mappings / QP setup on a loaded node
+
+
+def _engine_ep() -> Any:
+    from .._native import load
+    mod = load()
+    if mod is None:
+        raise BackendUnavailable("pyep._engine is not built (pip install -e .)")
+    if not getattr(mod, "has_cuda", False) or not hasattr(mod, "ep"):
+        raise BackendUnavailable("pyep._engine is a host-only build without the CUDA EP kernels")
+    return mod.ep
+
+
+class NativeEvent:
+    """EventLike over a CUDA event; wait() is bounded and names the operation."""
+
+    def __init__(self, event: "torch.cuda.Event", device: "torch.device", what: str, bound_s: float) -> None:
+        self._event = event
+        self._device = device
+        self.what = what
+        self.bound_s = bound_s
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + self.bound_s
+        pause = 20e-6
+        while not self._event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.what} did not finish within {self.bound_s:.1f} s on the device "
+                                   f"(its kernels wait at most timeout_us per peer; a longer stall means the "
+                                   f"GPU is blocked by other work)")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def current_stream_wait(self) -> None:
+        import torch
+        torch.cuda.current_stream(self._device).wait_event(self._event)
+
+    def __repr__(self) -> str:
+        return f"NativeEvent({self.what!r})"
+
+
+class _Once:
+    """The receive hook: runs once, later calls do nothing."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Optional[Callable[[], None]] = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+class NativeBackend:
+    name = "native"
+
+    @staticmethod
+    def unavailable_reason(config: EpConfig) -> Optional[str]:
+        try:
+            import torch
+        except ImportError:
+            return "torch is not installed"
+        if not torch.cuda.is_available():
+            return "no CUDA device is available"
+        try:
+            _engine_ep()
+        except BackendUnavailable as exc:
+            return str(exc)
+        return None
+
+    def __init__(self, group: "dist.ProcessGroup", config: EpConfig) -> None:
+        import torch
+        import torch.distributed as dist
+        self._ep = _engine_ep()                      # BackendUnavailable before any collective
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("no CUDA device is available")
+        self.group = group
+        self.config = config
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        config.check_group_size(self.num_ranks)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self._destroyed = False
+        self._buf = 0
+        self._peers: Any = None
+        cfg, r_n = config, self.num_ranks
+        self.layout: LLLayout = ll_buffer_layout(cfg.num_max_dispatch_tokens_per_rank, cfg.hidden,
+                                                 cfg.num_experts, r_n, cfg.max_topk)
+        self.num_local_experts = self.layout.num_local_experts
+        self.buffer_bytes = max(self.layout.total_bytes, cfg.num_buffer_bytes or 0)
+        self._setup_timeout_s = max(SETUP_TIMEOUT_FLOOR_S, 3 * cfg.timeout_us / 1e6)
+        self._ws = torch.zeros(ws_words(r_n), dtype=torch.int32, device=self.device)
+        self._active = torch.ones(r_n, dtype=torch.int32, device=self.device)
+        self._comm = torch.cuda.Stream(device=self.device)
+        self._pending: Optional["torch.cuda.Event"] = None
+        self._half = 0
+        self._combine_bufs: List[Optional["torch.Tensor"]] = [None, None]
+        self._tables: Dict[str, "torch.Tensor"] = {}
+        self._check_shared_memory()
+        try:
+            self._buf = int(self._ep.device_alloc(self.buffer_bytes))
+            self._ep.memset_async(self._buf, 0, self.buffer_bytes, torch.cuda.current_stream().cuda_stream)
+            torch.cuda.current_stream().synchronize()
+            from ..transport.setup import PeerSet
+            self._peers = PeerSet(group, config, self._ep, self.rank, r_n, self.device.index, self._buf,
+                                  self.buffer_bytes, self._setup_timeout_s)
+            self._peers.connect()
+            self._static = self._build_static()
+            barrier_bounded(group, _ctl_device(group), int(self._setup_timeout_s * 1e6),
+                            "native EP buffer setup (every rank mapped its peers)")
+        except BaseException:
+            self._release()
+            raise
+        log.debug("rank %d: %s", self.rank, self.layout.describe())
+
+    # ------------------------------------------------------------------ tables
+    def _build_static(self) -> Any:
+        import numpy as np
+        import torch
+        lay, links, dev = self.layout, self._peers.links, self.device
+        nqp = self._peers.qps_per_peer()
+        ctx_sizes = {len(c) for link in links for c in link.qp_contexts}
+        if len(ctx_sizes) > 1:
+            raise RuntimeError(f"QP device contexts of different sizes {sorted(ctx_sizes)}")
+        ctx_size = ctx_sizes.pop() if ctx_sizes else 0
+        qps = bytearray(len(links) * nqp * ctx_size)
+        for link in links:
+            for j, ctx in enumerate(link.qp_contexts):
+                at = (link.rank * nqp + j) * ctx_size
+                qps[at:at + ctx_size] = ctx
+        t = {
+            "peer_base": torch.tensor([link.store_base for link in links], dtype=torch.int64),
+            "remote_addr": torch.tensor([link.remote_addr for link in links], dtype=torch.int64),
+            "rkeys": torch.from_numpy(np.array([link.rkey for link in links], dtype=np.uint32).view(np.int32)),
+            "flag_expect": torch.tensor([link.flag_expect for link in links], dtype=torch.int32),
+            "qps": torch.frombuffer(qps, dtype=torch.uint8) if qps else torch.zeros(16, dtype=torch.uint8),
+        }
+        self._tables = {k: v.to(dev) for k, v in t.items()}
+        s = self._ep.LLStatic()
+        s.rank, s.num_ranks = self.rank, self.num_ranks
+        s.num_local_experts, s.num_max_tokens = lay.num_local_experts, lay.num_max_tokens
+        s.hidden, s.max_topk = lay.hidden, lay.max_topk
+        s.buf = self._buf
+        s.peer_base = self._tables["peer_base"].data_ptr()
+        s.remote_addr = self._tables["remote_addr"].data_ptr()
+        s.rkeys = self._tables["rkeys"].data_ptr()
+        s.lkey = self._peers.lkey()
+        s.qps = self._tables["qps"].data_ptr() if ctx_size else 0
+        s.num_qps_per_peer = nqp
+        s.flag_expect = self._tables["flag_expect"].data_ptr()
+        s.fetch_addr = self._buf + lay.off_fetch
+        s.workspace = self._ws.data_ptr()
+        s.half_bytes, s.off_dsig, s.off_csig = lay.half_bytes, lay.off_dsig, lay.off_csig
+        s.off_drecv, s.off_crecv = lay.off_drecv, lay.off_crecv
+        s.msg_bytes, s.slots_per_src = lay.msg_bytes, lay.slots_per_src
+        s.num_blocks = int(self._ep.num_sms(self.device.index))
+        return s
+
+    def _check_shared_memory(self) -> None:
+        """The kernels keep per-expert tables in shared memory; refuse shapes that do not fit (every
+        rank has the same shape, so every rank refuses before any collective)."""
+        s = self._ep.LLStatic()
+        s.num_ranks, s.num_local_experts = self.num_ranks, self.layout.num_local_experts
+        need = max(int(self._ep.dispatch_smem_bytes(s)), int(self._ep.combine_smem_bytes(s)))
+        have = int(self._ep.max_smem_optin(self.device.index))
+        if need > have:
+            raise ValueError(f"{self.config.describe_shape(self.num_ranks)} needs {need} bytes of shared memory "
+                             f"per block, the GPU allows {have}: use fewer experts")
+
+    # ------------------------------------------------------------------ streams
+    def _stream(self, async_finish: bool) -> "torch.cuda.Stream":
+        import torch
+        cur = torch.cuda.current_stream(self.device)
+        if async_finish:
+            self._comm.wait_stream(cur)
+            return self._comm
+        if self._pending is not None:
+            # An event recorded outside a graph capture cannot be waited on inside it; a capture
+            # starts from a synchronised stream anyway.
+            if not torch.cuda.is_current_stream_capturing():
+                cur.wait_event(self._pending)
+            self._pending = None
+        return cur
+
+    def _finish(self, stream: "torch.cuda.Stream", async_finish: bool, keep: List[Any], what: str,
+                timeout_us: int) -> Optional[NativeEvent]:
+        import torch
+        if not async_finish:
+            return None
+        for t in keep:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(stream)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self._pending = ev
+        return NativeEvent(ev, self.device, what, 2 * timeout_us / 1e6 + 10.0)
+
+    def _hook(self, launch: Callable[["torch.cuda.Stream"], None], sent_on: "torch.cuda.Stream",
+              what: str) -> _Once:
+        import torch
+        sent = torch.cuda.Event()
+        sent.record(sent_on)
+
+        def run() -> None:
+            with torch.profiler.record_function(what):
+                cur = torch.cuda.current_stream(self.device)
+                if cur != sent_on:
+                    cur.wait_event(sent)
+                launch(cur)
+        return _Once(run)
+
+    # ------------------------------------------------------------------ dispatch / combine
+    @staticmethod
+    def _check_aligned(name: str, t: "torch.Tensor") -> None:
+        # The kernels move rows with 16-byte vector accesses; a contiguous view can still start at an
+        # odd element (e.g. a slice of a flat tensor).
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must start at a 16-byte aligned address (got {t.data_ptr():#x}); "
+                             f"pass a freshly allocated or .clone()d tensor")
+
+    def _active_ptr(self, active: Optional["torch.Tensor"]) -> int:
+        return (active if active is not None else self._active).data_ptr()
+
+    def dispatch(self, x: "torch.Tensor", topk_idx: "torch.Tensor", opts: DispatchOptions) -> DispatchResult:
+        import torch
+        self._check_alive("dispatch")
+        self._check_aligned("x", x)
+        lay, dev = self.layout, self.device
+        e_l, rows, h = lay.num_local_experts, self.num_ranks * lay.num_max_tokens, lay.hidden
+        n, k = int(topk_idx.shape[0]), int(topk_idx.shape[1])
+        half = self._half
+        self._half ^= 1
+        recv_x = torch.empty((e_l, rows, h), dtype=torch.float8_e4m3fn if opts.use_fp8 else torch.bfloat16,
+                             device=dev)
+        scales: Optional[torch.Tensor] = None
+        if opts.use_fp8:
+            groups = h // 128
+            if opts.use_ue8m0:
+                scales = torch.empty((e_l, (groups + 3) // 4, rows), dtype=torch.int32, device=dev).transpose(1, 2)
+            else:
+                scales = torch.empty((e_l, groups, rows), dtype=torch.float32, device=dev).transpose(1, 2)
+        recv_count = torch.empty(e_l, dtype=torch.int32, device=dev)
+        src_info = torch.empty((e_l, rows), dtype=torch.int32, device=dev)
+        recv_slot = torch.empty((e_l, rows), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((e_l, self.num_ranks), dtype=torch.int64, device=dev)
+        active = self._active_ptr(opts.active_ranks)
+        cum = opts.cumulative_local_expert_recv_stats
+        timeout_ns = int(opts.timeout_us) * 1000
+
+        def launch(phases: int, stream: "torch.cuda.Stream") -> None:
+            self._ep.dispatch(self._static, x.data_ptr(), topk_idx.data_ptr(), n, k, half, opts.use_fp8,
+                              opts.round_scale, opts.use_ue8m0, active, recv_x.data_ptr(),
+                              scales.data_ptr() if scales is not None else 0, src_info.data_ptr(),
+                              recv_slot.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr(),
+                              cum.data_ptr() if cum is not None else 0, timeout_ns, phases, stream.cuda_stream)
+
+        stream = self._stream(opts.async_finish)
+        hook = None
+        if opts.return_recv_hook:
+            launch(PHASE_SEND, stream)
+            hook = self._hook(lambda s: launch(PHASE_RECV, s), stream, "pyep::native::dispatch_recv")
+        else:
+            launch(PHASE_SEND | PHASE_RECV, stream)
+        keep = [x, topk_idx, recv_x, scales, recv_count, src_info, recv_slot, layout_range, cum,
+                opts.active_ranks]
+        event = self._finish(stream, opts.async_finish, keep, f"native dispatch #{opts.seq}", opts.timeout_us)
+        return DispatchResult(recv_x=recv_x, recv_scales=scales, recv_count=recv_count, src_info=src_info,
+                              layout_range=layout_range, event=event, hook=hook,
+                              extras={"backend": "native", "half": half, "topk_slot": recv_slot,
+                                      "buffer": self._buf})
+
+    def combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
+                handle: "Handle", opts: CombineOptions) -> CombineResult:
+        import torch
+        self._check_alive("combine")
+        half, recv_slot = self._handle_parts(handle)
+        n, k = int(topk_idx.shape[0]), int(topk_idx.shape[1])
+        src = self.next_combine_buffer(handle) if opts.zero_copy else x
+        out = opts.out if opts.out is not None else torch.empty((n, self.layout.hidden), dtype=torch.bfloat16,
+                                                                 device=self.device)
+        self._check_aligned("x", src)
+        self._check_aligned("out", out)
+        active = self._active_ptr(opts.active_ranks)
+        timeout_ns = int(opts.timeout_us) * 1000
+
+        def launch(phases: int, stream: "torch.cuda.Stream") -> None:
+            self._ep.combine(self._static, src.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), n, k,
+                             half, handle.src_info.data_ptr(), recv_slot.data_ptr(),
+                             handle.layout_range.data_ptr(), active, out.data_ptr(), timeout_ns, phases,
+                             stream.cuda_stream)
+
+        stream = self._stream(opts.async_finish)
+        hook = None
+        if opts.return_recv_hook:
+            launch(PHASE_SEND, stream)
+            hook = self._hook(lambda s: launch(PHASE_RECV, s), stream, "pyep::native::combine_recv")
+        else:
+            launch(PHASE_SEND | PHASE_RECV, stream)
+        keep = [src, topk_idx, topk_weights, out, handle.src_info, recv_slot, handle.layout_range,
+                opts.active_ranks]
+        event = self._finish(stream, opts.async_finish, keep, f"native combine of dispatch #{handle.seq}",
+                             opts.timeout_us)
+        return CombineResult(out=out, event=event, hook=hook)
+
+    def _handle_parts(self, handle: "Handle") -> "tuple[int, torch.Tensor]":
+        ex = handle.extras
+        if ex.get("backend") != "native" or "half" not in ex or "topk_slot" not in ex:
+            raise ValueError("handle was not produced by the native backend (no buffer half / top-k slots)")
+        if ex.get("buffer") != self._buf:
+            raise ValueError("handle was produced by another native EP buffer")
+        return int(ex["half"]), ex["topk_slot"]
+
+    def next_combine_buffer(self, handle: "Handle") -> "torch.Tensor":
+        import torch
+        self._check_alive("next_combine_buffer")
+        half, _ = self._handle_parts(handle)
+        buf = self._combine_bufs[half]
+        if buf is None:
+            lay = self.layout
+            buf = torch.zeros((lay.num_local_experts, self.num_ranks * lay.num_max_tokens, lay.hidden),
+                              dtype=torch.bfloat16, device=self.device)
+            self._combine_bufs[half] = buf
+        return buf
+
+    # ------------------------------------------------------------------ membership / lifetime
+    def _zero_state(self) -> None:
+        import torch
+        stream = torch.cuda.current_stream(self.device)
+        for off, size in self.layout.signal_ranges:
+            self._ep.memset_async(self._buf + off, 0, size, stream.cuda_stream)
+        self._ws.zero_()
+        stream.synchronize()
+        self._half = 0
+        self._pending = None
+
+    def update_ep_member(self, active_ranks: Optional["torch.Tensor"]) -> None:
+        import torch
+        self._check_alive("update_ep_member")
+        torch.cuda.synchronize(self.device)   # our kernels are bounded by timeout_us, so this is too
+        self._peers.reconnect()
+        self._static = self._build_static()
+        self._zero_state()
+        if active_ranks is not None:
+            self._active.copy_(active_ranks)
+        else:
+            self._active.fill_(1)
+        barrier_bounded(self.group, _ctl_device(self.group), int(self._setup_timeout_s * 1e6),
+                        "native update_ep_member (every rank cleared its buffer)")
+
+    def clean(self) -> None:
+        import torch
+        self._check_alive("clean")
+        torch.cuda.synchronize(self.device)
+        self._zero_state()
+        barrier_bounded(self.group, _ctl_device(self.group), int(self._setup_timeout_s * 1e6),
+                        "native clean (every rank cleared its buffer)")
+
+    def transport_table(self) -> List[PeerTransport]:
+        """One entry per rank; a rank this backend's own mask marked after a timeout shows as
+        "inactive" (reading the mask waits for the device: a diagnostic, not a hot-path call)."""
+        self._check_alive("transport_table")
+        marks = self._active.tolist()
+        return [PeerTransport(link.rank, link.kind if marks[link.rank] else "inactive",
+                              link.detail if marks[link.rank] else f"timed out; was {link.kind} ({link.detail})")
+                for link in self._peers.links]
+
+    @property
+    def active_mask(self) -> "torch.Tensor":
+        """The backend's own active_ranks (used when a call passes none)."""
+        return self._active
+
+    def _check_alive(self, what: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"native EP backend: {what}() after destroy()")
+
+    def _release(self) -> None:
+        if self._peers is not None:
+            try:
+                self._peers.close()
+            except Exception as exc:  # noqa: BLE001 - keep releasing the rest
+                log.warning("closing transports failed: %s", exc)
+            self._peers = None
+        if self._buf:
+            self._ep.device_free(self._buf)
+            self._buf = 0
+
+    def destroy(self) -> None:
+        import torch
+        if self._destroyed:
+            return
+        self._destroyed = True
+        try:
+            torch.cuda.synchronize(self.device)
+        finally:
+            self._release()
+            self._combine_bufs = [None, None]
+            self._tables = {}
+
+
+def _ctl_device(group: "dist.ProcessGroup") -> "torch.device":
+    from ._dist import group_device
+    return group_device(group)

@@ -1,0 +1,136 @@
+"""Connects an EP buffer to all its peers: exchange `RankInfo`, agree on the transport plan, connect
+each transport kind, and keep the per-peer links (the tables the kernels read)."""
+from __future__ import annotations
+
+import base64
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from .base import (KINDS, PeerLink, RankInfo, Transport, all_gather_bytes, host_name, node_ids,
+                   plan_transports)
+from .local import LocalTransport
+from .nvlink import NvlinkTransport
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from ..ep.config import EpConfig
+
+log = logging.getLogger("pyep.transport")
+NIC_KINDS = ("ibgda", "emulated")
+
+
+class PeerSet:
+    """The links of one EP buffer to every rank of its group (itself included)."""
+
+    def __init__(self, group: "dist.ProcessGroup", config: "EpConfig", ep: Any, rank: int, num_ranks: int,
+                 device_index: int, buffer_addr: int, buffer_bytes: int, setup_timeout_s: float) -> None:
+        self.group = group
+        self.config = config
+        self._ep = ep
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.device_index = device_index
+        self.buffer_addr = buffer_addr
+        self.buffer_bytes = buffer_bytes
+        self.timeout_s = setup_timeout_s
+        self.generation = 0
+        self.infos: List[RankInfo] = []
+        self.plan: List[List[str]] = []
+        self.links: List[PeerLink] = []
+        self._transports: Dict[str, Transport] = {}
+
+    # ------------------------------------------------------------------ setup
+    def _my_info(self, p2p: List[int]) -> RankInfo:
+        handle = base64.b64encode(bytes(self._ep.ipc_get_handle(self.buffer_addr))).decode()
+        from .ibgda import detect_nic
+        return RankInfo(rank=self.rank, host=host_name(), node=-1,
+                        pci_bus_id=self._ep.device_pci_bus_id(self.device_index), pid=os.getpid(),
+                        buffer_addr=self.buffer_addr, buffer_bytes=self.buffer_bytes, ipc_handle=handle,
+                        generation=self.generation, nic=detect_nic(self.config.device_name), p2p=p2p)
+
+    def _gather(self, info: RankInfo, what: str) -> List[RankInfo]:
+        raw = all_gather_bytes(self.group, info.encode(), self.timeout_s, what)
+        return [RankInfo.decode(b, r) for r, b in enumerate(raw)]
+
+    def _p2p_row(self, infos: List[RankInfo]) -> List[int]:
+        """1 where this process can map rank r's GPU with CUDA IPC (same host, peer access)."""
+        import torch
+        bus_to_dev: Dict[str, int] = {}
+        for d in range(torch.cuda.device_count()):
+            bus_to_dev[self._ep.device_pci_bus_id(d).lower()] = d
+        me = infos[self.rank]
+        row = []
+        for info in infos:
+            dev = bus_to_dev.get(info.pci_bus_id.lower()) if info.host == me.host else None
+            row.append(int(dev is not None and bool(self._ep.can_access_peer(self.device_index, dev))))
+        return row
+
+    def connect(self) -> None:
+        """Collective: exchange descriptions, plan, connect every kind. Raises naming the problem."""
+        first = self._gather(self._my_info([]), "EP transport setup (rank descriptions)")
+        row = self._p2p_row(first)
+        infos = self._gather(self._my_info(row), "EP transport setup (peer-access table)")
+        nodes = node_ids([i.host for i in infos], self.config.ranks_per_node)
+        self.infos = [RankInfo(**{**i.__dict__, "node": n}) for i, n in zip(infos, nodes)]
+        self.plan = plan_transports(self.config.transport, self.config.allow_nvlink, nodes,
+                                    [i.p2p for i in self.infos], [i.nic for i in self.infos])
+        mine = self.plan[self.rank]
+        links: Dict[int, PeerLink] = {}
+        for kind in KINDS:
+            used_anywhere = any(kind in row_ for row_ in self.plan)
+            if not used_anywhere:
+                continue
+            peers = [r for r in range(self.num_ranks) if mine[r] == kind]
+            links.update(self._transport(kind).connect(peers, self.infos))
+        self.links = [links[r] for r in range(self.num_ranks)]
+        log.info("rank %d transports: %s", self.rank,
+                 ", ".join(f"{link.rank}:{link.kind}" for link in self.links))
+
+    def _transport(self, kind: str) -> Transport:
+        t = self._transports.get(kind)
+        if t is None:
+            if kind == "local":
+                t = LocalTransport(self.rank, self.buffer_addr)
+            elif kind == "nvlink":
+                t = NvlinkTransport(self._ep, self.rank)
+            elif kind in NIC_KINDS:
+                from .ibgda import NicTransport
+                t = NicTransport(kind, self.group, self.config, self.rank, self.num_ranks,
+                                 self.buffer_addr, self.buffer_bytes, self.timeout_s)
+            else:
+                raise ValueError(f"unknown transport kind {kind!r}")
+            self._transports[kind] = t
+        return t
+
+    def reconnect(self) -> None:
+        """Collective: drop every connection and build them again (update_ep_member: a peer may have
+        restarted with a new buffer, new QPs and new keys)."""
+        for kind, t in self._transports.items():
+            t.disconnect([r for r in range(self.num_ranks) if self.plan and self.plan[self.rank][r] == kind])
+        self.generation += 1
+        self.connect()
+
+    def close(self) -> None:
+        for t in self._transports.values():
+            t.close()
+        self._transports.clear()
+        self.links = []
+
+    # ------------------------------------------------------------------ tables for the kernels
+    def nic_link(self) -> Optional[PeerLink]:
+        return next((link for link in self.links if link.kind in NIC_KINDS), None)
+
+    def lkey(self) -> int:
+        for t in self._transports.values():
+            key = getattr(t, "lkey", None)
+            if key is not None:
+                return int(key)
+        return 0
+
+    def qps_per_peer(self) -> int:
+        counts = {len(link.qp_contexts) for link in self.links if link.kind in NIC_KINDS}
+        if len(counts) > 1:
+            raise RuntimeError(f"NIC peers have different QP counts {sorted(counts)}")
+        return counts.pop() if counts else 1

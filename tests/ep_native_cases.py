@@ -1,0 +1,204 @@
+"""Per-rank bodies of the native EP GPU tests (tests/test_ep_native_gpu.py runs them in DistPool workers
+over gloo). Each rank drives a native EpBuffer on its GPU next to a reference EpBuffer on the CPU
+(pyep.ep.reference over the same gloo group) and compares what both return."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class Shape:
+    T: int
+    H: int
+    E: int
+    K: int
+
+
+def setup_device() -> int:
+    import torch
+    import torch.distributed as dist
+    dev = dist.get_rank() % torch.cuda.device_count()
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def make_inputs(seed: int, rank: int, s: Shape, n: int, routing: str):
+    """x bf16 [n, H], topk int64 [n, K] (distinct experts per row, -1 allowed), weights fp32 [n, K]."""
+    import torch
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    x = (torch.randn(n, s.H, generator=g) * 2.5).to(torch.bfloat16)
+    if n:
+        x[0, :64] = 0              # an all-zero FP8 group exercises the amax floor
+    topk = torch.rand(n, s.E, generator=g).argsort(dim=1)[:, :s.K].to(torch.int64).contiguous()
+    if routing == "one":           # every token to expert 0 (slot 0), nothing else
+        topk[:, 0] = 0
+        topk[:, 1:] = -1
+    elif routing == "sparse":      # most entries unused
+        topk[torch.rand(n, s.K, generator=g) < 0.6] = -1
+    elif routing == "hot":         # half the tokens hit the last expert
+        hot = torch.rand(n, generator=g) < 0.5
+        col = topk[hot]
+        col[(col == s.E - 1).any(dim=1) == False, 0] = s.E - 1  # noqa: E712
+        topk[hot] = col
+    w = torch.rand(n, s.K, generator=g)
+    return x, topk, w
+
+
+def expert_fn(recv: Any, counts: Any, e_offset: int) -> Any:
+    """A stand-in expert: dequantised input times a per-expert factor, as bf16 [E_l, R*T, H]. Uses only
+    ops on existing tensors, so it can sit inside a CUDA-graph capture."""
+    import torch
+    if isinstance(recv, tuple):
+        q, sc = recv
+        groups = q.shape[-1] // 128
+        if sc.dtype == torch.int32:   # UE8M0: four exponent bytes per int32, group 4j lowest
+            wd = sc.to(torch.int64) & 0xFFFFFFFF
+            b = torch.stack([(wd >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
+            sc = (b.reshape(*sc.shape[:-1], sc.shape[-1] * 4)[..., :groups].to(torch.int32) << 23).view(torch.float32)
+        qf = q.to(torch.float32).reshape(*q.shape[:-1], groups, 128)
+        y = (qf * sc.unsqueeze(-1)).reshape(q.shape)
+    else:
+        y = recv.float()
+    factor = 1.0 + (torch.arange(y.shape[0], dtype=torch.float32, device=y.device) + e_offset) / 16.0
+    return (y * factor.view(-1, 1, 1)).to(torch.bfloat16)
+
+
+def _cpu(t: Any) -> Any:
+    return t.detach().cpu() if t is not None else None
+
+
+def compare_dispatch(tag: str, got: Tuple, want: Tuple, use_fp8: bool) -> None:
+    import torch
+    g_recv, g_cnt, g_h = got[0], _cpu(got[1]), got[2]
+    w_recv, w_cnt, w_h = want[0], want[1], want[2]
+    assert torch.equal(g_cnt, w_cnt), f"{tag}: recv_count {g_cnt.tolist()} != reference {w_cnt.tolist()}"
+    assert torch.equal(_cpu(g_h.layout_range), w_h.layout_range), f"{tag}: layout_range differs"
+    g_slot, w_slot = _cpu(g_h.extras["topk_slot"]), w_h.extras["topk_slot"]
+    g_src = _cpu(g_h.src_info)
+    if use_fp8:
+        gq, gs = _cpu(g_recv[0]), _cpu(g_recv[1])
+        wq, ws = w_recv
+    else:
+        gx = _cpu(g_recv)
+    for e, n in enumerate(w_cnt.tolist()):
+        assert torch.equal(g_src[e, :n], w_h.src_info[e, :n]), f"{tag}: src_info of local expert {e} differs"
+        assert torch.equal(g_slot[e, :n], w_slot[e, :n]), f"{tag}: top-k slots of local expert {e} differ"
+        if use_fp8:
+            assert torch.equal(gq[e, :n].view(torch.uint8), wq[e, :n].view(torch.uint8)), \
+                f"{tag}: FP8 payload of local expert {e} differs"
+            assert torch.equal(gs[e, :n].contiguous().view(torch.int32), ws[e, :n].contiguous().view(torch.int32)), \
+                f"{tag}: scales of local expert {e} differ"
+        else:
+            assert torch.equal(gx[e, :n].view(torch.int16), w_recv[e, :n].view(torch.int16)), \
+                f"{tag}: BF16 payload of local expert {e} differs"
+
+
+def compare_combine(tag: str, got: Any, want: Any) -> None:
+    import torch
+    got = _cpu(got)
+    if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+        diff = (got.float() - want.float()).abs()
+        raise AssertionError(f"{tag}: combine output differs from the reference (max |diff| {diff.max().item():.3g}, "
+                             f"{int((diff > 0).sum())} of {diff.numel()} elements)")
+
+
+def new_buffers(shape: Shape, transport: str, **kw: Any):
+    import torch.distributed as dist
+    from pyep.ep import EpBuffer
+    common = dict(num_max_dispatch_tokens_per_rank=shape.T, hidden=shape.H, num_experts=shape.E,
+                  max_topk=max(shape.K, 1), **kw)
+    nat = EpBuffer(dist.group.WORLD, backend="native", transport=transport, **common)
+    ref = EpBuffer(dist.group.WORLD, backend="reference", **{k: v for k, v in common.items()
+                                                            if k not in ("ranks_per_node", "num_qps_per_peer")})
+    return nat, ref
+
+
+def run_case(nat: Any, ref: Any, shape: Shape, seed: int, n: int, routing: str, *, use_fp8: bool = False,
+             round_scale: bool = False, use_ue8m0: bool = False, mode: str = "plain", zero_copy: bool = False) -> None:
+    """One dispatch + combine on both backends; mode: plain, hook, async."""
+    import torch
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    tag = f"rank {rank} seed {seed} n={n} {routing} fp8={use_fp8}/{round_scale}/{use_ue8m0} {mode} zc={zero_copy}"
+    x, topk, w = make_inputs(seed, rank, shape, n, routing)
+    dx, dtopk, dw = x.cuda(), topk.cuda(), w.cuda()
+    stats = torch.zeros(nat.num_local_experts, dtype=torch.int32, device="cuda")
+    kw = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    got = nat.dispatch(dx, dtopk, async_finish=mode == "async", return_recv_hook=mode == "hook",
+                       cumulative_local_expert_recv_stats=stats, **kw)
+    if mode == "hook":
+        got[4]()
+    elif mode == "async":
+        got[3].current_stream_wait()
+    want = ref.dispatch(x, topk, **kw)
+    torch.cuda.synchronize()
+    compare_dispatch(tag, got, want, use_fp8)
+    assert torch.equal(stats.cpu(), got[1].cpu()), f"{tag}: cumulative stats {stats.tolist()} != recv_count"
+    e_off = rank * nat.num_local_experts
+    y_n = expert_fn(got[0], got[1], e_off)
+    y_r = expert_fn(want[0], want[1], e_off)
+    if zero_copy:
+        nat.get_next_combine_buffer(got[2]).copy_(y_n)
+    out = nat.combine(y_n, dtopk, dw, got[2], zero_copy=zero_copy, async_finish=mode == "async",
+                      return_recv_hook=mode == "hook")
+    if mode == "hook":
+        out[2]()
+    elif mode == "async":
+        out[1].wait()
+    ref_out = ref.combine(y_r, topk, w, want[2])
+    torch.cuda.synchronize()
+    compare_combine(tag, out[0], ref_out[0])
+
+
+def correctness(shape_args: Tuple[int, int, int, int], transport: str, ranks_per_node: Optional[int],
+                virtual_env: Optional[str], cases: str) -> Dict[str, Any]:
+    """The main matrix for one shape and transport setting."""
+    import torch
+    setup_device()
+    if virtual_env is not None:
+        os.environ["PYEP_VIRTUAL_NODE_SIZE"] = virtual_env
+    try:
+        shape = Shape(*shape_args)
+        kw = {"ranks_per_node": ranks_per_node} if ranks_per_node else {}
+        nat, ref = new_buffers(shape, transport, **kw)
+    finally:
+        os.environ.pop("PYEP_VIRTUAL_NODE_SIZE", None)
+    table = [p.kind for p in nat.transport_table()]
+    T = shape.T
+    full = [(1, T, "uniform", {}), (2, T // 2 + 1, "uniform", dict(use_fp8=True)),
+            (3, T, "sparse", dict(use_fp8=True, round_scale=True)),
+            (4, T, "one", dict(use_fp8=True, round_scale=True, use_ue8m0=True)),
+            (5, 0, "uniform", {}), (6, T, "hot", dict(mode="hook")),
+            (7, T, "uniform", dict(use_fp8=True, mode="async")), (8, T - 1, "sparse", dict(zero_copy=True)),
+            (9, T, "uniform", dict(use_fp8=True, use_ue8m0=True, round_scale=True, mode="hook"))]
+    chosen = full if cases == "all" else [c for c in full if c[0] in (1, 3, 4, 5)]
+    for seed, n, routing, kw in chosen:
+        run_case(nat, ref, shape, seed, n, routing, **kw)
+    two_in_flight(nat, ref, shape)
+    nat.destroy()
+    ref.destroy()
+    torch.cuda.synchronize()
+    return {"transports": table}
+
+
+def two_in_flight(nat: Any, ref: Any, shape: Shape) -> None:
+    """dispatch A, dispatch B (hooks), receive both, combine A, combine B: both buffer halves live."""
+    import torch
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    ins = [make_inputs(s, rank, shape, shape.T, "uniform") for s in (21, 22)]
+    got = [nat.dispatch(x.cuda(), t.cuda(), use_fp8=False, return_recv_hook=True) for x, t, _ in ins]
+    for g in got:
+        g[4]()
+    want = [ref.dispatch(x, t, use_fp8=False) for x, t, _ in ins]
+    outs = []
+    for g, (x, t, w) in zip(got, ins):
+        y = expert_fn(g[0], g[1], rank * nat.num_local_experts)
+        outs.append(nat.combine(y, t.cuda(), w.cuda(), g[2])[0])
+    for i, (g, wnt, (x, t, w)) in enumerate(zip(got, want, ins)):
+        compare_dispatch(f"rank {rank} in-flight #{i}", g, wnt, False)
+        y = expert_fn(wnt[0], wnt[1], rank * nat.num_local_experts)
+        compare_combine(f"rank {rank} in-flight #{i}", outs[i], ref.combine(y, t, w, wnt[2])[0])
+    torch.cuda.synchronize()

@@ -1,0 +1,238 @@
+"""A simulated EP world for the CPU build of the low-latency kernels (ll_sim): R ranks in one process,
+host buffers laid out by pyep.ep.layout, peers connected by direct stores or by the simulated NIC, and
+a brute-force oracle of what every rank must receive and combine."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from pyep.ep import fp8
+from pyep.ep.layout import ll_buffer_layout, ws_words
+
+
+def load(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("ll_sim", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class SoftNicMesh:
+    """The real softnic (pyep.softnic) as the NIC of the simulated world: one softnic per rank in this
+    process, shared-memory buffers, a full mesh of RC QPs between the NIC pairs."""
+
+    def __init__(self, R: int, nbytes: int, pairs: set, nqp: int, log_sq: int = 8) -> None:
+        import numpy as np
+        from pyep.softnic import Placement, SoftNic, SoftNicConfig, new_fabric_id
+        fabric = new_fabric_id()
+        self.nics = [SoftNic(SoftNicConfig(node_id=r + 1, fabric_id=fabric)) for r in range(R)]
+        self.host = [n.alloc_host(nbytes) for n in self.nics]
+        self.bufs = [torch.frombuffer(h.view, dtype=torch.uint8) for h in self.host]
+        for b in self.bufs:
+            b.zero_()
+        self.mrs = [n.reg_mr(h) for n, h in zip(self.nics, self.host)]
+        qps: Dict[Tuple[int, int, int], Any] = {}
+        for (r, d) in pairs:
+            for j in range(nqp):
+                cq = self.nics[r].create_cq(log_sq, Placement.HOST)
+                qps[(r, d, j)] = (cq, self.nics[r].create_qp(cq, log_sq, Placement.HOST))
+        self.qps = qps
+        size = None
+        self.ctx: List[Any] = []
+        for r in range(R):
+            blobs = {}
+            for (r_, d, j), (cq, qp) in qps.items():
+                if r_ != r:
+                    continue
+                self.nics[r].connect(qp, d + 1, qps[(d, r, j)][1].qpn)
+                blobs[(d, j)] = self.nics[r].host_qp(qp, cq).context_bytes()
+                size = len(blobs[(d, j)])
+            arr = np.zeros(max(1, R * nqp * (size or 1)), dtype=np.uint8)
+            for (d, j), b in blobs.items():
+                at = (d * nqp + j) * size
+                arr[at:at + size] = np.frombuffer(b, dtype=np.uint8)
+            self.ctx.append(arr)
+
+    def contexts(self, rank: int) -> int:
+        return int(self.ctx[rank].ctypes.data)
+
+    def errors(self) -> List[str]:
+        return [e for n in self.nics for e in n.events()]
+
+    def executed(self) -> int:
+        """WQEs the softnics executed (NOPs included)."""
+        return sum(self.nics[r].qp_stats(qp).wqes for (r, _, _), (_, qp) in self.qps.items())
+
+    def close(self) -> None:
+        for n in self.nics:
+            n.close()
+
+
+class World:
+    def __init__(self, sim: Any, R: int, T: int, H: int, E: int, K_max: int, grid: int,
+                 nic_pairs: Sequence[Tuple[int, int]] = (), nqp: int = 2, softnic: bool = False) -> None:
+        self.sim, self.R, self.T, self.H, self.E, self.K_max = sim, R, T, H, E, K_max
+        self.lay = ll_buffer_layout(T, H, E, R, K_max)
+        self.e_l = E // R
+        self.ws = [torch.zeros(ws_words(R), dtype=torch.int32) for _ in range(R)]
+        self.active = [torch.ones(R, dtype=torch.int32) for _ in range(R)]
+        nic = {(i, j) for i, j in nic_pairs} | {(j, i) for i, j in nic_pairs}
+        if softnic:
+            self.nic: Any = SoftNicMesh(R, self.lay.total_bytes, nic, nqp)
+            self.bufs = self.nic.bufs
+            keys = [(m.lkey, m.rkey) for m in self.nic.mrs]
+        else:
+            self.bufs = [torch.zeros(self.lay.total_bytes, dtype=torch.uint8) for _ in range(R)]
+            self.nic = sim.SimNic([b.data_ptr() for b in self.bufs], [self.lay.total_bytes] * R, nqp, 8) if nic else None
+            keys = [(1000 + r, 1000 + r) for r in range(R)]
+        self.tables: List[Dict[str, torch.Tensor]] = []
+        self.statics: List[Dict[str, int]] = []
+        for r in range(R):
+            t = {"peer_base": torch.tensor([0 if (r, j) in nic else self.bufs[j].data_ptr() for j in range(R)],
+                                           dtype=torch.int64),
+                 "remote_addr": torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64),
+                 "rkeys": torch.tensor([keys[j][1] for j in range(R)], dtype=torch.int64).to(torch.int32),
+                 "flag_expect": torch.tensor([nqp if (r, j) in nic else 1 for j in range(R)], dtype=torch.int32)}
+            self.tables.append(t)
+            lay = self.lay
+            self.statics.append(dict(
+                rank=r, num_ranks=R, num_local_experts=self.e_l, num_max_tokens=T, hidden=H, max_topk=K_max,
+                buf=self.bufs[r].data_ptr(), peer_base=t["peer_base"].data_ptr(),
+                remote_addr=t["remote_addr"].data_ptr(), rkeys=t["rkeys"].data_ptr(), lkey=keys[r][0],
+                qps=self.nic.contexts(r) if nic else 0, num_qps_per_peer=nqp if nic else 1,
+                flag_expect=t["flag_expect"].data_ptr(), fetch_addr=self.bufs[r].data_ptr() + lay.off_fetch,
+                workspace=self.ws[r].data_ptr(), half_bytes=lay.half_bytes, off_dsig=lay.off_dsig,
+                off_csig=lay.off_csig, off_drecv=lay.off_drecv, off_crecv=lay.off_crecv,
+                msg_bytes=lay.msg_bytes, slots_per_src=lay.slots_per_src, num_blocks=grid))
+
+    def rejoin(self) -> None:
+        """What update_ep_member does on every rank: clear signals and decisions, everyone active."""
+        for r in range(self.R):
+            for off, size in self.lay.signal_ranges:
+                self.bufs[r][off:off + size] = 0
+            self.ws[r].zero_()
+            self.active[r].fill_(1)
+
+    def dispatch(self, inputs: Sequence[Any], half: int, use_fp8: bool = False, round_scale: bool = False,
+                 use_ue8m0: bool = False, ranks: Optional[Sequence[int]] = None, phases: int = 3,
+                 timeout_ns: int = 20_000_000_000, outs: Optional[List[Dict[str, Any]]] = None):
+        ranks = list(range(self.R)) if ranks is None else list(ranks)
+        rows, g = self.R * self.T, self.H // 128
+        if outs is None:
+            outs = []
+            for r in range(self.R):
+                o = {"recv_x": torch.zeros(self.e_l, rows, self.H if use_fp8 else 2 * self.H, dtype=torch.uint8),
+                     "src_info": torch.full((self.e_l, rows), -7, dtype=torch.int32),
+                     "recv_slot": torch.full((self.e_l, rows), -7, dtype=torch.int32),
+                     "layout_range": torch.zeros(self.e_l, self.R, dtype=torch.int64),
+                     "recv_count": torch.full((self.e_l,), -7, dtype=torch.int32),
+                     "cum": torch.zeros(self.e_l, dtype=torch.int32)}
+                if use_fp8:
+                    o["scales"] = (torch.zeros(self.e_l, (g + 3) // 4, rows, dtype=torch.int32) if use_ue8m0 else
+                                   torch.zeros(self.e_l, g, rows, dtype=torch.float32))
+                outs.append(o)
+        calls = []
+        for r in ranks:
+            x, topk, _ = inputs[r]
+            o = outs[r]
+            calls.append(dict(x=x.data_ptr(), topk=topk.data_ptr(), num_tokens=x.shape[0], num_topk=topk.shape[1],
+                              half=half, use_fp8=int(use_fp8), round_scale=int(round_scale),
+                              use_ue8m0=int(use_ue8m0), active=self.active[r].data_ptr(),
+                              recv_x=o["recv_x"].data_ptr(), recv_scales=o["scales"].data_ptr() if use_fp8 else 0,
+                              src_info=o["src_info"].data_ptr(), recv_slot=o["recv_slot"].data_ptr(),
+                              layout_range=o["layout_range"].data_ptr(), recv_count=o["recv_count"].data_ptr(),
+                              cum_stats=o["cum"].data_ptr(), timeout_ns=timeout_ns, phases=phases))
+        self.sim.dispatch([self.statics[r] for r in ranks], calls)
+        return outs
+
+    def combine(self, ys: Sequence[Any], inputs: Sequence[Any], douts: Sequence[Dict[str, Any]], half: int,
+                ranks: Optional[Sequence[int]] = None, phases: int = 3, timeout_ns: int = 20_000_000_000):
+        ranks = list(range(self.R)) if ranks is None else list(ranks)
+        outs = [torch.full((inputs[r][0].shape[0], self.H), float("nan"), dtype=torch.bfloat16) for r in range(self.R)]
+        calls = []
+        for r in ranks:
+            x, topk, w = inputs[r]
+            d = douts[r]
+            calls.append(dict(x=ys[r].data_ptr(), topk=topk.data_ptr(), weights=w.data_ptr(), num_tokens=x.shape[0],
+                              num_topk=topk.shape[1], half=half, src_info=d["src_info"].data_ptr(),
+                              recv_slot=d["recv_slot"].data_ptr(), layout_range=d["layout_range"].data_ptr(),
+                              active=self.active[r].data_ptr(), out=outs[r].data_ptr(), timeout_ns=timeout_ns,
+                              phases=phases))
+        self.sim.combine([self.statics[r] for r in ranks], calls)
+        return outs
+
+
+def routing(R: int, e_l: int, inputs: Sequence[Any], me: int, active: Sequence[bool]):
+    """Per local expert of `me`: the (source rank, token, k) rows in receive order."""
+    out = []
+    for le in range(e_l):
+        ge = me * e_l + le
+        rows = []
+        for r in range(R):
+            if active[r]:
+                rows += [(r, t, k) for t, k in (inputs[r][1] == ge).nonzero().tolist()]
+        out.append(rows)
+    return out
+
+
+def check_dispatch(w: World, inputs: Sequence[Any], outs: Sequence[Dict[str, Any]], me: int, active: Sequence[bool],
+                   use_fp8: bool, round_scale: bool, use_ue8m0: bool, tag: str) -> None:
+    o = outs[me]
+    exp = routing(w.R, w.e_l, inputs, me, active)
+    quant = [fp8.quantize_fp8(inputs[r][0], round_scale) if use_fp8 else None for r in range(w.R)]
+    assert o["recv_count"].tolist() == [len(rows) for rows in exp], f"{tag}: counts {o['recv_count'].tolist()}"
+    assert torch.equal(o["cum"], o["recv_count"]), f"{tag}: cumulative stats"
+    for le, rows in enumerate(exp):
+        per_src = [sum(1 for r_, _, _ in rows if r_ == r) for r in range(w.R)]
+        begins = [sum(per_src[:r]) for r in range(w.R)]
+        want_lr = [(b << 32) | c for b, c in zip(begins, per_src)]
+        assert o["layout_range"][le].tolist() == want_lr, f"{tag}: layout_range of expert {le}"
+        for i, (r, t, k) in enumerate(rows):
+            assert int(o["src_info"][le, i]) == t and int(o["recv_slot"][le, i]) == k, f"{tag}: header of row {i}"
+            if use_fp8:
+                q, sc = quant[r]
+                assert torch.equal(o["recv_x"][le, i], q[t].view(torch.uint8)), f"{tag}: fp8 row {i} of expert {le}"
+                if use_ue8m0:
+                    assert torch.equal(o["scales"][le, :, i], fp8.pack_ue8m0(sc[t])), f"{tag}: ue8m0 row {i}"
+                else:
+                    assert torch.equal(o["scales"][le, :, i], sc[t]), f"{tag}: scales row {i} of expert {le}"
+            else:
+                assert torch.equal(o["recv_x"][le, i].view(torch.bfloat16), inputs[r][0][t]), f"{tag}: bf16 row {i}"
+
+
+def expert_outputs(w: World, outs: Sequence[Dict[str, Any]], use_fp8: bool, use_ue8m0: bool, seed: int):
+    """A made-up expert output per received row (bf16 [E_l, R*T, H]) and the rows' source positions."""
+    ys = []
+    for r in range(w.R):
+        g = torch.Generator().manual_seed(seed * 31 + r)
+        ys.append((torch.randn(w.e_l, w.R * w.T, w.H, generator=g) * 2).to(torch.bfloat16))
+    return ys
+
+
+def check_combine(w: World, inputs: Sequence[Any], ys: Sequence[Any], outs: Sequence[Any], me: int,
+                  active: Sequence[bool], tag: str) -> None:
+    """out[t] = sum over k ascending of w * y(row of (me, t, k) at its owner), fp32, one bf16 rounding."""
+    x, topk, wts = inputs[me]
+    acc = torch.zeros(x.shape[0], w.H, dtype=torch.float32)
+    row_of: Dict[Tuple[int, int], Tuple[int, int, int]] = {}
+    for owner in range(w.R):
+        if not active[owner]:
+            continue
+        for le, rows in enumerate(routing(w.R, w.e_l, inputs, owner, active)):
+            for i, (r, t, k) in enumerate(rows):
+                if r == me:
+                    row_of[(t, k)] = (owner, le, i)
+    for k in range(topk.shape[1]):
+        for t in range(x.shape[0]):
+            e = int(topk[t, k])
+            if e < 0 or not active[e // w.e_l]:
+                continue
+            owner, le, i = row_of[(t, k)]
+            acc[t] = acc[t] + wts[t, k] * ys[owner][le, i].float()
+    want = acc.to(torch.bfloat16)
+    got = outs[me]
+    if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+        diff = (got.float() - want.float()).abs()
+        raise AssertionError(f"{tag}: combine differs (max {diff.max().item():.3g}, {int((diff > 0).sum())} elements)")

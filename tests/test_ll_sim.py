@@ -1,0 +1,198 @@
+"""The low-latency EP kernels (engine/kernels/ll_*.cu) on the CPU: compiled as host C++ with one OS thread
+per GPU thread (tests/ll_sim), several ranks in one process, peers connected by direct stores (the
+NVLink/local path) or through qp.h queue pairs executed by a simulated NIC (the IBGDA path). Checked
+against a brute-force oracle and pyep.ep.fp8: slot assignment, packed layout, headers, FP8 bits in all
+scale modes, combine sums, both buffer halves, split send/receive launches, the timeout marking a
+silent rank, and a rejoin. Each case runs in a worker process with a hard timeout (a kernel bug that
+deadlocks a barrier must fail the test, not hang CI)."""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from typing import Any, Iterator
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIM_DIR = os.path.join(ROOT, "tests", "ll_sim")
+
+
+def _sources():
+    pats = ["tests/ll_sim/*.h", "tests/ll_sim/*.cpp", "engine/kernels/ll_*", "engine/mlx5gda/*.h"]
+    return sorted(f for p in pats for f in glob.glob(os.path.join(ROOT, p)))
+
+
+def build_sim() -> str:
+    """Compiles tests/ll_sim/ll_sim.cpp (cached by source hash); returns the module path."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed to build the CPU simulation of the kernels")
+    import pybind11
+    h = hashlib.sha256()
+    for f in _sources():
+        with open(f, "rb") as fh:
+            h.update(f.encode() + fh.read())
+    out_dir = os.path.join(tempfile.gettempdir(), f"pyep_ll_sim_{h.hexdigest()[:16]}")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    path = os.path.join(out_dir, "ll_sim" + suffix)
+    if os.path.exists(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = path + f".{os.getpid()}.tmp"
+    cmd = ["g++", "-std=c++20", "-O1", "-g0", "-shared", "-fPIC", "-pthread", "-ffp-contract=off",
+           "-DPYEP_LL_THREADS=64", "-I", os.path.join(ROOT, "engine"), "-I", SIM_DIR, "-I", pybind11.get_include(),
+           "-I", sysconfig.get_paths()["include"], os.path.join(SIM_DIR, "ll_sim.cpp"), "-o", tmp]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise AssertionError(f"building the kernel simulation failed:\n{res.stderr[-4000:]}")
+    os.replace(tmp, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sim_pool() -> Iterator[Any]:
+    from multiproc import DistPool
+    path = build_sim()
+    with DistPool(1, start_timeout_s=120.0) as pool:
+        yield pool, path
+
+
+# ------------------------------------------------------------------ cases (run in the worker)
+def _inputs(R, T, H, E, K, seed, routing="uniform", n=None):
+    sys.path.insert(0, SIM_DIR)
+    from ep_native_cases import Shape, make_inputs
+    return [make_inputs(seed, r, Shape(T, H, E, K), T if n is None else n[r], routing) for r in range(R)]
+
+
+def _round(w, inputs, half, tag, fp8=(False, False, False), active=None, ranks=None, phases=3):
+    from world import check_combine, check_dispatch, expert_outputs
+    use_fp8, rs, ue = fp8
+    active = [True] * w.R if active is None else active
+    ranks = list(range(w.R)) if ranks is None else ranks
+    if phases == 3:
+        outs = w.dispatch(inputs, half, use_fp8, rs, ue, ranks=ranks)
+    else:   # the hook path: send launch, then receive launch
+        outs = w.dispatch(inputs, half, use_fp8, rs, ue, ranks=ranks, phases=1)
+        w.dispatch(inputs, half, use_fp8, rs, ue, ranks=ranks, phases=2, outs=outs)
+    for r in ranks:
+        check_dispatch(w, inputs, outs, r, active, use_fp8, rs, ue, f"{tag} rank {r}")
+    ys = expert_outputs(w, outs, use_fp8, ue, seed=half + 3)
+    if phases == 3:
+        combined = w.combine(ys, inputs, outs, half, ranks=ranks)
+    else:
+        w.combine(ys, inputs, outs, half, ranks=ranks, phases=1)
+        combined = w.combine(ys, inputs, outs, half, ranks=ranks, phases=2)
+    for r in ranks:
+        check_combine(w, inputs, ys, combined, r, active, f"{tag} rank {r}")
+    return outs
+
+
+def case_matrix(path: str, R: int, shape, grid: int, nic: str) -> str:
+    sys.path.insert(0, SIM_DIR)
+    from world import World, load
+    sim = load(path)
+    T, H, E, K = shape
+    softnic = nic.startswith("softnic")
+    nic = nic.split("-")[-1]
+    pairs = [] if nic == "none" else [(i, j) for i in range(R) for j in range(i + 1, R)
+                                      if nic == "all" or (i < R // 2) != (j < R // 2)]
+    w = World(sim, R, T, H, E, max(K, 2), grid, nic_pairs=pairs, softnic=softnic)
+    modes = [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]
+    routings = ["uniform", "sparse", "one", "hot"]
+    for i, (mode, routing) in enumerate(zip(modes, routings)):
+        n = [T if (i + r) % 3 else max(0, T - 1 - r) for r in range(R)]
+        _round(w, _inputs(R, T, H, E, K, 10 + i, routing, n), i % 2, f"{nic} round {i} {routing} fp8={mode}", mode,
+               phases=1 if i == 2 else 3)
+    # Both halves in flight: two dispatches, then both combines.
+    a, b = _inputs(R, T, H, E, K, 30), _inputs(R, T, H, E, K, 31)
+    from world import check_combine, check_dispatch, expert_outputs
+    oa = w.dispatch(a, 0)
+    ob = w.dispatch(b, 1)
+    for r in range(R):
+        check_dispatch(w, a, oa, r, [True] * R, False, False, False, f"in-flight A rank {r}")
+        check_dispatch(w, b, ob, r, [True] * R, False, False, False, f"in-flight B rank {r}")
+    ya, yb = expert_outputs(w, oa, False, False, 5), expert_outputs(w, ob, False, False, 6)
+    ca, cb = w.combine(ya, a, oa, 0), w.combine(yb, b, ob, 1)
+    for r in range(R):
+        check_combine(w, a, ya, ca, r, [True] * R, f"in-flight A rank {r}")
+        check_combine(w, b, yb, cb, r, [True] * R, f"in-flight B rank {r}")
+    if w.nic is not None:
+        assert not w.nic.errors(), w.nic.errors()
+        assert w.nic.executed() > 100, w.nic.executed()
+        if softnic:
+            w.nic.close()
+    return "ok"
+
+
+def case_timeout(path: str, nic: str) -> str:
+    """Rank 2 of 3 stays silent: ranks 0 and 1 finish within the timeout, mark it, skip it afterwards
+    without waiting; after a rejoin all three run normally again."""
+    sys.path.insert(0, SIM_DIR)
+    from world import World, load
+    sim = load(path)
+    R, T, H, E, K = 3, 4, 256, 6, 2
+    w = World(sim, R, T, H, E, K, 2, nic_pairs=[(0, 2), (1, 2)] if nic == "nic" else [])
+    _round(w, _inputs(R, T, H, E, K, 50), 0, "healthy")
+    live, mask = [0, 1], [True, True, False]
+    inputs = _inputs(R, T, H, E, K, 51)
+    t0 = time.monotonic()
+    outs = w.dispatch(inputs, 1, ranks=live, timeout_ns=300_000_000)
+    took = time.monotonic() - t0
+    assert 0.3 <= took < 10.0, f"the silent rank's timeout took {took:.3f} s"
+    for r in live:
+        assert w.active[r].tolist() == [1, 1, 0], f"rank {r} active_ranks {w.active[r].tolist()}"
+    from world import check_combine, check_dispatch, expert_outputs
+    for r in live:
+        check_dispatch(w, inputs, outs, r, mask, False, False, False, f"degraded rank {r}")
+    ys = expert_outputs(w, outs, False, False, 9)
+    t0 = time.monotonic()
+    comb = w.combine(ys, inputs, outs, 1, ranks=live, timeout_ns=300_000_000)
+    assert time.monotonic() - t0 < 0.3 * 0.9 + 5.0
+    for r in live:
+        check_combine(w, inputs, ys, comb, r, mask, f"degraded rank {r}")
+    t0 = time.monotonic()
+    _round(w, _inputs(R, T, H, E, K, 52), 0, "degraded again", active=mask, ranks=live)
+    assert time.monotonic() - t0 < 0.3 * 2, "a marked rank must not be waited for again"
+    w.rejoin()
+    _round(w, _inputs(R, T, H, E, K, 53), 0, "after rejoin")
+    _round(w, _inputs(R, T, H, E, K, 54), 1, "after rejoin, other half")
+    return "ok"
+
+
+# ------------------------------------------------------------------ tests
+MATRIX = [
+    (1, (4, 256, 4, 3), 2, "none"),
+    (2, (6, 384, 8, 3), 2, "none"),
+    (3, (5, 256, 6, 4), 3, "none"),
+    (2, (4, 2048, 4, 2), 2, "none"),
+    (2, (6, 384, 8, 3), 2, "all"),
+    (4, (3, 256, 8, 3), 1, "cross"),
+    (2, (4, 384, 8, 3), 2, "softnic-all"),
+    (4, (3, 256, 8, 2), 1, "softnic-cross"),
+]
+
+
+def _has_softnic() -> bool:
+    from pyep._native import load
+    mod = load()
+    return mod is not None and hasattr(mod, "SoftNic")
+
+
+@pytest.mark.parametrize("R,shape,grid,nic", MATRIX)
+def test_kernels_match_oracle(sim_pool, R, shape, grid, nic):
+    if nic.startswith("softnic") and not _has_softnic():
+        pytest.skip("pyep._engine has no softnic in this build")
+    pool, path = sim_pool
+    assert pool.run(case_matrix, path, R, shape, grid, nic, timeout_s=240) == ["ok"]
+
+
+@pytest.mark.parametrize("nic", ["direct", "nic"])
+def test_silent_rank_times_out_and_rejoins(sim_pool, nic):
+    pool, path = sim_pool
+    assert pool.run(case_timeout, path, nic, timeout_s=240) == ["ok"]
