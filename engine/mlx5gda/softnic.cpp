@@ -290,6 +290,7 @@ QpInfo SoftNicProvider::create_qp(const CqInfo& cq_info, uint32_t log_sq, Placem
     m.qp_slot_used[slot] = true;
     ++c.users;
     q->stats.qpn = q->qpn;
+    m.prepare_qp_cuda(*q);
     m.publish_qp(*q);
     QpInfo info;
     info.qpn = q->qpn;
@@ -337,6 +338,7 @@ void SoftNicProvider::modify_qp_rtr2rts(uint32_t qpn, const ConnectAttr& attr) {
     // IB: each of (retry_cnt + 1) attempts waits 4.096 us * 2^ack_timeout; ack_timeout 0 = forever.
     q.retry_ns = attr.ack_timeout ? (4096ull << attr.ack_timeout) * (attr.retry_cnt + 1ull) : 0;
     m.set_state(q, prm::kQpsRts);
+    m.prepare_peer_cuda(q.remote_node);
 }
 
 void SoftNicProvider::modify_qp_to_reset(uint32_t qpn) {

@@ -150,6 +150,12 @@ class CudaBackendImpl final : public CudaBackend {
     }
 
     void* create_stream() override {
+        // Load the atomic kernel now. With CUDA's lazy module loading (the default) its first launch
+        // would load it then, and loading may wait for kernels already running on the device: the
+        // posting kernels that are waiting for this very atomic. Streams are created by control calls
+        // (QP creation), before any poster runs.
+        cudaFuncAttributes attr;
+        if (!ok(cudaFuncGetAttributes(&attr, softnic_atomic_kernel), "loading the softnic atomic kernel")) return nullptr;
         cudaStream_t s = nullptr;
         if (!ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags")) return nullptr;
         return s;

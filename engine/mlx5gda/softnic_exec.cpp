@@ -431,5 +431,38 @@ Step Impl::execute(QpObj& q, const uint8_t* wqe, uint64_t now) {
     return Step::Done;
 }
 
+void Impl::prepare_qp_cuda(QpObj& q) {
+    if (cuda && !ensure_stream(*this, q))
+        event("QP " + hex(q.qpn) + ": CUDA stream/scratch not created up front: " + cuda->last_error());
+}
+
+void Impl::prepare_peer_cuda(uint64_t node) {
+    if (!cuda) return;
+    PeerView* p = peer(node, gda::now_ns());
+    if (!p->alive || !p->base || p->pid == (int32_t)getpid()) return;
+    const auto* ph = static_cast<const SegHeader*>(p->base);
+    for (uint32_t i = 0; i < ph->max_mrs; ++i) {
+        MrEntry e{};
+        if (!seq_snapshot(&mr_entries(p->base)[i], &e, sizeof(e)) || !e.valid || (MemKind)e.kind != MemKind::Cuda)
+            continue;
+        const std::string handle(reinterpret_cast<const char*>(e.ipc), sizeof(e.ipc));
+        void*& base = p->ipc[handle];
+        if (!base) base = cuda->open_ipc(e.ipc);
+        if (!base) {
+            p->ipc.erase(handle);
+            event("node " + std::to_string(node) + " MR " + hex(e.key) + ": IPC handle not opened up front: " +
+                  cuda->last_error());
+            continue;
+        }
+        if (e.device >= 0 && e.device != device &&
+            std::find(peer_access.begin(), peer_access.end(), e.device) == peer_access.end()) {
+            if (!cuda->enable_peer(device, e.device))
+                event("no peer access from GPU " + std::to_string(device) + " to GPU " + std::to_string(e.device) +
+                      ": " + cuda->last_error());
+            peer_access.push_back(e.device);
+        }
+    }
+}
+
 }  // namespace nic
 }  // namespace pyep

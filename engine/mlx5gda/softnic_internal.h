@@ -178,6 +178,11 @@ struct nic::SoftNicProvider::Impl {
                        const std::string& why);
     softnic::PeerView* peer(uint64_t node, uint64_t now);
     void drop_peers_cache();
+    // CUDA setup done from control calls, never lazily from the engine thread: cudaHostAlloc,
+    // cudaIpcOpenMemHandle and peer enabling can wait for running kernels, and the kernels that are
+    // running are the posters waiting on this very softnic (a deadlock until their timeout).
+    void prepare_qp_cuda(softnic::QpObj& q);
+    void prepare_peer_cuda(uint64_t node);
 };
 
 namespace softnic {

@@ -182,8 +182,32 @@ class NativeBackend:
         s.half_bytes, s.off_dsig, s.off_csig = lay.half_bytes, lay.off_dsig, lay.off_csig
         s.off_drecv, s.off_crecv = lay.off_drecv, lay.off_crecv
         s.msg_bytes, s.slots_per_src = lay.msg_bytes, lay.slots_per_src
-        s.num_blocks = int(self._ep.num_sms(self.device.index))
+        s.num_blocks = self._grid_size()
         return s
+
+    def _grid_size(self) -> int:
+        """Blocks per LL kernel. Every block must be resident at once (blocks wait on each other's
+        signals), so ranks that share one GPU split its SMs; PYEP_LL_NUM_BLOCKS overrides."""
+        import os
+        import socket
+
+        import torch
+        import torch.distributed as dist
+        sms = int(self._ep.num_sms(self.device.index))
+        env = os.environ.get("PYEP_LL_NUM_BLOCKS")
+        if env:
+            n = int(env)
+            if not 1 <= n <= sms:
+                raise ValueError(f"PYEP_LL_NUM_BLOCKS={env} must be in 1..{sms} (SMs of {self.device})")
+            return n
+        me = (socket.gethostname(), str(torch.cuda.get_device_properties(self.device).uuid))
+        everyone: List[Any] = [None] * self.num_ranks
+        dist.all_gather_object(everyone, me, group=self.group)
+        sharing = sum(1 for x in everyone if tuple(x) == me)
+        if sharing > 1:
+            log.info("rank %d: %d ranks share %s: %d of %d SMs each", self.rank, sharing, self.device,
+                     max(1, sms // sharing), sms)
+        return max(1, sms // sharing)
 
     def _check_shared_memory(self) -> None:
         """The kernels keep per-expert tables in shared memory; refuse shapes that do not fit (every

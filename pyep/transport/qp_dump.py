@@ -39,7 +39,8 @@ TRIGGER_ENV = "PYEP_QP_DUMP_TRIGGER"
 DIR_ENV = "PYEP_QP_DUMP_DIR"
 TRIGGER_POLL_S = 0.5
 ERROR_KINDS = {0: "none", 1: "error CQE", 2: "no ring space in time (completions stopped)",
-               3: "doorbell order timeout (an earlier poster never rang)", 4: "quiet timeout (posted WQEs never completed)"}
+               3: "doorbell order timeout (an earlier poster never rang)",
+               4: "quiet timeout (posted WQEs never completed)"}
 QP_STATES = {0: "RESET", 1: "INIT", 2: "RTR", 3: "RTS", 6: "ERR"}
 
 
@@ -129,7 +130,7 @@ def _error(err: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def last_error_cqe(ring: bytes, log_size: int, ci: int) -> Optional[Dict[str, Any]]:
-    """The newest error CQE in a send CQ ring whose consumer index is `ci`, decoded (None if none).
+    """The newest error CQE in a send CQ ring whose consumer index is `ci` (None if none), decoded.
     Unconsumed entries (owner bit of the current pass) are newer than consumed ones, which stay in the
     ring until overwritten: the newest is the last valid unconsumed entry, else the one before ci."""
     from .. import wqe
@@ -147,12 +148,16 @@ def last_error_cqe(ring: bytes, log_size: int, ci: int) -> Optional[Dict[str, An
             break
         ahead.append((ci + k, c))
     behind = [(ci - k, entry(ci - k)) for k in range(1, size - len(ahead) + 1) if ci - k >= 0]
-    for idx, c in list(reversed(ahead)) + behind:
-        if c.opcode != wqe.CqeOpcode.INVALID and c.is_error:
-            d = c.to_json()
-            d.update(index=idx, consumed=idx < ci)
-            return d
-    return None
+    errors = [(idx, c) for idx, c in list(reversed(ahead)) + behind
+              if c.opcode != wqe.CqeOpcode.INVALID and c.is_error]
+    if not errors:
+        return None
+    # After the failing WQE every later one completes as a flush: the newest error that is not a
+    # flush is the one that says why, so prefer it.
+    idx, c = next(((i, c) for i, c in errors if c.syndrome != wqe.Syndrome.WR_FLUSH_ERR), errors[0])
+    d = c.to_json()
+    d.update(index=idx, consumed=idx < ci, error_cqes_in_ring=len(errors))
+    return d
 
 
 def _provider_view(provider: Any, qpn: int) -> Dict[str, Any]:
@@ -205,6 +210,22 @@ def dump_ref(ref: QpRef, read_cq: bool = True) -> Dict[str, Any]:
         except (RuntimeError, ValueError) as exc:
             out["cq_read_error"] = str(exc)
     return out
+
+
+def refs_from_table(links: Sequence[Any], table: Any, qps_per_peer: int, provider: Any = None) -> List[QpRef]:
+    """QpRefs for a backend that packs every NIC link's QP contexts into one tensor, context j of peer r
+    at (r * qps_per_peer + j) * context size (pyep.ep.native's layout): `links` are PeerLinks (rank,
+    qp_contexts = the contexts' initial bytes, which name the QP), `table` the tensor the kernels use."""
+    size = int(_engine().qp_context_size)
+    refs: List[QpRef] = []
+    for link in links:
+        for j, initial in enumerate(getattr(link, "qp_contexts", None) or ()):
+            if len(initial) != size:
+                raise ValueError(f"rank {link.rank}'s QP context {j} is {len(initial)} bytes, not {size}")
+            at = (int(link.rank) * qps_per_peer + j) * size
+            qpn = int(_engine().decode_qp_context(bytes(initial))["qpn"])
+            refs.append(QpRef(peer=int(link.rank), qpn=qpn, context=table[at:at + size], index=j, provider=provider))
+    return refs
 
 
 def refs_of(obj: Any) -> List[QpRef]:
@@ -290,7 +311,9 @@ class DumpTriggers:
         if sig is not None:
             self._previous = signal.signal(sig, self._on_signal)
         if trigger:
-            self._thread = threading.Thread(target=self._watch, name=f"pyep-qp-dump-{rank}", daemon=True)
+            # The baseline is taken here, not in the thread: a touch right after installation must count.
+            self._thread = threading.Thread(target=self._watch, args=(_mtime(trigger),), name=f"pyep-qp-dump-{rank}",
+                                            daemon=True)
             self._thread.start()
 
     def dump(self, reason: str) -> Optional[str]:
@@ -307,8 +330,7 @@ class DumpTriggers:
         if callable(prev) and prev not in (signal.default_int_handler,):
             prev(signum, frame)
 
-    def _watch(self) -> None:
-        last = _mtime(self.trigger)
+    def _watch(self, last: Optional[float]) -> None:
         while not self._stop.wait(TRIGGER_POLL_S):
             now = _mtime(self.trigger)
             if now is not None and now != last:
@@ -323,7 +345,11 @@ class DumpTriggers:
         if self._thread is not None:
             self._thread.join(timeout=5 * TRIGGER_POLL_S)
         if self._sig is not None and signal.getsignal(self._sig) == self._on_signal:
-            signal.signal(self._sig, self._previous if self._previous is not None else signal.SIG_DFL)
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(self._sig, self._previous if self._previous is not None else signal.SIG_DFL)
+            else:  # only the main thread may change handlers; a dead source makes ours a no-op anyway
+                log.warning("QP dump handler for %s stays installed: close() ran outside the main thread",
+                            self._sig.name)
         self._sig = None
 
 
