@@ -40,6 +40,9 @@ def _engine_ep() -> Any:
     return mod.ep
 
 
+SOFTNIC_RESERVED_SMS = 4
+
+
 class NativeEvent:
     """EventLike over a CUDA event; wait() is bounded and names the operation."""
 
@@ -207,7 +210,12 @@ class NativeBackend:
         if sharing > 1:
             log.info("rank %d: %d ranks share %s: %d of %d SMs each", self.rank, sharing, self.device,
                      max(1, sms // sharing), sms)
-        return max(1, sms // sharing)
+        blocks = max(1, sms // sharing)
+        if any(link.kind == "emulated" for link in self._peers.links):
+            # The softnic executes atomics as one-thread kernels on this GPU while our kernels spin on
+            # signals; an LL block takes most of an SM's shared memory, so leave SMs for those.
+            blocks = max(1, blocks - SOFTNIC_RESERVED_SMS)
+        return blocks
 
     def _check_shared_memory(self) -> None:
         """The kernels keep per-expert tables in shared memory; refuse shapes that do not fit (every
