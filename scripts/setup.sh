@@ -105,7 +105,28 @@ _setup_build() {
         echo "[pyep setup] ERROR: pyep._engine was built but does not import (see the error above)" >&2
         return 1
     fi
+    _check_private_libstdcxx
     (cd "$PYEP_ROOT" && "$PYTHON" -c 'import pyep; print("[pyep setup] pyep:", pyep.availability().describe())')
+}
+
+_check_private_libstdcxx() {
+    # Some images put a compiler wrapper first in CXX whose library path holds only libstdc++.a: the
+    # module then carries a private copy of libstdc++ beside the process's libstdc++.so, and strings or
+    # streams crossing the two crash (seen: free(): invalid pointer, segfaults in ostream on the
+    # softnic thread). Detect it and rebuild with the system compiler.
+    local so
+    so="$(ls -t "$PYEP_ROOT"/pyep/_engine*.so 2>/dev/null | head -n 1 || true)"
+    [[ -n "$so" ]] && command -v nm >/dev/null 2>&1 || return 0
+    if nm -C --defined-only "$so" 2>/dev/null | grep -q 'std::basic_ostream<char, std::char_traits<char> >::_M_insert'; then
+        if [[ -x /usr/bin/g++ && "${CXX:-}" != /usr/bin/g++ ]]; then
+            _warn "pyep._engine linked a private libstdc++ (CXX=${CXX:-c++}); rebuilding with /usr/bin/g++"
+            (cd "$PYEP_ROOT" && CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++ \
+                "$PYTHON" setup.py build_ext --inplace --force >/dev/null 2>&1) ||
+                { echo "[pyep setup] ERROR: rebuild with /usr/bin/g++ failed" >&2; return 1; }
+        else
+            _warn "pyep._engine carries a private libstdc++; set CXX to a compiler that links libstdc++.so"
+        fi
+    fi
 }
 
 pyep_setup() {
