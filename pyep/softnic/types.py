@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import enum
+
 import struct
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional
 
 from .._native import engine
+from ..wqe import Syndrome  # the one Python name table for MLX5_CQE_SYNDROME_*
 
 
 class Access(enum.IntFlag):
@@ -31,23 +33,6 @@ class QpState(enum.IntEnum):
     RTR = 2
     RTS = 3
     ERR = 6
-
-
-class Syndrome(enum.IntEnum):
-    """MLX5_CQE_SYNDROME_* (prm.h)."""
-    LOCAL_LENGTH_ERR = 0x01
-    LOCAL_QP_OP_ERR = 0x02
-    LOCAL_PROT_ERR = 0x04
-    WR_FLUSH_ERR = 0x05
-    MW_BIND_ERR = 0x06
-    BAD_RESP_ERR = 0x10
-    LOCAL_ACCESS_ERR = 0x11
-    REMOTE_INVAL_REQ_ERR = 0x12
-    REMOTE_ACCESS_ERR = 0x13
-    REMOTE_OP_ERR = 0x14
-    TRANSPORT_RETRY_EXC_ERR = 0x15
-    RNR_RETRY_EXC_ERR = 0x16
-    REMOTE_ABORTED_ERR = 0x22
 
 
 class PostStatus(enum.IntEnum):
