@@ -31,3 +31,19 @@ def pool4() -> Iterator[DistPool]:
     """Four gloo ranks on 127.0.0.1."""
     with DistPool(4) as pool:
         yield pool
+
+
+def _write_host_fixtures() -> None:
+    # git keeps no empty directories, and a saved sysfs tree is full of them (an empty
+    # /sys/class/infiniband is the point of the no-RDMA host): rebuild the trees before any test reads
+    # them. The content is deterministic, so a clean checkout stays clean.
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location(
+        "pyep_test_make_hosts", os.path.join(os.path.dirname(__file__), "fixtures", "make_hosts.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.write_all()
+
+
+_write_host_fixtures()
