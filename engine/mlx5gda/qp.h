@@ -171,7 +171,8 @@ PYEP_HD int reserve_wqebbs(Qp* qp, uint32_t n, uint64_t timeout_ns, uint64_t* st
 
 // Rings the doorbell for [start, start+n) once every earlier reservation has rung. `last_ctrl` is
 // the WQEBB holding the last WQE's ctrl segment (its first 8 bytes go to the BlueFlame register).
-PYEP_HD int ring_doorbell(Qp* qp, uint64_t start, uint32_t n, bool signaled, uint64_t timeout_ns) {
+PYEP_HD int ring_doorbell(Qp* qp, uint64_t start, uint32_t n, bool signaled, uint64_t timeout_ns,
+                          uint64_t bytes = 0) {
     uint64_t deadline = 0;
     while (load_acquire_u64(&qp->ready) != start) {
         if (qp_in_error(qp)) return kErrQp;
@@ -191,6 +192,9 @@ PYEP_HD int ring_doorbell(Qp* qp, uint64_t start, uint32_t n, bool signaled, uin
     store_mmio_u64(reinterpret_cast<uint64_t*>(qp->bf + qp->bf_offset), *reinterpret_cast<const uint64_t*>(last));
     qp->bf_offset ^= qp->bf_size;
     if (signaled) qp->signaled = end;
+    // Statistics ride in the ordered section (one poster at a time), so they need no atomics.
+    qp->wqes_posted += n;
+    qp->bytes_posted += bytes;
     store_release_u64(&qp->ready, end);
     return kOk;
 }
@@ -218,12 +222,8 @@ PYEP_HD int post_batch(Qp* qp, const WorkRequest* wrs, uint32_t n, uint64_t time
         encode_wqe(wr, (uint16_t)(start + i), qp->qpn, &words);
         store_wqebb(qp->sq + ((start + i) & (sq_size(qp) - 1)) * prm::kSendWqeBB, words);
     }
-    st = ring_doorbell(qp, start, n, signaled, timeout_ns);
+    st = ring_doorbell(qp, start, n, signaled, timeout_ns, bytes);
     if (end_out) *end_out = end;
-    if (st == kOk) {
-        atomic_fetch_add_u64(&qp->wqes_posted, n);
-        atomic_fetch_add_u64(&qp->bytes_posted, bytes);
-    }
     return st;
 }
 
