@@ -95,6 +95,14 @@ def compare_dispatch(tag: str, got: Tuple, want: Tuple, use_fp8: bool) -> None:
                 f"{tag}: BF16 payload of local expert {e} differs"
 
 
+def check_no_timeouts(tag: str, nat: Any) -> None:
+    """A peer the native buffer marked inactive timed out (timeout_us) in some call: its rows were
+    dropped, so a later output mismatch is a stall (e.g. the softnic's work not getting the GPU), not
+    a data bug. Name it so the two are not confused."""
+    dead = [(p.rank, p.detail) for p in nat.transport_table() if p.kind == "inactive"]
+    assert not dead, f"{tag}: peers marked inactive after a timeout: {dead}"
+
+
 def compare_combine(tag: str, got: Any, want: Any) -> None:
     import torch
     got = _cpu(got)
@@ -149,6 +157,7 @@ def run_case(nat: Any, ref: Any, shape: Shape, seed: int, n: int, routing: str, 
         out[1].wait()
     ref_out = ref.combine(y_r, topk, w, want[2])
     torch.cuda.synchronize()
+    check_no_timeouts(tag, nat)
     compare_combine(tag, out[0], ref_out[0])
 
 
@@ -197,6 +206,8 @@ def two_in_flight(nat: Any, ref: Any, shape: Shape) -> None:
     for g, (x, t, w) in zip(got, ins):
         y = expert_fn(g[0], g[1], rank * nat.num_local_experts)
         outs.append(nat.combine(y, t.cuda(), w.cuda(), g[2])[0])
+    torch.cuda.synchronize()
+    check_no_timeouts(f"rank {rank} in-flight", nat)
     for i, (g, wnt, (x, t, w)) in enumerate(zip(got, want, ins)):
         compare_dispatch(f"rank {rank} in-flight #{i}", g, wnt, False)
         y = expert_fn(wnt[0], wnt[1], rank * nat.num_local_experts)

@@ -122,6 +122,22 @@ def test_cuda_graph_and_profiler(pools, transport):
 
 
 @requires_gpu
+def test_fp8_definition_same_on_cuda_and_cpu():
+    """pyep.ep.fp8 on CUDA must quantize bit-identically to the CPU (and so to the kernels): torch's CUDA
+    division by a Python scalar is a reciprocal multiply, which changed ~0.2% of FP8 values of the
+    benchmark's guard oracle (N(0,1) tokens, H=7168) when compute_scales divided by 448.0."""
+    import torch
+    from pyep.ep import fp8
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(128, 7168, generator=gen).to(torch.bfloat16)
+    for round_scale in (False, True):
+        q_c, s_c = fp8.quantize_fp8(x, round_scale)
+        q_g, s_g = fp8.quantize_fp8(x.cuda(), round_scale)
+        assert torch.equal(s_g.cpu().view(torch.int32), s_c.view(torch.int32)), f"scales differ ({round_scale=})"
+        assert torch.equal(q_g.cpu().view(torch.uint8), q_c.view(torch.uint8)), f"FP8 values differ ({round_scale=})"
+
+
+@requires_gpu
 def test_bad_handles_are_refused(pools):
     pools[2].run(_bad_handles, timeout_s=300)
 

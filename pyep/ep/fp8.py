@@ -5,7 +5,8 @@ For each token row and each group g of 128 consecutive channels (G = H / 128 gro
 
 1. ``amax = max(|x_f32|)`` over the group, then ``amax = max(amax, 1e-4f)`` (fmaxf; keeps all-zero
    groups from producing an infinite inverse scale).
-2. ``scale = amax / 448.0f`` -- an IEEE fp32 division rounded to nearest (no fast-math reciprocal).
+2. ``scale = amax / 448.0f`` -- an IEEE fp32 division rounded to nearest (no fast-math reciprocal; in
+   torch on CUDA that needs a tensor divisor, a Python-scalar divisor becomes ``amax * (1/448)``).
 3. ``round_scale``: scale becomes the smallest power of two >= scale, computed exactly on the bits:
    ``e = (bits >> 23) & 0xff; if (bits & 0x7fffff) e += 1; scale = bits_as_float(e << 23)``.
    (scale >= 1e-4/448 is a normal fp32 number, so this is always well defined.)
@@ -49,7 +50,9 @@ def compute_scales(x: "torch.Tensor", round_scale: bool) -> "torch.Tensor":
     xf = x.to(torch.float32)
     groups = xf.reshape(*xf.shape[:-1], xf.shape[-1] // GROUP, GROUP)
     amax = groups.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    # A tensor divisor, not the Python float: torch's CUDA division by a CPU scalar multiplies by its
+    # reciprocal (off by one fp32 ulp for ~half the groups), which flips FP8 roundings vs the kernels.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if round_scale:
         scale = round_scale_pow2(scale)
     return scale
