@@ -4,22 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from ..ep.config import FP8_GROUP, MAX_HIDDEN, MAX_TOPK, TRANSPORTS
+from ..ep.config import FP8_GROUP, MAX_HIDDEN, MAX_TOPK, TRANSPORTS, _check_int
 
 ROUTING_KINDS = ("uniform", "zipf", "hot")
 BENCH_BACKENDS = ("auto", "native", "reference", "both")
 DISPATCH_DTYPES = ("fp8", "bf16")
 # The DeepEP low-latency sweep: powers of two up to 256 tokens per rank.
 SWEEP_TOKENS: Tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def _int(name: str, value: object, lo: int, hi: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {rng}, got {value}")
-    return value
 
 
 def _float(name: str, value: object, lo: float, hi: float) -> float:
@@ -99,14 +90,14 @@ class BenchConfig:
         if not isinstance(self.tokens, tuple) or not self.tokens:
             raise ValueError(f"tokens must be a non-empty tuple of ints, got {self.tokens!r}")
         for t in self.tokens:
-            _int("tokens", t, 1, 1 << 16)
+            _check_int("tokens", t, 1, 1 << 16)
         if len(set(self.tokens)) != len(self.tokens):
             raise ValueError(f"tokens has duplicates: {self.tokens}")
-        h = _int("hidden", self.hidden, FP8_GROUP, MAX_HIDDEN)
+        h = _check_int("hidden", self.hidden, FP8_GROUP, MAX_HIDDEN)
         if h % FP8_GROUP:
             raise ValueError(f"hidden must be a multiple of {FP8_GROUP}, got {h}")
-        _int("experts", self.experts, 1)
-        _int("topk", self.topk, 1, MAX_TOPK)
+        _check_int("experts", self.experts, 1)
+        _check_int("topk", self.topk, 1, MAX_TOPK)
         if self.topk > self.experts:
             raise ValueError(f"topk ({self.topk}) cannot exceed experts ({self.experts}): each token "
                              "picks distinct experts")
@@ -120,7 +111,7 @@ class BenchConfig:
                                  f"<= experts - 1 ({self.experts - 1})")
         if len({r.label for r in self.routings}) != len(self.routings):
             raise ValueError(f"routings has duplicates: {[r.label for r in self.routings]}")
-        _int("hot_expert", self.hot_expert, 0, self.experts - 1)
+        _check_int("hot_expert", self.hot_expert, 0, self.experts - 1)
         _float("drop_fraction", self.drop_fraction, 0.0, 1.0)
         if self.dispatch_dtype not in DISPATCH_DTYPES:
             raise ValueError(f"dispatch_dtype must be one of {DISPATCH_DTYPES}, got {self.dispatch_dtype!r}")
@@ -133,13 +124,13 @@ class BenchConfig:
             raise ValueError(f"transports has duplicates: {self.transports}")
         if self.backend not in BENCH_BACKENDS:
             raise ValueError(f"backend must be one of {BENCH_BACKENDS}, got {self.backend!r}")
-        _int("iters", self.iters, 1, 100_000)
-        _int("warmup", self.warmup, 0, 100_000)
-        _int("seed", self.seed, 0, 2**31 - 1)
-        _int("timeout_us", self.timeout_us, 1)
+        _check_int("iters", self.iters, 1, 100_000)
+        _check_int("warmup", self.warmup, 0, 100_000)
+        _check_int("seed", self.seed, 0, 2**31 - 1)
+        _check_int("timeout_us", self.timeout_us, 1)
         _float("wait_timeout_s", self.wait_timeout_s, 0.001, 86400.0)
         if self.ranks_per_node is not None:
-            _int("ranks_per_node", self.ranks_per_node, 1)
+            _check_int("ranks_per_node", self.ranks_per_node, 1)
         for flag in ("hook", "kineto", "plot"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")

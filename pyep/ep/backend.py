@@ -101,6 +101,21 @@ class EventLike(Protocol):
 Hook = Callable[[], None]
 
 
+class OnceHook:
+    """The receive hook a backend returns with return_recv_hook: runs the receive half once; calling
+    it again is harmless (DeepEP's hooks behave the same)."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Optional[Callable[[], None]] = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
 class CompletedEvent:
     """An event for work that already finished when the call returned (reference backend, or a
     synchronous native call)."""

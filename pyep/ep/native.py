@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from ._dist import barrier_bounded
-from .backend import (BackendUnavailable, CombineOptions, CombineResult, DispatchOptions, DispatchResult,
+from .backend import (OnceHook, BackendUnavailable, CombineOptions, CombineResult, DispatchOptions, DispatchResult,
                       PeerTransport)
 from .config import EpConfig
 from .layout import LLLayout, ll_buffer_layout, ws_words
@@ -69,18 +69,6 @@ class NativeEvent:
 
     def __repr__(self) -> str:
         return f"NativeEvent({self.what!r})"
-
-
-class _Once:
-    """The receive hook: runs once, later calls do nothing."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self._fn: Optional[Callable[[], None]] = fn
-
-    def __call__(self) -> None:
-        fn, self._fn = self._fn, None
-        if fn is not None:
-            fn()
 
 
 class NativeBackend:
@@ -257,7 +245,7 @@ class NativeBackend:
         return NativeEvent(ev, self.device, what, 2 * timeout_us / 1e6 + 10.0)
 
     def _hook(self, launch: Callable[["torch.cuda.Stream"], None], sent_on: "torch.cuda.Stream",
-              what: str) -> _Once:
+              what: str) -> OnceHook:
         import torch
         sent = torch.cuda.Event()
         sent.record(sent_on)
@@ -268,7 +256,7 @@ class NativeBackend:
                 if cur != sent_on:
                     cur.wait_event(sent)
                 launch(cur)
-        return _Once(run)
+        return OnceHook(run)
 
     # ------------------------------------------------------------------ dispatch / combine
     @staticmethod

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from . import fp8
 from ._dist import all_to_all_bounded, barrier_bounded, group_device
-from .backend import (CombineOptions, CombineResult, CompletedEvent, DispatchOptions, DispatchResult,
+from .backend import (OnceHook, CombineOptions, CombineResult, CompletedEvent, DispatchOptions, DispatchResult,
                       PeerTransport)
 from .config import EpConfig
 
@@ -27,18 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pyep.ep.reference")
 HEADER_BYTES = 16
-
-
-class _OnceHook:
-    """Runs the receive half once; calling it again is harmless."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self._fn: Optional[Callable[[], None]] = fn
-
-    def __call__(self) -> None:
-        fn, self._fn = self._fn, None
-        if fn is not None:
-            fn()
 
 
 def _bytes(t: "torch.Tensor") -> "torch.Tensor":
@@ -172,7 +160,7 @@ class ReferenceBackend:
 
         hook: Optional[Callable[[], None]] = None
         if opts.return_recv_hook:
-            hook = _OnceHook(receive)
+            hook = OnceHook(receive)
         else:
             receive()
         return DispatchResult(recv_x=recv_x.view(torch.float8_e4m3fn) if opts.use_fp8 else recv_x,
@@ -236,7 +224,7 @@ class ReferenceBackend:
 
         hook: Optional[Callable[[], None]] = None
         if opts.return_recv_hook:
-            hook = _OnceHook(receive)
+            hook = OnceHook(receive)
         else:
             receive()
         return CombineResult(out=out, event=CompletedEvent(f"reference combine of dispatch #{handle.seq}"),
