@@ -109,6 +109,9 @@ class EpBuffer:
         self._backend = _make_backend(self._group, config)
         self._device = self._backend.device
         self._destroyed = False
+        # `pyep qp dump` on a running job: PYEP_QP_DUMP_SIGNAL / PYEP_QP_DUMP_TRIGGER (none by default).
+        from ..transport.qp_dump import install_dump_triggers
+        self._qp_dump = install_dump_triggers(self, self._rank) if hasattr(self._backend, "qp_contexts") else None
         log.debug("EpBuffer rank %d/%d: %s, backend %s", self._rank, self._num_ranks,
                   config.describe_shape(self._num_ranks), self._backend.name)
 
@@ -252,6 +255,8 @@ class EpBuffer:
         if self._destroyed:
             return
         self._destroyed = True
+        if self._qp_dump is not None:
+            self._qp_dump.close()
         self._backend.destroy()
 
     def __enter__(self) -> "EpBuffer":

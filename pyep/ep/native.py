@@ -404,6 +404,15 @@ class NativeBackend:
         barrier_bounded(self.group, _ctl_device(self.group), int(self._setup_timeout_s * 1e6),
                         "native clean (every rank cleared its buffer)")
 
+    def qp_contexts(self) -> List[Any]:
+        """The live QP device contexts of the NIC links, for pyep.transport.qp_dump (`pyep qp dump`)."""
+        from ..transport.qp_dump import refs_from_table
+        self._check_alive("qp_contexts")
+        if "qps" not in self._tables or not any(link.qp_contexts for link in self._peers.links):
+            return []
+        return refs_from_table(self._peers.links, self._tables["qps"], self._peers.qps_per_peer(),
+                               self._peers.provider())
+
     def transport_table(self) -> List[PeerTransport]:
         """One entry per rank; a rank this backend's own mask marked after a timeout shows as
         "inactive" (reading the mask waits for the device: a diagnostic, not a hot-path call)."""

@@ -129,6 +129,14 @@ class PeerSet:
                 return int(key)
         return 0
 
+    def provider(self) -> Any:
+        """The NIC provider (softnic or DevX) behind the NIC links, or None when there are none."""
+        for t in self._transports.values():
+            prov = getattr(t, "_prov", None)
+            if prov is not None:
+                return prov
+        return None
+
     def qps_per_peer(self) -> int:
         counts = {len(link.qp_contexts) for link in self.links if link.kind in NIC_KINDS}
         if len(counts) > 1:
