@@ -126,8 +126,11 @@ class NicTransport(Transport):
             ctxs = []
             for q in self._conn.qps(r):
                 qp, cq = q.qp, q.cq
+                # cq_ci=-1 reads the consumer index from the CQ doorbell record, which only host memory
+                # allows (softnic rings); a DevX CQ may live in GPU memory, and connect() always creates
+                # fresh CQs, whose consumer index is 0.
                 host = engine().HostQp(qp["qpn"], qp["log_sq"], qp["sq"], qp["dbrec"], qp["bf"], qp["bf_size"],
-                                       cq["cqes"], cq["dbrec"], cq["log_size"])
+                                       cq["cqes"], cq["dbrec"], cq["log_size"], -1 if self.kind == "emulated" else 0)
                 ctxs.append(bytes(host.context_bytes()))
             detail = (f"softnic node {remote[r].node_id}" if self.kind == "emulated" else self.config.device_name)
             links[r] = PeerLink(rank=r, kind=self.kind, detail=f"{detail}, {self.nqp} QPs", remote_addr=region.addr,
