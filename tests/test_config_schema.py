@@ -30,7 +30,7 @@ def test_example_shapes() -> None:
     single = load_config(os.path.join(CONFIGS, "single_node.yaml"), facts=GPU_BOX)
     assert single.nodes[0].gpus == list(range(8)) and single.launcher.kind == "local"
     virt = load_config(os.path.join(CONFIGS, "two_virtual_nodes.yaml"), facts=GPU_BOX)
-    assert virt.ep.gpus_per_virtual_node == 4 and virt.ep.transport == "emulated"
+    assert virt.ep.gpus_per_virtual_node == 4 and virt.ep.transport == "emulated-internode"
     two = load_config(os.path.join(CONFIGS, "two_nodes.yaml"), facts=GPU_BOX)
     assert two.launcher.kind == "ssh" and len(two.nodes) == 2 and two.nodes[1].nics[7] == "mlx5_7"
     four = load_config(os.path.join(CONFIGS, "four_nodes.yaml"), facts=GPU_BOX)

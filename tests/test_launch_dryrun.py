@@ -57,7 +57,7 @@ def test_virtual_nodes_env() -> None:
     cfg = load_config(os.path.join(CONFIGS, "two_virtual_nodes.yaml"), facts=GPU_BOX)
     (cmd,) = build_plan(cfg, "runs/v", GPU_BOX, parent_env={}).commands
     assert cmd.env["PYEP_VIRTUAL_NODE_SIZE"] == "4"
-    assert cmd.env["PYEP_EP_TRANSPORT"] == "emulated"
+    assert cmd.env["PYEP_EP_TRANSPORT"] == "emulated-internode"
     assert cmd.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
     assert cmd.argv[cmd.argv.index("--nproc-per-node") + 1] == "8"
 

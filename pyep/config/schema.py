@@ -17,7 +17,7 @@ Text = NewType("Text", str)
 SlurmTime = NewType("SlurmTime", str)
 
 LauncherKind = Literal["local", "ssh", "slurm"]
-Transport = Literal["auto", "nvlink", "ibgda", "emulated"]
+Transport = Literal["auto", "nvlink", "ibgda", "emulated", "emulated-internode"]
 EpBackend = Literal["auto", "native", "reference"]
 DistBackend = Literal["auto", "nccl", "gloo"]
 Builtin = Literal["bench", "tests", "reference-demo"]
