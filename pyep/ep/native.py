@@ -200,8 +200,10 @@ class NativeBackend:
                      max(1, sms // sharing), sms)
         blocks = max(1, sms // sharing)
         if any(link.kind == "emulated" for link in self._peers.links):
-            # The softnic executes atomics as one-thread kernels on this GPU while our kernels spin on
-            # signals; an LL block takes most of an SM's shared memory, so leave SMs for those.
+            # The softnic executes WQEs as copies and one-thread atomic kernels on this GPU while our
+            # kernels spin on signals. With a block on every SM those did not get to run (seen on
+            # H200: every emulated peer timed out; with 4 SMs left free the tests pass), though
+            # registers and shared memory would allow co-residency; why is not established.
             blocks = max(1, blocks - SOFTNIC_RESERVED_SMS)
         return blocks
 
