@@ -81,7 +81,7 @@ class ShapeBuffers:
 def template_config(*, backend: str, transport: str, device_name: str, timeout_us: int,
                     num_qps_per_peer: Optional[int], allow_nvlink: bool,
                     num_buffer_bytes: Optional[int], check_values: bool = True) -> EpConfig:
-    # The shape here is a placeholder that passes validation; ShapeBuffers replaces it per call.
+    # A template: the shape only has to pass validation; ShapeBuffers builds a config per call shape.
     return EpConfig(num_max_dispatch_tokens_per_rank=1, hidden=128, num_experts=1, max_topk=MAX_TOPK,
                     transport=transport, allow_nvlink=allow_nvlink, device_name=device_name,
                     timeout_us=timeout_us, num_qps_per_peer=num_qps_per_peer,
