@@ -107,6 +107,14 @@ __device__ __forceinline__ int ld_volatile(const int* p) {
     asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+// Polling a signal: a relaxed (morally strong) load, and once it is seen, fence_acq_rel_sys() in the
+// same thread -- the PTX "acquire pattern" -- instead of an ld.acquire.sys per poll.
+__device__ __forceinline__ int ld_relaxed_sys(const int* p) {
+    int v;
+    asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ float ld_f32(const float* p) {
     float v;
     asm volatile("ld.global.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
@@ -121,6 +129,8 @@ __device__ __forceinline__ void st_v4(void* p, int4 v) { sim_st_v4(p, v); }
 __device__ __forceinline__ int ld_acquire_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 __device__ __forceinline__ void st_release_sys(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 __device__ __forceinline__ int ld_volatile(const int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+__device__ __forceinline__ int ld_relaxed_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+__device__ __forceinline__ void fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 __device__ __forceinline__ float ld_f32(const float* p) {
     float v;
     __builtin_memcpy(&v, p, 4);
@@ -217,6 +227,72 @@ __device__ __forceinline__ int resolve_source(int* state, const int* active, int
     }
     const int prev = atomicCAS(state + r, kUndecided, outcome);
     return prev == kUndecided ? outcome : prev;
+}
+
+// The dispatch receive's version of resolve_source: each source sends E_l count words, and walking
+// them one after another per source made the wait a chain of E_l dependent system-scope loads (tens
+// of microseconds at E_l = 72). Here every thread polls its own (local expert, source) word, so all
+// E words are awaited at once; then one thread per source records the block's verdict with the same
+// CAS protocol, so all blocks still agree. `src_state` [R] and `late` [R] are shared memory; on return
+// src_state[r] is the decision about source r and cnt[p] (p = le * R + r, the signal's own index)
+// the rows source r sent to local expert le (0 unless r arrived).
+__device__ __forceinline__ void wait_counts(int* state, const int* active, const int* sig, int num_ranks,
+                                            int num_pairs, int max_rows, uint64_t timeout_ns, int* src_state,
+                                            int* late, int* cnt) {
+    const int R = num_ranks;
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        int st = ld_volatile(state + r);
+        if (st == kUndecided && ld_volatile(active + r) == 0) {
+            const int prev = atomicCAS(state + r, kUndecided, kInactive);
+            st = prev == kUndecided ? kInactive : prev;
+        }
+        src_state[r] = st;
+        late[r] = 0;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
+        const int r = p % R;
+        if (src_state[r] != kUndecided) continue;
+        uint64_t deadline = 0;
+        for (int spins = 0;; ++spins) {
+            if (ld_relaxed_sys(sig + p) != 0) {
+                fence_acq_rel_sys();
+                break;
+            }
+            LL_SPIN_HINT();
+            if ((spins & 15) != 15) continue;
+            // Someone (another block, or a thread of this one) already settled r: stop waiting.
+            if (ld_volatile(state + r) != kUndecided || *(volatile int*)(late + r)) break;
+            const uint64_t now = gda::now_ns();
+            if (deadline == 0) {
+                deadline = now + timeout_ns;
+            } else if (now > deadline) {
+                late[r] = 1;
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        if (src_state[r] != kUndecided) continue;
+        // A source this block did not see complete may still have been seen complete by another block
+        // (or vice versa): the first CAS wins and every block adopts it. The fences order this
+        // thread's CAS after the observations of the threads above (through the barrier) and the
+        // count reads below after an adopted decision.
+        __threadfence();
+        const int outcome = late[r] ? kTimedOut : kArrived;
+        const int prev = atomicCAS(state + r, kUndecided, outcome);
+        src_state[r] = prev == kUndecided ? outcome : prev;
+        fence_acq_rel_sys();
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
+        const int r = p % R;
+        int n = 0;
+        if (src_state[r] == kArrived) n = max(0, min(-ld_relaxed_sys(sig + p) - 1, max_rows));
+        cnt[p] = n;
+    }
+    __syncthreads();
 }
 
 // At the end of a receive phase (last block only): a source that timed out is marked inactive in the

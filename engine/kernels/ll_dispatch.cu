@@ -7,7 +7,7 @@
 // valid entries per expert (so slot bases are known without any cross-block agreement), then per
 // token computes each top-k entry's rank among earlier entries of the same expert, casts the row once
 // and stores it to all K destinations. The last block to finish sends every count signal (-count-1).
-// Receive: every block decides each source rank's arrival (consistently, see resolve_source), builds
+// Receive: every block decides each source rank's arrival (consistently, see wait_counts), builds
 // the row prefix over (expert, source) pairs, and copies an even share of the messages (items of
 // 32 lanes x 4 int4), so skewed routing does not serialise on one expert.
 #if !defined(PYEP_LL_CPU_SIM)
@@ -38,6 +38,8 @@ struct DispatchSmem {
     int* cnt;           // [E] received count per (local expert, source) pair, e-major
     int* rowstart;      // [E + 1]
     int* srcoff;        // [E]
+    int* src_state;     // [R] receive: the decision about each source
+    int* late;          // [R] receive: a wait on one of the source's words timed out in this block
 };
 
 __device__ DispatchSmem carve_dispatch(uint8_t* p, int R, int E) {
@@ -56,7 +58,9 @@ __device__ DispatchSmem carve_dispatch(uint8_t* p, int R, int E) {
     m.base = q; q += E + 1;
     m.cnt = q; q += E;
     m.rowstart = q; q += E + 1;
-    m.srcoff = q;
+    m.srcoff = q; q += E;
+    m.src_state = q; q += R;
+    m.late = q;
     return m;
 }
 
@@ -261,16 +265,8 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
     int* active = reinterpret_cast<int*>(c.active);
     uint8_t* hb = reinterpret_cast<uint8_t*>(s.buf);
 
-    for (int r = tid; r < R; r += blockDim.x) {
-        const int* sig = reinterpret_cast<const int*>(hb + off_dsig(s, half, 0, r));
-        const int st = resolve_source(state, active, r, sig, El, R, 0, c.timeout_ns);
-        for (int e = 0; e < El; ++e) {
-            int n = 0;
-            if (st == kArrived) n = max(0, min(-ld_acquire_sys(sig + (size_t)e * R) - 1, T));
-            sm.cnt[e * R + r] = n;
-        }
-    }
-    __syncthreads();
+    wait_counts(state, active, reinterpret_cast<const int*>(hb + off_dsig(s, half, 0, 0)), R, E, T, c.timeout_ns,
+                sm.src_state, sm.late, sm.cnt);
     for (int r = tid; r < R; r += blockDim.x) {
         int acc = 0;
         for (int e = 0; e < El; ++e) {
@@ -382,7 +378,7 @@ void check(cudaError_t e, const char* what) {
 
 int dispatch_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
-    return 16 * kMaxTopk + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + R + 5 * E + 2);
+    return 16 * kMaxTopk + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + 3 * R + 5 * E + 2);
 }
 
 #if !defined(PYEP_LL_CPU_SIM)

@@ -15,12 +15,18 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 log = logging.getLogger("pyep.bench")
 
 RANGE_PREFIX = "pyep_bench::"
+# Our record_function labels ("pyep::dispatch", "pyep::native::combine_recv", benchmark ranges) come
+# back on the device timeline as gpu_user_annotation spans. A label has no spaces or parentheses; a
+# kernel's demangled name does (a non-template kernel such as "pyep::ll::(anonymous
+# namespace)::ll_combine_kernel(...)" starts with "pyep::" too, and must not be dropped).
+_ANNOTATION_LABEL = re.compile(r"pyep(_bench)?::[A-Za-z0-9_:]+")
 _OPERATOR_ACTIVITIES = ("cpu_op", "user_annotation")
 
 
@@ -131,8 +137,7 @@ def collect(prof: Any) -> Tuple[List[Range], List[Kernel]]:
                 frontend.setdefault(int(e.id), e.time_range.start)
         elif kind in ("CUDA", "PRIVATEUSE1"):
             # gpu_user_annotation spans mirror our own ranges on the device timeline: not work.
-            if (getattr(e, "is_user_annotation", False) or e.name.startswith(RANGE_PREFIX)
-                    or e.name.startswith("pyep::")
+            if (getattr(e, "is_user_annotation", False) or _ANNOTATION_LABEL.fullmatch(e.name)
                     or "user_annotation" in str(getattr(e, "activity_type", "")).lower()):
                 continue
             device.append(e)

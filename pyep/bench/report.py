@@ -113,6 +113,14 @@ def size_hint_line(cfg: BenchConfig, world_size: int, tokens: int, hint: Optiona
     return line
 
 
+def host_line(r: CaseRow) -> str:
+    """CPU time spent inside each call (mean, max over ranks): the eager-mode launch cost."""
+    parts = [f"{m} {_us(r.host.get(m))}" for m in ("dispatch", "combine", "d_send", "d_recv", "c_send", "c_recv")
+             if r.host.get(m) is not None and not math.isnan(r.host[m].mean)]
+    return (f"host time inside the call, us ({r.backend}/{r.transport} {r.routing} T={r.tokens}): "
+            + ", ".join(parts))
+
+
 def render(console: Any, cfg: BenchConfig, env: Dict[str, Any], rows: Sequence[CaseRow],
            notes: Sequence[str]) -> None:
     from rich.markup import escape
@@ -168,6 +176,9 @@ def render(console: Any, cfg: BenchConfig, env: Dict[str, Any], rows: Sequence[C
         assert r.check is not None
         console.print(f"[bold red]correctness FAIL[/bold red] {r.backend}/{r.transport} {r.routing} "
                       f"T={r.tokens}: {escape(r.check.detail)}")
+    for r in measured:
+        if not on_cpu and r.host:
+            console.print(escape(host_line(r)))
     for tokens in cfg.tokens:
         hint = next((r.size_hint_bytes for r in rows if r.tokens == tokens), None)
         console.print(escape(size_hint_line(cfg, world, tokens, hint)))

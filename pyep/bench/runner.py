@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
@@ -45,6 +46,9 @@ class CaseSamples:
     kernel: Dict[str, List[float]]
     kernel_source: str
     kineto: Dict[str, Any] = field(default_factory=dict)
+    # Host time inside the call (Python front end, checks, allocations, launches): what an eager-mode
+    # caller pays on the CPU per call; hidden behind GPU work when the host runs ahead.
+    host: Dict[str, List[float]] = field(default_factory=dict)
 
 
 class CaseRunner:
@@ -73,21 +77,28 @@ class CaseRunner:
         return self._combine(handle, False)
 
     def _step(self, phase: str, it: int, fn: Callable[[], Any], samples: Optional[Dict[str, List[float]]],
-              ranged: bool) -> Any:
+              ranged: bool, host: Optional[Dict[str, List[float]]] = None) -> Any:
         import torch
         self.sync.barrier(f"before {phase} of {self.label}, iteration {it}")
         self.sync.align()
         timer = WallTimer(self.sync.cuda)
         ctx = torch.profiler.record_function(kineto.range_name(phase, it)) if ranged else nullcontext()
         with ctx, timer.measure():
+            t0 = time.perf_counter()
             result = fn()
+            t1 = time.perf_counter()
         self.sync.device_wait(f"{phase} of {self.label}, iteration {it}")
         if samples is not None:
             samples[phase].append(timer.elapsed_us())
+        if host is not None:
+            host[phase].append((t1 - t0) * 1e6)
         return result
 
-    def iteration(self, it: int, samples: Optional[Dict[str, List[float]]], ranged: bool) -> None:
-        step = self._step
+    def iteration(self, it: int, samples: Optional[Dict[str, List[float]]], ranged: bool,
+                  host: Optional[Dict[str, List[float]]] = None) -> None:
+        def step(phase: str, it: int, fn: Callable[[], Any], samples: Optional[Dict[str, List[float]]],
+                 ranged: bool) -> Any:
+            return self._step(phase, it, fn, samples, ranged, host)
         _r, _c, handle, _e, _h = step("dispatch", it, lambda: self._dispatch(False), samples, ranged)
         step("combine", it, lambda: self._combine(handle, False), samples, ranged)
         step("dc", it, self._dispatch_combine, samples, ranged)
@@ -103,15 +114,16 @@ class CaseRunner:
         for it in range(warmup):
             self.iteration(it, None, False)
         wall: Dict[str, List[float]] = {m: [] for m in METRICS}
+        host: Dict[str, List[float]] = {m: [] for m in METRICS}
         for it in range(iters):
-            self.iteration(it, wall, False)
-        wall = _pad(wall, iters)
+            self.iteration(it, wall, False, host)
+        wall, host = _pad(wall, iters), _pad(host, iters)
         if not self.sync.cuda:
             return CaseSamples(wall, {m: list(v) for m, v in wall.items()},
                                "wall (no GPU: kineto has no device kernels on CPU, so kernel times "
-                               "are the wall times of the calls)")
+                               "are the wall times of the calls)", host=host)
         if not use_kineto:
-            return CaseSamples(wall, {m: [math.nan] * iters for m in METRICS}, "none (--no-kineto)")
+            return CaseSamples(wall, {m: [math.nan] * iters for m in METRICS}, "none (--no-kineto)", host=host)
         prof = kineto.Profiler()
         with prof:
             for it in range(min(PROFILER_WARMUP, max(warmup, 1))):
@@ -137,7 +149,7 @@ class CaseRunner:
             log.warning("%s: kineto saw no device kernels in phases %s", self.label, missing)
             for p in missing:
                 kernel[p] = [math.nan] * iters
-        return CaseSamples(wall, kernel, "kineto", info)
+        return CaseSamples(wall, kernel, "kineto", info, host=host)
 
 
 def _pad(samples: Dict[str, List[float]], iters: int) -> Dict[str, List[float]]:
@@ -145,11 +157,12 @@ def _pad(samples: Dict[str, List[float]], iters: int) -> Dict[str, List[float]]:
 
 
 def gather_samples(samples: CaseSamples, iters: int, sync: Sync) -> Dict[str, Dict[str, List[List[float]]]]:
-    """{"wall"|"kernel": {metric: [rank][iteration]}} on every rank."""
+    """{"wall"|"kernel"|"host": {metric: [rank][iteration]}} on every rank."""
     import torch
-    t = torch.tensor([[samples.wall[m] for m in METRICS], [samples.kernel[m] for m in METRICS]],
-                     dtype=torch.float64)
-    assert t.shape == (2, len(METRICS), iters)
+    host = samples.host or {m: [math.nan] * iters for m in METRICS}
+    t = torch.tensor([[samples.wall[m] for m in METRICS], [samples.kernel[m] for m in METRICS],
+                      [host[m] for m in METRICS]], dtype=torch.float64)
+    assert t.shape == (3, len(METRICS), iters)
     per_rank = sync.gather(t, "benchmark samples")
     return {kind: {m: [r[i, j].tolist() for r in per_rank] for j, m in enumerate(METRICS)}
-            for i, kind in enumerate(("wall", "kernel"))}
+            for i, kind in enumerate(("wall", "kernel", "host"))}

@@ -47,6 +47,7 @@ class CaseRow:
     combine_bytes: List[int] = field(default_factory=list)    # per rank
     wall: Dict[str, metrics.Stat] = field(default_factory=dict)
     kernel: Dict[str, metrics.Stat] = field(default_factory=dict)
+    host: Dict[str, metrics.Stat] = field(default_factory=dict)     # CPU time inside the call
     samples: Dict[str, Dict[str, List[List[float]]]] = field(default_factory=dict)
     kernel_source: str = ""
     kineto: Dict[str, Any] = field(default_factory=dict)
@@ -78,6 +79,7 @@ class CaseRow:
             "kernel_time_source": self.kernel_source,
             "wall_us": {m: s.as_dict() for m, s in self.wall.items()},
             "kernel_us": {m: s.as_dict() for m, s in self.kernel.items()},
+            "host_us": {m: s.as_dict() for m, s in self.host.items()},
             "gbps": {k: {m: num(v) for m, v in self.gbps(k).items()} for k in ("kernel", "wall")},
             "kineto": self.kineto, "samples_us": self.samples})
         return out
@@ -228,6 +230,7 @@ class Suite:
                           combine_bytes=[metrics.combine_bytes(n, c.hidden) for n in per_rank_valid],
                           wall={m: metrics.summarize(gathered["wall"][m]) for m in METRICS},
                           kernel={m: metrics.summarize(gathered["kernel"][m]) for m in METRICS},
+                          host={m: metrics.summarize(gathered["host"][m]) for m in METRICS},
                           samples=gathered, kernel_source=samples.kernel_source, kineto=samples.kineto,
                           size_hint_bytes=hint)
             rows.append(row)

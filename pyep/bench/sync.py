@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 # enough for the host (under the profiler, too) to queue a whole dispatch or combine call.
 FLUSH_BYTES = 256 << 20
 GEMM_N = 4096
+# ~1 ms at the 1.4-2 GHz SM clocks of H100/H200: far more than the host needs to queue one call.
+ALIGN_SLEEP_CYCLES = 2_000_000
 
 
 class Sync:
@@ -81,12 +83,14 @@ class Sync:
     def align(self) -> None:
         """GPU only, after a barrier: line up the start of the next call on all GPUs, the way DeepEP's
         benchmark does. The stream first overwrites a buffer larger than L2 (no timed call finds the
-        previous one's data cached) and runs a GEMM of a few hundred microseconds -- time for the host
-        to queue the timed call behind it -- then an all-reduce, which ends on every GPU at nearly
-        the same moment; the timed call starts right after. Without it each rank would start when its
-        host got there, microseconds apart, and the first rank's kernels would count the wait for the
-        others. These are torch operators, so kineto links their kernels to launches outside the
-        timed ranges. The host does not wait here: the device_wait after the timed call bounds it."""
+        previous one's data cached), runs a GEMM and then sleeps on the device for about a millisecond
+        -- time for the host to queue the whole timed call behind it, profiler overhead included --
+        then an all-reduce, which ends on every GPU at nearly the same moment; the timed call starts
+        right after. Without it each rank would start when its host got there, tens of microseconds
+        apart, and the first rank's kernels would count the wait for the others. (The sleep sits
+        before the all-reduce, so differences between the GPUs' clocks do not skew the start.) These
+        are torch operators, so kineto links their kernels to launches outside the timed ranges. The
+        host does not wait here: the device_wait after the timed call bounds it."""
         if not self.cuda:
             return
         import torch
@@ -94,6 +98,7 @@ class Sync:
         with torch.profiler.record_function("pyep_bench::align"):
             self._flush.zero_()
             torch.mm(self._lhs, self._rhs, out=self._prod)
+            torch.cuda._sleep(ALIGN_SLEEP_CYCLES)
             dist.all_reduce(self._token, op=dist.ReduceOp.MIN, group=self.group)
 
     def all_min(self, value: int, what: str) -> int:
