@@ -43,7 +43,9 @@ void register_ep(py::module_& m) {
         .def_readwrite("off_crecv", &LLStatic::off_crecv)
         .def_readwrite("msg_bytes", &LLStatic::msg_bytes)
         .def_readwrite("slots_per_src", &LLStatic::slots_per_src)
-        .def_readwrite("num_blocks", &LLStatic::num_blocks);
+        .def_readwrite("num_blocks", &LLStatic::num_blocks)
+        .def_readwrite("trace", &LLStatic::trace);
+    ep.attr("TRACE_SLOTS") = kTraceSlots;
 
     ep.def(
         "dispatch",

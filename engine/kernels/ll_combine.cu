@@ -47,6 +47,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     int* active = reinterpret_cast<int*>(c.active);
     uint8_t* hb = reinterpret_cast<uint8_t*>(s.buf);
     const int64_t* lr = reinterpret_cast<const int64_t*>(c.layout_range);
+    trace_point(s, kTraceCombine, kTrSendBegin);
 
     for (int r = tid; r < R; r += blockDim.x) sm.active[r] = ld_volatile(active + r) != 0;
     for (int p = tid; p < E; p += blockDim.x) {
@@ -64,6 +65,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     }
     block_exclusive_scan(sm.rowstart, E);
     const int total = sm.rowstart[E];
+    trace_point(s, kTraceCombine, kTrSendRouted);
 
     const int RT = R * T;
     const int row_int4 = H / 8;
@@ -113,7 +115,11 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         }
     }
 
-    if (arrive_last(ws_counter(s, half, kCombineSendDone), sm.flag, true)) {
+    __syncthreads();
+    trace_point(s, kTraceCombine, kTrSendIssued);
+    const bool last_send = arrive_last(ws_counter(s, half, kCombineSendDone), sm.flag, true);
+    trace_point(s, kTraceCombine, kTrSendFenced);
+    if (last_send) {
         const int* fail = ws_fail(s);
         for (int r = tid; r < R; r += blockDim.x) {
             const uint64_t pb = peer_base(s, r);
@@ -131,6 +137,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         finish_failures(s, active);
         if (tid == 0) *ws_counter(s, half, kCombineSendDone) = 0;
     }
+    trace_point(s, kTraceCombine, kTrSendDone);
 }
 
 __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm) {
@@ -142,6 +149,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     int* active = reinterpret_cast<int*>(c.active);
     uint8_t* hb = reinterpret_cast<uint8_t*>(s.buf);
     const int* expect = reinterpret_cast<const int*>(s.flag_expect);
+    trace_point(s, kTraceCombine, kTrRecvBegin);
 
     for (int r = tid; r < R; r += blockDim.x) {
         const int* sig = reinterpret_cast<const int*>(hb + off_csig(s, half, r));
@@ -151,6 +159,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
         sm.ok[r] = st == kArrived && ld_acquire_sys(sig) != 0;
     }
     __syncthreads();
+    trace_point(s, kTraceCombine, kTrRecvReady);
 
     const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
     const float* weights = reinterpret_cast<const float*>(c.weights);
@@ -206,12 +215,15 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
         st_v4(reinterpret_cast<uint8_t*>(c.out) + ((size_t)t * cols + col) * 16, o);
     }
 
-    if (arrive_last(ws_counter(s, half, kCombineRecvDone), sm.flag, false)) {
+    const bool last_recv = arrive_last(ws_counter(s, half, kCombineRecvDone), sm.flag, false);
+    trace_point(s, kTraceCombine, kTrRecvCopied);
+    if (last_recv) {
         int* sig = reinterpret_cast<int*>(hb + off_csig(s, half, 0));
         for (int r = tid; r < R; r += blockDim.x) sig[r] = 0;
         finish_decisions(state, active, R);
         if (tid == 0) *ws_counter(s, half, kCombineRecvDone) = 0;
     }
+    trace_point(s, kTraceCombine, kTrRecvDone);
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) ll_combine_kernel(LLStatic s, LLCombineCall c) {

@@ -142,6 +142,15 @@ __device__ __forceinline__ int expert_of(const int64_t* topk, int i, int num_exp
     return (v >= 0 && v < num_experts) ? (int)v : -1;
 }
 
+// ---- timeline trace (diagnostics: LLStatic::trace) ---------------------------------------------------
+// Thread 0 stamps %globaltimer at a point the whole block has reached (callers stamp right after a
+// barrier). Off unless the backend was created with PYEP_LL_TRACE=1: one uniform branch per point.
+__device__ __forceinline__ void trace_point(const LLStatic& s, int kernel, int point) {
+    if (s.trace != 0 && threadIdx.x == 0)
+        reinterpret_cast<uint64_t*>(s.trace)[((size_t)kernel * s.num_blocks + blockIdx.x) * kTraceSlots + point] =
+            gda::now_ns();
+}
+
 // ---- block-level building blocks --------------------------------------------------------------------
 // In-place exclusive prefix sum of a[0..n) in shared memory, a[n] = total. Run by every thread (warp 0
 // does the work); the caller syncs before and this function syncs after.

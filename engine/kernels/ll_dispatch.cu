@@ -72,6 +72,7 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
     const int half = c.half;
     int* active = reinterpret_cast<int*>(c.active);
     const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
+    trace_point(s, kTraceDispatch, kTrSendBegin);
 
     // The first token's row does not depend on anything: start loading it before the histogram so
     // the HBM latency overlaps the routing work.
@@ -107,6 +108,7 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
     for (int e = tid; e < E; e += blockDim.x) sm.base[e] = min(sm.hist[e], T);
     __syncthreads();
     block_exclusive_scan(sm.base, E);
+    trace_point(s, kTraceDispatch, kTrSendRouted);
 
     const uint32_t msg_len = kFp8 ? (uint32_t)(kHeaderBytes + H + ((4 * G + 15) / 16) * 16)
                                   : (uint32_t)(kHeaderBytes + 2 * H);
@@ -230,8 +232,11 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
         }
         __syncthreads();
     }
+    trace_point(s, kTraceDispatch, kTrSendIssued);
 
-    if (arrive_last(ws_counter(s, half, kDispatchSendDone), sm.flag, true)) {
+    const bool last_send = arrive_last(ws_counter(s, half, kDispatchSendDone), sm.flag, true);
+    trace_point(s, kTraceDispatch, kTrSendFenced);
+    if (last_send) {
         const int* fail = ws_fail(s);
         for (int i = tid; i < E; i += blockDim.x) {
             const int dst = i / El, le = i - dst * El;
@@ -253,6 +258,7 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
         finish_failures(s, active);
         if (tid == 0) *ws_counter(s, half, kDispatchSendDone) = 0;
     }
+    trace_point(s, kTraceDispatch, kTrSendDone);
 }
 
 template <bool kFp8>
@@ -264,9 +270,11 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
     int* state = ws_dstate(s, half);
     int* active = reinterpret_cast<int*>(c.active);
     uint8_t* hb = reinterpret_cast<uint8_t*>(s.buf);
+    trace_point(s, kTraceDispatch, kTrRecvBegin);
 
     wait_counts(state, active, reinterpret_cast<const int*>(hb + off_dsig(s, half, 0, 0)), R, E, T, c.timeout_ns,
                 sm.src_state, sm.late, sm.cnt);
+    trace_point(s, kTraceDispatch, kTrRecvReady);
     for (int r = tid; r < R; r += blockDim.x) {
         int acc = 0;
         for (int e = 0; e < El; ++e) {
@@ -346,7 +354,9 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
         }
     }
 
-    if (arrive_last(ws_counter(s, half, kDispatchRecvDone), sm.flag, false)) {
+    const bool last_recv = arrive_last(ws_counter(s, half, kDispatchRecvDone), sm.flag, false);
+    trace_point(s, kTraceDispatch, kTrRecvCopied);
+    if (last_recv) {
         // Every block has read this half's counts: clear them for the call after next, which peers
         // can only start after they have this call's results from us.
         int* sig = reinterpret_cast<int*>(hb + off_dsig(s, half, 0, 0));
@@ -354,6 +364,7 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
         finish_decisions(state, active, R);
         if (tid == 0) *ws_counter(s, half, kDispatchRecvDone) = 0;
     }
+    trace_point(s, kTraceDispatch, kTrRecvDone);
 }
 
 template <bool kFp8>

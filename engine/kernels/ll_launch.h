@@ -39,7 +39,16 @@ struct LLStatic {
     uint64_t msg_bytes = 0;
     uint64_t slots_per_src = 0;
     int num_blocks = 0;           // grid size (<= number of SMs: every block must be resident)
+    uint64_t trace = 0;           // 0, or device uint64[2][num_blocks][kTraceSlots]: per-block timeline
 };
+
+// Timeline points (ll_common.cuh stamps them when LLStatic::trace is set; pyep/ep/trace.py reads them).
+enum TracePoint : int {
+    kTrSendBegin = 0, kTrSendRouted = 1, kTrSendIssued = 2, kTrSendFenced = 3, kTrSendDone = 4,
+    kTrRecvBegin = 5, kTrRecvReady = 6, kTrRecvCopied = 7, kTrRecvDone = 8,
+};
+constexpr int kTraceSlots = 16;
+enum TraceKernel : int { kTraceDispatch = 0, kTraceCombine = 1 };
 
 enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2 };
 

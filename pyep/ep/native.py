@@ -18,6 +18,7 @@ from .backend import (OnceHook, BackendUnavailable, CombineOptions, CombineResul
                       PeerTransport)
 from .config import EpConfig
 from .layout import LLLayout, ll_buffer_layout, ws_words
+from .trace import ENV_VAR as TRACE_ENV
 
 if TYPE_CHECKING:
     import torch
@@ -116,6 +117,7 @@ class NativeBackend:
         self._half = 0
         self._combine_bufs: List[Optional["torch.Tensor"]] = [None, None]
         self._tables: Dict[str, "torch.Tensor"] = {}
+        self._trace: Optional["torch.Tensor"] = None
         self._check_shared_memory()
         try:
             self._buf = int(self._ep.device_alloc(self.buffer_bytes))
@@ -174,7 +176,25 @@ class NativeBackend:
         s.off_drecv, s.off_crecv = lay.off_drecv, lay.off_crecv
         s.msg_bytes, s.slots_per_src = lay.msg_bytes, lay.slots_per_src
         s.num_blocks = self._grid_size()
+        import os
+        if os.environ.get(TRACE_ENV, "") not in ("", "0"):
+            # Diagnostics (pyep.ep.trace): every block stamps its progress; read with read_trace().
+            self._trace = torch.zeros((2, s.num_blocks, int(self._ep.TRACE_SLOTS)), dtype=torch.int64, device=dev)
+            s.trace = self._trace.data_ptr()
         return s
+
+    def read_trace(self) -> List[List[List[int]]]:
+        """The latest dispatch's and combine's per-block stamps [kernel][block][slot] in ns (0 = not
+        reached); waits for the device. Needs PYEP_LL_TRACE=1 when the buffer was created."""
+        import torch
+        if self._trace is None:
+            raise RuntimeError(f"no kernel trace: create the buffer with {TRACE_ENV}=1 in the environment")
+        torch.cuda.synchronize(self.device)
+        return self._trace.tolist()
+
+    def clear_trace(self) -> None:
+        if self._trace is not None:
+            self._trace.zero_()
 
     def _grid_size(self) -> int:
         """Blocks per LL kernel. Every block must be resident at once (blocks wait on each other's

@@ -1,0 +1,74 @@
+"""Per-block timelines of the native LL kernels (diagnostics).
+
+With PYEP_LL_TRACE=1 in the environment when the native backend is built, thread 0 of every block
+stamps the GPU's %globaltimer (ns) at fixed points of the dispatch and combine kernels
+(engine/kernels/ll_launch.h: TracePoint). `NativeBackend.read_trace()` returns the latest call's
+stamps; `summarize()` turns them into "how long after the earliest block started did the blocks
+reach each point" -- the view that shows whether time goes to routing, issuing stores, draining
+them (the system fence), waiting for peers or copying out. tools/ll_trace.py runs it end to end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+POINTS = ("send_begin", "send_routed", "send_issued", "send_fenced", "send_done",
+          "recv_begin", "recv_ready", "recv_copied", "recv_done")
+KERNELS = ("dispatch", "combine")
+ENV_VAR = "PYEP_LL_TRACE"
+
+
+@dataclass(frozen=True)
+class PointStat:
+    point: str
+    blocks: int          # blocks that stamped it
+    first_us: float      # earliest block, relative to the earliest send_begin (or recv_begin)
+    median_us: float
+    last_us: float
+
+
+def _median(v: Sequence[float]) -> float:
+    s = sorted(v)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def summarize(stamps: Sequence[Sequence[int]]) -> List[PointStat]:
+    """stamps[block][slot] in ns (0 = not reached in this call) -> one PointStat per reached point,
+    times relative to the earliest stamp of the call."""
+    reached = [t for row in stamps for t in row[:len(POINTS)] if t]
+    if not reached:
+        return []
+    t0 = min(reached)
+    out = []
+    for i, name in enumerate(POINTS):
+        vals = [(row[i] - t0) / 1e3 for row in stamps if i < len(row) and row[i]]
+        if vals:
+            out.append(PointStat(name, len(vals), min(vals), _median(vals), max(vals)))
+    return out
+
+
+def mean_stats(calls: Sequence[List[PointStat]]) -> List[PointStat]:
+    """Average PointStats of several calls point by point (points every call reached)."""
+    if not calls:
+        return []
+    names = [p.point for p in calls[0] if all(any(q.point == p.point for q in c) for c in calls)]
+    out = []
+    for name in names:
+        rows = [next(q for q in c if q.point == name) for c in calls]
+        n = len(rows)
+        out.append(PointStat(name, min(r.blocks for r in rows), sum(r.first_us for r in rows) / n,
+                             sum(r.median_us for r in rows) / n, sum(r.last_us for r in rows) / n))
+    return out
+
+
+def format_table(title: str, stats: Sequence[PointStat]) -> str:
+    lines = [title, f"  {'point':<12} {'blocks':>6} {'first us':>9} {'median us':>10} {'last us':>9}"]
+    for p in stats:
+        lines.append(f"  {p.point:<12} {p.blocks:>6} {p.first_us:>9.1f} {p.median_us:>10.1f} {p.last_us:>9.1f}")
+    return "\n".join(lines)
+
+
+def split_kernels(raw: Sequence[Sequence[Sequence[int]]]) -> Dict[str, Sequence[Sequence[int]]]:
+    """raw[kernel][block][slot] (NativeBackend's trace tensor as lists) -> {"dispatch": ..., "combine": ...}."""
+    return {name: raw[i] for i, name in enumerate(KERNELS)}

@@ -1,0 +1,31 @@
+"""pyep.ep.trace: summarising per-block kernel timelines (synthetic stamps; the kernels that write
+them run on the GPU machine via tools/ll_trace.py)."""
+from __future__ import annotations
+
+from pyep.ep import trace as tr
+
+
+def test_summarize_relative_to_first_block_and_skips_unreached() -> None:
+    slots = 16
+    b0 = [0] * slots
+    b1 = [0] * slots
+    b0[:5] = [1_000, 3_000, 10_000, 20_000, 21_000]
+    b1[:5] = [2_000, 4_000, 14_000, 22_000, 22_500]     # b1 is not the last block: only b0 signals later
+    b1[4] = 0
+    stats = tr.summarize([b0, b1])
+    by = {p.point: p for p in stats}
+    assert [p.point for p in stats] == ["send_begin", "send_routed", "send_issued", "send_fenced", "send_done"]
+    assert by["send_begin"].first_us == 0.0 and by["send_begin"].last_us == 1.0
+    assert by["send_fenced"].blocks == 2 and by["send_fenced"].median_us == 20.0
+    assert by["send_done"].blocks == 1 and by["send_done"].last_us == 20.0
+    assert tr.summarize([[0] * slots]) == []
+
+
+def test_mean_stats_and_table() -> None:
+    a = [tr.PointStat("send_begin", 4, 0.0, 1.0, 2.0), tr.PointStat("recv_done", 4, 10.0, 12.0, 14.0)]
+    b = [tr.PointStat("send_begin", 3, 0.0, 3.0, 4.0)]
+    m = tr.mean_stats([a, b])
+    assert m == [tr.PointStat("send_begin", 3, 0.0, 2.0, 3.0)]
+    text = tr.format_table("dispatch:", m)
+    assert "send_begin" in text and "2.0" in text
+    assert tr.split_kernels([[[1]], [[2]]]) == {"dispatch": [[1]], "combine": [[2]]}
