@@ -49,9 +49,16 @@ def test_regions_disjoint_aligned_and_inside(shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_message_formats_fit_a_slot(shape):
     lay = ll_buffer_layout(*shape)
-    assert lay.bf16_msg_bytes == lay.msg_bytes == HEADER_BYTES + 2 * lay.hidden
+    assert lay.bf16_msg_bytes == HEADER_BYTES + 2 * lay.hidden <= lay.msg_bytes
     assert lay.fp8_msg_bytes <= lay.msg_bytes
     assert lay.fp8_msg_bytes % 16 == 0
+    # Whole cache lines per slot, so payloads (at offset 0) start 128-byte aligned.
+    assert lay.msg_bytes % 128 == 0 and lay.msg_bytes - lay.bf16_msg_bytes < 128
+    assert lay.off_drecv % 128 == 0 and lay.off_crecv % 128 == 0
+    # The header follows the payload (and the FP8 scales) without overlapping them.
+    groups = lay.hidden // 128
+    assert lay.header_offset(True) >= lay.hidden + 4 * groups and lay.header_offset(True) % 16 == 0
+    assert lay.header_offset(False) == 2 * lay.hidden
 
 
 def test_far_below_deepep_for_the_reference_shape():

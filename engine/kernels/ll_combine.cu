@@ -26,6 +26,7 @@ struct CombineSmem {
     int* cnt;       // [E] rows per (local expert, source rank), e-major
     int* rowstart;  // [E + 1]
     int* srcoff;    // [E]
+    int* scan;      // [scan_scratch_ints(E)]
 };
 
 __device__ CombineSmem carve_combine(uint8_t* p, int R, int E) {
@@ -36,7 +37,8 @@ __device__ CombineSmem carve_combine(uint8_t* p, int R, int E) {
     m.ok = q; q += R;
     m.cnt = q; q += E;
     m.rowstart = q; q += E + 1;
-    m.srcoff = q;
+    m.srcoff = q; q += E;
+    m.scan = q;
     return m;
 }
 
@@ -63,7 +65,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
             acc += sm.cnt[e * R + r];
         }
     }
-    block_exclusive_scan(sm.rowstart, E);
+    block_exclusive_scan(sm.rowstart, sm.rowstart, E, sm.scan);
     const int total = sm.rowstart[E];
     trace_point(s, kTraceCombine, kTrSendRouted);
 
@@ -123,7 +125,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         const int* fail = ws_fail(s);
         for (int r = tid; r < R; r += blockDim.x) {
             const uint64_t pb = peer_base(s, r);
-            if (sm.active[r] && pb != 0) st_release_sys(reinterpret_cast<int*>(pb + off_csig(s, half, s.rank)), 1);
+            if (sm.active[r] && pb != 0) st_relaxed_sys(reinterpret_cast<int*>(pb + off_csig(s, half, s.rank)), 1);
         }
         // NIC: a +1 on every QP of the peer, so the flag completes only after the data of all of them.
         for (int i = warp; i < R * s.num_qps_per_peer; i += kWarps) {
@@ -247,7 +249,7 @@ void check(cudaError_t e, const char* what) {
 
 int combine_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
-    return 4 * (4 + 2 * R + 3 * E + 1);
+    return 4 * (4 + 2 * R + 3 * E + 1 + scan_scratch_ints(E));
 }
 
 #if !defined(PYEP_LL_CPU_SIM)

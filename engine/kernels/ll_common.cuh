@@ -24,6 +24,13 @@ constexpr int kMaxTopk = 16;
 constexpr int kMaxGroups = 128;        // H <= 16384 -> at most 128 FP8 groups of 128 channels
 constexpr int kCopyUnroll = 4;         // int4 per lane in flight per copy item
 constexpr int kHeaderBytes = 16;
+constexpr int kMsgAlign = 128;         // layout.py MSG_ALIGN: slots are whole cache lines
+
+// A dispatch message is [payload][FP8 scales][16-byte header] (layout.py: header_offset); its
+// payload starts at the slot's first byte, which is 128-byte aligned.
+__host__ __device__ __forceinline__ uint32_t hdr_offset(bool fp8, int hidden) {
+    return fp8 ? (uint32_t)(hidden + ((4 * (hidden / 128) + 15) / 16) * 16) : (uint32_t)(2 * hidden);
+}
 
 // Workspace words (layout.py: ws_words). Done counters per half, then per-source decision words.
 enum WsCounter : int { kDispatchSendDone = 0, kDispatchRecvDone = 1, kCombineSendDone = 2, kCombineRecvDone = 3 };
@@ -99,9 +106,6 @@ __device__ __forceinline__ int ld_acquire_sys(const int* p) {
     asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-__device__ __forceinline__ void st_release_sys(int* p, int v) {
-    asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ int ld_volatile(const int* p) {
     int v;
     asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -115,6 +119,10 @@ __device__ __forceinline__ int ld_relaxed_sys(const int* p) {
     return v;
 }
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// Signal stores of the last block (see arrive_last): ordered by the fence that block already ran.
+__device__ __forceinline__ void st_relaxed_sys(int* p, int v) {
+    asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ float ld_f32(const float* p) {
     float v;
     asm volatile("ld.global.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
@@ -127,10 +135,10 @@ __device__ __forceinline__ int4 ld_nc_v4(const void* p) { return sim_ld_v4(p); }
 __device__ __forceinline__ int4 ld_v4(const void* p) { return sim_ld_v4(p); }
 __device__ __forceinline__ void st_v4(void* p, int4 v) { sim_st_v4(p, v); }
 __device__ __forceinline__ int ld_acquire_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-__device__ __forceinline__ void st_release_sys(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 __device__ __forceinline__ int ld_volatile(const int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 __device__ __forceinline__ int ld_relaxed_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 __device__ __forceinline__ void fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
+__device__ __forceinline__ void st_relaxed_sys(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 __device__ __forceinline__ float ld_f32(const float* p) {
     float v;
     __builtin_memcpy(&v, p, 4);
@@ -152,26 +160,49 @@ __device__ __forceinline__ void trace_point(const LLStatic& s, int kernel, int p
 }
 
 // ---- block-level building blocks --------------------------------------------------------------------
-// In-place exclusive prefix sum of a[0..n) in shared memory, a[n] = total. Run by every thread (warp 0
-// does the work); the caller syncs before and this function syncs after.
-__device__ __forceinline__ void block_exclusive_scan(int* a, int n) {
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
+// Exclusive prefix sum of min(in[i], clamp) over in[0..n) into out (may be in), out[n] = total. Run
+// by every thread; the caller syncs before and this function syncs after. Two levels: every warp scans
+// 32-entry chunks, warp 0 scans the chunk totals (`tot`: scan_scratch_ints(n) ints of shared memory),
+// then everyone adds the chunk offsets -- a single warp walking E = 288 entries took about a
+// microsecond on the critical path of every dispatch.
+__host__ __device__ __forceinline__ int scan_scratch_ints(int n) { return (n + 31) / 32 + 1; }
+
+__device__ __forceinline__ void block_exclusive_scan(int* out, const int* in, int n, int* tot,
+                                                     int clamp = 0x7fffffff) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (int)blockDim.x >> 5;
+    const int chunks = (n + 31) / 32;
+    for (int c = warp; c < chunks; c += nwarps) {
+        const int i = c * 32 + lane;
+        const int v = i < n ? min(in[i], clamp) : 0;
+        int incl = v;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+        }
+        if (i < n) out[i] = incl - v;
+        if (lane == 31) tot[c] = incl;
+    }
+    __syncthreads();
+    if (warp == 0) {
         int carry = 0;
-        for (int base = 0; base < n; base += 32) {
+        for (int base = 0; base < chunks; base += 32) {
             const int i = base + lane;
-            const int v = i < n ? a[i] : 0;
+            const int v = i < chunks ? tot[i] : 0;
             int incl = v;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
                 const int y = __shfl_up_sync(0xffffffffu, incl, o);
                 if (lane >= o) incl += y;
             }
-            if (i < n) a[i] = carry + incl - v;
+            if (i < chunks) tot[i] = carry + incl - v;
             carry += __shfl_sync(0xffffffffu, incl, 31);
         }
-        if (lane == 0) a[n] = carry;
+        if (lane == 0) tot[chunks] = carry;
     }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] += tot[i >> 5];
+    if (threadIdx.x == 0) out[n] = tot[chunks];
     __syncthreads();
 }
 
@@ -190,6 +221,10 @@ __device__ __forceinline__ int find_range(const int* a, int n, int q) {
 // arrive gets true (in all its threads). With `publish`, every thread first fences at system scope, so
 // its stores into peers' memory are visible system-wide before the arrival that the last block's
 // signals are ordered after (not relying on cumulativity through the barrier for remote stores).
+// The last block's thread 0 fences (sys) after observing every arrival, and the barrier then orders
+// the block's signal stores after that fence: the signals can be relaxed stores. (A release store
+// per signal costs a fence each, and the fences of one SM run one after another: 288 count signals
+// took 7 us that way on H200.)
 __device__ __forceinline__ bool arrive_last(int* counter, int* s_flag, bool publish) {
     if (publish) __threadfence_system();
     __syncthreads();
@@ -259,15 +294,14 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
         late[r] = 0;
     }
     __syncthreads();
+    // Relaxed polls only: one fence per block below makes them acquires (a fence per polling thread
+    // would serialise in the SM).
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
         const int r = p % R;
         if (src_state[r] != kUndecided) continue;
         uint64_t deadline = 0;
         for (int spins = 0;; ++spins) {
-            if (ld_relaxed_sys(sig + p) != 0) {
-                fence_acq_rel_sys();
-                break;
-            }
+            if (ld_relaxed_sys(sig + p) != 0) break;
             LL_SPIN_HINT();
             if ((spins & 15) != 15) continue;
             // Someone (another block, or a thread of this one) already settled r: stop waiting.
@@ -281,19 +315,22 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
             }
         }
     }
+    // Barrier, then a fence: the observations above happen before this block's verdicts (a block
+    // that adopts our "arrived" must find the counts and data we saw).
+    __syncthreads();
+    if (threadIdx.x == 0) fence_acq_rel_sys();
     __syncthreads();
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
         if (src_state[r] != kUndecided) continue;
         // A source this block did not see complete may still have been seen complete by another block
-        // (or vice versa): the first CAS wins and every block adopts it. The fences order this
-        // thread's CAS after the observations of the threads above (through the barrier) and the
-        // count reads below after an adopted decision.
-        __threadfence();
+        // (or vice versa): the first CAS wins and every block adopts it.
         const int outcome = late[r] ? kTimedOut : kArrived;
         const int prev = atomicCAS(state + r, kUndecided, outcome);
         src_state[r] = prev == kUndecided ? outcome : prev;
-        fence_acq_rel_sys();
     }
+    // And a fence after the verdicts: an adopted decision orders the count and data reads after it.
+    __syncthreads();
+    if (threadIdx.x == 0) fence_acq_rel_sys();
     __syncthreads();
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
         const int r = p % R;

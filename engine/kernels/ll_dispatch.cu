@@ -38,6 +38,7 @@ struct DispatchSmem {
     int* cnt;           // [E] received count per (local expert, source) pair, e-major
     int* rowstart;      // [E + 1]
     int* srcoff;        // [E]
+    int* scan;          // [scan_scratch_ints(E)]
     int* src_state;     // [R] receive: the decision about each source
     int* late;          // [R] receive: a wait on one of the source's words timed out in this block
 };
@@ -59,6 +60,7 @@ __device__ DispatchSmem carve_dispatch(uint8_t* p, int R, int E) {
     m.cnt = q; q += E;
     m.rowstart = q; q += E + 1;
     m.srcoff = q; q += E;
+    m.scan = q; q += scan_scratch_ints(E);
     m.src_state = q; q += R;
     m.late = q;
     return m;
@@ -83,35 +85,38 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
         pre_a = ld_nc_v4(xr);
         pre_b = ld_nc_v4(xr + 16);
     }
+    // Likewise this thread's first two routing entries: all these loads are in flight together.
+    const int NK = N * K, bd = (int)blockDim.x;
+    const int pre_e0 = tid < NK ? expert_of(topk, tid, E) : -1;
+    const int pre_e1 = tid + bd < NK ? expert_of(topk, tid + bd, E) : -1;
     for (int r = tid; r < R; r += blockDim.x) sm.active[r] = ld_volatile(active + r) != 0;
     for (int e = tid; e < E; e += blockDim.x) sm.hist[e] = 0;
     if (tid < kMaxTopk) {
-        int e = (t0 < N && tid < K) ? expert_of(topk, t0 * K + tid, E) : -1;
-        if (e >= 0 && ld_volatile(active + e / El) == 0) e = -1;
-        sm.target[tid] = e;
+        // Inactive destinations are filtered when the send kinds are set (their entries never count).
+        sm.target[tid] = (t0 < N && tid < K) ? expert_of(topk, t0 * K + tid, E) : -1;
         sm.rank[tid] = 0;
     }
     __syncthreads();
     // One pass over all entries: the per-expert histogram, and for the first token each top-k entry's
     // rank among earlier entries of the same expert (later tokens get their own pass below).
-    for (int i = tid; i < N * K; i += blockDim.x) {
-        const int e = expert_of(topk, i, E);
-        if (e < 0 || !sm.active[e / El]) continue;
+    auto count_entry = [&](int i, int e) {
+        if (e < 0 || !sm.active[e / El]) return;
         atomicAdd(&sm.hist[e], 1);
         if (t0 < N && i < t0 * K + K)
             for (int k = 0; k < K; ++k)
                 if (i < t0 * K + k && e == sm.target[k]) atomicAdd(&sm.rank[k], 1);
-    }
+    };
+    count_entry(tid, pre_e0);
+    count_entry(tid + bd, pre_e1);
+    for (int i = tid + 2 * bd; i < NK; i += bd) count_entry(i, expert_of(topk, i, E));
     __syncthreads();
     // At most T rows per (expert, source) fit the receiver (only repeated experts in a row exceed it,
     // which validation rejects); the clamp keeps every slot inside its region regardless.
-    for (int e = tid; e < E; e += blockDim.x) sm.base[e] = min(sm.hist[e], T);
-    __syncthreads();
-    block_exclusive_scan(sm.base, E);
+    block_exclusive_scan(sm.base, sm.hist, E, sm.scan, T);
     trace_point(s, kTraceDispatch, kTrSendRouted);
 
-    const uint32_t msg_len = kFp8 ? (uint32_t)(kHeaderBytes + H + ((4 * G + 15) / 16) * 16)
-                                  : (uint32_t)(kHeaderBytes + 2 * H);
+    const uint32_t hdr_off = hdr_offset(kFp8, H);
+    const uint32_t msg_len = hdr_off + kHeaderBytes;
     const int scale_vecs = kFp8 ? (G + 3) / 4 : 0;
     for (int t = t0; t < N; t += gridDim.x) {
         if (t != t0) {
@@ -134,7 +139,7 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
         if (tid < K) {
             const int e = sm.target[tid];
             int kind = 0;
-            if (e >= 0 && sm.rank[tid] < T) {
+            if (e >= 0 && sm.active[e / El] && sm.rank[tid] < T) {
                 const int dst = e / El;
                 const uint64_t slot = (uint64_t)(sm.base[e] - sm.base[dst * El] + sm.rank[tid]);
                 const uint64_t off = off_drecv(s, half, s.rank, slot);
@@ -185,18 +190,18 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
                 q.w = (int)fp8x4(f[12], f[13], f[14], f[15], inv);
                 if ((ch & 7) == 0) sm.scale[ch >> 3] = scale;
                 for (int k = 0; k < K; ++k)
-                    if (sm.kind[k]) st_v4(reinterpret_cast<void*>(sm.addr[k] + kHeaderBytes + (uint64_t)ch * 16), q);
+                    if (sm.kind[k]) st_v4(reinterpret_cast<void*>(sm.addr[k] + (uint64_t)ch * 16), q);
             } else {
                 for (int k = 0; k < K; ++k) {
                     if (!sm.kind[k]) continue;
-                    uint8_t* d = reinterpret_cast<uint8_t*>(sm.addr[k] + kHeaderBytes + (uint64_t)ch * 32);
+                    uint8_t* d = reinterpret_cast<uint8_t*>(sm.addr[k] + (uint64_t)ch * 32);
                     st_v4(d, a);
                     st_v4(d + 16, b);
                 }
             }
         }
         __syncthreads();
-        // Header (token, k, local expert) and, for FP8, the scales padded to whole int4.
+        // Header (token, k, local expert) after the payload and, for FP8, the scales padded to whole int4.
         const int per_msg = 1 + scale_vecs;
         for (int j = tid; j < K * per_msg; j += blockDim.x) {
             const int k = j / per_msg, w = j - k * per_msg;
@@ -205,14 +210,14 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
             uint64_t at;
             if (w == 0) {
                 v = make_int4(t, k, sm.target[k] % El, 0);
-                at = sm.addr[k];
+                at = sm.addr[k] + hdr_off;
             } else {
                 const int g = (w - 1) * 4;
                 v.x = g < G ? __float_as_int(sm.scale[g]) : 0;
                 v.y = g + 1 < G ? __float_as_int(sm.scale[g + 1]) : 0;
                 v.z = g + 2 < G ? __float_as_int(sm.scale[g + 2]) : 0;
                 v.w = g + 3 < G ? __float_as_int(sm.scale[g + 3]) : 0;
-                at = sm.addr[k] + kHeaderBytes + H + (uint64_t)(w - 1) * 16;
+                at = sm.addr[k] + H + (uint64_t)(w - 1) * 16;
             }
             st_v4(reinterpret_cast<void*>(at), v);
         }
@@ -242,7 +247,7 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
             const int dst = i / El, le = i - dst * El;
             const uint64_t pb = peer_base(s, dst);
             if (!sm.active[dst] || pb == 0) continue;
-            st_release_sys(reinterpret_cast<int*>(pb + off_dsig(s, half, le, s.rank)), -min(sm.hist[i], T) - 1);
+            st_relaxed_sys(reinterpret_cast<int*>(pb + off_dsig(s, half, le, s.rank)), -min(sm.hist[i], T) - 1);
         }
         // NIC signals: one posting lane per warp (qp.h's ordering spin assumes independent posters).
         for (int i = tid / 32; i < E; i += kWarps) {
@@ -284,7 +289,7 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
     }
     for (int p = tid; p < E; p += blockDim.x) sm.rowstart[p] = sm.cnt[p];
     __syncthreads();
-    block_exclusive_scan(sm.rowstart, E);
+    block_exclusive_scan(sm.rowstart, sm.rowstart, E, sm.scan);
     const int total = sm.rowstart[E];
     if (blockIdx.x == 0) {
         int64_t* lr = reinterpret_cast<int64_t*>(c.layout_range);
@@ -317,7 +322,7 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
         const int row = q - sm.rowstart[e * R];
         const uint8_t* msg = hb + off_drecv(s, half, r, (uint64_t)(sm.srcoff[p] + i));
         const size_t out_row = (size_t)e * RT + row;
-        const int4* src4 = reinterpret_cast<const int4*>(msg + kHeaderBytes);
+        const int4* src4 = reinterpret_cast<const int4*>(msg);
         int4* dst4 = reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(c.recv_x) + out_row * (size_t)(kFp8 ? H : 2 * H));
         const int j0 = ch * per_item + lane;
         int4 v[kCopyUnroll];
@@ -329,12 +334,12 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
             if (j0 + u * 32 < payload_int4) st_v4(dst4 + j0 + u * 32, v[u]);
         if (ch != 0) continue;
         if (lane == 0) {
-            const int4 hdr = ld_v4(msg);
+            const int4 hdr = ld_v4(msg + hdr_offset(kFp8, H));
             src_info[out_row] = hdr.x;
             recv_slot[out_row] = hdr.y;
         }
         if (kFp8) {
-            const float* sc = reinterpret_cast<const float*>(msg + kHeaderBytes + H);
+            const float* sc = reinterpret_cast<const float*>(msg + H);
             if (!c.use_ue8m0) {
                 float* out = reinterpret_cast<float*>(c.recv_scales);
                 for (int g = lane; g < G; g += 32) out[((size_t)e * G + g) * RT + row] = ld_f32(sc + g);
@@ -389,7 +394,7 @@ void check(cudaError_t e, const char* what) {
 
 int dispatch_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
-    return 16 * kMaxTopk + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + 3 * R + 5 * E + 2);
+    return 16 * kMaxTopk + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + 3 * R + 5 * E + 2 + scan_scratch_ints(E));
 }
 
 #if !defined(PYEP_LL_CPU_SIM)

@@ -14,8 +14,12 @@ use half s & 1). Each half holds
               token t, top-k slot k lands at (t, k); indexed by (token, slot), not by (expert, token)
               as DeepEP does, so it needs T*K_max rows instead of E*T.
 
-M = 16 + 2H: a 16-byte header (source token, k, local expert, 0) and a BF16 payload (the FP8 payload
-H + 4*ceil(G/4)*4 bytes with its scales is never larger).
+A message is its payload first -- BF16: 2H bytes; FP8: H e4m3 bytes, then the G = H/128 fp32 scales
+padded to 16 bytes -- and then a 16-byte header (source token, k, local expert, 0) at
+header_offset(fp8). The slot stride M = 2H + 16 rounded up to 128 bytes: payloads start on 128-byte
+boundaries, so a warp's 512-byte store covers exactly four whole cache lines (with the header first
+and M = 2H + 16, every store straddled five lines and wrote two of them partially, which cost
+NVLink bandwidth). On the wire (NIC path) a message is header_offset + 16 bytes.
 
 On the NIC path the same memory doubles as staging: a dispatch message for (t, k) is staged in the
 sender's own crecv slot (t, k) -- only the expert owner that will receive it writes that slot later,
@@ -27,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 HEADER_BYTES = 16
+MSG_ALIGN = 128      # slot stride granularity: whole cache lines per message
 FP8_GROUP = 128
 SIGNAL_ALIGN = 256
 REGION_ALIGN = 4096
@@ -84,15 +89,18 @@ class LLLayout:
     def crecv_offset(self, half: int, token: int, k: int) -> int:
         return self.half_base(half) + self.off_crecv + (token * self.max_topk + k) * self.msg_bytes
 
+    def header_offset(self, fp8: bool) -> int:
+        """Where a dispatch message's 16-byte header sits: right after the payload (and FP8 scales)."""
+        return header_offset(self.hidden, fp8)
+
     @property
     def fp8_msg_bytes(self) -> int:
-        """Bytes of an FP8 message on the wire: header, H e4m3 bytes, scales padded to 16 bytes."""
-        groups = self.hidden // FP8_GROUP
-        return HEADER_BYTES + self.hidden + _align(4 * groups, 16)
+        """Bytes of an FP8 message on the wire: H e4m3 bytes, scales padded to 16 bytes, header."""
+        return self.header_offset(True) + HEADER_BYTES
 
     @property
     def bf16_msg_bytes(self) -> int:
-        return HEADER_BYTES + 2 * self.hidden
+        return self.header_offset(False) + HEADER_BYTES
 
     @property
     def signal_ranges(self) -> list:
@@ -110,6 +118,11 @@ class LLLayout:
                 f"{self.msg_bytes} B = {(self.off_crecv - self.off_drecv) / mib:.1f} MiB, combine recv "
                 f"{self.num_max_tokens}x{self.max_topk} rows = "
                 f"{(self.half_bytes - self.off_crecv) / mib:.1f} MiB)")
+
+
+def header_offset(hidden: int, fp8: bool) -> int:
+    """Byte offset of the header in a dispatch message (the kernels' hdr_offset)."""
+    return hidden + _align(4 * (hidden // FP8_GROUP), 16) if fp8 else 2 * hidden
 
 
 def ws_words(num_ranks: int) -> int:
@@ -130,7 +143,7 @@ def ll_buffer_layout(T: int, H: int, E: int, R: int, K_max: int = 16) -> LLLayou
     if E % R:
         raise ValueError(f"E ({E}) must be divisible by R ({R})")
     e_l = E // R
-    msg = HEADER_BYTES + 2 * H
+    msg = _align(2 * H + HEADER_BYTES, MSG_ALIGN)
     slots = T * min(K_max, e_l)
     off_dsig = 0
     off_csig = _align(off_dsig + 4 * e_l * R, SIGNAL_ALIGN)
