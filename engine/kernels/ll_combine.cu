@@ -4,7 +4,7 @@
 // reduces out[t] = sum over k ascending of w[t,k] * y[t,k] in fp32 (one multiply and one add per term,
 // no FMA, so the result is bit-identical to the reference backend), rounding to bf16 once.
 //
-// Send work is spread evenly over all warps as (row, 2 KiB chunk) items, so a hot expert does not
+// Send work is spread evenly over all warps as (row, 4 KiB chunk) items, so a hot expert does not
 // serialise on one warp group. The reduce is spread as (token, 256-channel) items.
 #if !defined(PYEP_LL_CPU_SIM)
 #include <cuda_runtime.h>
@@ -21,7 +21,7 @@ namespace {
 
 struct CombineSmem {
     int* flag;      // [4]
-    int* active;    // [R]
+    int* active;    // [R] PeerMode of each rank in this call
     int* ok;        // [R]
     int* cnt;       // [E] rows per (local expert, source rank), e-major
     int* rowstart;  // [E + 1]
@@ -51,7 +51,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     const int64_t* lr = reinterpret_cast<const int64_t*>(c.layout_range);
     trace_point(s, kTraceCombine, kTrSendBegin);
 
-    for (int r = tid; r < R; r += blockDim.x) sm.active[r] = ld_volatile(active + r) != 0;
+    for (int r = tid; r < R; r += blockDim.x) sm.active[r] = peer_mode(s, active, r);
     for (int p = tid; p < E; p += blockDim.x) {
         const int n = (int)(__ldg(lr + p) & 0xffffffffll);
         sm.cnt[p] = n;
@@ -123,14 +123,12 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrSendFenced);
     if (last_send) {
         const int* fail = ws_fail(s);
-        for (int r = tid; r < R; r += blockDim.x) {
-            const uint64_t pb = peer_base(s, r);
-            if (sm.active[r] && pb != 0) st_relaxed_sys(reinterpret_cast<int*>(pb + off_csig(s, half, s.rank)), 1);
-        }
+        for (int r = tid; r < R; r += blockDim.x)
+            if (sm.active[r] == kPeerStore) st_relaxed_sys(reinterpret_cast<int*>(peer_base(s, r) + off_csig(s, half, s.rank)), 1);
         // NIC: a +1 on every QP of the peer, so the flag completes only after the data of all of them.
         for (int i = warp; i < R * s.num_qps_per_peer; i += kWarps) {
             const int r = i / s.num_qps_per_peer, j = i - r * s.num_qps_per_peer;
-            if (lane != 0 || !sm.active[r] || peer_base(s, r) != 0 || ld_volatile(fail + r)) continue;
+            if (lane != 0 || sm.active[r] != kPeerNic || ld_volatile(fail + r)) continue;
             const int st = gda::post_masked_fa32(peer_qp(s, r, j), remote_addr(s, r) + off_csig(s, half, s.rank),
                                                  rkey_of(s, r), 1u, s.fetch_addr, s.lkey, false, c.timeout_ns);
             if (st != gda::kOk) note_failure(s, r);
@@ -179,24 +177,24 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
             if (my_e >= 0 && !sm.ok[my_e / El]) my_e = -1;
         }
         const bool live = col < cols;
-        // k ascending, four loads in flight at a time: the order of the fp32 additions is fixed, and
-        // registers stay low enough for a full block of 512 threads.
+        // k ascending, kReduceBatch loads in flight at a time (all of them for K <= 8): the order of the
+        // fp32 additions is fixed, and registers stay low enough for a full block of 512 threads.
         float acc[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-        for (int k0 = 0; k0 < K; k0 += 4) {
-            int4 y[4];
-            bool use[4];
-            float w[4];
+        for (int k0 = 0; k0 < K; k0 += kReduceBatch) {
+            int4 y[kReduceBatch];
+            bool use[kReduceBatch];
+            float w[kReduceBatch];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < kReduceBatch; ++j) {
                 const int k = k0 + j;
                 use[j] = __shfl_sync(0xffffffffu, my_e, k & 31) >= 0 && k < K;
                 w[j] = __shfl_sync(0xffffffffu, my_w, k & 31);
                 if (use[j] && live) y[j] = ld_v4(hb + off_crecv(s, half, t, k) + (uint64_t)col * 16);
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < kReduceBatch; ++j) {
                 if (!use[j] || !live) continue;
                 const uint32_t v[4] = {(uint32_t)y[j].x, (uint32_t)y[j].y, (uint32_t)y[j].z, (uint32_t)y[j].w};
 #pragma unroll

@@ -22,7 +22,8 @@ namespace ll {
 constexpr int kWarps = kThreadsPerBlock / 32;
 constexpr int kMaxTopk = 16;
 constexpr int kMaxGroups = 128;        // H <= 16384 -> at most 128 FP8 groups of 128 channels
-constexpr int kCopyUnroll = 4;         // int4 per lane in flight per copy item
+constexpr int kCopyUnroll = 8;         // int4 per lane in flight per copy item (4 KiB per warp)
+constexpr int kReduceBatch = 8;        // combine rows loaded at once per reduce item
 constexpr int kHeaderBytes = 16;
 constexpr int kMsgAlign = 128;         // layout.py MSG_ALIGN: slots are whole cache lines
 
@@ -75,6 +76,11 @@ __device__ __forceinline__ uint64_t remote_addr(const LLStatic& s, int r) {
 __device__ __forceinline__ uint32_t rkey_of(const LLStatic& s, int r) {
     return reinterpret_cast<const uint32_t*>(s.rkeys)[r];
 }
+
+// How this call reaches rank r: not at all (inactive), by stores (self / NVLink IPC), or by the NIC.
+// Decided once per block from active_ranks and the peer table, so the signal loops of the last block
+// do not walk the global tables rank by rank (18 dependent loads per warp cost ~5 us at E = 288).
+enum PeerMode : int { kPeerInactive = 0, kPeerStore = 1, kPeerNic = 2 };
 
 // ---- memory accesses --------------------------------------------------------------------------------
 #if !defined(PYEP_LL_CPU_SIM)
@@ -145,6 +151,10 @@ __device__ __forceinline__ float ld_f32(const float* p) {
     return v;
 }
 #endif
+__device__ __forceinline__ int peer_mode(const LLStatic& s, const int* active, int r) {
+    if (ld_volatile(active + r) == 0) return kPeerInactive;
+    return peer_base(s, r) != 0 ? kPeerStore : kPeerNic;
+}
 __device__ __forceinline__ int expert_of(const int64_t* topk, int i, int num_experts) {
     const int64_t v = __ldg(topk + i);
     return (v >= 0 && v < num_experts) ? (int)v : -1;

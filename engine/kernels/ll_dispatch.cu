@@ -9,7 +9,7 @@
 // and stores it to all K destinations. The last block to finish sends every count signal (-count-1).
 // Receive: every block decides each source rank's arrival (consistently, see wait_counts), builds
 // the row prefix over (expert, source) pairs, and copies an even share of the messages (items of
-// 32 lanes x 4 int4), so skewed routing does not serialise on one expert.
+// 32 lanes x kCopyUnroll int4), so skewed routing does not serialise on one expert.
 #if !defined(PYEP_LL_CPU_SIM)
 #include <cuda_runtime.h>
 #endif
@@ -32,7 +32,7 @@ struct DispatchSmem {
     int* kind;          // [kMaxTopk] 0 none, 1 store, 2 NIC
     int* dst;           // [kMaxTopk]
     int* flag;          // [4]
-    int* active;        // [R]
+    int* active;        // [R] PeerMode of each rank in this call
     int* hist;          // [E]
     int* base;          // [E + 1]
     int* cnt;           // [E] received count per (local expert, source) pair, e-major
@@ -89,7 +89,7 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
     const int NK = N * K, bd = (int)blockDim.x;
     const int pre_e0 = tid < NK ? expert_of(topk, tid, E) : -1;
     const int pre_e1 = tid + bd < NK ? expert_of(topk, tid + bd, E) : -1;
-    for (int r = tid; r < R; r += blockDim.x) sm.active[r] = ld_volatile(active + r) != 0;
+    for (int r = tid; r < R; r += blockDim.x) sm.active[r] = peer_mode(s, active, r);
     for (int e = tid; e < E; e += blockDim.x) sm.hist[e] = 0;
     if (tid < kMaxTopk) {
         // Inactive destinations are filtered when the send kinds are set (their entries never count).
@@ -245,14 +245,14 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
         const int* fail = ws_fail(s);
         for (int i = tid; i < E; i += blockDim.x) {
             const int dst = i / El, le = i - dst * El;
-            const uint64_t pb = peer_base(s, dst);
-            if (!sm.active[dst] || pb == 0) continue;
-            st_relaxed_sys(reinterpret_cast<int*>(pb + off_dsig(s, half, le, s.rank)), -min(sm.hist[i], T) - 1);
+            if (sm.active[dst] != kPeerStore) continue;
+            st_relaxed_sys(reinterpret_cast<int*>(peer_base(s, dst) + off_dsig(s, half, le, s.rank)),
+                           -min(sm.hist[i], T) - 1);
         }
         // NIC signals: one posting lane per warp (qp.h's ordering spin assumes independent posters).
         for (int i = tid / 32; i < E; i += kWarps) {
             const int dst = i / El, le = i - dst * El;
-            if (lane != 0 || !sm.active[dst] || peer_base(s, dst) != 0 || ld_volatile(fail + dst)) continue;
+            if (lane != 0 || sm.active[dst] != kPeerNic || ld_volatile(fail + dst)) continue;
             const int st = gda::post_masked_fa32(peer_qp(s, dst, le % s.num_qps_per_peer),
                                                  remote_addr(s, dst) + off_dsig(s, half, le, s.rank), rkey_of(s, dst),
                                                  (uint32_t)(-min(sm.hist[i], T) - 1), s.fetch_addr, s.lkey, false,
