@@ -249,6 +249,8 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
             st_relaxed_sys(reinterpret_cast<int*>(peer_base(s, dst) + off_dsig(s, half, le, s.rank)),
                            -min(sm.hist[i], T) - 1);
         }
+        __syncthreads();
+        trace_point(s, kTraceDispatch, kTrSendSignaled);
         // NIC signals: one posting lane per warp (qp.h's ordering spin assumes independent posters).
         for (int i = tid / 32; i < E; i += kWarps) {
             const int dst = i / El, le = i - dst * El;
@@ -291,6 +293,7 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
     __syncthreads();
     block_exclusive_scan(sm.rowstart, sm.rowstart, E, sm.scan);
     const int total = sm.rowstart[E];
+    trace_point(s, kTraceDispatch, kTrRecvPlanned);
     if (blockIdx.x == 0) {
         int64_t* lr = reinterpret_cast<int64_t*>(c.layout_range);
         for (int p = tid; p < E; p += blockDim.x) {

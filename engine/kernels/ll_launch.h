@@ -46,6 +46,8 @@ struct LLStatic {
 enum TracePoint : int {
     kTrSendBegin = 0, kTrSendRouted = 1, kTrSendIssued = 2, kTrSendFenced = 3, kTrSendDone = 4,
     kTrRecvBegin = 5, kTrRecvReady = 6, kTrRecvCopied = 7, kTrRecvDone = 8,
+    kTrSendSignaled = 9,   // last block only: the store (NVLink / local) signals are written
+    kTrRecvPlanned = 10,   // dispatch: the row prefix over (expert, source) is known
 };
 constexpr int kTraceSlots = 16;
 enum TraceKernel : int { kTraceDispatch = 0, kTraceCombine = 1 };

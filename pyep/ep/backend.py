@@ -74,6 +74,7 @@ per peer), it only honours the marks.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, runtime_checkable
 
@@ -99,6 +100,17 @@ class EventLike(Protocol):
 
 
 Hook = Callable[[], None]
+
+
+def profiled_range(name: str) -> Any:
+    """torch.profiler.record_function(name) while a torch profiler runs, else a no-op context:
+    entering a record_function costs host time on every call even when nobody profiles, and these
+    ranges exist only to be seen in profiles."""
+    import torch
+    enabled = getattr(torch.autograd.profiler, "_is_profiler_enabled", None)
+    if enabled is None or enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 class OnceHook:

@@ -12,7 +12,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
 
 from ._dist import all_reduce_min_bounded, group_device, resolve_group
-from .backend import (CombineOptions, CompletedEvent, DispatchOptions, EpBackend, EventLike,
+from .backend import (CombineOptions, profiled_range, CompletedEvent, DispatchOptions, EpBackend, EventLike,
                       PeerTransport)
 from .config import DEFAULT_TIMEOUT_US, MAX_TOPK, EpConfig
 from .config import size_hint as _size_hint
@@ -166,7 +166,6 @@ class EpBuffer:
                  async_finish: bool = False, return_recv_hook: bool = False,
                  cumulative_local_expert_recv_stats: Optional["torch.Tensor"] = None
                  ) -> Tuple[RecvX, "torch.Tensor", Handle, EventLike, Hook]:
-        import torch
         self._check_alive("dispatch")
         timeout = validate_dispatch(
             self._config, self._num_ranks, self._device, x, topk_idx, use_fp8=use_fp8,
@@ -181,7 +180,7 @@ class EpBuffer:
                                return_recv_hook=return_recv_hook,
                                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
                                buffer_idx=seq & 1, seq=seq)
-        with torch.profiler.record_function("pyep::dispatch"):
+        with profiled_range("pyep::dispatch"):
             res = self._backend.dispatch(x, topk_idx, opts)
         if return_recv_hook and res.hook is None:
             raise RuntimeError(f"backend {self._backend.name} returned no hook for return_recv_hook=True")
@@ -200,7 +199,6 @@ class EpBuffer:
                 timeout_us: Optional[int] = None, zero_copy: bool = False, async_finish: bool = False,
                 return_recv_hook: bool = False, out: Optional["torch.Tensor"] = None
                 ) -> Tuple["torch.Tensor", EventLike, Hook]:
-        import torch
         self._check_alive("combine")
         handle, timeout = validate_combine(
             self._config, self._num_ranks, self._device, x, topk_idx, topk_weights, handle,
@@ -209,7 +207,7 @@ class EpBuffer:
             return_recv_hook=return_recv_hook, out=out)
         opts = CombineOptions(active_ranks=active_ranks, timeout_us=timeout, zero_copy=zero_copy,
                               async_finish=async_finish, return_recv_hook=return_recv_hook, out=out)
-        with torch.profiler.record_function("pyep::combine"):
+        with profiled_range("pyep::combine"):
             res = self._backend.combine(x, topk_idx, topk_weights, handle, opts)
         if return_recv_hook and res.hook is None:
             raise RuntimeError(f"backend {self._backend.name} returned no hook for return_recv_hook=True")

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from ._dist import barrier_bounded
-from .backend import (OnceHook, BackendUnavailable, CombineOptions, CombineResult, DispatchOptions, DispatchResult,
+from .backend import (OnceHook, profiled_range, BackendUnavailable, CombineOptions, CombineResult, DispatchOptions, DispatchResult,
                       PeerTransport)
 from .config import EpConfig
 from .layout import LLLayout, ll_buffer_layout, ws_words
@@ -42,6 +42,24 @@ def _engine_ep() -> Any:
 
 
 SOFTNIC_RESERVED_SMS = 4
+
+
+def _torch() -> Any:
+    import torch
+    return torch
+
+
+def _raw_stream_getter() -> Optional[Callable[[int], int]]:
+    try:
+        import torch
+        return getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    except ImportError:
+        return None
+
+
+_RAW_STREAM = _raw_stream_getter()
+
+
 
 
 class NativeEvent:
@@ -239,6 +257,20 @@ class NativeBackend:
                              f"per block, the GPU allows {have}: use fewer experts")
 
     # ------------------------------------------------------------------ streams
+    def _raw_current_stream(self) -> int:
+        """cudaStream_t of the current stream. The hot path avoids torch.cuda.current_stream(), which
+        builds a Stream object through several Python layers (about 25 us per call measured on the
+        GPU hosts, more than the launch itself)."""
+        return int(_RAW_STREAM(self.device.index)) if _RAW_STREAM is not None else \
+            int(_torch().cuda.current_stream(self.device).cuda_stream)
+
+    def _launch_stream(self, async_finish: bool) -> "tuple[Optional[torch.cuda.Stream], int]":
+        """(Stream object or None for "the current stream", its cudaStream_t) for this call's launch."""
+        if not async_finish and self._pending is None:
+            return None, self._raw_current_stream()
+        st = self._stream(async_finish)
+        return st, int(st.cuda_stream)
+
     def _stream(self, async_finish: bool) -> "torch.cuda.Stream":
         import torch
         cur = torch.cuda.current_stream(self.device)
@@ -253,10 +285,10 @@ class NativeBackend:
             self._pending = None
         return cur
 
-    def _finish(self, stream: "torch.cuda.Stream", async_finish: bool, keep: List[Any], what: str,
+    def _finish(self, stream: Optional["torch.cuda.Stream"], async_finish: bool, keep: List[Any], what: str,
                 timeout_us: int) -> Optional[NativeEvent]:
         import torch
-        if not async_finish:
+        if not async_finish or stream is None:
             return None
         for t in keep:
             if isinstance(t, torch.Tensor) and t.is_cuda:
@@ -266,17 +298,20 @@ class NativeBackend:
         self._pending = ev
         return NativeEvent(ev, self.device, what, 2 * timeout_us / 1e6 + 10.0)
 
-    def _hook(self, launch: Callable[["torch.cuda.Stream"], None], sent_on: "torch.cuda.Stream",
+    def _hook(self, launch: Callable[[int], None], sent_on: Optional["torch.cuda.Stream"], sent_ptr: int,
               what: str) -> OnceHook:
         import torch
         sent = torch.cuda.Event()
-        sent.record(sent_on)
+        if sent_on is not None:
+            sent.record(sent_on)
+        else:
+            sent.record()
 
         def run() -> None:
-            with torch.profiler.record_function(what):
-                cur = torch.cuda.current_stream(self.device)
-                if cur != sent_on:
-                    cur.wait_event(sent)
+            with profiled_range(what):
+                cur = self._raw_current_stream()
+                if cur != sent_ptr:
+                    torch.cuda.current_stream(self.device).wait_event(sent)
                 launch(cur)
         return OnceHook(run)
 
@@ -310,28 +345,31 @@ class NativeBackend:
                 scales = torch.empty((e_l, (groups + 3) // 4, rows), dtype=torch.int32, device=dev).transpose(1, 2)
             else:
                 scales = torch.empty((e_l, groups, rows), dtype=torch.float32, device=dev).transpose(1, 2)
-        recv_count = torch.empty(e_l, dtype=torch.int32, device=dev)
-        src_info = torch.empty((e_l, rows), dtype=torch.int32, device=dev)
-        recv_slot = torch.empty((e_l, rows), dtype=torch.int32, device=dev)
+        # One allocation for the three int32 outputs (each allocation costs several microseconds of
+        # host time); they are disjoint, contiguous views.
+        meta = torch.empty(e_l * (1 + 2 * rows), dtype=torch.int32, device=dev)
+        recv_count = meta[:e_l]
+        src_info = meta[e_l:e_l * (1 + rows)].view(e_l, rows)
+        recv_slot = meta[e_l * (1 + rows):].view(e_l, rows)
         layout_range = torch.empty((e_l, self.num_ranks), dtype=torch.int64, device=dev)
         active = self._active_ptr(opts.active_ranks)
         cum = opts.cumulative_local_expert_recv_stats
         timeout_ns = int(opts.timeout_us) * 1000
 
-        def launch(phases: int, stream: "torch.cuda.Stream") -> None:
+        def launch(phases: int, stream: int) -> None:
             self._ep.dispatch(self._static, x.data_ptr(), topk_idx.data_ptr(), n, k, half, opts.use_fp8,
                               opts.round_scale, opts.use_ue8m0, active, recv_x.data_ptr(),
                               scales.data_ptr() if scales is not None else 0, src_info.data_ptr(),
                               recv_slot.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr(),
-                              cum.data_ptr() if cum is not None else 0, timeout_ns, phases, stream.cuda_stream)
+                              cum.data_ptr() if cum is not None else 0, timeout_ns, phases, stream)
 
-        stream = self._stream(opts.async_finish)
+        stream, ptr = self._launch_stream(opts.async_finish)
         hook = None
         if opts.return_recv_hook:
-            launch(PHASE_SEND, stream)
-            hook = self._hook(lambda s: launch(PHASE_RECV, s), stream, "pyep::native::dispatch_recv")
+            launch(PHASE_SEND, ptr)
+            hook = self._hook(lambda s: launch(PHASE_RECV, s), stream, ptr, "pyep::native::dispatch_recv")
         else:
-            launch(PHASE_SEND | PHASE_RECV, stream)
+            launch(PHASE_SEND | PHASE_RECV, ptr)
         keep = [x, topk_idx, recv_x, scales, recv_count, src_info, recv_slot, layout_range, cum,
                 opts.active_ranks]
         event = self._finish(stream, opts.async_finish, keep, f"native dispatch #{opts.seq}", opts.timeout_us)
@@ -354,19 +392,18 @@ class NativeBackend:
         active = self._active_ptr(opts.active_ranks)
         timeout_ns = int(opts.timeout_us) * 1000
 
-        def launch(phases: int, stream: "torch.cuda.Stream") -> None:
+        def launch(phases: int, stream: int) -> None:
             self._ep.combine(self._static, src.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), n, k,
                              half, handle.src_info.data_ptr(), recv_slot.data_ptr(),
-                             handle.layout_range.data_ptr(), active, out.data_ptr(), timeout_ns, phases,
-                             stream.cuda_stream)
+                             handle.layout_range.data_ptr(), active, out.data_ptr(), timeout_ns, phases, stream)
 
-        stream = self._stream(opts.async_finish)
+        stream, ptr = self._launch_stream(opts.async_finish)
         hook = None
         if opts.return_recv_hook:
-            launch(PHASE_SEND, stream)
-            hook = self._hook(lambda s: launch(PHASE_RECV, s), stream, "pyep::native::combine_recv")
+            launch(PHASE_SEND, ptr)
+            hook = self._hook(lambda s: launch(PHASE_RECV, s), stream, ptr, "pyep::native::combine_recv")
         else:
-            launch(PHASE_SEND | PHASE_RECV, stream)
+            launch(PHASE_SEND | PHASE_RECV, ptr)
         keep = [src, topk_idx, topk_weights, out, handle.src_info, recv_slot, handle.layout_range,
                 opts.active_ranks]
         event = self._finish(stream, opts.async_finish, keep, f"native combine of dispatch #{handle.seq}",

@@ -12,8 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
+# Slot order (ll_launch.h TracePoint); the two late additions are listed where they happen in time by
+# TIME_ORDER.
 POINTS = ("send_begin", "send_routed", "send_issued", "send_fenced", "send_done",
-          "recv_begin", "recv_ready", "recv_copied", "recv_done")
+          "recv_begin", "recv_ready", "recv_copied", "recv_done", "send_signaled", "recv_planned")
+TIME_ORDER = ("send_begin", "send_routed", "send_issued", "send_fenced", "send_signaled", "send_done",
+              "recv_begin", "recv_ready", "recv_planned", "recv_copied", "recv_done")
 KERNELS = ("dispatch", "combine")
 ENV_VAR = "PYEP_LL_TRACE"
 
@@ -41,7 +45,8 @@ def summarize(stamps: Sequence[Sequence[int]]) -> List[PointStat]:
         return []
     t0 = min(reached)
     out = []
-    for i, name in enumerate(POINTS):
+    for name in TIME_ORDER:
+        i = POINTS.index(name)
         vals = [(row[i] - t0) / 1e3 for row in stamps if i < len(row) and row[i]]
         if vals:
             out.append(PointStat(name, len(vals), min(vals), _median(vals), max(vals)))
