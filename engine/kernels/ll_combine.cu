@@ -25,7 +25,7 @@ struct CombineSmem {
     int* ok;        // [R]
     int* cnt;       // [E] rows per (local expert, source rank), e-major
     int* rowstart;  // [E + 1]
-    int* srcoff;    // [E]
+    int* srcoff;    // [E + 1] source_offsets()
     int* scan;      // [scan_scratch_ints(E)]
 };
 
@@ -37,7 +37,7 @@ __device__ CombineSmem carve_combine(uint8_t* p, int R, int E) {
     m.ok = q; q += R;
     m.cnt = q; q += E;
     m.rowstart = q; q += E + 1;
-    m.srcoff = q; q += E;
+    m.srcoff = q; q += E + 1;
     m.scan = q;
     return m;
 }
@@ -55,17 +55,10 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     for (int p = tid; p < E; p += blockDim.x) {
         const int n = (int)(__ldg(lr + p) & 0xffffffffll);
         sm.cnt[p] = n;
-        sm.rowstart[p] = n;
     }
     __syncthreads();
-    for (int r = tid; r < R; r += blockDim.x) {
-        int acc = 0;
-        for (int e = 0; e < El; ++e) {
-            sm.srcoff[e * R + r] = acc;
-            acc += sm.cnt[e * R + r];
-        }
-    }
-    block_exclusive_scan(sm.rowstart, sm.rowstart, E, sm.scan);
+    source_offsets(sm.cnt, sm.srcoff, sm.scan, R, El);
+    block_exclusive_scan(sm.rowstart, sm.cnt, E, sm.scan);
     const int total = sm.rowstart[E];
     trace_point(s, kTraceCombine, kTrSendRouted);
 
@@ -102,7 +95,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         } else if (ch == 0) {
             // NIC: stage the whole row in the slot its input arrived in (layout.py explains why that
             // slot is free), then one RDMA write on the expert's QP.
-            uint8_t* stage = hb + off_drecv(s, half, r, (uint64_t)(sm.srcoff[p] + i));
+            uint8_t* stage = hb + off_drecv(s, half, r, (uint64_t)(source_slot(sm.srcoff, El, e, r) + i));
             int4* st4 = reinterpret_cast<int4*>(stage);
             for (int j = lane; j < row_int4; j += 32) st_v4(st4 + j, ld_nc_v4(src4 + j));
             __threadfence_system();   // the NIC reads the staged row over PCIe
@@ -247,7 +240,7 @@ void check(cudaError_t e, const char* what) {
 
 int combine_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
-    return 4 * (4 + 2 * R + 3 * E + 1 + scan_scratch_ints(E));
+    return 4 * (4 + 2 * R + 3 * E + 2 + scan_scratch_ints(E));
 }
 
 #if !defined(PYEP_LL_CPU_SIM)

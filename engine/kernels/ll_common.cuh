@@ -283,72 +283,106 @@ __device__ __forceinline__ int resolve_source(int* state, const int* active, int
     return prev == kUndecided ? outcome : prev;
 }
 
-// The dispatch receive's version of resolve_source: each source sends E_l count words, and walking
-// them one after another per source made the wait a chain of E_l dependent system-scope loads (tens
-// of microseconds at E_l = 72). Here every thread polls its own (local expert, source) word, so all
-// E words are awaited at once; then one thread per source records the block's verdict with the same
-// CAS protocol, so all blocks still agree. `src_state` [R] and `late` [R] are shared memory; on return
-// src_state[r] is the decision about source r and cnt[p] (p = le * R + r, the signal's own index)
-// the rows source r sent to local expert le (0 unless r arrived).
+// The dispatch receive's version of resolve_source: each source sends E_l count words. Every thread
+// polls its own (local expert, source) word -- together with that source's active flag and decision
+// word, all in one round trip -- so all E words are awaited at once (walking them one after another
+// per source was a chain of E_l dependent loads, tens of microseconds at E_l = 72). Then one thread per
+// source records the block's verdict with the CAS protocol, so all blocks agree. Shared memory:
+// src_state [R] (on return: the decision about source r), flags [R + 1] (scratch), cnt [E] (on
+// return: rows source r sent to local expert le at p = le * R + r, the signal's own index; 0 unless r
+// arrived). Fences: one per block after the polls (acquire for what this block saw, and the release
+// half for blocks that adopt its verdict), and one more only if this block adopted "arrived" for a
+// word it had not seen and had to read it afterwards.
+enum CountFlag : int { kSeenAll = 0, kUnseen = 1, kLate = 2, kInactiveSrc = 4 };
+
 __device__ __forceinline__ void wait_counts(int* state, const int* active, const int* sig, int num_ranks,
                                             int num_pairs, int max_rows, uint64_t timeout_ns, int* src_state,
-                                            int* late, int* cnt) {
+                                            int* flags, int* cnt) {
     const int R = num_ranks;
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        int st = ld_volatile(state + r);
-        if (st == kUndecided && ld_volatile(active + r) == 0) {
-            const int prev = atomicCAS(state + r, kUndecided, kInactive);
-            st = prev == kUndecided ? kInactive : prev;
-        }
-        src_state[r] = st;
-        late[r] = 0;
-    }
+    for (int r = threadIdx.x; r <= R; r += blockDim.x) flags[r] = 0;
     __syncthreads();
-    // Relaxed polls only: one fence per block below makes them acquires (a fence per polling thread
-    // would serialise in the SM).
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
         const int r = p % R;
-        if (src_state[r] != kUndecided) continue;
-        uint64_t deadline = 0;
-        for (int spins = 0;; ++spins) {
-            if (ld_relaxed_sys(sig + p) != 0) break;
-            LL_SPIN_HINT();
-            if ((spins & 15) != 15) continue;
-            // Someone (another block, or a thread of this one) already settled r: stop waiting.
-            if (ld_volatile(state + r) != kUndecided || *(volatile int*)(late + r)) break;
-            const uint64_t now = gda::now_ns();
-            if (deadline == 0) {
-                deadline = now + timeout_ns;
-            } else if (now > deadline) {
-                late[r] = 1;
-                break;
+        const int on = ld_volatile(active + r);
+        const int st = ld_volatile(state + r);
+        int v = ld_relaxed_sys(sig + p);
+        if (on == 0) {
+            atomicOr(flags + r, kInactiveSrc);
+            v = 0;
+        } else if (v == 0 && st == kUndecided) {
+            uint64_t deadline = 0;
+            for (int spins = 0;; ++spins) {
+                LL_SPIN_HINT();
+                if ((v = ld_relaxed_sys(sig + p)) != 0) break;
+                if ((spins & 15) != 15) continue;
+                // Someone (another block, or a thread of this one) already settled r: stop waiting.
+                if (ld_volatile(state + r) != kUndecided || (*(volatile int*)(flags + r) & kLate)) break;
+                const uint64_t now = gda::now_ns();
+                if (deadline == 0) {
+                    deadline = now + timeout_ns;
+                } else if (now > deadline) {
+                    atomicOr(flags + r, kLate);
+                    break;
+                }
             }
         }
+        cnt[p] = v;
+        if (v == 0) atomicOr(flags + r, kUnseen);
     }
-    // Barrier, then a fence: the observations above happen before this block's verdicts (a block
-    // that adopts our "arrived" must find the counts and data we saw).
     __syncthreads();
     if (threadIdx.x == 0) fence_acq_rel_sys();
     __syncthreads();
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        if (src_state[r] != kUndecided) continue;
-        // A source this block did not see complete may still have been seen complete by another block
-        // (or vice versa): the first CAS wins and every block adopts it.
-        const int outcome = late[r] ? kTimedOut : kArrived;
-        const int prev = atomicCAS(state + r, kUndecided, outcome);
-        src_state[r] = prev == kUndecided ? outcome : prev;
+        int st = ld_volatile(state + r);
+        if (st == kUndecided) {
+            // A source is late for this block only if one of its words stayed unseen while nobody had
+            // decided (a decided state is never undecided again within the call).
+            const int f = flags[r];
+            const int outcome = (f & kInactiveSrc) ? kInactive : (f & kUnseen) ? kTimedOut : kArrived;
+            const int prev = atomicCAS(state + r, kUndecided, outcome);
+            st = prev == kUndecided ? outcome : prev;
+        }
+        src_state[r] = st;
     }
-    // And a fence after the verdicts: an adopted decision orders the count and data reads after it.
     __syncthreads();
-    if (threadIdx.x == 0) fence_acq_rel_sys();
-    __syncthreads();
+    // Another block saw every word of r and decided "arrived" first: read the words it saw (they are
+    // visible to us too by now, or very soon), then acquire once.
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
-        const int r = p % R;
-        int n = 0;
-        if (src_state[r] == kArrived) n = max(0, min(-ld_relaxed_sys(sig + p) - 1, max_rows));
+        if (src_state[p % R] != kArrived || cnt[p] != 0) continue;
+        const uint64_t deadline = gda::now_ns() + timeout_ns;
+        int v;
+        while ((v = ld_relaxed_sys(sig + p)) == 0 && gda::now_ns() < deadline) LL_SPIN_HINT();
+        cnt[p] = v;
+        flags[R] = 1;
+    }
+    __syncthreads();
+    if (flags[R]) {
+        if (threadIdx.x == 0) fence_acq_rel_sys();
+        __syncthreads();
+    }
+    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
+        const int n = src_state[p % R] == kArrived ? max(0, min(-cnt[p] - 1, max_rows)) : 0;
         cnt[p] = n;
     }
     __syncthreads();
+}
+
+// Where source r's messages for local expert e start among r's slots (the sender packs them by
+// expert): prefix sums over e per source. Computed as one block scan of the counts transposed to
+// source-major order -- offs[r * E_l + e] then holds the rows of all sources before r plus the rows of
+// (r, e' < e) -- instead of R threads each walking E_l entries (about a microsecond at E_l = 72).
+// offs: [E + 1] ints of shared memory; read it with source_slot().
+__device__ __forceinline__ void source_offsets(const int* cnt, int* offs, int* scan, int R, int El) {
+    const int E = R * El;
+    for (int p = threadIdx.x; p < E; p += blockDim.x) {
+        const int e = p / R, r = p - e * R;
+        offs[r * El + e] = cnt[p];
+    }
+    __syncthreads();
+    block_exclusive_scan(offs, offs, E, scan);
+}
+__device__ __forceinline__ int source_slot(const int* offs, int El, int e, int r) {
+    return offs[r * El + e] - offs[r * El];
 }
 
 // At the end of a receive phase (last block only): a source that timed out is marked inactive in the

@@ -37,10 +37,10 @@ struct DispatchSmem {
     int* base;          // [E + 1]
     int* cnt;           // [E] received count per (local expert, source) pair, e-major
     int* rowstart;      // [E + 1]
-    int* srcoff;        // [E]
+    int* srcoff;        // [E + 1] source_offsets()
     int* scan;          // [scan_scratch_ints(E)]
     int* src_state;     // [R] receive: the decision about each source
-    int* late;          // [R] receive: a wait on one of the source's words timed out in this block
+    int* wflags;        // [R + 1] receive: wait_counts scratch
 };
 
 __device__ DispatchSmem carve_dispatch(uint8_t* p, int R, int E) {
@@ -59,10 +59,10 @@ __device__ DispatchSmem carve_dispatch(uint8_t* p, int R, int E) {
     m.base = q; q += E + 1;
     m.cnt = q; q += E;
     m.rowstart = q; q += E + 1;
-    m.srcoff = q; q += E;
+    m.srcoff = q; q += E + 1;
     m.scan = q; q += scan_scratch_ints(E);
     m.src_state = q; q += R;
-    m.late = q;
+    m.wflags = q;
     return m;
 }
 
@@ -280,18 +280,10 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
     trace_point(s, kTraceDispatch, kTrRecvBegin);
 
     wait_counts(state, active, reinterpret_cast<const int*>(hb + off_dsig(s, half, 0, 0)), R, E, T, c.timeout_ns,
-                sm.src_state, sm.late, sm.cnt);
+                sm.src_state, sm.wflags, sm.cnt);
     trace_point(s, kTraceDispatch, kTrRecvReady);
-    for (int r = tid; r < R; r += blockDim.x) {
-        int acc = 0;
-        for (int e = 0; e < El; ++e) {
-            sm.srcoff[e * R + r] = acc;
-            acc += sm.cnt[e * R + r];
-        }
-    }
-    for (int p = tid; p < E; p += blockDim.x) sm.rowstart[p] = sm.cnt[p];
-    __syncthreads();
-    block_exclusive_scan(sm.rowstart, sm.rowstart, E, sm.scan);
+    source_offsets(sm.cnt, sm.srcoff, sm.scan, R, El);
+    block_exclusive_scan(sm.rowstart, sm.cnt, E, sm.scan);
     const int total = sm.rowstart[E];
     trace_point(s, kTraceDispatch, kTrRecvPlanned);
     if (blockIdx.x == 0) {
@@ -323,7 +315,7 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
         const int e = p / R, r = p - e * R;
         const int i = q - sm.rowstart[p];
         const int row = q - sm.rowstart[e * R];
-        const uint8_t* msg = hb + off_drecv(s, half, r, (uint64_t)(sm.srcoff[p] + i));
+        const uint8_t* msg = hb + off_drecv(s, half, r, (uint64_t)(source_slot(sm.srcoff, El, e, r) + i));
         const size_t out_row = (size_t)e * RT + row;
         const int4* src4 = reinterpret_cast<const int4*>(msg);
         int4* dst4 = reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(c.recv_x) + out_row * (size_t)(kFp8 ? H : 2 * H));
@@ -397,7 +389,7 @@ void check(cudaError_t e, const char* what) {
 
 int dispatch_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
-    return 16 * kMaxTopk + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + 3 * R + 5 * E + 2 + scan_scratch_ints(E));
+    return 16 * kMaxTopk + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + 3 * R + 1 + 5 * E + 3 + scan_scratch_ints(E));
 }
 
 #if !defined(PYEP_LL_CPU_SIM)
