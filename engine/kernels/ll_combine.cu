@@ -127,7 +127,11 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
             if (st != gda::kOk) note_failure(s, r);
         }
         __syncthreads();
-        finish_failures(s, active);
+        // Only NIC posts fail; with no NIC peer there is nothing to collect (and no reason to make a
+        // thread that just stored signals wait on a load).
+        bool any_nic = false;
+        for (int r = 0; r < R; ++r) any_nic |= sm.active[r] == kPeerNic;
+        if (any_nic) finish_failures(s, active);
         if (tid == 0) *ws_counter(s, half, kCombineSendDone) = 0;
     }
     trace_point(s, kTraceCombine, kTrSendDone);
