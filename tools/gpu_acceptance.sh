@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU acceptance run of the engine, EP and launcher issues, in one go, for a machine with all its
+# GPUs on one NVSwitch (written for 8x H200; any count >= 2 works). Assumes a built checkout
+# (scripts/setup.sh, or `python3 setup.py build_ext --inplace`). Logs and results go to OUTDIR.
+#
+#   tools/gpu_acceptance.sh OUTDIR [quick]
+#
+# Steps (each bounded by `timeout`, each logged; a failed step does not stop the later ones):
+#   engine   pytest -m gpu tests/test_gda_gpu.py tests/test_softnic_gpu.py   (worlds 2 and all GPUs)
+#   ep       pytest -m gpu tests/test_ep_native_gpu.py                       (nvlink, emulated, mixed)
+#   bench    pyep launch configs/single_node.yaml        (the EP benchmark on all GPUs, NVLink)
+#   vnodes   pyep launch configs/two_virtual_nodes.yaml  (NVLink inside two virtual nodes, softnic between)
+#   tests    pyep launch configs/single_node.yaml workload.builtin=tests (the EP GPU tests via the launcher)
+# "quick" shortens the benchmark iterations. Exit status: the number of failed steps.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUTDIR="${1:?usage: tools/gpu_acceptance.sh OUTDIR [quick]}"
+QUICK="${2:-}"
+mkdir -p "$OUTDIR"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+iters=30; warm=5; viters=5
+if [[ "$QUICK" == "quick" ]]; then iters=10; warm=2; viters=3; fi
+failed=0
+step() {   # step NAME TIMEOUT_S CMD...
+    local name="$1" limit="$2"; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUTDIR/$name.log" 2>&1
+    local rc=$?
+    printf '%-7s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" | tee -a "$OUTDIR/summary.txt"
+    grep -E "passed|failed|error" "$OUTDIR/$name.log" | tail -1 | sed 's/^/        /' | tee -a "$OUTDIR/summary.txt"
+    [[ $rc -eq 0 ]] || failed=$((failed + 1))
+}
+nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUTDIR/gpus.csv" 2>&1
+step engine 300 "$PY" -m pytest -q -m gpu tests/test_gda_gpu.py tests/test_softnic_gpu.py -rA
+step ep 600 "$PY" -m pytest -q -m gpu tests/test_ep_native_gpu.py -rA
+step bench 400 "$PY" -m pyep launch configs/single_node.yaml "workload.args=[--iters,$iters,--warmup,$warm]"
+step vnodes 400 "$PY" -m pyep launch configs/two_virtual_nodes.yaml "workload.args=[--iters,$viters,--warmup,2]"
+step tests 600 "$PY" -m pyep launch configs/single_node.yaml workload.builtin=tests \
+    "workload.args=[-m,gpu,-q,tests/test_ep_native_gpu.py]"
+echo "failed steps: $failed" | tee -a "$OUTDIR/summary.txt"
+exit "$failed"
