@@ -77,18 +77,22 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         const int i = q - sm.rowstart[p];
         const int row = q - sm.rowstart[e * R];
         const size_t in_row = (size_t)e * RT + row;
-        const int t = __ldg(src_info + in_row), k = __ldg(recv_slot + in_row);
-        if (t < 0 || t >= T || k < 0 || k >= s.max_topk) continue;  // never write outside the slot area
         const int4* src4 = reinterpret_cast<const int4*>(reinterpret_cast<const uint8_t*>(c.x) + in_row * 2 * (size_t)H);
-        const uint64_t doff = off_crecv(s, half, t, k);
-        const uint64_t pb = peer_base(s, r);
-        if (pb != 0) {
-            int4* dst4 = reinterpret_cast<int4*>(pb + doff);
-            const int j0 = ch * per_item + lane;
-            int4 v[kCopyUnroll];
+        const bool store_peer = sm.active[r] == kPeerStore;
+        // The row's data does not depend on where it goes: its loads are issued together with the
+        // loads of its destination (token, slot), not after them.
+        const int j0 = ch * per_item + lane;
+        int4 v[kCopyUnroll];
+        if (store_peer) {
 #pragma unroll
             for (int u = 0; u < kCopyUnroll; ++u)
                 if (j0 + u * 32 < row_int4) v[u] = ld_nc_v4(src4 + j0 + u * 32);
+        }
+        const int t = __ldg(src_info + in_row), k = __ldg(recv_slot + in_row);
+        if (t < 0 || t >= T || k < 0 || k >= s.max_topk) continue;  // never write outside the slot area
+        const uint64_t doff = off_crecv(s, half, t, k);
+        if (store_peer) {
+            int4* dst4 = reinterpret_cast<int4*>(peer_base(s, r) + doff);
 #pragma unroll
             for (int u = 0; u < kCopyUnroll; ++u)
                 if (j0 + u * 32 < row_int4) st_v4(dst4 + j0 + u * 32, v[u]);
