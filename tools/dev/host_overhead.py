@@ -62,6 +62,8 @@ def main() -> int:
     timed("  validate_dispatch", lambda: validate_dispatch(
         cfg, 1, dev, x, topk, use_fp8=True, round_scale=False, use_ue8m0=False, active_ranks=None,
         timeout_us=None, async_finish=False, return_recv_hook=False, cumulative_local_expert_recv_stats=None))
+    _r, _c, handle, _e, _h = buf.dispatch(x, topk)
+    torch.cuda.synchronize()
     timed("  validate_combine", lambda: validate_combine(
         cfg, 1, dev, y, topk, w, handle, owner=buf._owner, epoch=buf._epoch, last_seq=buf._seq,
         active_ranks=None, timeout_us=None, zero_copy=False, async_finish=False, return_recv_hook=False,
