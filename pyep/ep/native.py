@@ -342,9 +342,13 @@ class NativeBackend:
         if opts.use_fp8:
             groups = h // 128
             if opts.use_ue8m0:
-                scales = torch.empty((e_l, (groups + 3) // 4, rows), dtype=torch.int32, device=dev).transpose(1, 2)
+                packed = (groups + 3) // 4
+                scales = torch.empty_strided((e_l, rows, packed), (packed * rows, 1, rows), dtype=torch.int32,
+                                             device=dev)
             else:
-                scales = torch.empty((e_l, groups, rows), dtype=torch.float32, device=dev).transpose(1, 2)
+                # Column-major per expert ([E_l, G, rows] transposed), in one call.
+                scales = torch.empty_strided((e_l, rows, groups), (groups * rows, 1, rows), dtype=torch.float32,
+                                             device=dev)
         # One allocation for the three int32 outputs (each allocation costs several microseconds of
         # host time); they are disjoint, contiguous views.
         meta = torch.empty(e_l * (1 + 2 * rows), dtype=torch.int32, device=dev)
