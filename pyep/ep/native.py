@@ -10,7 +10,6 @@ combine blocks the host, so both are CUDA-graph capturable.
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from ._dist import barrier_bounded
@@ -18,6 +17,7 @@ from .backend import (OnceHook, profiled_range, BackendUnavailable, CombineOptio
                       PeerTransport)
 from .config import EpConfig
 from .layout import LLLayout, ll_buffer_layout, ws_words
+from .streams import NativeEvent, raw_current_stream
 from .trace import ENV_VAR as TRACE_ENV
 
 if TYPE_CHECKING:
@@ -42,52 +42,6 @@ def _engine_ep() -> Any:
 
 
 SOFTNIC_RESERVED_SMS = 4
-
-
-def _torch() -> Any:
-    import torch
-    return torch
-
-
-def _raw_stream_getter() -> Optional[Callable[[int], int]]:
-    try:
-        import torch
-        return getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    except ImportError:
-        return None
-
-
-_RAW_STREAM = _raw_stream_getter()
-
-
-
-
-class NativeEvent:
-    """EventLike over a CUDA event; wait() is bounded and names the operation."""
-
-    def __init__(self, event: "torch.cuda.Event", device: "torch.device", what: str, bound_s: float) -> None:
-        self._event = event
-        self._device = device
-        self.what = what
-        self.bound_s = bound_s
-
-    def wait(self) -> None:
-        deadline = time.monotonic() + self.bound_s
-        pause = 20e-6
-        while not self._event.query():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.what} did not finish within {self.bound_s:.1f} s on the device "
-                                   f"(its kernels wait at most timeout_us per peer; a longer stall means the "
-                                   f"GPU is blocked by other work)")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
-    def current_stream_wait(self) -> None:
-        import torch
-        torch.cuda.current_stream(self._device).wait_event(self._event)
-
-    def __repr__(self) -> str:
-        return f"NativeEvent({self.what!r})"
 
 
 class NativeBackend:
@@ -258,11 +212,7 @@ class NativeBackend:
 
     # ------------------------------------------------------------------ streams
     def _raw_current_stream(self) -> int:
-        """cudaStream_t of the current stream. The hot path avoids torch.cuda.current_stream(), which
-        builds a Stream object through several Python layers (about 25 us per call measured on the
-        GPU hosts, more than the launch itself)."""
-        return int(_RAW_STREAM(self.device.index)) if _RAW_STREAM is not None else \
-            int(_torch().cuda.current_stream(self.device).cuda_stream)
+        return raw_current_stream(self.device)
 
     def _launch_stream(self, async_finish: bool) -> "tuple[Optional[torch.cuda.Stream], int]":
         """(Stream object or None for "the current stream", its cudaStream_t) for this call's launch."""
