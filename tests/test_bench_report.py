@@ -119,3 +119,13 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch, caplog) -> None:  # type
     assert plot.plot(str(tmp_path / "b.png"), BenchConfig(), [_row("native", 128)], 8, "H200") is None
     assert not (tmp_path / "b.png").exists()
     assert "matplotlib is not importable" in caplog.text
+
+
+def test_outlier_note_when_the_mean_is_far_above_the_median() -> None:
+    row = _row("native", 128)
+    assert report.outlier_lines(row) == []            # mean 1.1 t vs median: not above 1.1x
+    slow = [[50.0] * 28 + [235.0, 236.0]] * 4         # a few profiled iterations where a rank started late
+    row.kernel["combine"] = summarize(slow)
+    lines = report.outlier_lines(row)
+    assert len(lines) == 1 and "combine" in lines[0] and "median 50.0 us" in lines[0]
+    assert "pulled up by outliers" in _render(BenchConfig(), _env(4, "NVIDIA H200"), [row])

@@ -113,6 +113,18 @@ def size_hint_line(cfg: BenchConfig, world_size: int, tokens: int, hint: Optiona
     return line
 
 
+def outlier_lines(r: CaseRow, ratio: float = 1.1) -> List[str]:
+    """A note for each per-kernel mean that a few slow iterations pulled well above the median."""
+    out = []
+    for m, st in r.kernel.items():
+        if st is None or math.isnan(st.mean) or math.isnan(st.p50) or st.p50 <= 0:
+            continue
+        if st.mean > ratio * st.p50:
+            out.append(f"note: {r.backend}/{r.transport} {r.routing} T={r.tokens} {m}: per-kernel mean "
+                       f"{st.mean:.1f} us is pulled up by outliers (median {st.p50:.1f} us, p99 {st.p99:.1f} us)")
+    return out
+
+
 def host_line(r: CaseRow) -> str:
     """CPU time spent inside each call (mean, max over ranks): the eager-mode launch cost."""
     parts = [f"{m} {_us(r.host.get(m))}" for m in ("dispatch", "combine", "d_send", "d_recv", "c_send", "c_recv")
@@ -179,6 +191,8 @@ def render(console: Any, cfg: BenchConfig, env: Dict[str, Any], rows: Sequence[C
     for r in measured:
         if not on_cpu and r.host:
             console.print(escape(host_line(r)))
+        for line in outlier_lines(r):
+            console.print(escape(line))
     for tokens in cfg.tokens:
         hint = next((r.size_hint_bytes for r in rows if r.tokens == tokens), None)
         console.print(escape(size_hint_line(cfg, world, tokens, hint)))

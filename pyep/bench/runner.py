@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from . import kineto
 from .routing import RoutedBatch
-from .sync import Sync, WallTimer
+from .sync import PROFILED_SLEEP_CYCLES, Sync, WallTimer
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +80,7 @@ class CaseRunner:
               ranged: bool, host: Optional[Dict[str, List[float]]] = None) -> Any:
         import torch
         self.sync.barrier(f"before {phase} of {self.label}, iteration {it}")
-        self.sync.align()
+        self.sync.align(PROFILED_SLEEP_CYCLES if ranged else 0)
         timer = WallTimer(self.sync.cuda)
         ctx = torch.profiler.record_function(kineto.range_name(phase, it)) if ranged else nullcontext()
         with ctx, timer.measure():

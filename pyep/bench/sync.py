@@ -18,6 +18,10 @@ FLUSH_BYTES = 256 << 20
 GEMM_N = 4096
 # ~1 ms at the 1.4-2 GHz SM clocks of H100/H200: far more than the host needs to queue one call.
 ALIGN_SLEEP_CYCLES = 2_000_000
+# Under torch.profiler a host occasionally stalls for more than a millisecond (a rank then starts late
+# and the others' kernels count the wait: combine p99 of ~235 us against a 51 us median on 4 H200s);
+# the profiled pass sleeps longer.
+PROFILED_SLEEP_CYCLES = 8_000_000
 
 
 class Sync:
@@ -80,7 +84,7 @@ class Sync:
         work = dist.all_reduce(self._token, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
         self.wait_work(work, f"barrier ({what})")
 
-    def align(self) -> None:
+    def align(self, sleep_cycles: int = 0) -> None:
         """GPU only, after a barrier: line up the start of the next call on all GPUs, the way DeepEP's
         benchmark does. The stream first overwrites a buffer larger than L2 (no timed call finds the
         previous one's data cached), runs a GEMM and then sleeps on the device for about a millisecond
@@ -98,7 +102,7 @@ class Sync:
         with torch.profiler.record_function("pyep_bench::align"):
             self._flush.zero_()
             torch.mm(self._lhs, self._rhs, out=self._prod)
-            torch.cuda._sleep(ALIGN_SLEEP_CYCLES)
+            torch.cuda._sleep(sleep_cycles or ALIGN_SLEEP_CYCLES)
             dist.all_reduce(self._token, op=dist.ReduceOp.MIN, group=self.group)
 
     def all_min(self, value: int, what: str) -> int:
