@@ -152,6 +152,22 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     const int* expect = reinterpret_cast<const int*>(s.flag_expect);
     trace_point(s, kTraceCombine, kTrRecvBegin);
 
+    // Routing of this warp's first reduce item depends on nothing the peers send: load it before the
+    // wait, so the wait's end is followed by the data loads only.
+    const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
+    const float* weights = reinterpret_cast<const float*>(c.weights);
+    const int cols = H / 8;               // int4 columns of a row
+    const int col_chunks = (cols + 31) / 32;
+    const int64_t items = (int64_t)N * col_chunks;
+    const int64_t first_it = (int64_t)blockIdx.x * kWarps + warp;
+    int pre_e = -1;
+    float pre_w = 0.0f;
+    if (first_it < items && lane < K) {
+        const int t = (int)(first_it / col_chunks);
+        pre_e = expert_of(topk, t * K + lane, E);
+        pre_w = __ldg(weights + t * K + lane);
+    }
+
     for (int r = tid; r < R; r += blockDim.x) {
         const int* sig = reinterpret_cast<const int*>(hb + off_csig(s, half, r));
         const int st = resolve_source(state, active, r, sig, 1, 0, max(1, expect[r]), c.timeout_ns);
@@ -162,19 +178,19 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     __syncthreads();
     trace_point(s, kTraceCombine, kTrRecvReady);
 
-    const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
-    const float* weights = reinterpret_cast<const float*>(c.weights);
-    const int cols = H / 8;               // int4 columns of a row
-    const int col_chunks = (cols + 31) / 32;
-    const int64_t items = (int64_t)N * col_chunks;
-    for (int64_t it = (int64_t)blockIdx.x * kWarps + warp; it < items; it += (int64_t)gridDim.x * kWarps) {
+    for (int64_t it = first_it; it < items; it += (int64_t)gridDim.x * kWarps) {
         const int t = (int)(it / col_chunks);
         const int col = (int)(it - (int64_t)t * col_chunks) * 32 + lane;
         int my_e = -1;
         float my_w = 0.0f;
         if (lane < K) {
-            my_e = expert_of(topk, t * K + lane, E);
-            my_w = __ldg(weights + t * K + lane);
+            if (it == first_it) {
+                my_e = pre_e;
+                my_w = pre_w;
+            } else {
+                my_e = expert_of(topk, t * K + lane, E);
+                my_w = __ldg(weights + t * K + lane);
+            }
             if (my_e >= 0 && !sm.ok[my_e / El]) my_e = -1;
         }
         const bool live = col < cols;
