@@ -42,6 +42,11 @@ def make_inputs(seed: int, rank: int, s: Shape, n: int, routing: str):
         col = topk[hot]
         col[(col == s.E - 1).any(dim=1) == False, 0] = s.E - 1  # noqa: E712
         topk[hot] = col
+    elif routing in ("zipf", "bench-hot"):   # the benchmark's skewed routings (pyep.bench.routing)
+        from pyep.bench.config import RoutingSpec
+        from pyep.bench.routing import make_batch
+        spec = RoutingSpec("zipf", 1.2) if routing == "zipf" else RoutingSpec("hot", 0.25)
+        topk = make_batch(spec, n, 128, s.E, s.K, seed=seed, rank=rank).topk_idx.to(torch.int64).contiguous()
     w = torch.rand(n, s.K, generator=g)
     return x, topk, w
 
@@ -181,8 +186,9 @@ def correctness(shape_args: Tuple[int, int, int, int], transport: str, ranks_per
             (4, T, "one", dict(use_fp8=True, round_scale=True, use_ue8m0=True)),
             (5, 0, "uniform", {}), (6, T, "hot", dict(mode="hook")),
             (7, T, "uniform", dict(use_fp8=True, mode="async")), (8, T - 1, "sparse", dict(zero_copy=True)),
-            (9, T, "uniform", dict(use_fp8=True, use_ue8m0=True, round_scale=True, mode="hook"))]
-    chosen = full if cases == "all" else [c for c in full if c[0] in (1, 3, 4, 5)]
+            (9, T, "uniform", dict(use_fp8=True, use_ue8m0=True, round_scale=True, mode="hook")),
+            (10, T, "zipf", dict(use_fp8=True)), (11, T, "bench-hot", {})]
+    chosen = full if cases == "all" else [c for c in full if c[0] in (1, 3, 4, 5, 10)]
     for seed, n, routing, kw in chosen:
         run_case(nat, ref, shape, seed, n, routing, **kw)
     two_in_flight(nat, ref, shape)

@@ -192,6 +192,30 @@ def test_kernels_match_oracle(sim_pool, R, shape, grid, nic):
     assert pool.run(case_matrix, path, R, shape, grid, nic, timeout_s=240) == ["ok"]
 
 
+def case_bench_routings(path: str, nic: str) -> str:
+    """The benchmark's skewed routings (Zipf, a hot expert): the hottest experts get a row from nearly
+    every token of every rank, up to T per (expert, source)."""
+    sys.path.insert(0, SIM_DIR)
+    from world import World, load
+    sim = load(path)
+    R, T, H, E, K = 4, 24, 256, 16, 6
+    pairs = [] if nic == "none" else [(i, j) for i in range(R) for j in range(i + 1, R) if (i < 2) != (j < 2)]
+    w = World(sim, R, T, H, E, K, 2, nic_pairs=pairs)
+    for i, routing in enumerate(["zipf", "bench-hot"]):
+        inputs = _inputs(R, T, H, E, K, 60 + i, routing)
+        hottest = max(sum(int((t[1] == e).any(dim=1).sum()) for t in inputs) for e in range(E))
+        want = R * T // 2 if routing == "zipf" else R * T // 4    # hot: a quarter of the tokens, at least
+        assert hottest > want, f"{routing}: routing is not skewed ({hottest} rows on the hottest expert)"
+        _round(w, inputs, i % 2, f"{nic} {routing}", (i == 1, False, False))
+    return "ok"
+
+
+@pytest.mark.parametrize("nic", ["none", "cross"])
+def test_bench_routings(sim_pool, nic):
+    pool, path = sim_pool
+    assert pool.run(case_bench_routings, path, nic, timeout_s=240) == ["ok"]
+
+
 @pytest.mark.parametrize("nic", ["direct", "nic"])
 def test_silent_rank_times_out_and_rejoins(sim_pool, nic):
     pool, path = sim_pool
