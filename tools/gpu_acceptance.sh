@@ -7,11 +7,13 @@
 #
 # Steps (each bounded by `timeout`, each logged; a failed step does not stop the later ones):
 #   engine   pytest -m gpu tests/test_gda_gpu.py tests/test_softnic_gpu.py   (worlds 2 and all GPUs)
-#   ep       pytest -m gpu tests/test_ep_native_gpu.py                       (nvlink, emulated, mixed)
 #   bench    pyep launch configs/single_node.yaml        (the EP benchmark on all GPUs, NVLink)
 #   vnodes   pyep launch configs/two_virtual_nodes.yaml  (NVLink inside two virtual nodes, softnic between)
-#   tests    pyep launch configs/single_node.yaml workload.builtin=tests (the EP GPU tests via the launcher)
-# "quick" shortens the benchmark iterations. Exit status: the number of failed steps.
+#   tests    pyep launch configs/single_node.yaml workload.builtin=tests: the EP GPU suite
+#            (tests/test_ep_native_gpu.py: nvlink, emulated and mixed, worlds 2, 4 and all GPUs) through
+#            the launcher
+# Each launch keeps its run directory under OUTDIR. "quick" shortens the benchmark iterations.
+# Expected duration on 4 H200s: about 6 minutes. Exit status: the number of failed steps.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUTDIR="${1:?usage: tools/gpu_acceptance.sh OUTDIR [quick]}"
@@ -34,10 +36,11 @@ step() {   # step NAME TIMEOUT_S CMD...
 }
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUTDIR/gpus.csv" 2>&1
 step engine 300 "$PY" -m pytest -q -m gpu tests/test_gda_gpu.py tests/test_softnic_gpu.py -rA
-step ep 600 "$PY" -m pytest -q -m gpu tests/test_ep_native_gpu.py -rA
-step bench 400 "$PY" -m pyep launch configs/single_node.yaml "workload.args=[--iters,$iters,--warmup,$warm]"
-step vnodes 400 "$PY" -m pyep launch configs/two_virtual_nodes.yaml "workload.args=[--iters,$viters,--warmup,2]"
-step tests 600 "$PY" -m pyep launch configs/single_node.yaml workload.builtin=tests \
-    "workload.args=[-m,gpu,-q,tests/test_ep_native_gpu.py]"
+step bench 400 "$PY" -m pyep launch configs/single_node.yaml --run-dir "$OUTDIR/run-bench" \
+    "workload.args=[--iters,$iters,--warmup,$warm]"
+step vnodes 400 "$PY" -m pyep launch configs/two_virtual_nodes.yaml --run-dir "$OUTDIR/run-vnodes" \
+    "workload.args=[--iters,$viters,--warmup,2]"
+step tests 600 "$PY" -m pyep launch configs/single_node.yaml --run-dir "$OUTDIR/run-tests" workload.builtin=tests \
+    "workload.args=[-m,gpu,-q,-rA,tests/test_ep_native_gpu.py]"
 echo "failed steps: $failed" | tee -a "$OUTDIR/summary.txt"
 exit "$failed"
