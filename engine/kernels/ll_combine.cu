@@ -170,7 +170,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
 
     for (int r = tid; r < R; r += blockDim.x) {
         const int* sig = reinterpret_cast<const int*>(hb + off_csig(s, half, r));
-        const int st = resolve_source(state, active, r, sig, 1, 0, max(1, expect[r]), c.timeout_ns);
+        const int st = resolve_flag(state, active, r, sig, max(1, expect[r]), c.timeout_ns);
         // Re-read with acquire: when another block decided, this block still needs its own edge to
         // the data the flag publishes.
         sm.ok[r] = st == kArrived && ld_acquire_sys(sig) != 0;

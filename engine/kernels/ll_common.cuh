@@ -249,12 +249,12 @@ __device__ __forceinline__ bool arrive_last(int* counter, int* s_flag, bool publ
     return *s_flag != 0;
 }
 
-// Decides whether source rank r delivered its signals in this call, identically for every block: the
-// first block to see all of r's signals ready (or to time out, or to find r inactive) records the
-// outcome with a CAS; everyone else adopts it. Signals are `n` words at sig[i * stride]; ready means
-// nonzero (expect == 0) or >= expect. The timeout runs on %globaltimer (nanoseconds), never clock64.
-__device__ __forceinline__ int resolve_source(int* state, const int* active, int r, const int* sig, int n,
-                                              int stride, int expect, uint64_t timeout_ns) {
+// Combine receive: decides whether source rank r's flag reached `expect` in this call, identically
+// for every block: the first block to see it (or to time out, or to find r inactive) records the
+// outcome with a CAS; everyone else adopts it. The timeout runs on %globaltimer (nanoseconds), never
+// clock64. (The dispatch receive, with E_l words per source, uses wait_counts below.)
+__device__ __forceinline__ int resolve_flag(int* state, const int* active, int r, const int* flag, int expect,
+                                            uint64_t timeout_ns) {
     int st = ld_volatile(state + r);
     if (st != kUndecided) return st;
     int outcome = kArrived;
@@ -262,20 +262,16 @@ __device__ __forceinline__ int resolve_source(int* state, const int* active, int
         outcome = kInactive;
     } else {
         uint64_t deadline = 0;
-        for (int i = 0; i < n && outcome == kArrived; ++i) {
-            for (;;) {
-                const int v = ld_acquire_sys(sig + (size_t)i * stride);
-                if (expect == 0 ? v != 0 : v >= expect) break;
-                LL_SPIN_HINT();
-                st = ld_volatile(state + r);
-                if (st != kUndecided) return st;
-                const uint64_t now = gda::now_ns();
-                if (deadline == 0) {
-                    deadline = now + timeout_ns;
-                } else if (now > deadline) {
-                    outcome = kTimedOut;
-                    break;
-                }
+        while (ld_acquire_sys(flag) < expect) {
+            LL_SPIN_HINT();
+            st = ld_volatile(state + r);
+            if (st != kUndecided) return st;
+            const uint64_t now = gda::now_ns();
+            if (deadline == 0) {
+                deadline = now + timeout_ns;
+            } else if (now > deadline) {
+                outcome = kTimedOut;
+                break;
             }
         }
     }
@@ -283,7 +279,7 @@ __device__ __forceinline__ int resolve_source(int* state, const int* active, int
     return prev == kUndecided ? outcome : prev;
 }
 
-// The dispatch receive's version of resolve_source: each source sends E_l count words. Every thread
+// The dispatch receive's version of resolve_flag: each source sends E_l count words. Every thread
 // polls its own (local expert, source) word -- together with that source's active flag and decision
 // word, all in one round trip -- so all E words are awaited at once (walking them one after another
 // per source was a chain of E_l dependent loads, tens of microseconds at E_l = 72). Then one thread per
