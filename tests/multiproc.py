@@ -169,3 +169,21 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """One-shot: start world_size processes, run fn on every rank, tear down."""
     with DistPool(world_size, backend=backend) as pool:
         return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
+
+
+class LazyPools(dict):
+    """{world size: DistPool}, each pool started on first use (GPU tests use the sizes the machine
+    has, and a pool per size costs a start-up). close() ends every pool it started."""
+
+    def __init__(self, **pool_kwargs: Any) -> None:
+        super().__init__()
+        self._kwargs = pool_kwargs
+
+    def __missing__(self, world: int) -> DistPool:
+        pool = DistPool(world, **self._kwargs)
+        self[world] = pool
+        return pool
+
+    def close(self) -> None:
+        for pool in self.values():
+            pool.close()

@@ -42,18 +42,10 @@ requires_gpu = pytest.mark.skipif(NGPU == 0, reason="needs a CUDA GPU and the CU
 
 @pytest.fixture(scope="module")
 def pools() -> Iterator[Dict[int, object]]:
-    from multiproc import DistPool
-    made: Dict[int, DistPool] = {}
-
-    class Lazy(dict):
-        def __missing__(self, world: int) -> DistPool:
-            made[world] = DistPool(world, start_timeout_s=180.0, pg_timeout_s=300.0)
-            self[world] = made[world]
-            return made[world]
-
-    yield Lazy()
-    for p in made.values():
-        p.close()
+    from multiproc import LazyPools
+    made = LazyPools(start_timeout_s=180.0, pg_timeout_s=300.0)
+    yield made
+    made.close()
 
 
 def shapes(world: int):
