@@ -265,6 +265,20 @@ class NativeBackend:
                 launch(cur)
         return OnceHook(run)
 
+    def _run_phases(self, launch: Callable[[int, int], None], async_finish: bool, recv_hook: bool,
+                    keep: List[Any], hook_name: str, what: str,
+                    timeout_us: int) -> "tuple[Optional[NativeEvent], Optional[OnceHook]]":
+        """Launch one call: both phases at once, or the send phase now and the receive phase in the
+        returned hook. launch(phases, cudaStream_t)."""
+        stream, ptr = self._launch_stream(async_finish)
+        hook = None
+        if recv_hook:
+            launch(PHASE_SEND, ptr)
+            hook = self._hook(lambda s: launch(PHASE_RECV, s), stream, ptr, hook_name)
+        else:
+            launch(PHASE_SEND | PHASE_RECV, ptr)
+        return self._finish(stream, async_finish, keep, what, timeout_us), hook
+
     # ------------------------------------------------------------------ dispatch / combine
     @staticmethod
     def _check_aligned(name: str, t: "torch.Tensor") -> None:
@@ -317,16 +331,11 @@ class NativeBackend:
                               recv_slot.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr(),
                               cum.data_ptr() if cum is not None else 0, timeout_ns, phases, stream)
 
-        stream, ptr = self._launch_stream(opts.async_finish)
-        hook = None
-        if opts.return_recv_hook:
-            launch(PHASE_SEND, ptr)
-            hook = self._hook(lambda s: launch(PHASE_RECV, s), stream, ptr, "pyep::native::dispatch_recv")
-        else:
-            launch(PHASE_SEND | PHASE_RECV, ptr)
         keep = [x, topk_idx, recv_x, scales, recv_count, src_info, recv_slot, layout_range, cum,
                 opts.active_ranks]
-        event = self._finish(stream, opts.async_finish, keep, f"native dispatch #{opts.seq}", opts.timeout_us)
+        event, hook = self._run_phases(launch, opts.async_finish, opts.return_recv_hook, keep,
+                                       "pyep::native::dispatch_recv", f"native dispatch #{opts.seq}",
+                                       opts.timeout_us)
         return DispatchResult(recv_x=recv_x, recv_scales=scales, recv_count=recv_count, src_info=src_info,
                               layout_range=layout_range, event=event, hook=hook,
                               extras={"backend": "native", "half": half, "topk_slot": recv_slot,
@@ -351,17 +360,11 @@ class NativeBackend:
                              half, handle.src_info.data_ptr(), recv_slot.data_ptr(),
                              handle.layout_range.data_ptr(), active, out.data_ptr(), timeout_ns, phases, stream)
 
-        stream, ptr = self._launch_stream(opts.async_finish)
-        hook = None
-        if opts.return_recv_hook:
-            launch(PHASE_SEND, ptr)
-            hook = self._hook(lambda s: launch(PHASE_RECV, s), stream, ptr, "pyep::native::combine_recv")
-        else:
-            launch(PHASE_SEND | PHASE_RECV, ptr)
         keep = [src, topk_idx, topk_weights, out, handle.src_info, recv_slot, handle.layout_range,
                 opts.active_ranks]
-        event = self._finish(stream, opts.async_finish, keep, f"native combine of dispatch #{handle.seq}",
-                             opts.timeout_us)
+        event, hook = self._run_phases(launch, opts.async_finish, opts.return_recv_hook, keep,
+                                       "pyep::native::combine_recv", f"native combine of dispatch #{handle.seq}",
+                                       opts.timeout_us)
         return CombineResult(out=out, event=event, hook=hook)
 
     def _handle_parts(self, handle: "Handle") -> "tuple[int, torch.Tensor]":
