@@ -394,7 +394,12 @@ __device__ __forceinline__ void finish_decisions(int* state, int* active, int nu
 
 // Send failures on the NIC path (a post that returned an error) are collected in the workspace and
 // applied by the last block of the send phase, for the same reason.
-__device__ __forceinline__ void finish_failures(const LLStatic& s, int* active) {
+// Only NIC posts fail: with no NIC peer (peer_modes: this call's PeerMode per rank, shared memory)
+// there is nothing to collect, and no reason to make threads that just stored signals wait on loads.
+__device__ __forceinline__ void finish_failures(const LLStatic& s, const int* peer_modes, int* active) {
+    bool any_nic = false;
+    for (int r = 0; r < s.num_ranks; ++r) any_nic |= peer_modes[r] == kPeerNic;
+    if (!any_nic) return;
     int* fail = ws_fail(s);
     for (int r = threadIdx.x; r < s.num_ranks; r += blockDim.x) {
         if (ld_volatile(fail + r)) {
