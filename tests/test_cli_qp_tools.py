@@ -335,7 +335,7 @@ def test_refs_from_a_packed_table(pair: _Pair) -> None:
             return refs
 
     class Buffer:        # an EpBuffer delegates to its backend
-        _backend = Backend()
+        backend = Backend()
     d = qd.qp_dump(Buffer())
     assert d[1]["wqes_posted"] == 3 and d[1]["bytes_posted"] == 2000 and d[1]["state"] == "RTS"
     with pytest.raises(ValueError, match="bytes, not"):

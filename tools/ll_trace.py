@@ -56,7 +56,7 @@ def main(argv: list) -> int:
     buf = EpBuffer(None, num_max_dispatch_tokens_per_rank=args.tokens, hidden=args.hidden,
                    num_experts=args.experts, max_topk=args.topk, transport=args.transport, backend="native",
                    check_values=False)
-    backend = buf._backend   # the native backend: read_trace() lives there
+    backend = buf.backend   # the native backend: read_trace() lives there
     batch = make_batch(RoutingSpec("uniform"), args.tokens, args.hidden, args.experts, args.topk, seed=1,
                        rank=rank).to(dev)
     e_l = args.experts // world

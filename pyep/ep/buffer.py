@@ -141,6 +141,12 @@ class EpBuffer:
         return self._backend.name
 
     @property
+    def backend(self) -> EpBackend:
+        """The backend object, for diagnostics (`pyep qp dump`, tools/ll_trace.py): dispatch and
+        combine go through EpBuffer, which checks their arguments."""
+        return self._backend
+
+    @property
     def group(self) -> "dist.ProcessGroup":
         return self._group
 

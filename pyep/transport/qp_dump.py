@@ -230,8 +230,8 @@ def refs_from_table(links: Sequence[Any], table: Any, qps_per_peer: int, provide
 
 def refs_of(obj: Any) -> List[QpRef]:
     fn = getattr(obj, "qp_contexts", None)
-    if fn is None and getattr(obj, "_backend", None) is not None:
-        fn = getattr(obj._backend, "qp_contexts", None)
+    if fn is None and getattr(obj, "backend", None) is not None:
+        fn = getattr(obj.backend, "qp_contexts", None)
     if fn is None:
         raise TypeError(f"{type(obj).__name__} exposes no qp_contexts(); the QP dump needs its QP contexts "
                         "(see pyep.transport.qp_dump)")

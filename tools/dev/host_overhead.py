@@ -36,7 +36,7 @@ def main() -> int:
     T, H, E, K = 128, 7168, 72, 8      # E_l = 72 as for E = 288 over 4 ranks
     buf = EpBuffer(None, num_max_dispatch_tokens_per_rank=T, hidden=H, num_experts=E, max_topk=K,
                    backend="native", check_values=False)
-    be = buf._backend
+    be = buf.backend
     x = torch.randn(T, H, device=dev).to(torch.bfloat16)
     topk = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(T)])
     w = torch.rand(T, K, device=dev)
