@@ -114,11 +114,7 @@ void register_kernels(py::module_& m) {
               a.warmup = warmup;
               a.timeout_ns = to_ns(timeout_s);
               a.stream = stream;
-              try {
-                  gda::launch_loop_latency(a);
-              } catch (const std::invalid_argument& e) {
-                  throw py::value_error(e.what());
-              }
+              gda::launch_loop_latency(a);   // std::invalid_argument reaches Python as ValueError (pybind11)
           },
           py::arg("ep0"), py::arg("ep1"), py::arg("first_role"), py::arg("device"), py::arg("size"), py::arg("iters"),
           py::arg("warmup"), py::arg("timeout_s"), py::arg("stream"),
@@ -134,11 +130,7 @@ void register_kernels(py::module_& m) {
               a.warmup = warmup;
               a.timeout_ns = to_ns(timeout_s);
               a.stream = stream;
-              try {
-                  gda::launch_loop_bandwidth(a);
-              } catch (const std::invalid_argument& e) {
-                  throw py::value_error(e.what());
-              }
+              gda::launch_loop_bandwidth(a);   // std::invalid_argument reaches Python as ValueError (pybind11)
           },
           py::arg("ep"), py::arg("device"), py::arg("size"), py::arg("iters"), py::arg("warmup"), py::arg("timeout_s"),
           py::arg("stream"), "Streaming-write kernel on ep (the last write carries a +1 signal).");

@@ -1,4 +1,6 @@
-// mlx5 PRM structures and constants used by pyep: the one place they are defined.
+// mlx5 PRM structures and constants of the data path used by pyep -- WQE segments, CQEs, the doorbell
+// record, opcodes, syndromes -- the one place they are defined. The DevX command mailboxes
+// (mlx5_ifc layouts used only by host setup) are in devx_cmd.h.
 //
 // Authority: rdma-core's infiniband/mlx5dv.h (names in comments are its names). Everything on the wire
 // and in the rings is big-endian; these structs hold raw bytes and are filled through wqe.h, never by
