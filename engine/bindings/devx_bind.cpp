@@ -11,6 +11,7 @@
 #include <cstring>
 #include <string>
 
+#include "bindings/provider_dicts.h"
 #include "bindings/registry.h"
 #include "mlx5gda/devx_cmd.h"
 #include "mlx5gda/devx_provider.h"
@@ -25,19 +26,7 @@ namespace pyep {
 namespace bindings {
 namespace {
 
-uint32_t u32(const char* name, uint64_t v) {
-    if (v > 0xffffffffull) throw py::value_error(std::string(name) + "=" + std::to_string(v) + " does not fit in 32 bits");
-    return (uint32_t)v;
-}
 
-void fixed_bytes(const char* name, const py::bytes& b, uint8_t* dst, size_t n) {
-    const std::string s = b;
-    if (s.size() != n) {
-        throw py::value_error(std::string(name) + " must be exactly " + std::to_string(n) + " bytes, got " +
-                              std::to_string(s.size()));
-    }
-    memcpy(dst, s.data(), n);
-}
 
 py::bytes out(const devx::Bytes& b) { return py::bytes(reinterpret_cast<const char*>(b.data()), b.size()); }
 
@@ -234,63 +223,6 @@ void register_encoders(py::module_& d) {
 }
 
 #if defined(PYEP_HAVE_RDMA_CORE)
-nic::Placement placement_from(py::handle h) {
-    // 0/1/2 as pyep.softnic.Placement numbers them, or the names "host", "host_mapped", "device".
-    if (py::isinstance<py::str>(h)) {
-        const std::string s = h.cast<std::string>();
-        if (s == "host") return nic::Placement::Host;
-        if (s == "host_mapped") return nic::Placement::HostMapped;
-        if (s == "device") return nic::Placement::Device;
-        throw py::value_error("placement must be 'host', 'host_mapped' or 'device', got '" + s + "'");
-    }
-    if (py::isinstance<py::bool_>(h) || !py::isinstance<py::int_>(h)) throw py::type_error("placement must be an int or a name");
-    const int p = h.cast<int>();
-    if (p == 0) return nic::Placement::Host;
-    if (p == 1) return nic::Placement::HostMapped;
-    if (p == 2) return nic::Placement::Device;
-    throw py::value_error("placement must be 0 (host), 1 (host_mapped) or 2 (device), got " + std::to_string(p));
-}
-
-uint64_t bounded(const char* name, py::handle v, uint64_t hi) {
-    const uint64_t x = v.cast<uint64_t>();
-    if (x > hi) throw py::value_error(std::string(name) + "=" + std::to_string(x) + " exceeds " + std::to_string(hi));
-    return x;
-}
-
-// The attribute dict shape of the softnic binding (flat keys), with the real NIC's remote address in
-// remote_lid / remote_gid / remote_mac instead of the softnic's remote_node.
-nic::ConnectAttr attr_from(const py::dict& d) {
-    nic::ConnectAttr a;
-    for (auto item : d) {
-        const std::string k = item.first.cast<std::string>();
-        py::handle v = item.second;
-        if (k == "remote_qpn") a.remote_qpn = (uint32_t)bounded("remote_qpn", v, 0xffffff);
-        else if (k == "remote_lid") a.remote.lid = (uint16_t)bounded("remote_lid", v, 0xffff);
-        else if (k == "remote_gid") fixed_bytes("remote_gid", v.cast<py::bytes>(), a.remote.gid, 16);
-        else if (k == "remote_mac") fixed_bytes("remote_mac", v.cast<py::bytes>(), a.remote.mac, 6);
-        else if (k == "remote") {
-            // local_address()'s dict as the peer reported it.
-            const py::dict r = v.cast<py::dict>();
-            if (r.contains("lid")) a.remote.lid = (uint16_t)bounded("remote.lid", r["lid"], 0xffff);
-            if (r.contains("gid")) fixed_bytes("remote.gid", r["gid"].cast<py::bytes>(), a.remote.gid, 16);
-            if (r.contains("mac")) fixed_bytes("remote.mac", r["mac"].cast<py::bytes>(), a.remote.mac, 6);
-        }
-        else if (k == "mtu") a.mtu = (uint32_t)bounded("mtu", v, 4096);
-        else if (k == "retry_cnt") a.retry_cnt = (uint8_t)bounded("retry_cnt", v, 7);
-        else if (k == "rnr_retry") a.rnr_retry = (uint8_t)bounded("rnr_retry", v, 7);
-        else if (k == "ack_timeout") a.ack_timeout = (uint8_t)bounded("ack_timeout", v, 31);
-        else if (k == "min_rnr_timer") a.min_rnr_timer = (uint8_t)bounded("min_rnr_timer", v, 31);
-        else if (k == "sq_psn") a.sq_psn = (uint32_t)bounded("sq_psn", v, 0xffffff);
-        else if (k == "rq_psn") a.rq_psn = (uint32_t)bounded("rq_psn", v, 0xffffff);
-        else if (k == "max_rd_atomic") a.max_rd_atomic = (uint8_t)bounded("max_rd_atomic", v, 255);
-        else if (k == "sl") a.sl = (uint8_t)bounded("sl", v, 15);
-        else if (k == "traffic_class") a.traffic_class = (uint8_t)bounded("traffic_class", v, 255);
-        else if (k == "udp_sport") a.udp_sport = (uint16_t)bounded("udp_sport", v, 0xffff);
-        else throw py::value_error("unknown connect attribute '" + k + "' for the DevX provider");
-    }
-    return a;
-}
-
 py::dict address_dict(const nic::Address& a) {
     py::dict d;
     d["node_id"] = a.node_id;
@@ -344,36 +276,21 @@ void register_provider(py::module_& d) {
         .def("hca_caps", [](DevxProvider& p) { return caps_dict(p.hca_caps()); })
         .def("local_address", [](DevxProvider& p) { return address_dict(p.local_address()); })
         .def("create_cq", [](DevxProvider& p, uint64_t log_size, py::handle placement) {
-            const nic::CqInfo c = p.create_cq(u32("log_size", log_size), placement_from(placement));
-            py::dict r;
-            r["cqn"] = c.cqn;
-            r["log_size"] = c.log_size;
-            r["cqes"] = reinterpret_cast<uintptr_t>(c.cqes);
-            r["dbrec"] = reinterpret_cast<uintptr_t>(c.dbrec);
-            return r;
+            return cq_dict(p.create_cq(u32("log_size", log_size), placement_from(placement)));
         }, py::arg("log_size"), py::arg("placement") = py::int_(0))
         .def("create_qp", [](DevxProvider& p, uint64_t cqn, uint64_t log_sq, py::handle placement) {
             nic::CqInfo cq;
             cq.cqn = u32("cqn", cqn);
-            const nic::QpInfo q = p.create_qp(cq, u32("log_sq", log_sq), placement_from(placement));
-            py::dict r;
-            r["qpn"] = q.qpn;
-            r["log_sq"] = q.log_sq;
-            r["sq"] = reinterpret_cast<uintptr_t>(q.sq);
-            r["dbrec"] = reinterpret_cast<uintptr_t>(q.dbrec);
-            r["bf"] = reinterpret_cast<uintptr_t>(q.bf);
-            r["bf_size"] = q.bf_size;
-            r["cqn"] = q.cqn;
-            return r;
+            return qp_dict(p.create_qp(cq, u32("log_sq", log_sq), placement_from(placement)));
         }, py::arg("cqn"), py::arg("log_sq"), py::arg("placement") = py::int_(0))
         .def("modify_qp_rst2init", [](DevxProvider& p, uint64_t qpn, uint64_t access) {
             p.modify_qp_rst2init(u32("qpn", qpn), u32("access", access));
         }, py::arg("qpn"), py::arg("access"))
         .def("modify_qp_init2rtr", [](DevxProvider& p, uint64_t qpn, const py::dict& attr) {
-            p.modify_qp_init2rtr(u32("qpn", qpn), attr_from(attr));
+            p.modify_qp_init2rtr(u32("qpn", qpn), connect_attr_from(attr));
         }, py::arg("qpn"), py::arg("attr"))
         .def("modify_qp_rtr2rts", [](DevxProvider& p, uint64_t qpn, const py::dict& attr) {
-            p.modify_qp_rtr2rts(u32("qpn", qpn), attr_from(attr));
+            p.modify_qp_rtr2rts(u32("qpn", qpn), connect_attr_from(attr));
         }, py::arg("qpn"), py::arg("attr"))
         .def("modify_qp_to_reset", [](DevxProvider& p, uint64_t qpn) { p.modify_qp_to_reset(u32("qpn", qpn)); })
         .def("modify_qp_to_error", [](DevxProvider& p, uint64_t qpn) { p.modify_qp_to_error(u32("qpn", qpn)); })
@@ -381,14 +298,7 @@ void register_provider(py::module_& d) {
         .def("destroy_qp", [](DevxProvider& p, uint64_t qpn) { p.destroy_qp(u32("qpn", qpn)); })
         .def("destroy_cq", [](DevxProvider& p, uint64_t cqn) { p.destroy_cq(u32("cqn", cqn)); })
         .def("reg_mr", [](DevxProvider& p, uint64_t addr, uint64_t length, uint64_t access) {
-            const nic::MrInfo m = p.reg_mr(reinterpret_cast<void*>(addr), length, u32("access", access));
-            py::dict r;
-            r["addr"] = m.addr;
-            r["length"] = m.length;
-            r["lkey"] = m.lkey;
-            r["rkey"] = m.rkey;
-            r["access"] = m.access;
-            return r;
+            return mr_dict(p.reg_mr(reinterpret_cast<void*>(addr), length, u32("access", access)));
         }, py::arg("addr"), py::arg("length"), py::arg("access"))
         .def("dereg_mr", [](DevxProvider& p, uint64_t lkey) { p.dereg_mr(u32("lkey", lkey)); })
         .def("placements", &DevxProvider::placements)

@@ -1,9 +1,10 @@
 // pyep._engine.SoftNic: the softnic provider for Python (pyep/softnic.py wraps it with types).
-// Objects cross the boundary as dicts of ints so that no provider.h struct needs a pybind11 type
-// (another provider's bindings may want their own); C++ errors arrive as RuntimeError/ValueError.
+// Provider structs cross the boundary as the dicts of provider_dicts.h; C++ errors arrive as
+// RuntimeError/ValueError.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "bindings/provider_dicts.h"
 #include "bindings/registry.h"
 #include "mlx5gda/softnic.h"
 
@@ -15,44 +16,6 @@ namespace {
 
 using nic::SoftNicProvider;
 
-uint64_t ptr_int(const void* p) { return (uint64_t)(uintptr_t)p; }
-
-nic::Placement placement_from(int p) {
-    if (p < 0 || p > 2) throw py::value_error("placement must be 0 (host), 1 (host-mapped) or 2 (device), got " + std::to_string(p));
-    return (nic::Placement)p;
-}
-
-py::dict cq_dict(const nic::CqInfo& c) {
-    py::dict d;
-    d["cqn"] = c.cqn;
-    d["log_size"] = c.log_size;
-    d["cqes"] = ptr_int(c.cqes);
-    d["dbrec"] = ptr_int(c.dbrec);
-    return d;
-}
-
-py::dict qp_dict(const nic::QpInfo& q) {
-    py::dict d;
-    d["qpn"] = q.qpn;
-    d["log_sq"] = q.log_sq;
-    d["sq"] = ptr_int(q.sq);
-    d["dbrec"] = ptr_int(q.dbrec);
-    d["bf"] = ptr_int(q.bf);
-    d["bf_size"] = q.bf_size;
-    d["cqn"] = q.cqn;
-    return d;
-}
-
-py::dict mr_dict(const nic::MrInfo& m) {
-    py::dict d;
-    d["addr"] = m.addr;
-    d["length"] = m.length;
-    d["lkey"] = m.lkey;
-    d["rkey"] = m.rkey;
-    d["access"] = m.access;
-    return d;
-}
-
 nic::MrInfo mr_from(const py::dict& d) {
     nic::MrInfo m;
     m.addr = d["addr"].cast<uint64_t>();
@@ -61,29 +24,6 @@ nic::MrInfo mr_from(const py::dict& d) {
     m.lkey = d.contains("lkey") ? d["lkey"].cast<uint32_t>() : m.rkey;
     m.access = d["access"].cast<uint32_t>();
     return m;
-}
-
-nic::ConnectAttr attr_from(const py::dict& d) {
-    nic::ConnectAttr a;
-    for (auto item : d) {
-        const std::string k = item.first.cast<std::string>();
-        py::handle v = item.second;
-        if (k == "remote_qpn") a.remote_qpn = v.cast<uint32_t>();
-        else if (k == "remote_node") a.remote.node_id = v.cast<uint64_t>();
-        else if (k == "mtu") a.mtu = v.cast<uint32_t>();
-        else if (k == "retry_cnt") a.retry_cnt = v.cast<uint8_t>();
-        else if (k == "rnr_retry") a.rnr_retry = v.cast<uint8_t>();
-        else if (k == "ack_timeout") a.ack_timeout = v.cast<uint8_t>();
-        else if (k == "min_rnr_timer") a.min_rnr_timer = v.cast<uint8_t>();
-        else if (k == "sq_psn") a.sq_psn = v.cast<uint32_t>();
-        else if (k == "rq_psn") a.rq_psn = v.cast<uint32_t>();
-        else if (k == "max_rd_atomic") a.max_rd_atomic = v.cast<uint8_t>();
-        else if (k == "sl") a.sl = v.cast<uint8_t>();
-        else if (k == "traffic_class") a.traffic_class = v.cast<uint8_t>();
-        else if (k == "udp_sport") a.udp_sport = v.cast<uint16_t>();
-        else throw py::value_error("unknown connect attribute '" + k + "'");
-    }
-    return a;
 }
 
 py::dict qp_stats_dict(const softnic::QpStats& s) {
@@ -163,32 +103,34 @@ void register_softnic(py::module_& m) {
             d["atomic_masked_fa32"] = c.atomic_masked_fa32;
             return d;
         })
-        .def("create_cq", [](SoftNicProvider& s, uint32_t log_size, int placement) {
+        .def("create_cq", [](SoftNicProvider& s, uint32_t log_size, py::handle placement) {
+            const nic::Placement where = placement_from(placement);
             nic::CqInfo c;
             {
                 py::gil_scoped_release r;
-                c = s.create_cq(log_size, placement_from(placement));
+                c = s.create_cq(log_size, where);
             }
             return cq_dict(c);
         }, py::arg("log_size"), py::arg("placement"))
-        .def("create_qp", [](SoftNicProvider& s, uint32_t cqn, uint32_t log_sq, int placement) {
+        .def("create_qp", [](SoftNicProvider& s, uint32_t cqn, uint32_t log_sq, py::handle placement) {
+            const nic::Placement where = placement_from(placement);
             nic::CqInfo cq;
             cq.cqn = cqn;
             nic::QpInfo q;
             {
                 py::gil_scoped_release r;
-                q = s.create_qp(cq, log_sq, placement_from(placement));
+                q = s.create_qp(cq, log_sq, where);
             }
             return qp_dict(q);
         }, py::arg("cqn"), py::arg("log_sq"), py::arg("placement"))
         .def("modify_qp_rst2init", &SoftNicProvider::modify_qp_rst2init, R(), py::arg("qpn"), py::arg("access"))
         .def("modify_qp_init2rtr", [](SoftNicProvider& s, uint32_t qpn, const py::dict& attr) {
-            const nic::ConnectAttr a = attr_from(attr);
+            const nic::ConnectAttr a = connect_attr_from(attr);
             py::gil_scoped_release r;
             s.modify_qp_init2rtr(qpn, a);
         }, py::arg("qpn"), py::arg("attr"))
         .def("modify_qp_rtr2rts", [](SoftNicProvider& s, uint32_t qpn, const py::dict& attr) {
-            const nic::ConnectAttr a = attr_from(attr);
+            const nic::ConnectAttr a = connect_attr_from(attr);
             py::gil_scoped_release r;
             s.modify_qp_rtr2rts(qpn, a);
         }, py::arg("qpn"), py::arg("attr"))
