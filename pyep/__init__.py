@@ -12,7 +12,10 @@ def __getattr__(name: str):
     if name in ("EpBuffer",):
         from .ep.buffer import EpBuffer
         return EpBuffer
+    if name == "NormalBuffer":
+        from .ep.normal.buffer import NormalBuffer
+        return NormalBuffer
     raise AttributeError(f"module 'pyep' has no attribute {name!r}")
 
 
-__all__ = ["Availability", "availability", "EpBuffer", "__version__"]
+__all__ = ["Availability", "availability", "EpBuffer", "NormalBuffer", "__version__"]

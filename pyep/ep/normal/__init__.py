@@ -1,0 +1,14 @@
+"""DeepEP's normal (high-throughput) mode, intranode: `NormalBuffer` with get_dispatch_layout, dispatch
+(also cached) and combine. contract.py is the semantic spec every backend follows. Importing this
+package does not import torch."""
+from __future__ import annotations
+
+from .buffer import NormalBuffer
+from .config import Config, default_config
+from .contract import NormalBackend
+from .errors import (BufferBroken, InvalidExpertIndex, NormalModeError, PeerTimeout, WorstTokensExceeded)
+from .events import NormalEvent
+from .handle import NormalHandle
+
+__all__ = ["NormalBuffer", "Config", "default_config", "NormalBackend", "NormalHandle", "NormalEvent",
+           "NormalModeError", "InvalidExpertIndex", "WorstTokensExceeded", "PeerTimeout", "BufferBroken"]

@@ -1,0 +1,348 @@
+"""`NormalBuffer`: DeepEP's normal (high-throughput) mode, intranode: get_dispatch_layout, dispatch
+(also cached, with a handle), combine -- DeepEP's argument order, defaults and return shapes.
+
+The front checks every argument on the host (pyep.ep.normal.validate; never tensor values), keeps the
+handle bookkeeping (owner token, epoch), raises errors the device recorded for earlier calls, does the
+stream/event bookkeeping (pyep.ep.normal.events) and hands the work to a backend (contract.py): the
+native NVLink kernels where they can run, else the reference over torch.distributed. All ranks of the
+group make the same calls in the same order.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Union
+
+from .._dist import all_reduce_min_bounded, group_device, resolve_group
+from ..backend import profiled_range
+from ..config import DEFAULT_TIMEOUT_US, TRANSPORTS
+from . import validate as v
+from .config import DEFAULT_NUM_SMS, MAX_CHANNELS, Config, default_config
+from .contract import CombineCall, DispatchCall, NormalBackend
+from .events import NormalEvent, capture_current, launch, wait_bound_s
+from .handle import NormalHandle
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+log = logging.getLogger("pyep.ep.normal")
+RecvX = Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]]
+BACKENDS = ("auto", "native", "reference")
+
+
+def _native_unavailable_reason(group: "dist.ProcessGroup", kwargs: dict) -> Optional[str]:
+    """Local check (no communication): can this process run the native backend? None if yes.
+    NormalNativeBackend.unavailable_reason takes the constructor's arguments."""
+    import torch
+    try:
+        from .native import NormalNativeBackend
+    except ImportError as exc:
+        return f"pyep.ep.normal.native is not importable ({type(exc).__name__}: {exc})"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    return NormalNativeBackend.unavailable_reason(group, **kwargs)
+
+
+def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> NormalBackend:
+    import torch
+    from .reference import NormalReferenceBackend
+    if backend == "reference":
+        return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"])
+    reason = _native_unavailable_reason(group, kwargs)
+    if backend == "native":
+        if reason is not None:
+            from ..backend import BackendUnavailable
+            raise BackendUnavailable(f"NormalBuffer(backend='native') cannot run here: {reason}")
+        from .native import NormalNativeBackend
+        return NormalNativeBackend(group, **kwargs)
+    # "auto": every rank must pick the same backend, so agree on the local answers first.
+    flag = torch.tensor([0 if reason else 1], dtype=torch.int32, device=group_device(group))
+    all_reduce_min_bounded(flag, group, kwargs["timeout_us"], "NormalBuffer backend selection")
+    if int(flag.item()) == 1:
+        from .native import NormalNativeBackend
+        return NormalNativeBackend(group, **kwargs)
+    log.info("NormalBuffer: using the reference backend (%s)", reason or "another rank cannot run the native one")
+    return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"])
+
+
+def _default(num_ranks: int, num_sms: int, combine: bool) -> Config:
+    # The tuned table covers the rank counts the native kernels run on; other counts (the reference on
+    # 3 ranks, say) get the Config defaults with the shared SM count.
+    try:
+        return default_config(num_ranks, num_sms, combine)
+    except ValueError:
+        return Config(num_sms)
+
+
+class NormalBuffer:
+    """DeepEP normal-mode dispatch/combine within one node.
+
+    get_dispatch_layout -> (num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event)
+    dispatch -> (recv_x or (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
+                 num_recv_tokens_per_expert_list, handle, event); cached: (recv_x, None, None, None, None, event)
+    combine  -> (combined_x, combined_topk_weights, event)
+    """
+
+    num_sms: int = DEFAULT_NUM_SMS
+
+    def __init__(self, group: Optional["dist.ProcessGroup"] = None, num_nvl_bytes: Optional[int] = None, *,
+                 hidden: int = 7168, backend: str = "auto", transport: str = "auto",
+                 timeout_us: int = DEFAULT_TIMEOUT_US, num_sms: Optional[int] = None) -> None:
+        import torch.distributed as dist
+        self._destroyed = True   # until the backend exists nothing may be called
+        if num_nvl_bytes is not None:
+            v.check_int("num_nvl_bytes", num_nvl_bytes, 0)
+        v.check_int("hidden", hidden, 1)
+        v.check_hidden("hidden", hidden, None)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        v.check_int("timeout_us", timeout_us, 1)
+        sms = NormalBuffer.num_sms if num_sms is None else num_sms
+        _check_num_sms(sms)
+        self._group = resolve_group(group)
+        self._rank = dist.get_rank(self._group)
+        self._num_ranks = dist.get_world_size(self._group)
+        self._hidden = hidden
+        self._timeout_us = timeout_us
+        self._bound_s = wait_bound_s(timeout_us)
+        self._owner = uuid.uuid4().hex   # once per buffer: handles carry it, calls only compare it
+        self._epoch = 0
+        self._seq = 0
+        self._comm: Any = None
+        self._backend: NormalBackend = _make_backend(self._group, backend, dict(
+            num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport=transport, timeout_us=timeout_us, num_sms=sms))
+        self._device: "torch.device" = self._backend.device
+        self._destroyed = False
+        log.debug("NormalBuffer rank %d/%d: backend %s, hidden %d, device %s", self._rank, self._num_ranks,
+                  self._backend.name, hidden, self._device)
+
+    # ------------------------------------------------------------------ DeepEP's static API
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """SMs of the dispatch/combine kernels of the default configs (two per channel: even)."""
+        _check_num_sms(new_num_sms)
+        NormalBuffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return default_config(num_ranks, NormalBuffer.num_sms, combine=False)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return default_config(num_ranks, NormalBuffer.num_sms, combine=True)
+
+    @staticmethod
+    def size_hint(hidden: int, num_ranks: int, config: Optional[Config] = None) -> int:
+        """Bytes of native NVLink buffer per rank for rows of `hidden` BF16 values (with the default
+        dispatch and combine configs unless `config` is given)."""
+        configs = [config] if config is not None else [_default(num_ranks, NormalBuffer.num_sms, c)
+                                                       for c in (False, True)]
+        return max(c.get_nvl_buffer_size_hint(2 * hidden, num_ranks) for c in configs)
+
+    @staticmethod
+    def capture() -> NormalEvent:
+        """An event of the current stream, to pass as previous_event."""
+        return capture_current()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def num_ranks(self) -> int:
+        return self._num_ranks
+
+    @property
+    def group(self) -> "dist.ProcessGroup":
+        return self._group
+
+    @property
+    def device(self) -> "torch.device":
+        return self._device
+
+    @property
+    def hidden(self) -> int:
+        return self._hidden
+
+    @property
+    def backend_name(self) -> str:
+        return self._backend.name
+
+    @property
+    def backend(self) -> NormalBackend:
+        """The backend object, for diagnostics; calls go through the buffer, which checks them."""
+        return self._backend
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self._backend.buffer_bytes()
+
+    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The stream async_finish / allocate_on_comm_stream calls run on (None on CPU devices)."""
+        self._check_alive("get_comm_stream")
+        return self._comm_stream() if self._device.type == "cuda" else None
+
+    def _comm_stream(self) -> "torch.cuda.Stream":
+        if self._comm is None:
+            import torch
+            self._comm = torch.cuda.Stream(device=self._device)
+        return self._comm
+
+    def _check_alive(self, what: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"NormalBuffer.{what}() called after destroy()")
+
+    def _begin(self, what: str) -> None:
+        self._check_alive(what)
+        self._backend.check_errors()   # an error the device recorded for an earlier call
+
+    def _launch(self, what: str, fn: Any, tensors: Any, previous_event: Any, async_finish: bool,
+                allocate_on_comm_stream: bool) -> Tuple[Any, NormalEvent]:
+        return launch(self._device, self._comm_stream, fn, what=what, previous_event=previous_event,
+                      async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+                      bound_s=self._bound_s, check=self._backend.check_errors, tensors=tensors)
+
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: "torch.Tensor", num_experts: int,
+                            previous_event: Optional[Any] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False
+                            ) -> Tuple["torch.Tensor", None, "torch.Tensor", "torch.Tensor", NormalEvent]:
+        self._begin("get_dispatch_layout")
+        v.validate_layout(topk_idx, num_experts, self._num_ranks, self._device)
+        v.check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+        with profiled_range("pyep::normal::layout"):
+            res, event = self._launch(
+                "get_dispatch_layout", lambda: self._backend.get_dispatch_layout(topk_idx, num_experts),
+                lambda r: (topk_idx, r.num_tokens_per_rank, r.num_tokens_per_expert, r.is_token_in_rank),
+                previous_event, async_finish, allocate_on_comm_stream)
+        return res.num_tokens_per_rank, None, res.num_tokens_per_expert, res.is_token_in_rank, event
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: RecvX, handle: Optional[NormalHandle] = None,
+                 num_tokens_per_rank: Optional["torch.Tensor"] = None,
+                 num_tokens_per_rdma_rank: Optional["torch.Tensor"] = None,
+                 is_token_in_rank: Optional["torch.Tensor"] = None,
+                 num_tokens_per_expert: Optional["torch.Tensor"] = None,
+                 topk_idx: Optional["torch.Tensor"] = None, topk_weights: Optional["torch.Tensor"] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[Any] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False
+                 ) -> Tuple[RecvX, Optional["torch.Tensor"], Optional["torch.Tensor"], Optional[List[int]],
+                            Optional[NormalHandle], NormalEvent]:
+        self._begin("dispatch")
+        v.check_config(config)
+        v.check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+        args = v.validate_dispatch(
+            x=x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+            num_ranks=self._num_ranks, device=self._device, buffer_hidden=self._hidden, owner=self._owner,
+            epoch=self._epoch)
+        cached = handle is not None
+        if config is None:
+            sms = 2 * handle.num_channels if cached else NormalBuffer.num_sms
+            config = _default(self._num_ranks, sms, combine=False)
+        if cached:
+            v.check_channels("cached dispatch", config, handle)
+            in_rank = handle.is_token_in_rank
+            num_worst_tokens = handle.num_worst_tokens
+        else:
+            in_rank = is_token_in_rank
+        scales = args.x_scales
+        if scales is not None and not scales.is_contiguous():
+            scales = scales.contiguous()   # a device copy, no host read; backends take dense scales
+        self._seq += 1
+        call = DispatchCall(x=args.x, x_scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                            num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=num_tokens_per_expert, num_experts=args.num_experts,
+                            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                            config=config, handle=handle, timeout_us=self._timeout_us, seq=self._seq)
+        with profiled_range("pyep::normal::dispatch"):
+            res, event = self._launch(
+                f"normal dispatch #{self._seq}", lambda: self._backend.dispatch(call),
+                lambda r: (call.x, call.x_scales, topk_idx, topk_weights, num_tokens_per_rank, in_rank,
+                           num_tokens_per_expert, r.recv_x, r.recv_x_scales, r.recv_topk_idx,
+                           r.recv_topk_weights, r.rank_prefix_matrix, r.channel_prefix_matrix,
+                           r.recv_channel_prefix_matrix, r.recv_src_idx, r.send_head),
+                previous_event, async_finish, allocate_on_comm_stream)
+        recv: RecvX = (res.recv_x, res.recv_x_scales) if scales is not None else res.recv_x
+        if cached:
+            return recv, None, None, None, None, event
+        new_handle = NormalHandle(
+            rank_prefix_matrix=res.rank_prefix_matrix, channel_prefix_matrix=res.channel_prefix_matrix,
+            recv_channel_prefix_matrix=res.recv_channel_prefix_matrix, recv_src_idx=res.recv_src_idx,
+            is_token_in_rank=in_rank, send_head=res.send_head, owner=self._owner, epoch=self._epoch,
+            num_channels=config.num_channels(), num_tokens=int(args.x.shape[0]),
+            num_recv_tokens=res.num_recv_tokens, num_worst_tokens=num_worst_tokens, hidden=args.hidden,
+            num_topk=args.num_topk)
+        return (recv, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
+                new_handle, event)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: "torch.Tensor", handle: NormalHandle, topk_weights: Optional["torch.Tensor"] = None,
+                bias: Union[None, "torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]] = None,
+                config: Optional[Config] = None, previous_event: Optional[Any] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False
+                ) -> Tuple["torch.Tensor", Optional["torch.Tensor"], NormalEvent]:
+        self._begin("combine")
+        v.check_config(config)
+        v.check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+        hd = v.check_handle(handle, owner=self._owner, epoch=self._epoch, num_ranks=self._num_ranks)
+        bias_0, bias_1 = v.validate_combine(x=x, handle=hd, topk_weights=topk_weights, bias=bias,
+                                            device=self._device, buffer_hidden=self._hidden)
+        if config is None:
+            config = _default(self._num_ranks, 2 * hd.num_channels, combine=True)
+        v.check_channels("combine", config, hd)
+        self._seq += 1
+        call = CombineCall(x=x, topk_weights=topk_weights, bias=(bias_0, bias_1), handle=hd, config=config,
+                           timeout_us=self._timeout_us, seq=self._seq)
+        with profiled_range("pyep::normal::combine"):
+            res, event = self._launch(
+                f"normal combine #{self._seq}", lambda: self._backend.combine(call),
+                lambda r: (x, topk_weights, bias_0, bias_1, hd.recv_src_idx, hd.send_head, hd.rank_prefix_matrix,
+                           hd.recv_channel_prefix_matrix, r.combined_x, r.combined_topk_weights),
+                previous_event, async_finish, allocate_on_comm_stream)
+        return res.combined_x, res.combined_topk_weights, event
+
+    # ------------------------------------------------------------------ lifetime
+    def clean(self) -> None:
+        """Collective: reset the channels (and leave a broken state after a peer timeout); handles
+        made before it are refused afterwards."""
+        self._check_alive("clean")
+        self._backend.clean()
+        self._epoch += 1
+
+    def describe(self) -> str:
+        self._check_alive("describe")
+        return (f"NormalBuffer rank {self._rank}/{self._num_ranks}: backend {self._backend.name}, "
+                f"hidden <= {self._hidden}, device {self._device}, {self.buffer_bytes} buffer bytes, "
+                f"default num_sms {NormalBuffer.num_sms}")
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._backend.destroy()
+
+    def __enter__(self) -> "NormalBuffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._destroyed else self._backend.name
+        return f"NormalBuffer(rank={self._rank}, num_ranks={self._num_ranks}, {state})"
+
+
+def _check_num_sms(n: Any) -> int:
+    v.check_int("num_sms", n, 2)
+    if n % 2 or n > 2 * MAX_CHANNELS:
+        raise ValueError(f"num_sms must be even (a sender and a receiver SM per channel) and <= "
+                         f"{2 * MAX_CHANNELS}, got {n}")
+    return n

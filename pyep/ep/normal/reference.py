@@ -1,0 +1,329 @@
+"""Reference backend of the normal mode: contract.py in plain torch over torch.distributed collectives
+(gloo on CPU, NCCL on GPU). It is the oracle the native kernels are compared with bit for bit, so it
+is written to be obviously right rather than fast.
+
+A non-cached dispatch is two all-to-alls: a header (per source: its expert-id error record, the rows
+it sends each rank, the num_tokens_per_rank it claims, and per destination its per-channel rows and
+per-expert entries) and the rows themselves as bytes (gloo has no bf16/fp8). Every rank receives
+every source's error record and row counts, so all ranks take the same decision about an error at the
+same call and nobody is left waiting in a collective. A cached dispatch and a combine move rows only:
+the handle already says how many rows go where.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+from .._dist import all_to_all_bounded, barrier_bounded, group_device
+from ..config import DEFAULT_TIMEOUT_US
+from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
+from .errors import InvalidExpertIndex, NormalModeError, WorstTokensExceeded
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+log = logging.getLogger("pyep.ep.normal.reference")
+ERR_WORDS = 4   # [has_error, row, k, value] of the first bad topk_idx entry of a source
+
+
+def row_bytes(t: "torch.Tensor") -> "torch.Tensor":
+    """[M, ...] tensor -> [M, nbytes] uint8 (dtype-agnostic transport)."""
+    import torch
+    width = t.element_size()
+    for d in t.shape[1:]:
+        width *= d
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
+
+
+def token_channels(n: int, num_channels: int, device: "torch.device") -> "torch.Tensor":
+    """int64 [N]: the channel of each token. Channel c covers [min(c*P, N), min((c+1)*P, N)) with
+    P = ceil(N / C), so token t is in channel t // P."""
+    import torch
+    per = max(1, -(-n // num_channels))
+    return torch.div(torch.arange(n, device=device), per, rounding_mode="floor")
+
+
+def first_bad_entry(topk_idx: "torch.Tensor", num_experts: int) -> List[int]:
+    """[1, row, k, value] of the first (row-major) entry outside [-1, E), or [0, 0, 0, 0]."""
+    bad = ((topk_idx < -1) | (topk_idx >= num_experts)).nonzero()
+    if bad.shape[0] == 0:
+        return [0, 0, 0, 0]
+    row, k = (int(v) for v in bad[0])
+    return [1, row, k, int(topk_idx[row, k])]
+
+
+def raise_expert_error(records: "torch.Tensor", me: int, num_experts: int) -> None:
+    """records int64 [R, ERR_WORDS], one per source rank (every rank holds the same table). Raise
+    InvalidExpertIndex on every rank when any source had a bad id: this rank's own entry if it has one,
+    else the lowest offending rank's (with a note saying which rank)."""
+    flagged = [r for r in range(records.shape[0]) if int(records[r, 0])]
+    if not flagged:
+        return
+    src = me if me in flagged else flagged[0]
+    _, row, k, value = (int(v) for v in records[src])
+    err = InvalidExpertIndex(row, k, value, num_experts)
+    err.add_note(f"topk_idx of rank {src} (ranks with bad ids: {flagged}); every rank raises at this call")
+    raise err
+
+
+class NormalReferenceBackend:
+    name = "reference"
+
+    def __init__(self, group: "dist.ProcessGroup", *, timeout_us: int = DEFAULT_TIMEOUT_US) -> None:
+        import torch.distributed as dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.device = group_device(group)
+        self.timeout_us = timeout_us
+
+    @staticmethod
+    def unavailable_reason(*args: object, **kwargs: object) -> Optional[str]:
+        return None
+
+    # ------------------------------------------------------------------ helpers
+    def _all_to_all_rows(self, send: "torch.Tensor", send_counts: List[int], recv_counts: List[int],
+                         timeout_us: int, what: str) -> "torch.Tensor":
+        """uint8 rows of `send` grouped by destination go to their ranks; returns the received rows
+        grouped by source rank ascending."""
+        import torch
+        recv = torch.empty((sum(recv_counts), send.shape[1]), dtype=torch.uint8, device=self.device)
+        all_to_all_bounded(recv, send, recv_counts, send_counts, self.group, timeout_us, what)
+        return recv
+
+    def _exchange_records(self, mine: "torch.Tensor", timeout_us: int, what: str) -> "torch.Tensor":
+        """Every rank sends the same int64 [W] record to every rank; returns [R, W] (row s: source s)."""
+        import torch
+        send = mine.reshape(1, -1).expand(self.num_ranks, -1).contiguous()
+        recv = torch.empty_like(send)
+        all_to_all_bounded(recv, send, None, None, self.group, timeout_us, what)
+        return recv
+
+    def _rows_per_source(self, rank_prefix_matrix: "torch.Tensor") -> List[int]:
+        col = [int(v) for v in rank_prefix_matrix[:, self.rank]]
+        return [col[0]] + [col[s] - col[s - 1] for s in range(1, self.num_ranks)]
+
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: "torch.Tensor", num_experts: int) -> LayoutResult:
+        import torch
+        r_n, dev = self.num_ranks, self.device
+        e_l = num_experts // r_n
+        # Collective only to agree on bad ids: every rank raises at this call or none does.
+        mine = torch.tensor(first_bad_entry(topk_idx, num_experts), dtype=torch.int64, device=dev)
+        raise_expert_error(self._exchange_records(mine, self.timeout_us, "normal get_dispatch_layout"),
+                           self.rank, num_experts)
+        n = topk_idx.shape[0]
+        valid = topk_idx >= 0
+        per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
+        owner = torch.div(topk_idx, e_l, rounding_mode="floor")
+        in_rank = torch.zeros((n, r_n), dtype=torch.bool, device=dev)
+        for r in range(r_n):
+            in_rank[:, r] = (valid & (owner == r)).any(dim=1)
+        return LayoutResult(num_tokens_per_rank=in_rank.sum(dim=0).to(torch.int32),
+                            num_tokens_per_expert=per_expert, is_token_in_rank=in_rank)
+
+    # ------------------------------------------------------------------ dispatch
+    def _payload(self, call: DispatchCall, tokens: "torch.Tensor", with_topk: bool) -> "torch.Tensor":
+        """uint8 [M, width] rows of the given tokens: source index (int64), x, scales, top-k ids and
+        weights."""
+        import torch
+        parts = [row_bytes(tokens.reshape(-1, 1)), row_bytes(call.x[tokens])]
+        if call.x_scales is not None:
+            parts.append(row_bytes(call.x_scales[tokens]))
+        if with_topk and call.topk_idx is not None:
+            parts.append(row_bytes(call.topk_idx[tokens]))
+            if call.topk_weights is not None:
+                parts.append(row_bytes(call.topk_weights[tokens]))
+        return torch.cat(parts, dim=1)
+
+    def _unpack(self, call: DispatchCall, recv: "torch.Tensor", rows: int, with_topk: bool
+                ) -> Tuple["torch.Tensor", Optional["torch.Tensor"], "torch.Tensor",
+                           Optional["torch.Tensor"], Optional["torch.Tensor"]]:
+        """Received rows -> (recv_x, recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights),
+        each with `rows` rows; rows past the received ones are padding (x 0, ids -1, weights 0, src -1)."""
+        import torch
+        m, h, dev = recv.shape[0], call.x.shape[1], self.device
+        off = 0
+
+        def take(nbytes: int) -> "torch.Tensor":
+            nonlocal off
+            part = recv[:, off:off + nbytes].contiguous()
+            off += nbytes
+            return part
+
+        src = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+        src[:m] = take(8).view(torch.int64).reshape(m).to(torch.int32)
+        xb = take(h * call.x.element_size())
+        recv_x = torch.zeros((rows, xb.shape[1]), dtype=torch.uint8, device=dev)
+        recv_x[:m] = xb
+        recv_x = recv_x.view(call.x.dtype).reshape(rows, h)
+        scales = None
+        if call.x_scales is not None:
+            g = call.x_scales.shape[1]
+            scales = torch.zeros((rows, g), dtype=torch.float32, device=dev)
+            scales[:m] = take(4 * g).view(torch.float32).reshape(m, g)
+        idx_out = w_out = None
+        if with_topk and call.topk_idx is not None:
+            k = call.topk_idx.shape[1]
+            e_l = call.num_experts // self.num_ranks
+            ids = take(8 * k).view(torch.int64).reshape(m, k)
+            local = (ids >= self.rank * e_l) & (ids < (self.rank + 1) * e_l)
+            idx_out = torch.full((rows, k), -1, dtype=torch.int64, device=dev)
+            idx_out[:m] = torch.where(local, ids - self.rank * e_l, torch.full_like(ids, -1))
+            if call.topk_weights is not None:
+                w = take(4 * k).view(torch.float32).reshape(m, k)
+                w_out = torch.zeros((rows, k), dtype=torch.float32, device=dev)
+                w_out[:m] = torch.where(local, w, torch.zeros_like(w))
+        return recv_x, scales, src, idx_out, w_out
+
+    def dispatch(self, call: DispatchCall) -> DispatchResult:
+        if call.handle is not None:
+            return self._cached_dispatch(call)
+        import torch
+        r_n, me, dev = self.num_ranks, self.rank, self.device
+        n, c_n = call.x.shape[0], call.config.num_channels()
+        e_l = call.num_experts // r_n
+        assert call.num_tokens_per_rank is not None and call.num_tokens_per_expert is not None
+        in_rank = call.is_token_in_rank
+        chan = token_channels(n, c_n, dev)
+        per_chan = torch.zeros((r_n, c_n), dtype=torch.int64, device=dev)   # [d][c] my rows for d
+        for d in range(r_n):
+            per_chan[d] = torch.bincount(chan[in_rank[:, d]], minlength=c_n)
+        err = first_bad_entry(call.topk_idx, call.num_experts) if call.topk_idx is not None else [0] * ERR_WORDS
+        # Header to d: [error record | rows I send every rank | my num_tokens_per_rank | my rows for
+        # d per channel | my top-k entries per expert of d]
+        common = torch.cat([torch.tensor(err, dtype=torch.int64, device=dev), per_chan.sum(dim=1),
+                            call.num_tokens_per_rank.to(torch.int64)])
+        experts = call.num_tokens_per_expert.to(torch.int64).reshape(r_n, e_l)
+        header = torch.cat([common.reshape(1, -1).expand(r_n, -1), per_chan, experts], dim=1).contiguous()
+        hdr = torch.empty_like(header)
+        all_to_all_bounded(hdr, header, None, None, self.group, call.timeout_us,
+                           f"normal dispatch #{call.seq} (header all-to-all)")
+        o_rows, o_claim, o_chan = ERR_WORDS, ERR_WORDS + r_n, ERR_WORDS + 2 * r_n
+        raise_expert_error(hdr[:, :ERR_WORDS], me, call.num_experts)
+        sent = hdr[:, o_rows:o_claim]          # [s][d]: rows source s sends d
+        claimed = hdr[:, o_claim:o_chan]       # [s][d]: num_tokens_per_rank of source s
+        if not torch.equal(sent, claimed):
+            s, d = (int(v) for v in (sent != claimed).nonzero()[0])
+            raise NormalModeError(f"rank {s}: num_tokens_per_rank[{d}]={int(claimed[s, d])} but "
+                                  f"is_token_in_rank selects {int(sent[s, d])} tokens for rank {d}; pass "
+                                  f"the tensors of one get_dispatch_layout call")
+        arrive = sent.sum(dim=0)               # [d]: rows rank d receives
+        nwt = call.num_worst_tokens
+        if nwt > 0 and bool((arrive > nwt).any()):
+            d = me if int(arrive[me]) > nwt else int((arrive > nwt).nonzero()[0])
+            err_w = WorstTokensExceeded(int(arrive[d]), nwt)
+            err_w.add_note(f"on rank {d}; every rank raises at this call")
+            raise err_w
+
+        send_counts = [int(v) for v in sent[me]]
+        recv_counts = [int(v) for v in sent[:, me]]
+        tokens = torch.cat([in_rank[:, d].nonzero().reshape(-1) for d in range(r_n)])
+        send = self._payload(call, tokens, with_topk=True)
+        recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us,
+                                     f"normal dispatch #{call.seq} (data all-to-all)")
+        m = recv.shape[0]
+        rows = nwt if nwt > 0 else m
+        recv_x, scales, src, idx_out, w_out = self._unpack(call, recv, rows, with_topk=True)
+
+        rank_prefix = torch.cumsum(claimed, dim=0).to(torch.int32)
+        channel_prefix = torch.cumsum(per_chan, dim=1).to(torch.int32)
+        recv_chan = hdr[:, o_chan:o_chan + c_n]                       # [s][c] rows s sends me on c
+        recv_channel_prefix = (torch.cumsum(recv_chan, dim=1) - recv_chan).to(torch.int32)
+        send_head = self._send_head(in_rank, chan, per_chan)
+        counts_list: List[int] = []
+        if nwt == 0:
+            align = call.expert_alignment
+            per_local = hdr[:, o_chan + c_n:].sum(dim=0)
+            counts_list = [(int(v) + align - 1) // align * align for v in per_local]
+        return DispatchResult(recv_x=recv_x, recv_x_scales=scales, recv_topk_idx=idx_out,
+                              recv_topk_weights=w_out, num_recv_tokens_per_expert_list=counts_list,
+                              rank_prefix_matrix=rank_prefix, channel_prefix_matrix=channel_prefix,
+                              recv_channel_prefix_matrix=recv_channel_prefix, recv_src_idx=src,
+                              send_head=send_head, num_recv_tokens=m)
+
+    def _send_head(self, in_rank: "torch.Tensor", chan: "torch.Tensor", per_chan: "torch.Tensor"
+                   ) -> "torch.Tensor":
+        """send_head[t, d]: position of t in the (channel(t), -> d) stream from 0, -1 if not sent:
+        its index among all tokens sent to d, minus the tokens sent to d in earlier channels."""
+        import torch
+        n, r_n = in_rank.shape
+        head = torch.full((n, r_n), -1, dtype=torch.int32, device=self.device)
+        before = torch.cumsum(per_chan, dim=1) - per_chan                   # [d][c] exclusive
+        for d in range(r_n):
+            sel = in_rank[:, d]
+            pos = torch.cumsum(sel.to(torch.int64), dim=0) - 1 - before[d][chan]
+            head[:, d] = torch.where(sel, pos, torch.full_like(pos, -1)).to(torch.int32)
+        return head
+
+    def _cached_dispatch(self, call: DispatchCall) -> DispatchResult:
+        import torch
+        handle = call.handle
+        assert handle is not None
+        r_n = self.num_ranks
+        in_rank = handle.is_token_in_rank
+        send_counts = [int(v) for v in in_rank.sum(dim=0)]
+        recv_counts = self._rows_per_source(handle.rank_prefix_matrix)
+        tokens = torch.cat([in_rank[:, d].nonzero().reshape(-1) for d in range(r_n)])
+        send = self._payload(call, tokens, with_topk=False)
+        recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us,
+                                     f"normal cached dispatch #{call.seq} (data all-to-all)")
+        m = recv.shape[0]
+        recv_x, scales, src, _, _ = self._unpack(call, recv, handle.num_recv_rows, with_topk=False)
+        return DispatchResult(recv_x=recv_x, recv_x_scales=scales, recv_topk_idx=None, recv_topk_weights=None,
+                              num_recv_tokens_per_expert_list=None, rank_prefix_matrix=handle.rank_prefix_matrix,
+                              channel_prefix_matrix=handle.channel_prefix_matrix,
+                              recv_channel_prefix_matrix=handle.recv_channel_prefix_matrix, recv_src_idx=src,
+                              send_head=handle.send_head, num_recv_tokens=m)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, call: CombineCall) -> CombineResult:
+        import torch
+        handle, dev, r_n = call.handle, self.device, self.num_ranks
+        n, h = handle.num_tokens, call.x.shape[1]
+        k = call.topk_weights.shape[1] if call.topk_weights is not None else 0
+        # Received row j of source s goes back to s with its source index; rows past the real count
+        # (num_worst_tokens padding) are not sent.
+        send_counts = self._rows_per_source(handle.rank_prefix_matrix)
+        real = sum(send_counts)
+        parts = [row_bytes(handle.recv_src_idx[:real].to(torch.int64).reshape(-1, 1)),
+                 row_bytes(call.x[:real])]
+        if call.topk_weights is not None:
+            parts.append(row_bytes(call.topk_weights[:real]))
+        send = torch.cat(parts, dim=1)
+        recv_counts = [int(v) for v in handle.is_token_in_rank.sum(dim=0)]
+        recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us,
+                                     f"normal combine #{call.seq} (data all-to-all)")
+        src = recv[:, :8].contiguous().view(torch.int64).reshape(-1)
+        xs = recv[:, 8:8 + 2 * h].contiguous().view(torch.bfloat16).float()
+        ws = recv[:, 8 + 2 * h:].contiguous().view(torch.float32).reshape(-1, k) if k else None
+        # fp32, in the contract's order: 0, + bias_0, + bias_1, then the ranks ascending (a token
+        # comes back at most once from each rank, so each step is one rounding per element).
+        acc = torch.zeros((n, h), dtype=torch.float32, device=dev)
+        for b in call.bias:
+            if b is not None:
+                acc = acc + b.float()
+        acc_w = torch.zeros((n, k), dtype=torch.float32, device=dev) if k else None
+        begin = 0
+        for count in recv_counts:
+            sl = slice(begin, begin + count)
+            acc[src[sl]] = acc[src[sl]] + xs[sl]
+            if acc_w is not None and ws is not None:
+                acc_w[src[sl]] = acc_w[src[sl]] + ws[sl]
+            begin += count
+        return CombineResult(combined_x=acc.to(torch.bfloat16), combined_topk_weights=acc_w)
+
+    # ------------------------------------------------------------------ the rest
+    def check_errors(self) -> None:
+        """The reference raises at the call that sees a bad value; nothing is ever left over."""
+
+    def clean(self) -> None:
+        # No channel state to reset; the barrier keeps clean() collective like the native one.
+        barrier_bounded(self.group, self.device, self.timeout_us, "normal reference clean")
+
+    def buffer_bytes(self) -> int:
+        return 0
+
+    def destroy(self) -> None:
+        pass
