@@ -1,0 +1,148 @@
+// pyep._engine part "normal": the normal-mode (high-throughput) intranode kernels. CUDA builds only.
+// One binding call per launch; pointers and the stream cross as Python ints (tensor.data_ptr(),
+// the raw current stream), so the launches stay CUDA-graph capturable.
+#if defined(PYEP_WITH_CUDA)
+#include <pybind11/pybind11.h>
+
+#include "bindings/registry.h"
+#include "kernels/normal_launch.h"
+
+namespace py = pybind11;
+using namespace pyep::normal;
+
+namespace {
+
+void register_normal(py::module_& m) {
+    auto n = m.def_submodule("normal", "Normal-mode dispatch/combine kernels (pyep.ep.normal.native drives them)");
+    py::class_<NormalStatic>(n, "NormalStatic")
+        .def(py::init<>())
+        .def_readwrite("rank", &NormalStatic::rank)
+        .def_readwrite("num_ranks", &NormalStatic::num_ranks)
+        .def_readwrite("buf", &NormalStatic::buf)
+        .def_readwrite("peer_base", &NormalStatic::peer_base)
+        .def_readwrite("ring_off", &NormalStatic::ring_off)
+        .def_readwrite("ring_capacity", &NormalStatic::ring_capacity)
+        .def_readwrite("off_tail", &NormalStatic::off_tail)
+        .def_readwrite("off_head", &NormalStatic::off_head)
+        .def_readwrite("off_tx", &NormalStatic::off_tx)
+        .def_readwrite("off_rx", &NormalStatic::off_rx)
+        .def_readwrite("off_flag", &NormalStatic::off_flag)
+        .def_readwrite("off_notify", &NormalStatic::off_notify)
+        .def_readwrite("notify_ints", &NormalStatic::notify_ints)
+        .def_readwrite("err", &NormalStatic::err)
+        .def_readwrite("host_counts", &NormalStatic::host_counts)
+        .def_readwrite("workspace", &NormalStatic::workspace)
+        .def_readwrite("timeout_ns", &NormalStatic::timeout_ns);
+    n.attr("MAX_CHANNELS") = kMaxChannels;
+    n.attr("MAX_RANKS") = kMaxRanks;
+    n.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
+    n.attr("THREADS") = kThreads;
+    n.def("dispatch_row_bytes", &dispatch_row_bytes, py::arg("hidden"), py::arg("fp8"), py::arg("num_topk"));
+    n.def("combine_row_bytes", &combine_row_bytes, py::arg("hidden"), py::arg("num_topk"));
+
+    n.def(
+        "layout",
+        [](const NormalStatic& s, uint64_t topk, int num_tokens, int num_topk, int num_experts, uint64_t per_rank,
+           uint64_t per_expert, uint64_t in_rank, uint64_t stream) {
+            LayoutArgs a;
+            a.topk = topk;
+            a.num_tokens = num_tokens;
+            a.num_topk = num_topk;
+            a.num_experts = num_experts;
+            a.num_tokens_per_rank = per_rank;
+            a.num_tokens_per_expert = per_expert;
+            a.is_token_in_rank = in_rank;
+            launch_layout(s, a, stream);
+        },
+        "get_dispatch_layout's kernel");
+
+    n.def(
+        "notify",
+        [](const NormalStatic& s, uint64_t per_expert, uint64_t in_rank, int num_tokens, int num_experts,
+           int num_channels, int seq, int expert_alignment, int num_worst_tokens, uint64_t rank_prefix,
+           uint64_t channel_prefix, uint64_t recv_channel_prefix, uint64_t send_head, uint64_t stream) {
+            NotifyArgs a;
+            a.num_tokens_per_expert = per_expert;
+            a.is_token_in_rank = in_rank;
+            a.num_tokens = num_tokens;
+            a.num_experts = num_experts;
+            a.num_channels = num_channels;
+            a.seq = seq;
+            a.expert_alignment = expert_alignment;
+            a.num_worst_tokens = num_worst_tokens;
+            a.rank_prefix_matrix = rank_prefix;
+            a.channel_prefix_matrix = channel_prefix;
+            a.recv_channel_prefix_matrix = recv_channel_prefix;
+            a.send_head = send_head;
+            launch_notify(s, a, stream);
+        },
+        "Routing per channel and the count exchange of a (non-cached) dispatch");
+
+    n.def(
+        "dispatch",
+        [](const NormalStatic& s, uint64_t x, uint64_t x_scales, uint64_t topk_idx, uint64_t topk_weights,
+           uint64_t in_rank, uint64_t rank_prefix, uint64_t channel_prefix, uint64_t recv_channel_prefix,
+           int num_tokens, int hidden, int num_topk, int num_local_experts, bool fp8, int num_channels,
+           int ring_tokens, int chunk_tokens, int num_out_rows, int num_worst_tokens, uint64_t recv_x,
+           uint64_t recv_x_scales, uint64_t recv_topk_idx, uint64_t recv_topk_weights, uint64_t recv_src_idx,
+           uint64_t stream) {
+            DispatchArgs a;
+            a.x = x;
+            a.x_scales = x_scales;
+            a.topk_idx = topk_idx;
+            a.topk_weights = topk_weights;
+            a.is_token_in_rank = in_rank;
+            a.rank_prefix_matrix = rank_prefix;
+            a.channel_prefix_matrix = channel_prefix;
+            a.recv_channel_prefix_matrix = recv_channel_prefix;
+            a.num_tokens = num_tokens;
+            a.hidden = hidden;
+            a.num_topk = num_topk;
+            a.num_local_experts = num_local_experts;
+            a.fp8 = fp8;
+            a.num_channels = num_channels;
+            a.ring_tokens = ring_tokens;
+            a.chunk_tokens = chunk_tokens;
+            a.num_out_rows = num_out_rows;
+            a.num_worst_tokens = num_worst_tokens;
+            a.recv_x = recv_x;
+            a.recv_x_scales = recv_x_scales;
+            a.recv_topk_idx = recv_topk_idx;
+            a.recv_topk_weights = recv_topk_weights;
+            a.recv_src_idx = recv_src_idx;
+            launch_dispatch(s, a, stream);
+        },
+        "Launch the dispatch kernel");
+
+    n.def(
+        "combine",
+        [](const NormalStatic& s, uint64_t x, uint64_t topk_weights, uint64_t bias0, uint64_t bias1,
+           uint64_t send_head, uint64_t rank_prefix, uint64_t channel_prefix, uint64_t recv_channel_prefix,
+           int num_tokens, int hidden, int num_topk, int num_channels, int ring_tokens, int chunk_tokens,
+           uint64_t out, uint64_t out_weights, uint64_t stream) {
+            CombineArgs a;
+            a.x = x;
+            a.topk_weights = topk_weights;
+            a.bias0 = bias0;
+            a.bias1 = bias1;
+            a.send_head = send_head;
+            a.rank_prefix_matrix = rank_prefix;
+            a.channel_prefix_matrix = channel_prefix;
+            a.recv_channel_prefix_matrix = recv_channel_prefix;
+            a.num_tokens = num_tokens;
+            a.hidden = hidden;
+            a.num_topk = num_topk;
+            a.num_channels = num_channels;
+            a.ring_tokens = ring_tokens;
+            a.chunk_tokens = chunk_tokens;
+            a.out = out;
+            a.out_weights = out_weights;
+            launch_combine(s, a, stream);
+        },
+        "Launch the combine kernel");
+}
+
+pyep::bindings::Registrar reg("normal", &register_normal);
+
+}  // namespace
+#endif  // PYEP_WITH_CUDA

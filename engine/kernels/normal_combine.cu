@@ -1,0 +1,186 @@
+// Normal-mode intranode combine: the dispatch retraced. An even block sends channel c's received rows
+// back to their source ranks (warp group g serves source g, rows in received order); an odd block
+// reduces channel c's own tokens: token t's row from rank d sits at position send_head[t][d] of the
+// ring (c, d) in this rank's buffer. Sum in fp32: bias_0, bias_1, then ranks ascending (contract.py).
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/normal_common.cuh"
+
+namespace pyep {
+namespace normal {
+namespace {
+
+// Tokens a reduce round takes (one per warp). The receiver frees ring slots once per round, so a
+// sender may run at most ring_tokens - round rows ahead of the receiver's head (see combine_send).
+__device__ __forceinline__ int reduce_round(int ring_tokens) { return min(kWarps, ring_tokens / 2); }
+
+__device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const CombineRow& row, int c, int g,
+                             int wi, int W, int lane) {
+    const int R = s.num_ranks, me = s.rank, d = g, Q = a.ring_tokens, K = a.num_topk, C = a.num_channels;
+    const int* rcp = reinterpret_cast<const int*>(a.recv_channel_prefix_matrix);
+    const int* rpm = reinterpret_cast<const int*>(a.rank_prefix_matrix);
+    const int start = rcp[d * C + c];
+    const int count = (c + 1 < C ? rcp[d * C + c + 1] : rpm[d * R + me]) - start;
+    uint8_t* ring = ring_of(s, peer_buf(s, d), c, me, Q, row.bytes);
+    int* tail = tail_of(s, peer_buf(s, d), c, me);
+    const int* head = head_of(s, reinterpret_cast<uint8_t*>(s.buf), c, d);
+    const uint32_t base = (uint32_t)*tx_of(s, c, d);
+    const uint8_t* x = reinterpret_cast<const uint8_t*>(a.x);
+    const float* weights = reinterpret_cast<const float*>(a.topk_weights);
+    // Room: the receiver needs up to one round of positions beyond its head before it frees any.
+    const int chunk = max(1, min(max(a.chunk_tokens, W), Q - reduce_round(Q)));   // every warp busy
+    const bool leader = wi == 0 && lane == 0;
+
+    bool failed = false;
+    if (leader && !wait_counter(head, base, s.timeout_ns)) {   // every call starts on an empty ring
+        record_error(s, kErrPeerTimeout, d, kPhaseCombine, c);
+        failed = true;
+    }
+    if (group_sync_or(g, W, failed)) return;
+    for (int sent = 0; sent < count;) {
+        const int n = min(chunk, count - sent);
+        if (sent + n > Q && leader && !wait_counter(head, base + (uint32_t)(sent + n - Q), s.timeout_ns)) {
+            record_error(s, kErrPeerTimeout, d, kPhaseCombine, c);
+            failed = true;
+        }
+        if (group_sync_or(g, W, failed)) return;
+        for (int j = wi; j < n; j += W) {
+            const int i = sent + j;
+            uint8_t* dst = ring + (uint64_t)(i % Q) * row.bytes;
+            warp_copy(dst, x + (uint64_t)(start + i) * row.payload, row.payload, lane);
+            if (lane < K)
+                reinterpret_cast<float*>(dst + row.weights)[lane] = weights ? weights[(int64_t)(start + i) * K + lane] : 0.f;
+        }
+        group_sync(g, W);
+        sent += n;
+        if (leader) st_release_sys(tail, (int)(base + sent));
+    }
+    if (leader) *tx_of(s, c, d) = (int)(base + count);
+}
+
+__device__ __forceinline__ void add_bf16x8(float* acc, int4 v) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        acc[2 * i] += f.x;
+        acc[2 * i + 1] += f.y;
+    }
+}
+
+__device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const CombineRow& row, int c) {
+    const int R = s.num_ranks, me = s.rank, Q = a.ring_tokens, K = a.num_topk, C = a.num_channels;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, round = reduce_round(Q);
+    __shared__ uint32_t sh_base[kMaxRanks];
+    __shared__ int sh_max[kMaxRanks];
+    __shared__ int sh_failed;
+    uint8_t* own = reinterpret_cast<uint8_t*>(s.buf);
+    if (threadIdx.x < R) {
+        sh_base[threadIdx.x] = (uint32_t)*rx_of(s, c, threadIdx.x);
+        sh_max[threadIdx.x] = -1;
+    }
+    if (threadIdx.x == 0) sh_failed = 0;
+    __syncthreads();
+    int t0, t1;
+    channel_range(a.num_tokens, C, c, t0, t1);
+    const int* send_head = reinterpret_cast<const int*>(a.send_head);
+    const int vecs = a.hidden / 8;   // int4 of 8 bf16
+    const int4* bias0 = reinterpret_cast<const int4*>(a.bias0);
+    const int4* bias1 = reinterpret_cast<const int4*>(a.bias1);
+    int4* out = reinterpret_cast<int4*>(a.out);
+    float* out_w = reinterpret_cast<float*>(a.out_weights);
+
+    for (int rs = t0; rs < t1; rs += round) {
+        const int t = rs + warp;
+        if (warp < round && t < t1) {
+            int pos = lane < R ? send_head[(int64_t)t * R + lane] : -1;
+            bool ok = true;
+            if (pos >= 0 && !wait_counter(tail_of(s, own, c, lane), sh_base[lane] + (uint32_t)pos + 1, s.timeout_ns)) {
+                record_error(s, kErrPeerTimeout, lane, kPhaseCombine, c);
+                ok = false;
+            }
+            if (__all_sync(0xffffffffu, ok)) {
+                fence_acq_rel_sys();   // the other lanes' acquires cover the rows this lane reads
+                const uint8_t* rows[kMaxRanks];
+                int nsrc = 0;
+                for (int d = 0; d < R; ++d) {
+                    const int p = __shfl_sync(0xffffffffu, pos, d);
+                    if (p >= 0) rows[nsrc++] = ring_of(s, own, c, d, Q, row.bytes) + (uint64_t)(p % Q) * row.bytes;
+                }
+                for (int v = lane; v < vecs; v += 32) {
+                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                    if (bias0) add_bf16x8(acc, bias0[(int64_t)t * vecs + v]);
+                    if (bias1) add_bf16x8(acc, bias1[(int64_t)t * vecs + v]);
+                    int4 in[kMaxRanks];
+#pragma unroll
+                    for (int i = 0; i < kMaxRanks; ++i)
+                        if (i < nsrc) in[i] = ld_v4(rows[i] + 16 * v);
+#pragma unroll
+                    for (int i = 0; i < kMaxRanks; ++i)
+                        if (i < nsrc) add_bf16x8(acc, in[i]);
+                    int4 o;
+                    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+                    out[(int64_t)t * vecs + v] = o;
+                }
+                if (out_w && lane < K) {
+                    float w = 0.f;
+                    for (int i = 0; i < nsrc; ++i) w += reinterpret_cast<const float*>(rows[i] + row.weights)[lane];
+                    out_w[(int64_t)t * K + lane] = w;
+                }
+                if (pos >= 0) atomicMax(&sh_max[lane], pos);
+            } else if (lane == 0) {
+                sh_failed = 1;
+            }
+        }
+        __syncthreads();                       // the round's rows are read
+        if (sh_failed) return;
+        int consumed = -1;
+        if (threadIdx.x < R) consumed = sh_max[threadIdx.x];
+        __syncthreads();                       // read before the next round raises it again
+        if (consumed >= 0) st_release_sys(head_of(s, peer_buf(s, threadIdx.x), c, me), (int)(sh_base[threadIdx.x] + consumed + 1));
+    }
+    if (threadIdx.x < R) {
+        const int n = prefix_count(reinterpret_cast<const int*>(a.channel_prefix_matrix), C, threadIdx.x, c);
+        *rx_of(s, c, threadIdx.x) = (int)(sh_base[threadIdx.x] + n);
+    }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) normal_combine_kernel(NormalStatic s, CombineArgs a) {
+    const int c = blockIdx.x >> 1;
+    const CombineRow row(a.hidden, a.num_topk);
+    if (blockIdx.x & 1) {
+        combine_recv(s, a, row, c);
+        return;
+    }
+    const int W = kWarps / s.num_ranks, warp = threadIdx.x / 32;
+    if (warp / W >= s.num_ranks) return;
+    combine_send(s, a, row, c, warp / W, warp % W, W, threadIdx.x % 32);
+}
+
+}  // namespace
+
+void check_static(const NormalStatic& s);
+
+void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream) {
+    check_static(s);
+    auto bad = [](const std::string& m) { throw std::invalid_argument("normal combine: " + m); };
+    if (a.num_channels < 1 || a.num_channels > kMaxChannels) bad("num_channels must be in [1, 64]");
+    if (a.ring_tokens < 2) bad("the ring must hold at least 2 rows");
+    if (a.hidden < 128 || a.hidden % 128) bad("hidden must be a positive multiple of 128");
+    if (a.num_topk < 0 || a.num_topk > kMaxTopk) bad("num_topk must be in [0, 16]");
+    if (!a.send_head || !a.out) bad("missing tensor");
+    const uint64_t need = (uint64_t)a.num_channels * s.num_ranks * a.ring_tokens * combine_row_bytes(a.hidden, a.num_topk);
+    if (need > s.ring_capacity)
+        bad("the rings need " + std::to_string(need) + " bytes, the buffer has " + std::to_string(s.ring_capacity));
+    normal_combine_kernel<<<2 * a.num_channels, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) throw std::runtime_error(std::string("normal combine launch: ") + cudaGetErrorString(e));
+}
+
+}  // namespace normal
+}  // namespace pyep

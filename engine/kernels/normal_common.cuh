@@ -1,0 +1,148 @@
+// Device helpers of the normal-mode kernels: buffer addressing (pyep/ep/normal/layout.py is the
+// definition), the error record, bounded waits on counters written by peers, group barriers, and
+// row copies. The PTX memory accesses are the LL kernels' (ll_common.cuh), shared rather than copied.
+#pragma once
+
+#include <stdint.h>
+#include <cuda_bf16.h>
+
+#include "kernels/ll_common.cuh"
+#include "kernels/normal_launch.h"
+#include "mlx5gda/portable.h"
+
+namespace pyep {
+namespace normal {
+
+using ll::fence_acq_rel_sys;
+using ll::ld_acquire_sys;
+using ll::ld_v4;
+using ll::ld_volatile;
+using ll::st_v4;
+
+// ---- addressing --------------------------------------------------------------------------------------
+__device__ __forceinline__ uint8_t* peer_buf(const NormalStatic& s, int r) {
+    return reinterpret_cast<uint8_t*>(reinterpret_cast<const uint64_t*>(s.peer_base)[r]);
+}
+__device__ __forceinline__ int* words(uint8_t* base, uint32_t off) { return reinterpret_cast<int*>(base) + off; }
+// Counters of stream (channel c, peer p), in the buffer `base` (own or a peer's).
+__device__ __forceinline__ int* tail_of(const NormalStatic& s, uint8_t* base, int c, int p) {
+    return words(base, s.off_tail) + c * s.num_ranks + p;
+}
+__device__ __forceinline__ int* head_of(const NormalStatic& s, uint8_t* base, int c, int p) {
+    return words(base, s.off_head) + c * s.num_ranks + p;
+}
+__device__ __forceinline__ int* tx_of(const NormalStatic& s, int c, int p) {
+    return words(reinterpret_cast<uint8_t*>(s.buf), s.off_tx) + c * s.num_ranks + p;
+}
+__device__ __forceinline__ int* rx_of(const NormalStatic& s, int c, int p) {
+    return words(reinterpret_cast<uint8_t*>(s.buf), s.off_rx) + c * s.num_ranks + p;
+}
+// Ring (channel c, source src) inside the buffer `base`: ring_tokens slots of row_bytes.
+__device__ __forceinline__ uint8_t* ring_of(const NormalStatic& s, uint8_t* base, int c, int src, int ring_tokens,
+                                            uint64_t row_bytes) {
+    return base + s.ring_off + ((uint64_t)(c * s.num_ranks + src) * ring_tokens) * row_bytes;
+}
+
+// Channel c's token range of a rank with n tokens and C channels (contract.py: P = ceil(n / C)).
+__device__ __forceinline__ void channel_range(int n, int C, int c, int& t0, int& t1) {
+    const int per = (n + C - 1) / C;
+    t0 = min(per * c, n);
+    t1 = min(t0 + per, n);
+}
+
+// Rows of stream (channel c, peer p): inclusive prefix matrices -> one count.
+__device__ __forceinline__ int prefix_count(const int* incl, int C, int p, int c) {
+    return incl[p * C + c] - (c ? incl[p * C + c - 1] : 0);
+}
+
+// ---- errors ------------------------------------------------------------------------------------------
+// The first error wins: the claim is an atomic on device memory (workspace word 4; atomics on mapped
+// host memory are not atomic across the bus on every platform), the record itself lives in pinned host
+// memory: details first, then -- after a system fence -- the code, which the host reads first.
+// The host re-arms the claim with a stream-ordered memset when it has raised the error.
+__device__ __forceinline__ void record_error(const NormalStatic& s, int code, int a, int b, int c) {
+    if (atomicCAS(reinterpret_cast<int*>(s.workspace) + 4, 0, 1) != 0) return;
+    volatile int* e = reinterpret_cast<volatile int*>(s.err);
+    e[1] = a;
+    e[2] = b;
+    e[3] = c;
+    __threadfence_system();
+    e[0] = code;
+}
+
+// Wait until (int)(*ctr - target) >= 0, i.e. the absolute counter reached `target` (modulo 2**32).
+// Returns false after timeout_ns (the caller records which peer it was).
+__device__ __forceinline__ bool wait_counter(const int* ctr, uint32_t target, uint64_t timeout_ns) {
+    if ((int)((uint32_t)ld_acquire_sys(ctr) - target) >= 0) return true;
+    const uint64_t start = gda::now_ns();
+    while ((int)((uint32_t)ld_acquire_sys(ctr) - target) < 0) {
+        if (gda::now_ns() - start > timeout_ns) return false;
+    }
+    return true;
+}
+
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+    asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Named barrier of one warp group (id 1 + group; 0 is __syncthreads).
+__device__ __forceinline__ void group_sync(int group, int warps) {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "r"(warps * 32) : "memory");
+}
+
+// The same barrier, returning whether any thread of the group passed `pred` (PTX barrier.red.or): how a
+// group agrees to stop after one of its warps timed out, with no shared flag that a faster warp could
+// overwrite before a slower one read it.
+__device__ __forceinline__ bool group_sync_or(int group, int warps, bool pred) {
+    int r;
+    asm volatile(
+        "{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n barrier.red.or.pred q, %2, %3, p;\n"
+        " selp.s32 %0, 1, 0, q;\n}"
+        : "=r"(r) : "r"((int)pred), "r"(1 + group), "r"(warps * 32) : "memory");
+    return r != 0;
+}
+
+// ---- copies ------------------------------------------------------------------------------------------
+// One warp copies `bytes` (a multiple of 16, both 16-byte aligned): kUnroll vectors per lane in flight.
+template <int kUnroll = 4>
+__device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int bytes, int lane) {
+    const int n = bytes / 16;
+    const int4* s4 = reinterpret_cast<const int4*>(src);
+    int4* d4 = reinterpret_cast<int4*>(dst);
+    int i = lane;
+    for (; i + (kUnroll - 1) * 32 < n; i += kUnroll * 32) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = ld_v4(s4 + i + u * 32);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) st_v4(d4 + i + u * 32, v[u]);
+    }
+    for (; i < n; i += 32) st_v4(d4 + i, ld_v4(s4 + i));
+}
+
+__host__ __device__ __forceinline__ uint64_t align16(uint64_t v) { return (v + 15) / 16 * 16; }
+
+// Dispatch row: [payload H*elem][scales align16(4*H/128), FP8 only][top-k ids int32 x K][weights fp32 x K][src idx]
+struct DispatchRow {
+    uint32_t payload, scales, ids, weights, src, bytes;
+    __host__ __device__ DispatchRow(int hidden, int fp8, int k) {
+        payload = fp8 ? hidden : 2 * hidden;
+        scales = fp8 ? (uint32_t)align16(4 * (hidden / 128)) : 0;
+        ids = payload + scales;
+        weights = ids + 4 * k;
+        src = weights + 4 * k;
+        bytes = (uint32_t)align16(src + 4);
+    }
+};
+// Combine row: [payload bf16 H][weights fp32 x K]
+struct CombineRow {
+    uint32_t payload, weights, bytes;
+    __host__ __device__ CombineRow(int hidden, int k) {
+        payload = 2 * hidden;
+        weights = payload;
+        bytes = (uint32_t)align16(payload + 4 * k);
+    }
+};
+
+}  // namespace normal
+}  // namespace pyep

@@ -1,0 +1,102 @@
+// Host entry points of the normal-mode (high-throughput) intranode kernels: the layout kernel, the
+// per-call routing and count exchange (notify), and the channel-based dispatch and combine over
+// NVLink-mapped ring buffers. Plain C++ types only (pointers and streams travel as uint64), so the
+// pybind11 layer needs no CUDA headers. pyep/ep/normal/layout.py defines the buffer layout whose
+// offsets arrive in NormalStatic; docs/normal_mode.md explains the protocol.
+#pragma once
+
+#include <stdint.h>
+
+namespace pyep {
+namespace normal {
+
+constexpr int kMaxChannels = 64;        // layout.py / config.py MAX_CHANNELS
+constexpr int kMaxRanks = 8;            // config.py MAX_RANKS: one NVLink domain
+constexpr int kMaxTopk = 16;
+constexpr int kMaxLocalExperts = 1024;
+constexpr int kThreads = 768;           // dispatch / combine blocks: 24 warps (divides among 1, 2, 3, 4, 6, 8 peers)
+constexpr int kWarps = kThreads / 32;
+constexpr int kScanWindow = 32;         // tokens a dispatch sender routes per round (one ballot)
+
+// Device error record (pinned host memory, int32 words): [code, a, b, c]. errors.py decodes it.
+enum NormalError : int { kErrNone = 0, kErrExpertId = 1, kErrWorstTokens = 2, kErrPeerTimeout = 3, kErrBadHandle = 4 };
+enum Phase : int { kPhaseNotify = 0, kPhaseDispatch = 1, kPhaseCombine = 2 };
+
+// What stays fixed for the lifetime of one buffer.
+struct NormalStatic {
+    int rank = 0;
+    int num_ranks = 0;            // R (<= kMaxRanks)
+    uint64_t buf = 0;             // this rank's buffer
+    uint64_t peer_base = 0;       // device uint64[R]: peer r's buffer as mapped here (own buffer for r = rank)
+    uint64_t ring_off = 0;        // bytes: start of the rings (layout.py ring_offset)
+    uint64_t ring_capacity = 0;   // bytes available for rings
+    // Word (int32) offsets of the control arrays (layout.py control_words).
+    uint32_t off_tail = 0, off_head = 0, off_tx = 0, off_rx = 0, off_flag = 0, off_notify = 0;
+    uint32_t notify_ints = 0;     // ints per (parity, source) notify slot
+    uint64_t err = 0;             // pinned int32[8]: the error record
+    uint64_t host_counts = 0;     // pinned int32[2 + kMaxLocalExperts]: [ready seq, rows, aligned per-expert rows]
+    uint64_t workspace = 0;       // device int32[8]: [0] rows this rank receives (latest notify), [4] error claim
+    uint64_t timeout_ns = 0;
+};
+
+struct LayoutArgs {
+    uint64_t topk = 0;                    // int64 [N, K]
+    int num_tokens = 0, num_topk = 0, num_experts = 0;
+    uint64_t num_tokens_per_rank = 0;     // out int32 [R]
+    uint64_t num_tokens_per_expert = 0;   // out int32 [E]
+    uint64_t is_token_in_rank = 0;        // out bool [N, R]
+};
+
+struct NotifyArgs {
+    uint64_t num_tokens_per_rank = 0;     // int32 [R]
+    uint64_t num_tokens_per_expert = 0;   // int32 [E]
+    uint64_t is_token_in_rank = 0;        // bool [N, R]
+    int num_tokens = 0, num_experts = 0, num_channels = 0;
+    int seq = 0;                          // notify call number (>= 1), the same on every rank
+    int expert_alignment = 1;
+    int num_worst_tokens = 0;
+    uint64_t rank_prefix_matrix = 0;      // out int32 [R, R]
+    uint64_t channel_prefix_matrix = 0;   // out int32 [R, C]
+    uint64_t recv_channel_prefix_matrix = 0;  // out int32 [R, C]
+    uint64_t send_head = 0;               // out int32 [N, R]
+};
+
+struct DispatchArgs {
+    uint64_t x = 0;                       // bf16 or e4m3 [N, H]
+    uint64_t x_scales = 0;                // fp32 [N, H/128] (FP8 only)
+    uint64_t topk_idx = 0;                // int64 [N, K] or 0
+    uint64_t topk_weights = 0;            // fp32 [N, K] or 0
+    uint64_t is_token_in_rank = 0;        // bool [N, R]
+    uint64_t rank_prefix_matrix = 0, channel_prefix_matrix = 0, recv_channel_prefix_matrix = 0;
+    int num_tokens = 0, hidden = 0, num_topk = 0, num_local_experts = 0;
+    int fp8 = 0;
+    int num_channels = 0, ring_tokens = 0, chunk_tokens = 0;
+    int num_out_rows = 0;                 // rows of the outputs
+    int num_worst_tokens = 0;             // > 0: pad rows past the real count (topk -1, weights 0, src -1)
+    uint64_t recv_x = 0, recv_x_scales = 0, recv_topk_idx = 0, recv_topk_weights = 0, recv_src_idx = 0;
+};
+
+struct CombineArgs {
+    uint64_t x = 0;                       // bf16 [rows, H]
+    uint64_t topk_weights = 0;            // fp32 [rows, K] or 0
+    uint64_t bias0 = 0, bias1 = 0;        // bf16 [N, H] or 0
+    uint64_t send_head = 0;               // int32 [N, R]
+    uint64_t rank_prefix_matrix = 0, channel_prefix_matrix = 0, recv_channel_prefix_matrix = 0;
+    int num_tokens = 0, hidden = 0, num_topk = 0;
+    int num_channels = 0, ring_tokens = 0, chunk_tokens = 0;
+    uint64_t out = 0;                     // bf16 [N, H]
+    uint64_t out_weights = 0;             // fp32 [N, K] or 0
+};
+
+// Bytes of one ring slot for a call (payload, FP8 scales, top-k ids and weights, source index).
+uint64_t dispatch_row_bytes(int hidden, int fp8, int num_topk);
+uint64_t combine_row_bytes(int hidden, int num_topk);
+
+// Throw std::invalid_argument / std::runtime_error on bad arguments or launch errors.
+void launch_layout(const NormalStatic& s, const LayoutArgs& a, uint64_t stream);
+void launch_notify(const NormalStatic& s, const NotifyArgs& a, uint64_t stream);
+void launch_dispatch(const NormalStatic& s, const DispatchArgs& a, uint64_t stream);
+void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream);
+
+}  // namespace normal
+}  // namespace pyep

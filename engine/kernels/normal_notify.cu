@@ -1,0 +1,209 @@
+// Normal mode, before the data moves: the layout kernel (get_dispatch_layout), the per-channel routing
+// (send_head, rows per channel) and the count exchange between the ranks of the node (notify), which
+// also fills the prefix matrices of the handle and the host-visible received-row counts.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/normal_common.cuh"
+
+namespace pyep {
+namespace normal {
+namespace {
+
+constexpr int kLayoutThreads = 256;
+constexpr int kNotifyThreads = 256;
+
+// One thread per token: its ranks (a bit mask), per-expert and per-rank counts in shared memory,
+// flushed with one atomic per non-zero counter and block. Ids outside [-1, E) count as -1 and are
+// recorded (the first one wins), never used as an index.
+__global__ void __launch_bounds__(kLayoutThreads) normal_layout_kernel(NormalStatic s, LayoutArgs a) {
+    extern __shared__ int counts[];   // [E] experts, then [R] ranks
+    const int E = a.num_experts, R = s.num_ranks, El = E / R, K = a.num_topk;
+    for (int i = threadIdx.x; i < E + R; i += blockDim.x) counts[i] = 0;
+    __syncthreads();
+    const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk);
+    bool* in_rank = reinterpret_cast<bool*>(a.is_token_in_rank);
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < a.num_tokens; t += gridDim.x * blockDim.x) {
+        uint32_t mask = 0;
+        for (int k = 0; k < K; ++k) {
+            const int64_t v = topk[(int64_t)t * K + k];
+            if (v == -1) continue;
+            if (v < -1 || v >= E) {
+                record_error(s, kErrExpertId, t, k, (int)v);
+                continue;
+            }
+            atomicAdd(&counts[v], 1);
+            mask |= 1u << (int)(v / El);
+        }
+        for (int r = 0; r < R; ++r) {
+            const bool in = (mask >> r) & 1u;
+            in_rank[(int64_t)t * R + r] = in;
+            if (in) atomicAdd(&counts[E + r], 1);
+        }
+    }
+    __syncthreads();
+    int* per_expert = reinterpret_cast<int*>(a.num_tokens_per_expert);
+    int* per_rank = reinterpret_cast<int*>(a.num_tokens_per_rank);
+    for (int i = threadIdx.x; i < E + R; i += blockDim.x) {
+        if (counts[i]) atomicAdd(i < E ? per_expert + i : per_rank + (i - E), counts[i]);
+    }
+}
+
+// Block c, warp d: the positions of channel c's tokens in the stream to rank d (send_head) and the
+// stream's row count (stored in channel_prefix_matrix; notify turns the counts into prefixes).
+__global__ void normal_route_kernel(NormalStatic s, NotifyArgs a) {
+    const int c = blockIdx.x, d = threadIdx.x / 32, lane = threadIdx.x % 32, R = s.num_ranks;
+    if (d >= R) return;
+    int t0, t1;
+    channel_range(a.num_tokens, a.num_channels, c, t0, t1);
+    const bool* in_rank = reinterpret_cast<const bool*>(a.is_token_in_rank);
+    int* send_head = reinterpret_cast<int*>(a.send_head);
+    int pos = 0;
+    for (int base = t0; base < t1; base += 32) {
+        const int t = base + lane;
+        const bool in = t < t1 && in_rank[(int64_t)t * R + d];
+        const uint32_t mask = __ballot_sync(0xffffffffu, in);
+        if (t < t1) send_head[(int64_t)t * R + d] = in ? pos + __popc(mask & ((1u << lane) - 1)) : -1;
+        pos += __popc(mask);
+    }
+    if (lane == 0) reinterpret_cast<int*>(a.channel_prefix_matrix)[d * a.num_channels + c] = pos;
+}
+
+// One block. Each rank writes its counts into every peer's notify slot of this call's parity, then the
+// call number as the slot's flag (release, after a system fence); it waits for every peer's flag and
+// reads the slots. Parity double-buffering is enough: a rank cannot start notify k+2 before every peer
+// has published flag k+1, which each peer does only after it finished reading the slots of call k.
+__global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalStatic s, NotifyArgs a) {
+    const int R = s.num_ranks, me = s.rank, C = a.num_channels, El = a.num_experts / R;
+    const int parity = a.seq & 1, NI = (int)s.notify_ints;
+    const int* per_expert = reinterpret_cast<const int*>(a.num_tokens_per_expert);
+    int* cpm = reinterpret_cast<int*>(a.channel_prefix_matrix);
+    __shared__ int aborted;
+    __shared__ int rows_to[kMaxRanks];   // this rank's rows for each peer: the sum over channels, so
+                                         // that the row layout follows is_token_in_rank alone
+    if (threadIdx.x == 0) aborted = 0;
+    if (threadIdx.x < R) {
+        int n = 0;
+        for (int c = 0; c < C; ++c) n += cpm[threadIdx.x * C + c];
+        rows_to[threadIdx.x] = n;
+    }
+    __syncthreads();
+    // Slot layout (layout.py NOTIFY_INTS): [kMaxRanks] rows per rank, [kMaxChannels] rows per channel
+    // for the slot's owner, [kMaxLocalExperts] entries per local expert of the slot's owner.
+    const int fields = kMaxRanks + kMaxChannels + El;
+    for (int i = threadIdx.x; i < R * fields; i += blockDim.x) {
+        const int d = i / fields, j = i % fields;
+        int v;
+        if (j < kMaxRanks) v = j < R ? rows_to[j] : 0;
+        else if (j < kMaxRanks + kMaxChannels) v = (j - kMaxRanks) < C ? cpm[d * C + (j - kMaxRanks)] : 0;
+        else v = per_expert[d * El + (j - kMaxRanks - kMaxChannels)];
+        words(peer_buf(s, d), s.off_notify)[(parity * R + me) * NI + j] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < R) {
+        const int d = threadIdx.x;
+        __threadfence_system();
+        st_release_sys(words(peer_buf(s, d), s.off_flag) + parity * R + me, a.seq);
+        int acc = 0;   // this rank's rows per channel for d -> inclusive prefix
+        for (int c = 0; c < C; ++c) {
+            acc += cpm[d * C + c];
+            cpm[d * C + c] = acc;
+        }
+        uint8_t* own = reinterpret_cast<uint8_t*>(s.buf);
+        if (!wait_counter(words(own, s.off_flag) + parity * R + d, (uint32_t)a.seq, s.timeout_ns)) {
+            record_error(s, kErrPeerTimeout, d, kPhaseNotify, -1);
+            aborted = 1;
+        }
+    }
+    __syncthreads();
+    fence_acq_rel_sys();
+    const int* slots = words(reinterpret_cast<uint8_t*>(s.buf), s.off_notify) + parity * R * NI;
+    int* host = reinterpret_cast<int*>(s.host_counts);
+    if (threadIdx.x < R) {
+        // Column j of the rank prefix matrix; the row offsets of source j's channels here.
+        const int j = threadIdx.x;
+        int* rpm = reinterpret_cast<int*>(a.rank_prefix_matrix);
+        int acc = 0;
+        for (int i = 0; i < R; ++i) {
+            acc += aborted ? 0 : slots[i * NI + j];
+            rpm[i * R + j] = acc;
+        }
+        int row = 0;
+        for (int i = 0; i < j; ++i) row += aborted ? 0 : slots[i * NI + me];
+        int* rcp = reinterpret_cast<int*>(a.recv_channel_prefix_matrix);
+        for (int c = 0; c < C; ++c) {
+            rcp[j * C + c] = row;
+            row += aborted ? 0 : slots[j * NI + kMaxRanks + c];
+        }
+    }
+    for (int e = threadIdx.x; e < El; e += blockDim.x) {
+        int n = 0;
+        for (int i = 0; i < R && !aborted; ++i) n += slots[i * NI + kMaxRanks + kMaxChannels + e];
+        host[2 + e] = (n + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment;
+    }
+    if (threadIdx.x == 0) {
+        int rows = 0;
+        for (int i = 0; i < R && !aborted; ++i) rows += slots[i * NI + me];
+        reinterpret_cast<int*>(s.workspace)[0] = rows;
+        host[1] = rows;
+        if (a.num_worst_tokens > 0 && rows > a.num_worst_tokens)
+            record_error(s, kErrWorstTokens, rows, a.num_worst_tokens, 0);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        *reinterpret_cast<volatile int*>(host) = a.seq;   // the host waits for this word
+    }
+}
+
+void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+void check_static(const NormalStatic& s) {
+    auto bad = [](const std::string& m) { throw std::invalid_argument("normal buffer: " + m); };
+    if (s.num_ranks < 1 || s.num_ranks > kMaxRanks) bad("num_ranks must be in [1, 8]");
+    if (s.rank < 0 || s.rank >= s.num_ranks) bad("rank outside [0, num_ranks)");
+    if (!s.buf || !s.peer_base || !s.err || !s.host_counts || !s.workspace) bad("pointers must be set");
+    if (s.ring_off % 128) bad("ring offset must be 128-byte aligned");
+}
+
+uint64_t dispatch_row_bytes(int hidden, int fp8, int num_topk) { return DispatchRow(hidden, fp8, num_topk).bytes; }
+uint64_t combine_row_bytes(int hidden, int num_topk) { return CombineRow(hidden, num_topk).bytes; }
+
+void launch_layout(const NormalStatic& s, const LayoutArgs& a, uint64_t stream) {
+    check_static(s);
+    if (a.num_experts < s.num_ranks || a.num_experts % s.num_ranks) throw std::invalid_argument("bad num_experts");
+    if (a.num_topk < 1 || a.num_topk > kMaxTopk) throw std::invalid_argument("num_topk must be in [1, 16]");
+    auto st = reinterpret_cast<cudaStream_t>(stream);
+    check(cudaMemsetAsync(reinterpret_cast<void*>(a.num_tokens_per_rank), 0, 4ull * s.num_ranks, st), "memset");
+    check(cudaMemsetAsync(reinterpret_cast<void*>(a.num_tokens_per_expert), 0, 4ull * a.num_experts, st), "memset");
+    if (a.num_tokens == 0) return;
+    const int smem = 4 * (a.num_experts + s.num_ranks);
+    if (smem > 48 * 1024) check(cudaFuncSetAttribute(normal_layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                                "cudaFuncSetAttribute(layout)");
+    const int blocks = std::min(132, (a.num_tokens + kLayoutThreads - 1) / kLayoutThreads);
+    normal_layout_kernel<<<blocks, kLayoutThreads, smem, st>>>(s, a);
+    check(cudaGetLastError(), "normal layout launch");
+}
+
+void launch_notify(const NormalStatic& s, const NotifyArgs& a, uint64_t stream) {
+    check_static(s);
+    if (a.num_channels < 1 || a.num_channels > kMaxChannels) throw std::invalid_argument("num_channels must be in [1, 64]");
+    if (a.num_experts % s.num_ranks || a.num_experts / s.num_ranks > kMaxLocalExperts)
+        throw std::invalid_argument("num_experts must be a multiple of num_ranks with at most 1024 per rank");
+    if (a.seq < 1 || a.expert_alignment < 1) throw std::invalid_argument("seq and expert_alignment must be >= 1");
+    if ((int)s.notify_ints < kMaxRanks + kMaxChannels + kMaxLocalExperts) throw std::invalid_argument("notify slot too small");
+    auto st = reinterpret_cast<cudaStream_t>(stream);
+    normal_route_kernel<<<a.num_channels, 32 * s.num_ranks, 0, st>>>(s, a);
+    check(cudaGetLastError(), "normal route launch");
+    normal_notify_kernel<<<1, kNotifyThreads, 0, st>>>(s, a);
+    check(cudaGetLastError(), "normal notify launch");
+}
+
+}  // namespace normal
+}  // namespace pyep

@@ -1,0 +1,69 @@
+"""Performance configuration of the normal mode (DeepEP's `Config`, same positional order), the tuned
+defaults per rank count, and the native buffer size a configuration needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_CHANNELS = 64        # engine/kernels/normal_launch.h kMaxChannels
+MAX_RANKS = 8            # one NVLink domain (ranks of one node) per buffer
+MAX_TOPK = 16
+MAX_LOCAL_EXPERTS = 1024
+DEFAULT_NUM_SMS = 24
+
+
+def _positive_int(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"Config.{name} must be an int >= 1, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class Config:
+    """num_sms: SMs of the dispatch/combine kernels (two per channel: a sender and a receiver).
+    num_max_nvl_chunked_send_tokens: rows a sender writes between two tail updates.
+    num_max_nvl_chunked_recv_tokens: ring capacity in rows per (channel, peer).
+    The RDMA fields are accepted for DeepEP compatibility; one-node buffers do not use them."""
+    num_sms: int = DEFAULT_NUM_SMS
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                     "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
+            _positive_int(name, getattr(self, name))
+        if self.num_sms % 2 or not 2 <= self.num_sms <= 2 * MAX_CHANNELS:
+            raise ValueError(f"Config.num_sms must be even and in [2, {2 * MAX_CHANNELS}] (a sender and a "
+                             f"receiver SM per channel), got {self.num_sms}")
+        if self.num_max_nvl_chunked_send_tokens > self.num_max_nvl_chunked_recv_tokens:
+            raise ValueError(f"Config: the send chunk ({self.num_max_nvl_chunked_send_tokens} rows) must fit "
+                             f"the ring ({self.num_max_nvl_chunked_recv_tokens} rows)")
+
+    def num_channels(self) -> int:
+        return self.num_sms // 2
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of NVLink buffer per rank for rows of `hidden_bytes` payload (DeepEP's name; pyep's
+        rows also carry top-k ids and weights, max_topk of them)."""
+        from .layout import buffer_bytes
+        return buffer_bytes(num_ranks, self.num_channels(), self.num_max_nvl_chunked_recv_tokens,
+                            hidden_bytes // 2, MAX_TOPK)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """One-node buffers need no RDMA buffer."""
+        return 0
+
+
+# Defaults per rank count: the SM count is shared (NormalBuffer.set_num_sms); the chunk sizes were
+# chosen on 2 H200s (docs/normal_mode.md, tools: pyep bench --mode normal --sweep-sms).
+_DISPATCH = {1: (8, 256), 2: (8, 256), 4: (8, 256), 8: (6, 256)}
+_COMBINE = {1: (8, 256), 2: (8, 256), 4: (8, 256), 8: (6, 256)}
+
+
+def default_config(num_ranks: int, num_sms: int, combine: bool) -> Config:
+    table = _COMBINE if combine else _DISPATCH
+    if num_ranks not in table:
+        raise ValueError(f"the normal mode runs on 1, 2, 4 or 8 ranks of one node, not {num_ranks}")
+    send, recv = table[num_ranks]
+    return Config(num_sms, send, recv)

@@ -1,0 +1,56 @@
+"""Byte layout of a native normal-mode buffer (one per rank, mapped by every peer of the node).
+engine/kernels/normal_common.cuh addresses it with the offsets computed here; docs/normal_mode.md
+explains who writes what.
+
+    [control]  u32 tail[MAX_CHANNELS][R]   rows sender s has published into my ring (c, s)
+               u32 head[MAX_CHANNELS][R]   rows receiver d has consumed from my stream (c, -> d)
+               u32 tx_pos[MAX_CHANNELS][R] my own count of rows sent on (c, -> d) (never remote)
+               u32 rx_pos[MAX_CHANNELS][R] my own count of rows consumed from (c, s)
+               i32 notify_flag[2][R]       call number of source s's counts, by call parity
+               i32 notify[2][R][NOTIFY_INTS] source s's counts for me: rows, per channel, per expert
+    [rings]    slot[C][R][Q] of slot_bytes: ring (c, s) holds the rows source s sends me on channel c
+
+Counters are absolute (they only grow, modulo 2**32) so no call ever has to reset them; each call
+starts on empty rings (a sender waits until its previous rows were consumed), so the channel count,
+ring size and row size may change from one call to the next.
+"""
+from __future__ import annotations
+
+from .config import MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_TOPK
+
+NOTIFY_INTS = 1 + MAX_CHANNELS + MAX_LOCAL_EXPERTS + 7   # rows, per-channel rows, per-expert entries; padded
+RING_ALIGN = 128
+
+
+def _align(v: int, a: int) -> int:
+    return (v + a - 1) // a * a
+
+
+def slot_bytes(hidden: int, num_topk: int = MAX_TOPK) -> int:
+    """One ring slot: the largest row of any call with this hidden size and top-k: a BF16 payload,
+    top-k ids (int32) and weights (fp32), the source token index; 16-byte aligned. FP8 rows (H bytes +
+    H/128 scales) and combine rows (BF16 + weights) are smaller."""
+    return _align(2 * hidden + 8 * num_topk + 4, 16)
+
+
+def control_words(num_ranks: int) -> dict:
+    """Word offsets (int32 units) of the control arrays."""
+    n = MAX_CHANNELS * num_ranks
+    off = {"tail": 0, "head": n, "tx_pos": 2 * n, "rx_pos": 3 * n, "notify_flag": 4 * n}
+    off["notify"] = 4 * n + 2 * num_ranks
+    off["end"] = off["notify"] + 2 * num_ranks * NOTIFY_INTS
+    return off
+
+
+def ring_offset(num_ranks: int) -> int:
+    return _align(4 * control_words(num_ranks)["end"], RING_ALIGN)
+
+
+def ring_bytes(num_ranks: int, num_channels: int, ring_tokens: int, row_bytes: int) -> int:
+    return num_channels * num_ranks * ring_tokens * row_bytes
+
+
+def buffer_bytes(num_ranks: int, num_channels: int, ring_tokens: int, hidden: int,
+                 num_topk: int = MAX_TOPK) -> int:
+    """Bytes a buffer needs for calls of this shape."""
+    return ring_offset(num_ranks) + ring_bytes(num_ranks, num_channels, ring_tokens, slot_bytes(hidden, num_topk))

@@ -1,0 +1,300 @@
+"""The native normal-mode backend: the CUDA kernels of engine/kernels/normal_*.cu over buffers that
+every rank of the node maps with CUDA IPC (pyep.transport's PeerSet, NVLink links). Implements
+contract.NormalBackend; the buffer layout is pyep.ep.normal.layout, the protocol docs/normal_mode.md.
+
+Host work per call: one launch binding per kernel, output allocation, and -- for a dispatch that is
+neither cached nor sized by num_worst_tokens -- one bounded wait on a pinned word for the received-row
+count (the only host wait of the mode; DeepEP has the same one). Errors the kernels record (bad expert
+ids, a peer that stopped answering) sit in a pinned record that check_errors() reads without a device
+synchronisation.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, List, Optional
+
+from .._dist import barrier_bounded, group_device
+from ..backend import BackendUnavailable, PeerTransport
+from ..config import EpConfig
+from ..streams import raw_current_stream
+from . import layout
+from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
+from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
+from .errors import BufferBroken, PeerTimeout, error_from_record
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+log = logging.getLogger("pyep.ep.normal.native")
+SETUP_TIMEOUT_FLOOR_S = 120.0
+
+
+def _engine() -> Any:
+    from ..._native import load
+    mod = load()
+    if mod is None:
+        raise BackendUnavailable("pyep._engine is not built (pip install -e .)")
+    if not getattr(mod, "has_cuda", False) or not hasattr(mod, "normal"):
+        raise BackendUnavailable("pyep._engine is a host-only build without the normal-mode kernels")
+    return mod
+
+
+class NormalNativeBackend:
+    name = "native"
+
+    @staticmethod
+    def unavailable_reason(num_ranks: int) -> Optional[str]:
+        try:
+            import torch
+        except ImportError:
+            return "torch is not installed"
+        if not torch.cuda.is_available():
+            return "no CUDA device is available"
+        if num_ranks > MAX_RANKS:
+            return f"the native normal mode runs on at most {MAX_RANKS} ranks of one node"
+        try:
+            _engine()
+        except BackendUnavailable as exc:
+            return str(exc)
+        return None
+
+    def __init__(self, group: "dist.ProcessGroup", *, num_nvl_bytes: Optional[int], hidden: int, transport: str,
+                 timeout_us: int, num_sms: int) -> None:
+        import torch
+        import torch.distributed as dist
+        mod = _engine()
+        self._ep, self._n = mod.ep, mod.normal
+        if transport not in ("auto", "nvlink"):
+            raise ValueError(f"the normal mode runs over NVLink inside one node (transport 'auto' or 'nvlink'), "
+                             f"not {transport!r}; the internode normal mode is not available yet")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        if self.num_ranks > MAX_RANKS:
+            raise ValueError(f"the native normal mode runs on at most {MAX_RANKS} ranks, got {self.num_ranks}")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.hidden = hidden
+        self.timeout_us = timeout_us
+        r_n = self.num_ranks
+        default_bytes = layout.buffer_bytes(r_n, max(num_sms, 2) // 2, Config().num_max_nvl_chunked_recv_tokens, hidden)
+        self._bytes = int(num_nvl_bytes) if num_nvl_bytes else default_bytes
+        if self._bytes <= layout.ring_offset(r_n):
+            raise ValueError(f"num_nvl_bytes={num_nvl_bytes} does not even hold the control area "
+                             f"({layout.ring_offset(r_n)} bytes); NormalBuffer.size_hint() says what a shape needs")
+        self._setup_timeout_s = max(SETUP_TIMEOUT_FLOOR_S, 3 * timeout_us / 1e6)
+        self._buf = 0
+        self._peers: Any = None
+        self._broken = False
+        self._destroyed = False
+        self._notify_seq = 0
+        # Pinned host words the kernels write and the host reads without synchronising.
+        self._err = torch.zeros(8, dtype=torch.int32, pin_memory=True)
+        self._host = torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32, pin_memory=True)
+        self._err_np = self._err.numpy()
+        self._host_np = self._host.numpy()
+        self._ws = torch.zeros(8, dtype=torch.int32, device=self.device)
+        try:
+            self._buf = int(self._ep.device_alloc(self._bytes))
+            self._ep.memset_async(self._buf, 0, self._bytes, torch.cuda.current_stream().cuda_stream)
+            torch.cuda.current_stream().synchronize()
+            from ...transport.setup import PeerSet
+            cfg = EpConfig(num_max_dispatch_tokens_per_rank=1, hidden=hidden, num_experts=r_n, transport="nvlink"
+                           if r_n > 1 else "auto", timeout_us=timeout_us)
+            self._peers = PeerSet(group, cfg, self._ep, self.rank, r_n, self.device.index, self._buf, self._bytes,
+                                  self._setup_timeout_s)
+            self._peers.connect()
+            kinds = {link.kind for link in self._peers.links}
+            if not kinds <= {"local", "nvlink"}:
+                raise ValueError(f"the normal mode needs every rank on NVLink; the plan uses {sorted(kinds)}")
+            self._peer_base = torch.tensor([link.store_base for link in self._peers.links], dtype=torch.int64,
+                                           device=self.device)
+            self._static = self._make_static()
+            barrier_bounded(group, group_device(group), int(self._setup_timeout_s * 1e6),
+                            "normal-mode buffer setup (every rank mapped its peers)")
+        except BaseException:
+            self._release()
+            raise
+        log.debug("rank %d: normal-mode buffer of %d bytes", self.rank, self._bytes)
+
+    def _make_static(self) -> Any:
+        words = layout.control_words(self.num_ranks)
+        s = self._n.NormalStatic()
+        s.rank, s.num_ranks = self.rank, self.num_ranks
+        s.buf = self._buf
+        s.peer_base = self._peer_base.data_ptr()
+        s.ring_off = layout.ring_offset(self.num_ranks)
+        s.ring_capacity = self._bytes - s.ring_off
+        s.off_tail, s.off_head, s.off_tx, s.off_rx = words["tail"], words["head"], words["tx_pos"], words["rx_pos"]
+        s.off_flag, s.off_notify = words["notify_flag"], words["notify"]
+        s.notify_ints = layout.NOTIFY_INTS
+        s.err = self._err.data_ptr()
+        s.host_counts = self._host.data_ptr()
+        s.workspace = self._ws.data_ptr()
+        s.timeout_ns = int(self.timeout_us) * 1000
+        return s
+
+    # ------------------------------------------------------------------ errors
+    def check_errors(self) -> None:
+        if self._broken:
+            raise BufferBroken("a peer timed out in an earlier call of this buffer: call clean() on every live "
+                               "rank before using it again")
+        if self._err_np[0] == 0:
+            return
+        exc = error_from_record(self._err_np.tolist(), getattr(self, "_last_num_experts", 0), self.timeout_us)
+        self._err_np[:4] = 0
+        # Re-arm the device-side claim, in stream order: no synchronisation, and a kernel still running
+        # cannot record a second error of the same call over this one.
+        self._ep.memset_async(self._ws.data_ptr() + 16, 0, 4, raw_current_stream(self.device))
+        if isinstance(exc, PeerTimeout):
+            self._broken = True
+        if exc is not None:
+            raise exc
+
+    # ------------------------------------------------------------------ calls
+    def get_dispatch_layout(self, topk_idx: "torch.Tensor", num_experts: int) -> LayoutResult:
+        import torch
+        n, k = topk_idx.shape
+        dev = self.device
+        per_rank = torch.empty(self.num_ranks, dtype=torch.int32, device=dev)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        in_rank = torch.empty((n, self.num_ranks), dtype=torch.bool, device=dev)
+        self._last_num_experts = num_experts
+        self._n.layout(self._static, topk_idx.data_ptr(), n, k, num_experts, per_rank.data_ptr(),
+                       per_expert.data_ptr(), in_rank.data_ptr(), raw_current_stream(dev))
+        return LayoutResult(per_rank, per_expert, in_rank)
+
+    def _wait_counts(self, seq: int) -> None:
+        """The pinned word the notify kernel sets once the counts are in (bounded: the kernel itself
+        gives up on a silent peer after the timeout and still sets the word)."""
+        host = self._host_np
+        if host[0] == seq:
+            return
+        deadline = time.monotonic() + 2 * self.timeout_us / 1e6 + 10.0
+        spins = 0
+        while host[0] != seq:
+            spins += 1
+            if spins > 2000:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"normal dispatch #{seq}: the received-row count did not arrive within "
+                                       f"{2 * self.timeout_us / 1e6 + 10.0:.1f} s (the GPU is blocked by other work)")
+                time.sleep(20e-6)
+
+    def dispatch(self, call: DispatchCall) -> DispatchResult:
+        import torch
+        dev, r_n = self.device, self.num_ranks
+        cfg = call.config
+        c_n = cfg.num_channels()
+        n, h = call.x.shape
+        fp8 = call.x_scales is not None
+        stream = raw_current_stream(dev)
+        handle = call.handle
+        k = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
+        counts: Optional[List[int]] = None
+        if handle is None:
+            self._notify_seq += 1
+            seq = self._notify_seq
+            e_n = call.num_experts
+            self._last_num_experts = e_n
+            i32 = torch.int32
+            rpm = torch.empty((r_n, r_n), dtype=i32, device=dev)
+            cpm = torch.empty((r_n, c_n), dtype=i32, device=dev)
+            rcp = torch.empty((r_n, c_n), dtype=i32, device=dev)
+            send_head = torch.empty((n, r_n), dtype=i32, device=dev)
+            in_rank = call.is_token_in_rank
+            self._n.notify(self._static, call.num_tokens_per_expert.data_ptr(), in_rank.data_ptr(), n, e_n, c_n, seq,
+                           call.expert_alignment, call.num_worst_tokens, rpm.data_ptr(), cpm.data_ptr(),
+                           rcp.data_ptr(), send_head.data_ptr(), stream)
+            if call.num_worst_tokens > 0:
+                rows, real = call.num_worst_tokens, -1
+                counts = []
+            else:
+                self._wait_counts(seq)
+                self.check_errors()
+                real = rows = int(self._host_np[1])
+                counts = self._host_np[2:2 + e_n // r_n].tolist()
+        else:
+            rpm, cpm, rcp = handle.rank_prefix_matrix, handle.channel_prefix_matrix, handle.recv_channel_prefix_matrix
+            send_head, in_rank = handle.send_head, handle.is_token_in_rank
+            rows, real = handle.num_recv_rows, handle.num_recv_tokens
+            if handle.num_channels != c_n:
+                raise ValueError(f"the handle was made with {handle.num_channels} channels, this config has {c_n}: "
+                                 f"pass the config of the dispatch that made the handle")
+        recv_x = torch.empty((rows, h), dtype=call.x.dtype, device=dev)
+        recv_scales = torch.empty((rows, h // 128), dtype=torch.float32, device=dev) if fp8 else None
+        cached = handle is not None
+        recv_idx = torch.empty((rows, k), dtype=torch.int64, device=dev) if k and not cached else None
+        recv_w = (torch.empty((rows, k), dtype=torch.float32, device=dev)
+                  if k and call.topk_weights is not None and not cached else None)
+        recv_src = torch.empty(rows, dtype=torch.int32, device=dev) if not cached else handle.recv_src_idx
+        ptr = (lambda t: t.data_ptr() if t is not None else 0)
+        self._n.dispatch(self._static, call.x.data_ptr(), ptr(call.x_scales), ptr(None if cached else call.topk_idx),
+                         ptr(None if cached else call.topk_weights), in_rank.data_ptr(), rpm.data_ptr(), cpm.data_ptr(),
+                         rcp.data_ptr(), n, h, k, (call.num_experts // r_n) if call.num_experts else 0, fp8, c_n,
+                         cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, rows,
+                         call.num_worst_tokens, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w),
+                         0 if cached else recv_src.data_ptr(), stream)
+        return DispatchResult(recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=recv_idx,
+                              recv_topk_weights=recv_w, num_recv_tokens_per_expert_list=None if cached else counts,
+                              rank_prefix_matrix=rpm, channel_prefix_matrix=cpm, recv_channel_prefix_matrix=rcp,
+                              recv_src_idx=recv_src, send_head=send_head, num_recv_tokens=real)
+
+    def combine(self, call: CombineCall) -> CombineResult:
+        import torch
+        hd = call.handle
+        cfg = call.config
+        if hd.num_channels != cfg.num_channels():
+            raise ValueError(f"the handle was made with {hd.num_channels} channels, this config has "
+                             f"{cfg.num_channels()}: pass a config with num_sms={2 * hd.num_channels}")
+        n, h = hd.num_tokens, int(call.x.shape[1])
+        k = int(call.topk_weights.shape[1]) if call.topk_weights is not None else 0
+        out = torch.empty((n, h), dtype=torch.bfloat16, device=self.device)
+        out_w = torch.empty((n, k), dtype=torch.float32, device=self.device) if k else None
+        b0, b1 = call.bias
+        ptr = (lambda t: t.data_ptr() if t is not None else 0)
+        self._n.combine(self._static, call.x.data_ptr(), ptr(call.topk_weights), ptr(b0), ptr(b1),
+                        hd.send_head.data_ptr(), hd.rank_prefix_matrix.data_ptr(), hd.channel_prefix_matrix.data_ptr(),
+                        hd.recv_channel_prefix_matrix.data_ptr(), n, h, k, hd.num_channels,
+                        cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, out.data_ptr(),
+                        ptr(out_w), raw_current_stream(self.device))
+        return CombineResult(out, out_w)
+
+    # ------------------------------------------------------------------ the rest
+    def clean(self) -> None:
+        """Collective: every rank quiesces, zeroes its control area and error record, and waits for all
+        others, so that no counter of an interrupted call survives."""
+        import torch
+        torch.cuda.synchronize(self.device)
+        what = "normal-mode clean"
+        barrier_bounded(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
+        self._ep.memset_async(self._buf, 0, layout.ring_offset(self.num_ranks), torch.cuda.current_stream().cuda_stream)
+        torch.cuda.current_stream().synchronize()
+        self._err.zero_()
+        self._host.zero_()
+        self._ws.zero_()
+        self._notify_seq = 0
+        self._broken = False
+        barrier_bounded(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
+
+    def buffer_bytes(self) -> int:
+        return self._bytes
+
+    def transport_table(self) -> List[PeerTransport]:
+        return [PeerTransport(link.rank, link.kind, link.detail) for link in self._peers.links]
+
+    def _release(self) -> None:
+        if self._peers is not None:
+            self._peers.close()
+            self._peers = None
+        if self._buf:
+            self._ep.device_free(self._buf)
+            self._buf = 0
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        import torch
+        torch.cuda.synchronize(self.device)
+        self._release()
