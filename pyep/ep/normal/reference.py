@@ -36,6 +36,15 @@ def row_bytes(t: "torch.Tensor") -> "torch.Tensor":
     return t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
 
 
+def columns(rows: "torch.Tensor", begin: int, nbytes: int, dtype: "torch.dtype") -> "torch.Tensor":
+    """Bytes [begin, begin + nbytes) of every uint8 row, reinterpreted as `dtype`: [M, nbytes/size].
+    Through a flat copy: a column slice of a single row counts as contiguous with the parent's stride,
+    which view(dtype) refuses."""
+    m = rows.shape[0]
+    flat = rows[:, begin:begin + nbytes].reshape(-1).clone()
+    return flat.view(dtype).reshape(m, nbytes // flat.new_empty(0).view(dtype).element_size())
+
+
 def token_channels(n: int, num_channels: int, device: "torch.device") -> "torch.Tensor":
     """int64 [N]: the channel of each token. Channel c covers [min(c*P, N), min((c+1)*P, N)) with
     P = ceil(N / C), so token t is in channel t // P."""
@@ -146,15 +155,15 @@ class NormalReferenceBackend:
         m, h, dev = recv.shape[0], call.x.shape[1], self.device
         off = 0
 
-        def take(nbytes: int) -> "torch.Tensor":
+        def take(nbytes: int, dtype: "torch.dtype") -> "torch.Tensor":
             nonlocal off
-            part = recv[:, off:off + nbytes].contiguous()
+            part = columns(recv, off, nbytes, dtype)
             off += nbytes
             return part
 
         src = torch.full((rows,), -1, dtype=torch.int32, device=dev)
-        src[:m] = take(8).view(torch.int64).reshape(m).to(torch.int32)
-        xb = take(h * call.x.element_size())
+        src[:m] = take(8, torch.int64).reshape(m).to(torch.int32)
+        xb = take(h * call.x.element_size(), torch.uint8)
         recv_x = torch.zeros((rows, xb.shape[1]), dtype=torch.uint8, device=dev)
         recv_x[:m] = xb
         recv_x = recv_x.view(call.x.dtype).reshape(rows, h)
@@ -162,17 +171,17 @@ class NormalReferenceBackend:
         if call.x_scales is not None:
             g = call.x_scales.shape[1]
             scales = torch.zeros((rows, g), dtype=torch.float32, device=dev)
-            scales[:m] = take(4 * g).view(torch.float32).reshape(m, g)
+            scales[:m] = take(4 * g, torch.float32)
         idx_out = w_out = None
         if with_topk and call.topk_idx is not None:
             k = call.topk_idx.shape[1]
             e_l = call.num_experts // self.num_ranks
-            ids = take(8 * k).view(torch.int64).reshape(m, k)
+            ids = take(8 * k, torch.int64)
             local = (ids >= self.rank * e_l) & (ids < (self.rank + 1) * e_l)
             idx_out = torch.full((rows, k), -1, dtype=torch.int64, device=dev)
             idx_out[:m] = torch.where(local, ids - self.rank * e_l, torch.full_like(ids, -1))
             if call.topk_weights is not None:
-                w = take(4 * k).view(torch.float32).reshape(m, k)
+                w = take(4 * k, torch.float32)
                 w_out = torch.zeros((rows, k), dtype=torch.float32, device=dev)
                 w_out[:m] = torch.where(local, w, torch.zeros_like(w))
         return recv_x, scales, src, idx_out, w_out
@@ -295,9 +304,9 @@ class NormalReferenceBackend:
         recv_counts = [int(v) for v in handle.is_token_in_rank.sum(dim=0)]
         recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us,
                                      f"normal combine #{call.seq} (data all-to-all)")
-        src = recv[:, :8].contiguous().view(torch.int64).reshape(-1)
-        xs = recv[:, 8:8 + 2 * h].contiguous().view(torch.bfloat16).float()
-        ws = recv[:, 8 + 2 * h:].contiguous().view(torch.float32).reshape(-1, k) if k else None
+        src = columns(recv, 0, 8, torch.int64).reshape(-1)
+        xs = columns(recv, 8, 2 * h, torch.bfloat16).float()
+        ws = columns(recv, 8 + 2 * h, 4 * k, torch.float32) if k else None
         # fp32, in the contract's order: 0, + bias_0, + bias_1, then the ranks ascending (a token
         # comes back at most once from each rank, so each step is one rounding per element).
         acc = torch.zeros((n, h), dtype=torch.float32, device=dev)
