@@ -12,6 +12,9 @@
 #   tests    pyep launch configs/single_node.yaml workload.builtin=tests: the EP GPU suite
 #            (tests/test_ep_native_gpu.py: nvlink, emulated and mixed, worlds 2, 4 and all GPUs) through
 #            the launcher
+#   normal   pytest -m gpu tests/test_normal_gpu.py  (normal mode: native vs reference, graphs, 1000 rounds)
+#   nbench   torchrun (all GPUs) pyep bench --mode normal --sweep-sms --deepep: the normal-mode benchmark,
+#            DeepEP's test_intranode.py figures of the same machine beside it (needs .anchors carried)
 # Each launch keeps its run directory under OUTDIR. "quick" shortens the benchmark iterations.
 # Expected duration on 4 H200s: about 6 minutes. Exit status: the number of failed steps.
 set -uo pipefail
@@ -42,5 +45,9 @@ step vnodes 400 "$PY" -m pyep launch configs/two_virtual_nodes.yaml --run-dir "$
     "workload.args=[--iters,$viters,--warmup,2]"
 step tests 600 "$PY" -m pyep launch configs/single_node.yaml --run-dir "$OUTDIR/run-tests" workload.builtin=tests \
     "workload.args=[-m,gpu,-q,-rA,tests/test_ep_native_gpu.py]"
+step normal 420 "$PY" -m pytest -q -m gpu tests/test_normal_gpu.py -rA
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+step nbench 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node "${ngpu:-2}" tools/bench_ep.py \
+    --mode normal --sweep-sms --deepep --iters "$iters" --warmup "$warm" --out "$OUTDIR/bench-normal"
 echo "failed steps: $failed" | tee -a "$OUTDIR/summary.txt"
 exit "$failed"

@@ -165,7 +165,11 @@ class Profiler:
     def __exit__(self, *exc: Any) -> None:
         self._prof.__exit__(*exc)
 
+    def collect(self) -> Tuple[List[Range], List[Kernel]]:
+        """The ranges and device activities, for callers that split kernels before attributing them."""
+        return collect(self._prof)
+
     def attribute(self, keywords: Dict[str, Sequence[str]]) -> Attribution:
-        ranges, kernels = collect(self._prof)
+        ranges, kernels = self.collect()
         log.debug("kineto: %d ranges, %d device activities", len(ranges), len(kernels))
         return attribute(ranges, kernels, keywords)

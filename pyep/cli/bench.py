@@ -1,4 +1,4 @@
-"""`pyep bench`: the low-latency EP benchmark. Run one process per GPU (torchrun or `pyep launch`); a
+"""`pyep bench`: the low-latency EP benchmark (`--mode normal`: the normal mode's, pyep/bench/normal.py). Run one process per GPU (torchrun or `pyep launch`); a
 plain `pyep bench` runs a single rank. Settings come from the flags, else from the PYEP_EP_* variables
 `pyep launch` exports, else the defaults (T=128, H=7168, K=8, E=288, FP8 dispatch / BF16 combine).
 Rank 0 prints the tables and writes bench.json, bench.txt and bench.png into --out.
@@ -16,6 +16,7 @@ import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from ..bench.config import BENCH_BACKENDS, DISPATCH_DTYPES, SWEEP_TOKENS, BenchConfig, RoutingSpec
+from ..bench.normal import DEFAULT_SWEEP_SMS as NORMAL_SWEEP_SMS
 from . import CliError
 
 log = logging.getLogger("pyep.bench")
@@ -34,13 +35,26 @@ BUILTIN_DEFAULTS = {"backend": "auto", "transport": "auto", "dist_backend": "aut
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=("ll", "normal"), default="ll",
+                   help="ll: low-latency dispatch/combine (default); normal: the high-throughput mode "
+                        "(NormalBuffer; defaults N=4096 tokens per rank, H=7168, K=8, E=256)")
+    g = p.add_argument_group("normal mode")
+    g.add_argument("--num-sms", type=int, help="SMs of the dispatch/combine kernels (default NormalBuffer.num_sms)")
+    g.add_argument("--sweep-sms", nargs="?", const=",".join(map(str, NORMAL_SWEEP_SMS)), metavar="LIST",
+                   help=f"one row per SM count (default list {','.join(map(str, NORMAL_SWEEP_SMS))})")
+    g.add_argument("--deepep", action="store_true",
+                   help="also run DeepEP V1 (.anchors/deepep, tools/deepep_baseline.py) and show its figures")
+    g.add_argument("--deepep-json", metavar="PATH", help="show DeepEP figures from an earlier "
+                                                          "tools/deepep_baseline.py run instead")
     g = p.add_argument_group("shape")
-    g.add_argument("--tokens", help="max dispatch tokens per rank T, or a comma list (default 128)")
+    g.add_argument("--tokens", help="max dispatch tokens per rank T, or a comma list (default 128; "
+                                    "normal mode: tokens per rank, default 4096)")
     g.add_argument("--tokens-sweep", action="store_true",
                    help=f"T in {','.join(map(str, SWEEP_TOKENS))}, the buffer rebuilt for each")
     g.add_argument("--hidden", type=int, help="hidden size H, a multiple of 128 (default 7168)")
     g.add_argument("--topk", type=int, help="experts per token K (default 8)")
-    g.add_argument("--experts", type=int, help="number of experts E, divisible by the ranks (default 288)")
+    g.add_argument("--experts", type=int, help="number of experts E, divisible by the ranks (default 288; "
+                                                "normal mode 256)")
     g.add_argument("--dispatch-dtype", choices=DISPATCH_DTYPES, default="fp8")
     g = p.add_argument_group("routing")
     g.add_argument("--routing", default="uniform",
@@ -199,6 +213,13 @@ def _progress(done: int, total: int, label: str) -> None:
 
 def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> int:
     env = os.environ if environ is None else environ
+    if getattr(args, "mode", "ll") == "normal":
+        from ..bench.normal_report import run_cli
+        return run_cli(args, env)
+    for flag, given in (("--num-sms", args.num_sms), ("--sweep-sms", args.sweep_sms),
+                        ("--deepep-json", args.deepep_json)):
+        if given is not None:
+            raise CliError(f"{flag} is a normal-mode option: add --mode normal")
     cfg, dist_backend, notes = config_from_args(args, env)
     group, device, owned = init_distributed(args.device, dist_backend, cfg.wait_timeout_s, env)
     try:
@@ -233,6 +254,8 @@ def _run(cfg: BenchConfig, args: argparse.Namespace, environ: Mapping[str, str],
     console = Console(record=True, width=width)
     report.render(console, cfg, env_info, rows, notes)
     doc = report.bench_document(cfg, env_info, rows, notes)
+    if args.deepep:
+        doc["deepep_measured"] = _deepep_ll(console, cfg, suite.world_size, out_dir, device)
     json_path = os.path.join(out_dir, "bench.json")
     png: Optional[str] = None
     if cfg.plot:
@@ -242,6 +265,32 @@ def _run(cfg: BenchConfig, args: argparse.Namespace, environ: Mapping[str, str],
     console.print(f"results: {json_path}" + (f", {png}" if png else ""), markup=False, highlight=False)
     console.save_text(os.path.join(out_dir, "bench.txt"))
     return _exit_code(rows)
+
+
+def _deepep_ll(console, cfg: BenchConfig, world_size: int, out_dir: str, device) -> Optional[dict]:  # type: ignore[no-untyped-def]
+    """DeepEP's LL test on the same GPUs (rank 0, after the other ranks left), its figures printed below
+    ours; a missing DeepEP is a note."""
+    from rich.markup import escape
+
+    from ..bench.normal_report import deepep_figures
+    if device.type != "cuda":
+        console.print("note: --deepep: DeepEP runs on GPUs only; not run")
+        return None
+    import torch
+    torch.cuda.empty_cache()
+    extra = ["--num-tokens", str(cfg.tokens[0]), "--hidden", str(cfg.hidden), "--num-topk", str(cfg.topk),
+             "--num-experts", str(cfg.experts)]
+    doc, note = deepep_figures("ll", world_size, extra, out_dir)
+    console.print(f"note: {escape(note)}")
+    figs = (doc or {}).get("figures") or {}
+    k, dc, hk = figs.get("kernels"), figs.get("dispatch_combine"), figs.get("hooks")
+    if k:
+        console.print(escape(f"DeepEP LL (same machine, T={cfg.tokens[0]}): dispatch {k['dispatch_us']:.1f} us, "
+                             f"combine {k['combine_us']:.1f} us (kineto)"
+                             + (f"; d+c {dc['avg_us']:.1f} us ({dc['gbps']:.0f} GB/s)" if dc else "")
+                             + (f"; halves {hk['dispatch_send_us']:.1f} + {hk['dispatch_recv_us']:.1f} / "
+                                f"{hk['combine_send_us']:.1f} + {hk['combine_recv_us']:.1f} us" if hk else "")))
+    return doc
 
 
 def _exit_code(rows) -> int:  # type: ignore[no-untyped-def]

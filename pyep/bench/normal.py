@@ -1,0 +1,412 @@
+"""`pyep bench --mode normal`: the normal (high-throughput) mode's benchmark, DeepEP tests/test_intranode.py's
+setting by default (4096 tokens per rank, H=7168, K=8, E=256, uniformly random distinct experts).
+
+Per SM count (one row each; --sweep-sms), after the correctness guard (normal_check) passes, every
+iteration times these calls, each behind a barrier and Sync.align() and followed by a device wait:
+  layout        get_dispatch_layout
+  dispatch      FP8 dispatch with top-k and the layout's counts (notify + dispatch kernels)
+  cached_fp8    FP8 dispatch with the handle    } what DeepEP's tuning loop times, and
+  cached_bf16   BF16 dispatch with the handle   } what its "Best" GB/s lines count
+  combine       BF16 combine with the handle, no top-k weights
+  eager         layout + FP8 dispatch + combine (with weights) back to back, as a model calls them
+Wall times are CUDA events around the call; per-kernel times come from a second, profiled pass
+(kineto): kernels named "dispatch"/"combine" are the main kernels, "notify"/"layout" ones are shown
+apart (aux). GB/s count the bytes as test_intranode.py counts NVLink bytes: received rows x 2H for BF16
+dispatch and for combine, x (1 + 4/128)/2 of that for FP8 dispatch. Every call uses the buffer's
+defaults for the row's SM count (NormalBuffer.set_num_sms), as a user's call does.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import kineto, metrics
+from .config import RoutingSpec
+from .guard import CheckResult
+from .normal_check import GuardInputs, run_guard
+from .routing import make_batch
+from .sync import PROFILED_SLEEP_CYCLES, Sync, WallTimer
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+log = logging.getLogger("pyep.bench")
+
+PHASES = ("layout", "dispatch", "cached_fp8", "cached_bf16", "combine", "eager")
+# Kernels counted as a phase's main work (lower-case substrings of the kernel name); "aux" kernels
+# (the count exchange before a dispatch, the layout kernel) are taken out first and kept apart
+# whatever the phase, so the layout phase's main time is 0 and its time is its aux time.
+MAIN_WORDS: Dict[str, Tuple[str, ...]] = {
+    "layout": ("layout",), "dispatch": ("dispatch",), "cached_fp8": ("dispatch",),
+    "cached_bf16": ("dispatch",), "combine": ("combine",), "eager": ("dispatch", "combine")}
+AUX_WORDS = ("notify", "layout")
+SAMPLE_KINDS = ("wall", "kernel", "aux", "host")
+DEFAULT_SWEEP_SMS: Tuple[int, ...] = (8, 12, 16, 20, 24, 32)
+NORMAL_BACKENDS = ("native", "reference")
+FP8_FACTOR = (1 + 4 / 128) / 2      # test_intranode.py: FP8 bytes per BF16 byte (payload + fp32 scales)
+PROFILER_WARMUP = 2
+
+
+@dataclass(frozen=True)
+class NormalBenchConfig:
+    tokens: int = 4096
+    hidden: int = 7168
+    topk: int = 8
+    experts: int = 256
+    num_sms: Tuple[int, ...] = (24,)
+    backends: Tuple[str, ...] = ("native",)
+    routing: RoutingSpec = RoutingSpec("uniform")
+    hot_expert: int = 0
+    drop_fraction: float = 0.0                 # fraction of (token, k) entries set to -1
+    iters: int = 20
+    warmup: int = 5
+    kineto: bool = True
+    seed: int = 0
+    transport: str = "auto"
+    timeout_us: int = 10_000_000
+    wait_timeout_s: float = 120.0
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        from ..ep.normal.config import MAX_TOPK
+        for name, lo, hi in (("tokens", 0, 1 << 20), ("hidden", 128, 1 << 16), ("topk", 1, MAX_TOPK),
+                             ("experts", 1, 1 << 16), ("iters", 1, 100_000), ("warmup", 0, 100_000),
+                             ("seed", 0, 2**31 - 1), ("timeout_us", 1, 1 << 40)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {v!r}")
+        if self.hidden % 128:
+            raise ValueError(f"hidden must be a multiple of 128 (FP8 scale groups), got {self.hidden}")
+        if self.topk > self.experts:
+            raise ValueError(f"topk ({self.topk}) cannot exceed experts ({self.experts})")
+        if not self.num_sms or len(set(self.num_sms)) != len(self.num_sms):
+            raise ValueError(f"num_sms must be a non-empty list without duplicates, got {self.num_sms}")
+        for n in self.num_sms:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 2 or n % 2 or n > 128:
+                raise ValueError(f"SM counts must be even ints in [2, 128] (a sender and a receiver SM "
+                                 f"per channel), got {n!r}")
+        if not self.backends or any(b not in NORMAL_BACKENDS for b in self.backends):
+            raise ValueError(f"backends must be drawn from {NORMAL_BACKENDS}, got {self.backends}")
+        if not isinstance(self.routing, RoutingSpec):
+            raise TypeError(f"routing must be a RoutingSpec, got {type(self.routing).__name__}")
+        if not 0 <= self.hot_expert < self.experts:
+            raise ValueError(f"hot_expert must be in [0, {self.experts}), got {self.hot_expert}")
+        if not 0.0 <= float(self.drop_fraction) <= 1.0:
+            raise ValueError(f"drop_fraction must be in [0, 1], got {self.drop_fraction}")
+        if not 0.001 <= float(self.wait_timeout_s) <= 86400:
+            raise ValueError(f"wait_timeout_s must be in [0.001, 86400], got {self.wait_timeout_s}")
+
+    def check_world(self, world_size: int) -> None:
+        from ..ep.normal.config import MAX_RANKS
+        if world_size > MAX_RANKS or world_size & (world_size - 1):
+            raise ValueError(f"the normal mode runs on 1, 2, 4 or 8 ranks of one node, not {world_size}")
+        if self.experts % world_size:
+            raise ValueError(f"experts ({self.experts}) must be divisible by the ranks ({world_size})")
+
+
+def bytes_per_rank(recv_tokens: int, hidden: int) -> Dict[str, float]:
+    """DeepEP's NVLink byte counts for one rank that received `recv_tokens` rows."""
+    bf16 = float(recv_tokens * hidden * 2)
+    fp8 = bf16 * FP8_FACTOR
+    return {"dispatch": fp8, "cached_fp8": fp8, "cached_bf16": bf16, "combine": bf16, "eager": fp8 + bf16}
+
+
+@dataclass
+class NormalRow:
+    backend: str
+    num_sms: int
+    tokens: int
+    hidden: int
+    routing: str
+    skipped: str = ""
+    check: Optional[CheckResult] = None
+    recv_tokens: List[int] = field(default_factory=list)      # per rank
+    stats: Dict[str, Dict[str, metrics.Stat]] = field(default_factory=dict)   # kind -> phase -> Stat
+    samples: Dict[str, Dict[str, List[List[float]]]] = field(default_factory=dict)
+    kernel_source: str = ""
+    kineto: Dict[str, Any] = field(default_factory=dict)
+    buffer_bytes: Optional[int] = None
+    configs: Dict[str, Any] = field(default_factory=dict)
+
+    def bytes(self, phase: str) -> List[float]:
+        return [bytes_per_rank(n, self.hidden).get(phase, math.nan) for n in self.recv_tokens]
+
+    def gbps(self, kind: str) -> Dict[str, float]:
+        """Mean bytes per rank / the phase's time (max over ranks of each rank's mean); for "kernel"
+        the time includes the aux kernels of the phase (the whole call's device work)."""
+        out: Dict[str, float] = {}
+        if not self.stats or not self.recv_tokens:
+            return out
+        for p in PHASES:
+            if p == "layout":
+                continue
+            t = self.time_us(kind, p)
+            out[p] = metrics.gbps(sum(self.bytes(p)) / len(self.recv_tokens), t)
+        return out
+
+    def time_us(self, kind: str, phase: str) -> float:
+        """Mean time of a phase; "kernel" adds the aux kernels (main + aux: all the call's device work)."""
+        st = self.stats.get(kind, {}).get(phase)
+        t = st.mean if st is not None else math.nan
+        if kind != "kernel":
+            return t
+        aux = self.stats.get("aux", {}).get(phase)
+        a = aux.mean if aux is not None else math.nan
+        if math.isnan(a):
+            return t
+        return a if math.isnan(t) else t + a
+
+    def as_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"backend": self.backend, "num_sms": self.num_sms, "tokens": self.tokens,
+                               "hidden": self.hidden, "routing": self.routing, "skipped": self.skipped or None,
+                               "buffer_bytes": self.buffer_bytes, "configs": self.configs}
+        if self.skipped:
+            return out
+        assert self.check is not None
+        out.update({
+            "check": self.check.as_dict(), "recv_tokens_per_rank": self.recv_tokens,
+            "bytes_per_rank": {p: self.bytes(p) for p in PHASES if p != "layout"},
+            "kernel_time_source": self.kernel_source,
+            **{f"{k}_us": {p: s.as_dict() for p, s in self.stats.get(k, {}).items()} for k in SAMPLE_KINDS},
+            "gbps": {k: self.gbps(k) for k in ("kernel", "wall")},
+            "kineto": self.kineto, "samples_us": self.samples})
+        return out
+
+
+def _buffer_class() -> Any:
+    from ..ep.normal import NormalBuffer
+    return NormalBuffer
+
+
+class NormalSuite:
+    """The whole run on one rank. `buffer_factory(group, num_nvl_bytes, hidden, backend, transport,
+    timeout_us)` builds a buffer; NormalBuffer by default (tests pass a stand-in)."""
+
+    def __init__(self, cfg: NormalBenchConfig, group: "dist.ProcessGroup", device: "torch.device",
+                 buffer_class: Optional[Any] = None,
+                 progress: Optional[Callable[[int, int, str], None]] = None) -> None:
+        import torch.distributed as dist
+        self.cfg = cfg
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.dist_backend = str(dist.get_backend(group)).lower()
+        cfg.check_world(self.world_size)
+        self.sync = Sync(group, device, cfg.wait_timeout_s)
+        self.cls = buffer_class if buffer_class is not None else _buffer_class()
+        self.progress = progress
+        self.notes: List[str] = []
+
+    def _nvl_bytes(self) -> int:
+        """Enough buffer for the largest SM count of the run (rings grow with the channel count)."""
+        cls, r = self.cls, self.world_size
+        saved = cls.num_sms
+        need = 0
+        try:
+            for n in self.cfg.num_sms:
+                cls.set_num_sms(n)
+                for c in (cls.get_dispatch_config(r), cls.get_combine_config(r)):
+                    need = max(need, int(c.get_nvl_buffer_size_hint(self.cfg.hidden * 2, r)))
+        finally:
+            cls.set_num_sms(saved)
+        return need
+
+    def _build(self, backend: str) -> Tuple[Any, str]:
+        buf, why = None, ""
+        try:
+            buf = self.cls(self.group, self._nvl_bytes(), hidden=self.cfg.hidden, backend=backend,
+                           transport=self.cfg.transport, timeout_us=self.cfg.timeout_us)
+        except Exception as exc:  # noqa: BLE001 - reported in the row; the run goes on
+            why = f"{type(exc).__name__}: {exc}"
+            log.warning("cannot build the %s normal-mode buffer: %s", backend, why)
+        if not self.sync.all_min(1 if buf is not None else 0, f"building the {backend} buffer"):
+            if buf is not None:
+                buf.destroy()
+            buf, why = None, why or "failed on another rank"
+        return buf, why
+
+    def inputs(self) -> GuardInputs:
+        import torch
+        from ..ep import fp8
+        c = self.cfg
+        # test_intranode.py draws |randn| + 1 scores and takes the top K: K distinct experts, every
+        # K-subset equally likely, which is what the "uniform" generator draws (CPU, seeded per rank).
+        b = make_batch(c.routing, c.tokens, c.hidden, c.experts, c.topk, seed=c.seed, rank=self.rank,
+                       hot_expert=c.hot_expert, drop_fraction=c.drop_fraction).to(self.device)
+        q, s = fp8.quantize_fp8(b.x)
+        return GuardInputs(b.x, (q.contiguous(), s.contiguous()), b.topk_idx.contiguous(),
+                           b.topk_weights.to(torch.float32).contiguous(), c.experts)
+
+    def run(self) -> List[NormalRow]:
+        rows: List[NormalRow] = []
+        inp = self.inputs()
+        total = len(self.cfg.backends) * len(self.cfg.num_sms)
+        for backend in self.cfg.backends:
+            buf, why = self._build(backend)
+            try:
+                for n in self.cfg.num_sms:
+                    if buf is None:
+                        rows.append(NormalRow(backend, n, self.cfg.tokens, self.cfg.hidden,
+                                              self.cfg.routing.label, skipped=why or "not built"))
+                    else:
+                        rows.append(self._row(buf, backend, n, inp))
+                    if self.progress is not None:
+                        self.progress(len(rows), total, f"{backend} {n} SMs")
+            finally:
+                if buf is not None:
+                    buf.destroy()
+        return rows
+
+    def _row(self, buf: Any, backend: str, num_sms: int, inp: GuardInputs) -> NormalRow:
+        import torch
+        c = self.cfg
+        cls = type(buf) if hasattr(type(buf), "set_num_sms") else self.cls
+        saved = cls.num_sms
+        cls.set_num_sms(num_sms)
+        try:
+            configs = {"dispatch": _cfg_dict(cls.get_dispatch_config(self.world_size)),
+                       "combine": _cfg_dict(cls.get_combine_config(self.world_size))}
+            row = NormalRow(backend, num_sms, c.tokens, c.hidden, c.routing.label, configs=configs,
+                            buffer_bytes=_buffer_bytes(buf))
+            check, reuse = run_guard(buf, inp, self.rank, self.sync)
+            flags = self.sync.gather(torch.tensor([1 if check.passed else 0], dtype=torch.int32), "guard results")
+            check.failed_ranks = [r for r, f in enumerate(flags) if int(f[0]) == 0]
+            if check.failed_ranks and check.passed:
+                check.passed, check.detail = False, f"failed on rank(s) {check.failed_ranks}"
+            row.check = check
+            recv = self.sync.gather(torch.tensor([reuse["num_recv_tokens"]], dtype=torch.int64), "received rows")
+            row.recv_tokens = [int(t[0]) for t in recv]
+            if not check.passed:
+                log.error("%s, %d SMs: correctness guard FAILED (%s): not timed", backend, num_sms, check.detail)
+                row.kernel_source = "not timed (guard failed)"
+                return row
+            timer = PhaseTimer(buf, inp, reuse, self.sync, backend, f"{backend} {num_sms} SMs")
+            samples, source, info = timer.run(c.warmup, c.iters, c.kineto)
+            gathered = _gather(samples, c.iters, self.sync)
+            row.samples, row.kernel_source, row.kineto = gathered, source, info
+            row.stats = {k: {p: metrics.summarize(gathered[k][p]) for p in PHASES} for k in SAMPLE_KINDS}
+            return row
+        finally:
+            cls.set_num_sms(saved)
+
+
+def _buffer_bytes(buf: Any) -> Optional[int]:
+    v = getattr(buf, "buffer_bytes", None)
+    v = v() if callable(v) else v
+    return None if v is None else int(v)
+
+
+def _cfg_dict(cfg: Any) -> Dict[str, Any]:
+    import dataclasses
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {"repr": repr(cfg)}
+
+
+class PhaseTimer:
+    """The timed calls of one row (see the module docstring), wall pass then profiled pass."""
+
+    def __init__(self, buf: Any, inp: GuardInputs, reuse: Dict[str, Any], sync: Sync, backend: str,
+                 label: str) -> None:
+        self.buf, self.inp, self.reuse, self.sync, self.label = buf, inp, reuse, sync, label
+        self.native = backend == "native"
+
+    def _calls(self) -> Dict[str, Callable[[], Any]]:
+        b, i, r = self.buf, self.inp, self.reuse
+        counts, handle = r["counts"], r["handle"]
+
+        def eager() -> Any:
+            n_rank, _, n_exp, in_rank, _ = b.get_dispatch_layout(i.topk_idx, i.num_experts)
+            recv, _idx, w, _cnt, h, _ev = b.dispatch(i.x_fp8, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                                                      num_tokens_per_expert=n_exp, topk_idx=i.topk_idx,
+                                                      topk_weights=i.topk_weights)
+            return b.combine(r["expert_out"], h, topk_weights=w)
+        return {
+            "layout": lambda: b.get_dispatch_layout(i.topk_idx, i.num_experts),
+            "dispatch": lambda: b.dispatch(i.x_fp8, topk_idx=i.topk_idx, topk_weights=i.topk_weights, **counts),
+            "cached_fp8": lambda: b.dispatch(i.x_fp8, handle=handle),
+            "cached_bf16": lambda: b.dispatch(i.x, handle=handle),
+            "combine": lambda: b.combine(r["expert_out"], handle),
+            "eager": eager,
+        }
+
+    def _iteration(self, it: int, out: Optional[Dict[str, Dict[str, List[float]]]], ranged: bool) -> None:
+        import torch
+        for phase, fn in self._calls().items():
+            self.sync.barrier(f"before {phase} of {self.label}, iteration {it}")
+            self.sync.align(PROFILED_SLEEP_CYCLES if ranged else 0)
+            timer = WallTimer(self.sync.cuda)
+            ctx = torch.profiler.record_function(kineto.range_name(phase, it)) if ranged else nullcontext()
+            with ctx, timer.measure():
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+            self.sync.device_wait(f"{phase} of {self.label}, iteration {it}")
+            if out is not None:
+                out["wall"][phase].append(timer.elapsed_us())
+                out["host"][phase].append((t1 - t0) * 1e6)
+
+    def run(self, warmup: int, iters: int, use_kineto: bool) -> Tuple[Dict[str, Dict[str, List[float]]], str, Dict[str, Any]]:
+        for it in range(warmup):
+            self._iteration(it, None, False)
+        s: Dict[str, Dict[str, List[float]]] = {k: {p: [] for p in PHASES} for k in SAMPLE_KINDS}
+        for it in range(iters):
+            self._iteration(it, s, False)
+        nan = [math.nan] * iters
+        if not self.sync.cuda:
+            s["kernel"] = {p: list(v) for p, v in s["wall"].items()}
+            s["aux"] = {p: list(nan) for p in PHASES}
+            return s, "wall (no GPU: kernel times are the wall times of the calls)", {}
+        if not use_kineto:
+            s["kernel"], s["aux"] = {p: list(nan) for p in PHASES}, {p: list(nan) for p in PHASES}
+            return s, "none (--no-kineto)", {}
+        prof = kineto.Profiler()
+        with prof:
+            for it in range(min(PROFILER_WARMUP, max(warmup, 1))):
+                self._iteration(it, None, False)
+            for it in range(iters):
+                self._iteration(it, None, True)
+        ranges, kernels = prof.collect()
+        if self.native:
+            aux = [k for k in kernels if any(w in k.name.lower() for w in AUX_WORDS)]
+            main = [k for k in kernels if not any(w in k.name.lower() for w in AUX_WORDS)]
+            att_main = kineto.attribute(ranges, main, dict(MAIN_WORDS))
+            att_aux = kineto.attribute(ranges, aux, {p: () for p in PHASES})
+        else:
+            # The reference's work is NCCL and torch kernels with generic names: count all of it.
+            att_main = kineto.attribute(ranges, kernels, {p: () for p in PHASES})
+            att_aux = kineto.attribute(ranges, [], {})
+        s["kernel"] = {p: att_main.samples(p, iters) for p in PHASES}
+        s["aux"] = {p: (att_aux.samples(p, iters) if att_aux.counted.get(p) else list(nan)) for p in PHASES}
+        missing = [p for p in PHASES if p != "layout" and not att_main.counted.get(p)]
+        if missing:
+            log.warning("%s: kineto saw no main kernels in phases %s (other kernels: %s)", self.label, missing,
+                        {p: sorted(att_main.ignored.get(p, {})) for p in missing})
+            for p in missing:
+                s["kernel"][p] = list(nan)
+        info = {"counted": att_main.counted, "aux_counted": att_aux.counted, "ignored": att_main.ignored,
+                "unlinked_kernels": att_main.unlinked + att_aux.unlinked,
+                "kernels_outside_ranges": att_main.outside, "main_words": MAIN_WORDS, "aux_words": AUX_WORDS}
+        return s, "kineto", info
+
+
+def _gather(s: Dict[str, Dict[str, List[float]]], iters: int, sync: Sync) -> Dict[str, Dict[str, List[List[float]]]]:
+    """{kind: {phase: [rank][iteration]}} on every rank."""
+    import torch
+    t = torch.tensor([[s[k][p] if len(s[k][p]) == iters else [math.nan] * iters for p in PHASES]
+                      for k in SAMPLE_KINDS], dtype=torch.float64)
+    per_rank = sync.gather(t, "normal-mode benchmark samples")
+    return {k: {p: [r[i, j].tolist() for r in per_rank] for j, p in enumerate(PHASES)}
+            for i, k in enumerate(SAMPLE_KINDS)}
+
+
+def exit_code(rows: Sequence[NormalRow]) -> int:
+    measured = [r for r in rows if not r.skipped]
+    if not measured:
+        log.error("no benchmark row could be measured")
+        return 1
+    return 1 if any(r.check is None or not r.check.passed for r in measured) else 0

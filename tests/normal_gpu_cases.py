@@ -1,0 +1,356 @@
+"""Per-rank bodies of the normal-mode GPU tests (tests/test_normal_gpu.py runs them in DistPool workers
+over gloo). Each rank drives a native NormalBuffer on its GPU beside a reference NormalBuffer on the
+CPU (the same gloo group, the same inputs) and compares everything both return, bit for bit."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from ep_native_cases import setup_device
+
+
+@dataclass(frozen=True)
+class Shape:
+    N: int
+    H: int
+    E: int
+    K: int
+
+
+def make_inputs(seed: int, rank: int, s: Shape, routing: str, world: int):
+    """x bf16 [n, H], topk int64 [n, K] (distinct experts per row, -1 allowed), weights fp32 [n, K]."""
+    import torch
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    n = 0 if routing == "empty" and rank == world - 1 else s.N
+    x = (torch.randn(n, s.H, generator=g) * 2.5).to(torch.bfloat16)
+    topk = torch.rand(n, s.E, generator=g).argsort(dim=1)[:, :s.K].to(torch.int64).contiguous()
+    if routing == "hot":                 # a third of the tokens include expert E-1
+        hot = torch.rand(n, generator=g) < 0.33
+        rows = topk[hot]
+        rows[~(rows == s.E - 1).any(dim=1), 0] = s.E - 1
+        topk[hot] = rows
+    elif routing == "masked":            # most entries unused, some tokens go nowhere
+        topk[torch.rand(n, s.K, generator=g) < 0.6] = -1
+    elif routing == "one_rank":          # every expert lives on rank 0
+        e_l = s.E // world
+        topk = torch.rand(n, e_l, generator=g).argsort(dim=1)[:, :min(s.K, e_l)].to(torch.int64)
+        if topk.shape[1] < s.K:
+            topk = torch.cat([topk, torch.full((n, s.K - topk.shape[1]), -1, dtype=torch.int64)], dim=1)
+        topk = topk.contiguous()
+    w = torch.rand(n, s.K, generator=g)
+    return x, topk, w
+
+
+def new_buffers(s: Shape) -> Tuple[Any, Any]:
+    import torch.distributed as dist
+    from pyep.ep.normal import NormalBuffer
+    nat = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="native")
+    ref = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="reference")
+    assert nat.backend_name == "native" and ref.backend_name == "reference"
+    return nat, ref
+
+
+def _bits(t: Any) -> Any:
+    import torch
+    kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().contiguous().view(kind).cpu()
+
+
+def same(tag: str, got: Any, want: Any, rows: Optional[int] = None) -> None:
+    if want is None:
+        assert got is None, f"{tag}: expected None"
+        return
+    assert got is not None, f"{tag}: got None"
+    assert tuple(got.shape) == tuple(want.shape), f"{tag}: shape {list(got.shape)} != {list(want.shape)}"
+    assert got.dtype == want.dtype, f"{tag}: dtype {got.dtype} != {want.dtype}"
+    g, w = _bits(got), _bits(want)
+    if rows is not None:
+        g, w = g[:rows], w[:rows]
+    bad = g != w
+    assert not bool(bad.any()), f"{tag}: {int(bad.sum())} of {bad.numel()} elements differ, first at {bad.nonzero()[0].tolist()}"
+
+
+HANDLE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                 "is_token_in_rank", "send_head")
+
+
+def compare_dispatch(tag: str, got: Tuple, want: Tuple, cached: bool = False) -> None:
+    """got/want: dispatch 6-tuples. With num_worst_tokens only the real rows of recv_x are specified."""
+    real = int((want[4].recv_src_idx >= 0).sum()) if not cached and want[4] is not None else None
+    if isinstance(want[0], tuple):
+        assert isinstance(got[0], tuple), f"{tag}: expected an (e4m3, scales) pair"
+        same(f"{tag} recv_x e4m3", got[0][0], want[0][0], real)
+        same(f"{tag} recv_x scales", got[0][1], want[0][1], real)
+    else:
+        same(f"{tag} recv_x", got[0], want[0], real)
+    if cached:
+        assert got[1:5] == (None, None, None, None), f"{tag}: cached dispatch returns Nones"
+        return
+    same(f"{tag} recv_topk_idx", got[1], want[1])
+    same(f"{tag} recv_topk_weights", got[2], want[2])
+    assert list(got[3]) == list(want[3]), f"{tag}: counts {list(got[3])} != reference {list(want[3])}"
+    for name in HANDLE_FIELDS:
+        same(f"{tag} handle.{name}", getattr(got[4], name), getattr(want[4], name))
+
+
+def expert(recv: Any, rank: int) -> Any:
+    """BF16 expert input (FP8 dequantised) -> bf16(x * (1 + rank/8)), the same on CPU and GPU."""
+    import torch
+    from pyep.bench.normal_check import expert_output
+    from pyep.ep import fp8
+    if isinstance(recv, tuple):
+        recv = fp8.dequantize_fp8(recv[0], recv[1].contiguous()).to(torch.bfloat16)
+    return expert_output(recv, rank)
+
+
+def _on(dev: Any, *ts: Any) -> List[Any]:
+    return [t.to(dev) if t is not None else None for t in ts]
+
+
+def run_case(nat: Any, ref: Any, s: Shape, seed: int, routing: str, *, use_fp8: bool = False, alignment: int = 1,
+             worst: int = 0, cached: bool = False, config: Any = None, asynchronous: bool = False) -> None:
+    """layout, dispatch, (cached dispatch), combine on both backends; every output compared."""
+    import torch
+    import torch.distributed as dist
+    from pyep.ep import fp8
+    from pyep.ep.normal import NormalBuffer
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tag = f"rank {rank} seed {seed} {routing} fp8={use_fp8} align={alignment} worst={worst} cached={cached}"
+    x, t, w = make_inputs(seed, rank, s, routing, world)
+    xin = fp8.quantize_fp8(x) if use_fp8 else x
+    gx = tuple(_on("cuda", *xin)) if use_fp8 else x.cuda()
+    gt, gw = _on("cuda", t, w)
+    lay_n = nat.get_dispatch_layout(gt, s.E)
+    lay_r = ref.get_dispatch_layout(t, s.E)
+    for i, name in ((0, "num_tokens_per_rank"), (2, "num_tokens_per_expert"), (3, "is_token_in_rank")):
+        same(f"{tag} layout {name}", lay_n[i], lay_r[i])
+    kw: Dict[str, Any] = dict(expert_alignment=alignment, num_worst_tokens=worst, config=config)
+    extra: Dict[str, Any] = dict(async_finish=True, previous_event=NormalBuffer.capture()) if asynchronous else {}
+    got = nat.dispatch(gx, num_tokens_per_rank=lay_n[0], is_token_in_rank=lay_n[3], num_tokens_per_expert=lay_n[2],
+                       topk_idx=gt, topk_weights=gw, **kw, **extra)
+    if asynchronous:
+        got[5].current_stream_wait()
+    want = ref.dispatch(xin, num_tokens_per_rank=lay_r[0], is_token_in_rank=lay_r[3], num_tokens_per_expert=lay_r[2],
+                        topk_idx=t, topk_weights=w, **kw)
+    torch.cuda.synchronize()
+    compare_dispatch(tag, got, want)
+    if worst:
+        rows = got[0][0].shape[0] if use_fp8 else got[0].shape[0]
+        assert list(got[3]) == [] and rows == worst, f"{tag}: {rows} rows, counts {list(got[3])}"
+    h_n, h_r = got[4], want[4]
+    if cached:
+        c_n = nat.dispatch(gx, handle=h_n, config=config, **extra)
+        if asynchronous:
+            c_n[5].current_stream_wait()
+        c_r = ref.dispatch(xin, handle=h_r, config=config)
+        torch.cuda.synchronize()
+        compare_dispatch(tag + " (cached)", c_n, c_r, cached=True)
+    y_r = expert(want[0], rank)
+    out_n = nat.combine(y_r.cuda(), h_n, topk_weights=got[2], config=config, **extra)
+    if asynchronous:
+        out_n[2].current_stream_wait()
+    out_r = ref.combine(y_r, h_r, topk_weights=want[2], config=config)
+    torch.cuda.synchronize()
+    same(f"{tag} combined_x", out_n[0], out_r[0])
+    same(f"{tag} combined_topk_weights", out_n[1], out_r[1])
+
+
+CASES: Dict[str, List[Tuple[int, str, Dict[str, Any]]]] = {
+    "all": [(1, "random", {}), (2, "random", dict(use_fp8=True)), (3, "hot", dict(alignment=128)),
+            (4, "masked", dict(use_fp8=True, cached=True)), (5, "empty", {}), (6, "one_rank", dict(cached=True)),
+            (7, "random", dict(worst=-1)), (8, "masked", dict(use_fp8=True, worst=-1, alignment=128)),
+            (9, "random", dict(asynchronous=True, cached=True)), (10, "hot", dict(config="small-ring")),
+            (11, "empty", dict(use_fp8=True, cached=True, worst=-1))],
+}
+CASES["core"] = [c for c in CASES["all"] if c[0] in (1, 2, 4, 5, 7, 10)]
+
+
+def correctness(shape_args: Tuple[int, int, int, int], cases: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from pyep.ep.normal import Config
+    setup_device()
+    s = Shape(*shape_args)
+    nat, ref = new_buffers(s)
+    try:
+        for seed, routing, kw in CASES[cases]:
+            kw = dict(kw)
+            if kw.get("worst") == -1:
+                kw["worst"] = s.N * dist.get_world_size()
+            if kw.get("config") == "small-ring":      # 8 channels, rings of 32 rows: every ring wraps
+                kw["config"] = Config(16, 4, 32)
+            run_case(nat, ref, s, seed, routing, **kw)
+    finally:
+        nat.destroy()
+        ref.destroy()
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------- drills
+def _layout_ref(t: Any, e: int, world: int) -> Tuple[Any, Any, Any]:
+    """The layout tensors computed on the host (pyep.bench.normal_check, ids out of range count as -1)."""
+    from pyep.bench.normal_check import layout
+    return layout(t, e, world)
+
+
+def graph_case(shape_args: Tuple[int, int, int, int], replays: int) -> None:
+    """dispatch + expert + combine captured in one CUDA graph with num_worst_tokens (the host never
+    waits), replayed with new token values; then a cached dispatch + combine captured with a handle."""
+    import torch
+    import torch.distributed as dist
+    setup_device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = Shape(*shape_args)
+    worst = s.N * world
+    nat, ref = new_buffers(s)
+    try:
+        x, t, w = make_inputs(1, rank, s, "random", world)
+        n_rank, n_exp, in_rank = (v.cuda() for v in _layout_ref(t, s.E, world))
+        gx, gt, gw = _on("cuda", x, t, w)
+        args = dict(num_tokens_per_rank=n_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_exp,
+                    topk_idx=gt, topk_weights=gw, num_worst_tokens=worst)
+
+        def step() -> Tuple[Any, Any, Any]:
+            recv, _i, rw, _c, h, _e = nat.dispatch(gx, **args)
+            out, ow, _ = nat.combine(expert(recv, rank), h, topk_weights=rw)
+            return out, ow, h
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):       # warm-up outside the capture (allocator, lazy init)
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, ow, handle = step()
+        torch.cuda.synchronize()
+        for i in range(replays):
+            x_i = make_inputs(100 + i, rank, s, "random", world)[0]
+            gx.copy_(x_i.cuda())
+            graph.replay()
+            torch.cuda.synchronize()
+            lay = ref.get_dispatch_layout(t, s.E)
+            want = ref.dispatch(x_i, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                                num_tokens_per_expert=lay[2], topk_idx=t, topk_weights=w, num_worst_tokens=worst)
+            want_out = ref.combine(expert(want[0], rank), want[4], topk_weights=want[2])
+            same(f"rank {rank} graph replay {i} combined_x", out, want_out[0])
+            same(f"rank {rank} graph replay {i} combined_topk_weights", ow, want_out[1])
+        # A cached dispatch + combine captured with the handle of an eager dispatch.
+        recv0, _i, rw0, _c, h0, _e = nat.dispatch(gx, **args)
+        torch.cuda.synchronize()
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2):
+            recv_c = nat.dispatch(gx, handle=h0)[0]
+            out_c = nat.combine(expert(recv_c, rank), h0)[0]
+        x_j = make_inputs(200, rank, s, "random", world)[0]
+        gx.copy_(x_j.cuda())
+        g2.replay()
+        torch.cuda.synchronize()
+        lay = ref.get_dispatch_layout(t, s.E)
+        want = ref.dispatch(x_j, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                            topk_idx=t, topk_weights=w, num_worst_tokens=worst)
+        real = int((want[4].recv_src_idx >= 0).sum())
+        same(f"rank {rank} cached graph recv_x", recv_c, want[0], real)
+        same(f"rank {rank} cached graph combined_x", out_c, ref.combine(expert(want[0], rank), want[4])[0])
+        del graph, g2
+    finally:
+        nat.destroy()
+        ref.destroy()
+        torch.cuda.synchronize()
+
+
+def _hash(*ts: Any) -> Any:
+    """A position-weighted checksum of the bytes (int64 on the device), cheap enough per round."""
+    import torch
+    acc = torch.zeros((), dtype=torch.int64, device="cuda")
+    for t in ts:
+        v = _bits_dev(t).reshape(-1).to(torch.int64)
+        pos = torch.arange(v.numel(), device=v.device, dtype=torch.int64) % 1021 + 1
+        acc = acc * 1_000_003 + (v * pos).sum()
+    return acc
+
+
+def _bits_dev(t: Any) -> Any:
+    import torch
+    kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(kind)
+
+
+def stability(shape_args: Tuple[int, int, int, int], rounds: int) -> List[int]:
+    """The same layout + dispatch + combine `rounds` times: every round's output hash equals the first,
+    and the first equals the reference's."""
+    import torch
+    import torch.distributed as dist
+    setup_device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = Shape(*shape_args)
+    nat, ref = new_buffers(s)
+    try:
+        x, t, w = make_inputs(3, rank, s, "random", world)
+        gx, gt, gw = _on("cuda", x, t, w)
+        hashes = []
+        for _ in range(rounds):
+            lay = nat.get_dispatch_layout(gt, s.E)
+            recv, ri, rw, _c, h, _e = nat.dispatch(gx, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                                                   num_tokens_per_expert=lay[2], topk_idx=gt, topk_weights=gw)
+            out, ow, _ = nat.combine(expert(recv, rank), h, topk_weights=rw)
+            hashes.append(_hash(recv, ri, rw, h.recv_src_idx, h.send_head, out, ow))
+        got = torch.stack(hashes).cpu()
+        bad = (got != got[0]).nonzero().flatten().tolist()
+        assert not bad, f"rank {rank}: output hash changed in rounds {bad[:10]} (of {rounds})"
+        lay = ref.get_dispatch_layout(t, s.E)
+        want = ref.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                            topk_idx=t, topk_weights=w)
+        want_out = ref.combine(expert(want[0], rank), want[4], topk_weights=want[2])
+        ref_hash = _hash(*_on("cuda", want[0], want[1], want[2], want[4].recv_src_idx, want[4].send_head,
+                              want_out[0], want_out[1]))
+        assert int(ref_hash) == int(got[0]), f"rank {rank}: native hash differs from the reference's"
+        return [int(got[0])]
+    finally:
+        nat.destroy()
+        ref.destroy()
+        torch.cuda.synchronize()
+
+
+def invalid_expert(shape_args: Tuple[int, int, int, int]) -> None:
+    """Every rank passes one id >= E (symmetric, so no rank waits on a peer that raised): the layout and
+    a dispatch report InvalidExpertIndex at the latest at the next call (the dispatch: or when its event
+    is waited on), and the buffer keeps working afterwards."""
+    import torch
+    import torch.distributed as dist
+    from pyep.ep.normal import InvalidExpertIndex
+    setup_device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = Shape(*shape_args)
+    nat, ref = new_buffers(s)
+    try:
+        x, t, w = make_inputs(5, rank, s, "random", world)
+        bad = t.clone()
+        bad[2, 1] = s.E + 3
+        gx, gt, gw, gbad = _on("cuda", x, t, w, bad)
+        caught: List[Any] = []
+        try:
+            nat.get_dispatch_layout(gbad, s.E)
+            torch.cuda.synchronize()
+            nat.get_dispatch_layout(gt, s.E)          # the next call raises at the latest
+        except InvalidExpertIndex as exc:
+            caught.append(exc)
+        assert caught, f"rank {rank}: layout with id {s.E + 3} raised nothing"
+        assert (caught[0].row, caught[0].k, caught[0].value) == (2, 1, s.E + 3), str(caught[0])
+        n_rank, n_exp, in_rank = (v.cuda() for v in _layout_ref(bad, s.E, world))
+        caught.clear()
+        try:
+            res = nat.dispatch(gx, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_exp,
+                               topk_idx=gbad, topk_weights=gw, async_finish=True)
+            res[5].wait()
+            torch.cuda.synchronize()
+            nat.get_dispatch_layout(gt, s.E)
+        except InvalidExpertIndex as exc:
+            caught.append(exc)
+        assert caught, f"rank {rank}: dispatch with id {s.E + 3} raised nothing"
+        dist.barrier()
+        run_case(nat, ref, s, 6, "random", cached=True)     # still works, still bit for bit
+    finally:
+        nat.destroy()
+        ref.destroy()
+        torch.cuda.synchronize()

@@ -1,0 +1,116 @@
+"""GPU tests of the native normal-mode backend (marked `gpu`; skipped without CUDA, without the CUDA build
+of pyep._engine or with fewer than 2 GPUs). Ranks are DistPool workers over gloo; each drives a native
+NormalBuffer on GPU rank % device_count beside a reference NormalBuffer on the CPU, with the same
+inputs, and compares every output bit for bit (tests/normal_gpu_cases.py).
+
+Worlds: 2 ranks (one per GPU) and 4 ranks (one per GPU, or two per GPU on a 2-GPU machine); 8 where
+there are 8 GPUs. Matrix per H in {128, 7168, 16384}: random, hot, masked (-1), empty (N=0 on one
+rank) and all-on-one-rank routings; BF16 and FP8; cached dispatch; expert_alignment 1 and 128;
+num_worst_tokens; async_finish + previous_event; a small-ring config (every ring wraps). Then: CUDA
+graph capture of dispatch + combine with num_worst_tokens and of a cached dispatch with a handle,
+1000 rounds with a stable output hash, and InvalidExpertIndex with the buffer working afterwards.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpus() -> int:
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return 0
+        from pyep._native import load
+        mod = load()
+        if mod is None or not getattr(mod, "has_cuda", False):
+            return 0
+        from pyep.ep.normal import NormalBuffer  # noqa: F401 - the front must import
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - any failure here means "no usable GPU build"
+        return 0
+
+
+NGPU = _gpus()
+WORLDS = [w for w in (2, 4, 8) if w <= max(NGPU, 4)]
+requires_gpus = pytest.mark.skipif(NGPU < 2, reason="needs 2 CUDA GPUs and the CUDA build of pyep._engine")
+
+
+@pytest.fixture(scope="module")
+def pools() -> Iterator[Dict[int, object]]:
+    from multiproc import LazyPools
+    made = LazyPools(start_timeout_s=180.0, pg_timeout_s=300.0)
+    yield made
+    made.close()
+
+
+def shape(world: int, h: int):
+    """(N, H, E, K): an odd token count with small H; the DeepEP-like H=7168 with K=8; the largest H."""
+    if h == 128:
+        return (301, 128, 8 * world, 4)
+    if h == 7168:
+        return (512, 7168, 32 * world, 8)
+    return (96, 16384, 4 * world, 8)
+
+
+@requires_gpus
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("hidden", [128, 7168, 16384])
+def test_matches_reference(pools, world, hidden):
+    from normal_gpu_cases import correctness
+    cases = "all" if hidden == 128 or (hidden == 7168 and world == 2) else "core"
+    pools[world].run(correctness, shape(world, hidden), cases, timeout_s=220)
+
+
+@requires_gpus
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_cuda_graph_with_worst_tokens_and_cached_handle(pools, world):
+    from normal_gpu_cases import graph_case
+    pools[world].run(graph_case, (64, 1024, 8 * world, 4), 3, timeout_s=220)
+
+
+@requires_gpus
+@pytest.mark.timeout(240)
+def test_thousand_rounds_hash_stable(pools):
+    from normal_gpu_cases import stability
+    res = pools[2].run(stability, (128, 1024, 16, 4), 1000, timeout_s=220)
+    assert len(res) == 2
+
+
+@requires_gpus
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_invalid_expert_raises_and_buffer_recovers(pools, world):
+    from normal_gpu_cases import invalid_expert
+    pools[world].run(invalid_expert, (64, 512, 8 * world, 4), timeout_s=220)
+
+
+@requires_gpus
+@pytest.mark.timeout(300)
+def test_bench_guard_passes_on_native(tmp_path, monkeypatch):
+    """`pyep bench --mode normal` on 2 GPUs (NCCL, torchrun-style), small shape: the guard passes for
+    native and reference, kineto finds the dispatch and combine kernels."""
+    import json
+
+    import test_bench_run
+    from test_bench_gpu import _gpu_env
+    monkeypatch.setattr(test_bench_run, "_clean_env", _gpu_env(test_bench_run._clean_env))
+    res = test_bench_run._run_ranks(["--mode", "normal", "--backend", "both", "--tokens", "256", "--hidden", "1024",
+                                     "--experts", "16", "--topk", "4", "--sweep-sms", "8,24", "--iters", "3",
+                                     "--warmup", "1", "--out", str(tmp_path)], world=2)
+    for rank, (rc, so, se) in enumerate(res):
+        assert rc == 0, f"rank {rank} exited {rc}\nstdout:\n{so}\nstderr:\n{se}"
+    doc = json.loads((tmp_path / "bench_normal.json").read_text())
+    assert [(r["backend"], r["num_sms"]) for r in doc["rows"]] == [("native", 8), ("native", 24), ("reference", 8),
+                                                                   ("reference", 24)]
+    for r in doc["rows"]:
+        assert r["check"]["status"] == "PASS", r["check"]
+        assert r["kernel_time_source"] == "kineto"
+        for p in ("dispatch", "cached_fp8", "cached_bf16", "combine", "eager"):
+            assert r["kernel_us"][p]["mean"] > 0, (r["backend"], p, r["kineto"])
+            assert r["wall_us"][p]["mean"] > 0
