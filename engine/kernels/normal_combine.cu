@@ -17,13 +17,12 @@ namespace {
 // sender may run at most ring_tokens - round rows ahead of the receiver's head (see combine_send).
 __device__ __forceinline__ int reduce_round(int ring_tokens) { return min(kWarps, ring_tokens / 2); }
 
+// Group g (barrier 1 + g) sends to peer d != me; own rows are read in place by combine_recv.
 __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const CombineRow& row, int c, int g,
-                             int wi, int W, int lane) {
-    const int R = s.num_ranks, me = s.rank, d = g, Q = a.ring_tokens, K = a.num_topk, C = a.num_channels;
-    const int* rcp = reinterpret_cast<const int*>(a.recv_channel_prefix_matrix);
-    const int* rpm = reinterpret_cast<const int*>(a.rank_prefix_matrix);
-    const int start = rcp[d * C + c];
-    const int count = (c + 1 < C ? rcp[d * C + c + 1] : rpm[d * R + me]) - start;
+                             int d, int wi, int W, int lane) {
+    const int R = s.num_ranks, me = s.rank, Q = a.ring_tokens, K = a.num_topk, C = a.num_channels;
+    int start, count;
+    recv_run(a.rank_prefix_matrix, a.recv_channel_prefix_matrix, R, C, me, d, c, start, count);
     uint8_t* ring = ring_of(s, peer_buf(s, d), c, me, Q, row.bytes);
     int* tail = tail_of(s, peer_buf(s, d), c, me);
     const int* head = head_of(s, reinterpret_cast<uint8_t*>(s.buf), c, d);
@@ -87,6 +86,8 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
     int t0, t1;
     channel_range(a.num_tokens, C, c, t0, t1);
     const int* send_head = reinterpret_cast<const int*>(a.send_head);
+    int self_row0, self_rows;
+    recv_run(a.rank_prefix_matrix, a.recv_channel_prefix_matrix, R, C, me, me, c, self_row0, self_rows);
     const int vecs = a.hidden / 8;   // int4 of 8 bf16
     const int4* bias0 = reinterpret_cast<const int4*>(a.bias0);
     const int4* bias1 = reinterpret_cast<const int4*>(a.bias1);
@@ -98,17 +99,29 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
         if (warp < round && t < t1) {
             int pos = lane < R ? send_head[(int64_t)t * R + lane] : -1;
             bool ok = true;
-            if (pos >= 0 && !wait_counter(tail_of(s, own, c, lane), sh_base[lane] + (uint32_t)pos + 1, s.timeout_ns)) {
+            if (pos >= 0 && lane != me && !wait_counter(tail_of(s, own, c, lane), sh_base[lane] + (uint32_t)pos + 1, s.timeout_ns)) {
                 record_error(s, kErrPeerTimeout, lane, kPhaseCombine, c);
                 ok = false;
             }
             if (__all_sync(0xffffffffu, ok)) {
                 fence_acq_rel_sys();   // the other lanes' acquires cover the rows this lane reads
+                // Rank d's row of token t: in the ring (c, d), or for this rank itself the row of x it
+                // received at recv_channel_prefix[me][c] + position (never copied into a ring).
                 const uint8_t* rows[kMaxRanks];
+                const float* wrow[kMaxRanks];
                 int nsrc = 0;
                 for (int d = 0; d < R; ++d) {
                     const int p = __shfl_sync(0xffffffffu, pos, d);
-                    if (p >= 0) rows[nsrc++] = ring_of(s, own, c, d, Q, row.bytes) + (uint64_t)(p % Q) * row.bytes;
+                    if (p < 0) continue;
+                    if (d == me) {
+                        const int r = self_row0 + p;
+                        rows[nsrc] = reinterpret_cast<const uint8_t*>(a.x) + (uint64_t)r * row.payload;
+                        wrow[nsrc] = a.topk_weights ? reinterpret_cast<const float*>(a.topk_weights) + (int64_t)r * K : nullptr;
+                    } else {
+                        rows[nsrc] = ring_of(s, own, c, d, Q, row.bytes) + (uint64_t)(p % Q) * row.bytes;
+                        wrow[nsrc] = reinterpret_cast<const float*>(rows[nsrc] + row.weights);
+                    }
+                    ++nsrc;
                 }
                 for (int v = lane; v < vecs; v += 32) {
                     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -129,7 +142,7 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
                 }
                 if (out_w && lane < K) {
                     float w = 0.f;
-                    for (int i = 0; i < nsrc; ++i) w += reinterpret_cast<const float*>(rows[i] + row.weights)[lane];
+                    for (int i = 0; i < nsrc; ++i) w += wrow[i][lane];
                     out_w[(int64_t)t * K + lane] = w;
                 }
                 if (pos >= 0) atomicMax(&sh_max[lane], pos);
@@ -142,9 +155,9 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
         int consumed = -1;
         if (threadIdx.x < R) consumed = sh_max[threadIdx.x];
         __syncthreads();                       // read before the next round raises it again
-        if (consumed >= 0) st_release_sys(head_of(s, peer_buf(s, threadIdx.x), c, me), (int)(sh_base[threadIdx.x] + consumed + 1));
+        if (consumed >= 0 && threadIdx.x != me) st_release_sys(head_of(s, peer_buf(s, threadIdx.x), c, me), (int)(sh_base[threadIdx.x] + consumed + 1));
     }
-    if (threadIdx.x < R) {
+    if (threadIdx.x < R && threadIdx.x != me) {
         const int n = prefix_count(reinterpret_cast<const int*>(a.channel_prefix_matrix), C, threadIdx.x, c);
         *rx_of(s, c, threadIdx.x) = (int)(sh_base[threadIdx.x] + n);
     }
@@ -157,9 +170,10 @@ __global__ void __launch_bounds__(kThreads, 1) normal_combine_kernel(NormalStati
         combine_recv(s, a, row, c);
         return;
     }
-    const int W = kWarps / s.num_ranks, warp = threadIdx.x / 32;
-    if (warp / W >= s.num_ranks) return;
-    combine_send(s, a, row, c, warp / W, warp % W, W, threadIdx.x % 32);
+    if (s.num_ranks == 1) return;
+    const int W = kWarps / (s.num_ranks - 1), warp = threadIdx.x / 32, g = warp / W;
+    if (g >= s.num_ranks - 1) return;
+    combine_send(s, a, row, c, g, g + (g >= s.rank), warp % W, W, threadIdx.x % 32);
 }
 
 }  // namespace

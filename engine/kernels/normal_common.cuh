@@ -55,6 +55,18 @@ __device__ __forceinline__ int prefix_count(const int* incl, int C, int p, int c
     return incl[p * C + c] - (c ? incl[p * C + c - 1] : 0);
 }
 
+// The received rows of (source src, channel c) here: [start, start + count). rank_prefix_matrix gives
+// where source src's rows begin; recv_channel_prefix_matrix counts from there (as DeepEP's does).
+__device__ __forceinline__ void recv_run(uint64_t rank_prefix, uint64_t recv_channel_prefix, int R, int C,
+                                         int me, int src, int c, int& start, int& count) {
+    const int* rpm = reinterpret_cast<const int*>(rank_prefix);
+    const int* rcp = reinterpret_cast<const int*>(recv_channel_prefix);
+    const int src0 = src ? rpm[(src - 1) * R + me] : 0;
+    const int end = c + 1 < C ? src0 + rcp[src * C + c + 1] : rpm[src * R + me];
+    start = src0 + rcp[src * C + c];
+    count = end - start;
+}
+
 // ---- errors ------------------------------------------------------------------------------------------
 // The first error wins: the claim is an atomic on device memory (workspace word 4; atomics on mapped
 // host memory are not atomic across the bus on every platform), the record itself lives in pinned host
@@ -124,11 +136,13 @@ __host__ __device__ __forceinline__ uint64_t align16(uint64_t v) { return (v + 1
 
 // Dispatch row: [payload H*elem][scales align16(4*H/128), FP8 only][top-k ids int32 x K][weights fp32 x K][src idx]
 struct DispatchRow {
-    uint32_t payload, scales, ids, weights, src, bytes;
+    uint32_t payload;   // bytes of the payload (also the offset of the scales)
+    uint32_t scales;    // offset of the FP8 scales
+    uint32_t ids, weights, src, bytes;
     __host__ __device__ DispatchRow(int hidden, int fp8, int k) {
         payload = fp8 ? hidden : 2 * hidden;
-        scales = fp8 ? (uint32_t)align16(4 * (hidden / 128)) : 0;
-        ids = payload + scales;
+        scales = payload;
+        ids = payload + (fp8 ? (uint32_t)align16(4 * (hidden / 128)) : 0);
         weights = ids + 4 * k;
         src = weights + 4 * k;
         bytes = (uint32_t)align16(src + 4);

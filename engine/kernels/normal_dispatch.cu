@@ -24,8 +24,8 @@ struct Group {
 // complete at the group barrier. The tail is published once `chunk` rows are pending, before any wait
 // for ring space (else a full ring could wait on rows the receiver was never told about), and at the end.
 __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, const DispatchRow& row, int c,
-                              const Group& G) {
-    const int R = s.num_ranks, me = s.rank, d = G.g, Q = a.ring_tokens, K = a.num_topk;
+                              const Group& G, int d) {
+    const int R = s.num_ranks, me = s.rank, Q = a.ring_tokens, K = a.num_topk;
     int t0, t1;
     channel_range(a.num_tokens, a.num_channels, c, t0, t1);
     const int count = prefix_count(reinterpret_cast<const int*>(a.channel_prefix_matrix), a.num_channels, d, c);
@@ -96,26 +96,76 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
     }
 }
 
+// One received row: payload (and FP8 scales) by the whole warp, local top-k ids / weights and the source
+// index by a few lanes. `id(k)` and `weight(k)` read the row's top-k entry from wherever it is.
+template <typename Id, typename Weight>
+__device__ __forceinline__ void emit_row(const DispatchArgs& a, const DispatchRow& row, int out, const uint8_t* payload,
+                                         const float* scales, Id id, Weight weight, int src_token, int lo, int lane) {
+    const int K = a.num_topk, El = a.num_local_experts, groups = a.hidden / 128;
+    warp_copy(reinterpret_cast<uint8_t*>(a.recv_x) + (uint64_t)out * row.payload, payload, row.payload, lane);
+    if (a.fp8)
+        for (int g = lane; g < groups; g += 32)
+            reinterpret_cast<float*>(a.recv_x_scales)[(int64_t)out * groups + g] = scales[g];
+    if (a.recv_topk_idx && lane < K) {
+        const int64_t v = id(lane);
+        const bool local = v >= lo && v < lo + El;
+        reinterpret_cast<int64_t*>(a.recv_topk_idx)[(int64_t)out * K + lane] = local ? v - lo : -1;
+        if (a.recv_topk_weights)
+            reinterpret_cast<float*>(a.recv_topk_weights)[(int64_t)out * K + lane] = local ? weight(lane) : 0.f;
+    }
+    if (a.recv_src_idx && lane == 0) reinterpret_cast<int*>(a.recv_src_idx)[out] = src_token;
+}
+
+// This rank's own rows of channel c go from x straight to their output rows (no ring, no counters):
+// the j-th row of a 32-token round goes to warp j mod W, at row recv_channel_prefix[me][c] + position.
+__device__ void dispatch_self(const NormalStatic& s, const DispatchArgs& a, const DispatchRow& row, int c,
+                              const Group& G) {
+    const int R = s.num_ranks, me = s.rank, K = a.num_topk, groups = a.hidden / 128;
+    int t0, t1;
+    channel_range(a.num_tokens, a.num_channels, c, t0, t1);
+    int start, count;
+    recv_run(a.rank_prefix_matrix, a.recv_channel_prefix_matrix, R, a.num_channels, me, me, c, start, count);
+    const bool* in_rank = reinterpret_cast<const bool*>(a.is_token_in_rank);
+    const uint8_t* x = reinterpret_cast<const uint8_t*>(a.x);
+    const float* scales = reinterpret_cast<const float*>(a.x_scales);
+    const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk_idx);
+    const float* weights = reinterpret_cast<const float*>(a.topk_weights);
+    const int lo = me * a.num_local_experts;
+    int pos = 0;
+    for (int wbase = t0; wbase < t1; wbase += kScanWindow) {
+        const int t = wbase + G.lane;
+        const uint32_t mask = __ballot_sync(0xffffffffu, t < t1 && in_rank[(int64_t)t * R + me]);
+        uint32_t rest = mask;
+        for (int j = 0; rest; ++j) {
+            const int bit = __ffs(rest) - 1;
+            rest &= rest - 1;
+            const int out = start + pos + j;
+            if (j % G.W != G.wi || out >= a.num_out_rows) continue;
+            const int tok = wbase + bit;
+            emit_row(a, row, out, x + (uint64_t)tok * row.payload, scales + (int64_t)tok * groups,
+                     [&](int k) { return topk ? topk[(int64_t)tok * K + k] : (int64_t)-1; },
+                     [&](int k) { return weights ? weights[(int64_t)tok * K + k] : 0.f; }, tok, lo, G.lane);
+        }
+        pos += __popc(mask);
+    }
+}
+
 // Receiver of channel c from source src: rows [start, end) of the output, contiguous in ring order.
 __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, const DispatchRow& row, int c,
                               const Group& G, int* sh_flag) {
-    const int R = s.num_ranks, me = s.rank, src = G.g, Q = a.ring_tokens, K = a.num_topk, C = a.num_channels;
-    const int* rcp = reinterpret_cast<const int*>(a.recv_channel_prefix_matrix);
-    const int* rpm = reinterpret_cast<const int*>(a.rank_prefix_matrix);
-    const int start = rcp[src * C + c];
-    const int end = c + 1 < C ? rcp[src * C + c + 1] : rpm[src * R + me];
-    const int count = end - start;
+    const int R = s.num_ranks, me = s.rank, src = G.g, Q = a.ring_tokens, C = a.num_channels;
+    if (src == me) {
+        dispatch_self(s, a, row, c, G);
+        return;
+    }
+    int start, count;
+    recv_run(a.rank_prefix_matrix, a.recv_channel_prefix_matrix, R, C, me, src, c, start, count);
     uint8_t* own = reinterpret_cast<uint8_t*>(s.buf);
     const uint8_t* ring = ring_of(s, own, c, src, Q, row.bytes);
     const int* tail = tail_of(s, own, c, src);
     int* head = head_of(s, peer_buf(s, src), c, me);
     const uint32_t base = (uint32_t)*rx_of(s, c, src);
-    const int El = a.num_local_experts, lo = me * El, groups = a.hidden / 128;
-    uint8_t* out_x = reinterpret_cast<uint8_t*>(a.recv_x);
-    float* out_scales = reinterpret_cast<float*>(a.recv_x_scales);
-    int64_t* out_idx = reinterpret_cast<int64_t*>(a.recv_topk_idx);
-    float* out_w = reinterpret_cast<float*>(a.recv_topk_weights);
-    int* out_src = reinterpret_cast<int*>(a.recv_src_idx);
+    const int lo = me * a.num_local_experts;
 
     int done = 0;
     while (done < count) {
@@ -137,17 +187,10 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
             const int out = start + i;
             if (out >= a.num_out_rows) continue;    // more rows than num_worst_tokens: recorded by notify
             const uint8_t* r = ring + (uint64_t)(i % Q) * row.bytes;
-            warp_copy(out_x + (uint64_t)out * row.payload, r, row.payload, G.lane);
-            if (a.fp8)
-                for (int g = G.lane; g < groups; g += 32)
-                    out_scales[(int64_t)out * groups + g] = reinterpret_cast<const float*>(r + row.scales)[g];
-            if (out_idx && G.lane < K) {
-                const int id = reinterpret_cast<const int*>(r + row.ids)[G.lane];
-                const bool local = id >= lo && id < lo + El;
-                out_idx[(int64_t)out * K + G.lane] = local ? id - lo : -1;
-                if (out_w) out_w[(int64_t)out * K + G.lane] = local ? reinterpret_cast<const float*>(r + row.weights)[G.lane] : 0.f;
-            }
-            if (out_src && G.lane == 0) out_src[out] = reinterpret_cast<const int*>(r + row.src)[0];
+            emit_row(a, row, out, r, reinterpret_cast<const float*>(r + row.scales),
+                     [&](int k) { return (int64_t)reinterpret_cast<const int*>(r + row.ids)[k]; },
+                     [&](int k) { return reinterpret_cast<const float*>(r + row.weights)[k]; },
+                     reinterpret_cast<const int*>(r + row.src)[0], lo, G.lane);
         }
         group_sync(G.g, G.W);                       // every read of these slots is done
         if (G.leader()) st_release_sys(head, (int)(base + done + avail));
@@ -171,12 +214,19 @@ __global__ void __launch_bounds__(kThreads, 1) normal_dispatch_kernel(NormalStat
             }
         }
     }
-    const int W = kWarps / s.num_ranks, warp = threadIdx.x / 32;
-    const Group G{warp / W, warp % W, W, (int)threadIdx.x % 32};
-    if (G.g >= s.num_ranks) return;                 // warps left over when R does not divide kWarps
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = s.num_ranks;
     const DispatchRow row(a.hidden, a.fp8, a.num_topk);
-    if (sender) dispatch_send(s, a, row, c, G);
-    else dispatch_recv(s, a, row, c, G, sh_flag);
+    if (sender) {
+        // Own rows skip the ring (dispatch_self), so the sender's warps are shared by the R - 1 peers.
+        if (R == 1) return;
+        const int W = kWarps / (R - 1), g = warp / W;
+        if (g >= R - 1) return;                     // warps left over when R - 1 does not divide kWarps
+        dispatch_send(s, a, row, c, Group{g, warp % W, W, lane}, g + (g >= s.rank));
+    } else {
+        const int W = kWarps / R, g = warp / W;
+        if (g >= R) return;
+        dispatch_recv(s, a, row, c, Group{g, warp % W, W, lane}, sh_flag);
+    }
 }
 
 }  // namespace

@@ -130,8 +130,7 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
             acc += aborted ? 0 : slots[i * NI + j];
             rpm[i * R + j] = acc;
         }
-        int row = 0;
-        for (int i = 0; i < j; ++i) row += aborted ? 0 : slots[i * NI + me];
+        int row = 0;   // counted from the first row of source j (DeepEP's convention)
         int* rcp = reinterpret_cast<int*>(a.recv_channel_prefix_matrix);
         for (int c = 0; c < C; ++c) {
             rcp[j * C + c] = row;

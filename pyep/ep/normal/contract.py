@@ -30,8 +30,9 @@ Dispatch (not cached: ``handle`` is None), x is bf16 [N, H] or (e4m3 [N, H], fp3
 Handle (``NormalHandle``, unpacks like DeepEP's 6-tuple):
     rank_prefix_matrix int32 [R, R]: [i][j] = sum_{k <= i} num_tokens_per_rank_k[j]
     channel_prefix_matrix int32 [R, C]: [d][c] = tokens of this rank for d in channels 0..c (inclusive)
-    recv_channel_prefix_matrix int32 [R, C]: [s][c] = first row of source s, channel c in this rank's
-        received rows (exclusive prefix)
+    recv_channel_prefix_matrix int32 [R, C]: [s][c] = first row of source s, channel c among the rows
+        received from source s (exclusive prefix over channels; add rank_prefix_matrix[s-1][rank] for
+        the row in the received tensors, as DeepEP's handle does)
     recv_src_idx int32 [num_recv_rows]
     is_token_in_rank bool [N, R]
     send_head int32 [N, R]: position of token t in the (channel(t), this rank -> d) stream, counted
