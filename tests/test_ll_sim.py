@@ -3,7 +3,8 @@ per GPU thread (tests/ll_sim), several ranks in one process, peers connected by 
 NVLink/local path) or through qp.h queue pairs executed by a simulated NIC (the IBGDA path). Checked
 against a brute-force oracle and pyep.ep.fp8: slot assignment, packed layout, headers, FP8 bits in all
 scale modes, combine sums, both buffer halves, split send/receive launches, the timeout marking a
-silent rank, and a rejoin. Each case runs in a worker process with a hard timeout (a kernel bug that
+silent rank, a rejoin, and the device-side check of expert ids (the error record, bad entries routed
+as -1). Each case runs in a worker process with a hard timeout (a kernel bug that
 deadlocks a barrier must fail the test, not hang CI)."""
 from __future__ import annotations
 
@@ -220,3 +221,78 @@ def test_bench_routings(sim_pool, nic):
 def test_silent_rank_times_out_and_rejoins(sim_pool, nic):
     pool, path = sim_pool
     assert pool.run(case_timeout, path, nic, timeout_s=240) == ["ok"]
+
+
+def case_bad_ids(path: str, nic: str) -> str:
+    """Bad expert ids on the device: the first bad entry (row-major) of each rank's dispatch lands in
+    its error record with the right (row, k, value), the bad entries are routed as -1 (dispatch and
+    combine equal the oracle on the sanitised routing, so every good entry is unchanged), the record
+    keeps the first error until the host clears it, and then records the next one."""
+    sys.path.insert(0, SIM_DIR)
+    import torch
+    from world import World, check_combine, check_dispatch, expert_outputs, load
+    from pyep.ep.errors import DuplicateExpertIndex, InvalidExpertIndex, error_from_record
+    from pyep.ep.validate import sanitize_topk
+    sim = load(path)
+    # K = 3 does not divide a warp: row 10 (entries 30..32) straddles two warps; 144 entries take the
+    # routing pass past its two preloaded rounds (64 threads per simulated block); 2 blocks send
+    # tokens >= 2 through the per-token rank pass.
+    R, T, H, E, K = 2, 48, 256, 8, 3
+    w = World(sim, R, T, H, E, K, 2, nic_pairs=[(0, 1)] if nic == "nic" else [])
+
+    def run(inputs, half):
+        clean = [(x, sanitize_topk(t, E), wt) for x, t, wt in inputs]
+        outs = w.dispatch(inputs, half)
+        for r in range(R):
+            check_dispatch(w, clean, outs, r, [True] * R, False, False, False, f"bad ids rank {r}")
+        ys = expert_outputs(w, outs, False, False, seed=half + 11)
+        comb = w.combine(ys, inputs, outs, half)
+        for r in range(R):
+            check_combine(w, clean, ys, comb, r, [True] * R, f"bad ids rank {r}")
+
+    def record(r):
+        return error_from_record(w.errs[r].tolist(), E)
+
+    inputs = _inputs(R, T, H, E, K, 70)
+    t0, t1 = inputs[0][1], inputs[1][1]
+    t0[5, 1] = E                       # rank 0: first bad entry, out of range
+    t0[10, 2] = t0[10, 0]              # a repeat across the warp boundary
+    t0[40, 1] = -5
+    t1[3, 0] = -(2 ** 33) - 7          # rank 1: needs both record words
+    t1[10, 2] = t1[10, 0]
+    t1[47, 1] = t1[47, 0]
+    run(inputs, 0)
+    e0, e1 = record(0), record(1)
+    assert type(e0) is InvalidExpertIndex and (e0.row, e0.k, e0.value) == (5, 1, E), e0
+    assert type(e1) is InvalidExpertIndex and (e1.row, e1.k, e1.value) == (3, 0, -(2 ** 33) - 7), e1
+
+    # Not cleared yet: a later dispatch with other bad ids leaves the first error in place.
+    inputs = _inputs(R, T, H, E, K, 71)
+    inputs[0][1][20, 0] = 99
+    run(inputs, 1)
+    assert (record(0).row, record(0).k, record(0).value) == (5, 1, E)
+    # Cleared by the host: the next bad entry is recorded -- here a repeat in a straddling row (rank
+    # 0) and in a token of the per-token pass (rank 1); good rounds record nothing.
+    for r in range(R):
+        w.errs[r][0] = 0
+    inputs = _inputs(R, T, H, E, K, 72)
+    run(inputs, 0)
+    assert record(0) is None and record(1) is None
+    inputs = _inputs(R, T, H, E, K, 73)
+    inputs[0][1][10, 2] = inputs[0][1][10, 0]
+    inputs[1][1][45, 2] = inputs[1][1][45, 1]
+    inputs[1][1][46, 0] = E + 3
+    run(inputs, 1)
+    d0, d1 = record(0), record(1)
+    assert type(d0) is DuplicateExpertIndex and (d0.row, d0.k, d0.first_k) == (10, 2, 0), d0
+    assert d0.value == int(inputs[0][1][10, 0])
+    assert type(d1) is DuplicateExpertIndex and (d1.row, d1.k, d1.first_k) == (45, 2, 1), d1
+    if w.nic is not None:
+        assert not w.nic.errors(), w.nic.errors()
+    return "ok"
+
+
+@pytest.mark.parametrize("nic", ["direct", "nic"])
+def test_bad_expert_ids_recorded_and_routed_as_minus_one(sim_pool, nic):
+    pool, path = sim_pool
+    assert pool.run(case_bad_ids, path, nic, timeout_s=240) == ["ok"]

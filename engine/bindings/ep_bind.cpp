@@ -44,8 +44,10 @@ void register_ep(py::module_& m) {
         .def_readwrite("msg_bytes", &LLStatic::msg_bytes)
         .def_readwrite("slots_per_src", &LLStatic::slots_per_src)
         .def_readwrite("num_blocks", &LLStatic::num_blocks)
-        .def_readwrite("trace", &LLStatic::trace);
+        .def_readwrite("trace", &LLStatic::trace)
+        .def_readwrite("err", &LLStatic::err);
     ep.attr("TRACE_SLOTS") = kTraceSlots;
+    ep.attr("ERR_WORDS") = kErrWords;
 
     ep.def(
         "dispatch",
@@ -112,6 +114,9 @@ void register_ep(py::module_& m) {
 
     ep.def("device_alloc", &device_alloc, py::arg("bytes"));
     ep.def("device_free", &device_free, py::arg("ptr"));
+    ep.def("host_alloc_mapped", &host_alloc_mapped, py::arg("bytes"),
+           "Zeroed pinned host memory the device reaches at the same address (the error record).");
+    ep.def("host_free", &host_free, py::arg("ptr"));
     ep.def("memset_async", &memset_async, py::arg("ptr"), py::arg("value"), py::arg("bytes"), py::arg("stream"));
     ep.def(
         "memcpy_htod", [](uint64_t dst, py::bytes data) {

@@ -156,11 +156,11 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     const int col_chunks = (cols + 31) / 32;
     const int64_t items = (int64_t)N * col_chunks;
     const int64_t first_it = (int64_t)blockIdx.x * kWarps + warp;
-    int pre_e = -1;
+    int64_t pre_v = -1;
     float pre_w = 0.0f;
     if (first_it < items && lane < K) {
         const int t = (int)(first_it / col_chunks);
-        pre_e = expert_of(topk, t * K + lane, E);
+        pre_v = __ldg(topk + t * K + lane);
         pre_w = __ldg(weights + t * K + lane);
     }
 
@@ -177,18 +177,22 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     for (int64_t it = first_it; it < items; it += (int64_t)gridDim.x * kWarps) {
         const int t = (int)(it / col_chunks);
         const int col = (int)(it - (int64_t)t * col_chunks) * 32 + lane;
-        int my_e = -1;
+        int64_t my_v = -1;
         float my_w = 0.0f;
         if (lane < K) {
             if (it == first_it) {
-                my_e = pre_e;
+                my_v = pre_v;
                 my_w = pre_w;
             } else {
-                my_e = expert_of(topk, t * K + lane, E);
+                my_v = __ldg(topk + t * K + lane);
                 my_w = __ldg(weights + t * K + lane);
             }
-            if (my_e >= 0 && !sm.ok[my_e / El]) my_e = -1;
         }
+        // Lanes 0..K-1 hold the slots of row t: an id dispatch routed as -1 (out of range, or a repeat
+        // of an earlier slot's expert) is -1 here too -- nothing was sent for it. Dispatch reports it.
+        bool bad;
+        int my_e = checked_expert(topk, t * K + lane, my_v, K, E, 0xffffffffu, t * K, bad);
+        if (my_e >= 0 && !sm.ok[my_e / El]) my_e = -1;
         const bool live = col < cols;
         // k ascending, kReduceBatch loads in flight at a time (all of them for K <= 8): the order of the
         // fp32 additions is fixed, and registers stay low enough for a full block of 512 threads.

@@ -160,6 +160,54 @@ __device__ __forceinline__ int expert_of(const int64_t* topk, int i, int num_exp
     return (v >= 0 && v < num_experts) ? (int)v : -1;
 }
 
+// ---- top-k entry checks (docs/ll_kernels.md: "Where values are checked") ----------------------------
+// The expert of top-k entry i (raw id v) of a routing with K columns: -1 for an unused slot, for an id
+// outside [0, E), and for an expert an earlier slot of the same row already names (a token goes to an
+// expert once, so an expert gets at most T rows per source); `bad` is set for the last two.
+// Warp-collective: every lane in `mask` calls it, and lane l holds entry first + (l - lowest lane of
+// mask), consecutive entries (lanes past the end pass v = -1). The repeat test is one match over the
+// warp; only lanes whose row began before `first` load those earlier entries (at most K - 1, just
+// loaded by the previous warp; none when K divides 32).
+__device__ __forceinline__ int checked_expert(const int64_t* topk, int i, int64_t v, int K, int E, unsigned mask,
+                                             int first, bool& bad) {
+    int e = (v >= 0 && v < E) ? (int)v : -1;
+    bad = v < -1 || v >= E;
+    const int t = i / K;
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned same = __match_any_sync(mask, ((unsigned long long)(unsigned)t << 32) | (unsigned)e);
+    if (e >= 0) {
+        bool dup = (same & mask & ((1u << lane) - 1u)) != 0;
+        for (int j = t * K; !dup && j < first; ++j) dup = __ldg(topk + j) == v;
+        if (dup) {
+            e = -1;
+            bad = true;
+        }
+    }
+    return e;
+}
+
+// Block 0, thread 0 of the dispatch, when its routing pass saw a bad entry (pos: the smallest index):
+// fills the host-mapped error record unless an earlier error is still unreported (ll_launch.h).
+// Only this thread of a buffer's kernels writes the record, and a buffer's kernels run one after
+// another, so a plain check-then-write suffices (no atomics on host memory, which PCIe may not have).
+__device__ __forceinline__ void record_bad_entry(const LLStatic& s, const int64_t* topk, int pos, int K, int E) {
+    int* rec = reinterpret_cast<int*>(s.err);
+    if (ld_volatile(rec + kErrCode) != kErrNone) return;
+    const int t = pos / K, k = pos - t * K;
+    const int64_t v = __ldg(topk + pos);
+    int first_k = -1;
+    if (v >= 0 && v < E)
+        for (int j = 0; j < k && first_k < 0; ++j)
+            if (__ldg(topk + (int64_t)t * K + j) == v) first_k = j;
+    rec[kErrRow] = t;
+    rec[kErrK] = k;
+    rec[kErrValueLo] = (int)(uint32_t)((uint64_t)v & 0xffffffffu);
+    rec[kErrValueHi] = (int)(uint32_t)((uint64_t)v >> 32);
+    rec[kErrFirstK] = first_k;
+    __threadfence_system();   // the fields before the code word that tells the host they are there
+    st_relaxed_sys(rec + kErrCode, first_k >= 0 ? kErrExpertDuplicate : kErrExpertRange);
+}
+
 // ---- timeline trace (diagnostics: LLStatic::trace) ---------------------------------------------------
 // Thread 0 stamps %globaltimer at a point the whole block has reached (callers stamp right after a
 // barrier). Off unless the backend was created with PYEP_LL_TRACE=1: one uniform branch per point.

@@ -86,32 +86,52 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
         pre_b = ld_nc_v4(xr + 16);
     }
     // Likewise this thread's first two routing entries: all these loads are in flight together.
-    const int NK = N * K, bd = (int)blockDim.x;
-    const int pre_e0 = tid < NK ? expert_of(topk, tid, E) : -1;
-    const int pre_e1 = tid + bd < NK ? expert_of(topk, tid + bd, E) : -1;
+    // Entries are walked warp by warp (entry wb + lane), so checked_expert can compare a row's slots
+    // with one warp match.
+    const int NK = N * K, bd = (int)blockDim.x, wb0 = tid - lane;
+    const unsigned kTopkLanes = (1u << kMaxTopk) - 1u;
+    const int64_t pre_v0 = tid < NK ? __ldg(topk + tid) : -1;
+    const int64_t pre_v1 = tid + bd < NK ? __ldg(topk + tid + bd) : -1;
     for (int r = tid; r < R; r += blockDim.x) sm.active[r] = peer_mode(s, active, r);
     for (int e = tid; e < E; e += blockDim.x) sm.hist[e] = 0;
+    if (tid == 0) sm.flag[1] = 0x7fffffff;   // smallest index of a bad entry (block 0 reports it)
     if (tid < kMaxTopk) {
         // Inactive destinations are filtered when the send kinds are set (their entries never count).
-        sm.target[tid] = (t0 < N && tid < K) ? expert_of(topk, t0 * K + tid, E) : -1;
+        bool bad;
+        const int64_t v = (t0 < N && tid < K) ? __ldg(topk + t0 * K + tid) : -1;
+        sm.target[tid] = checked_expert(topk, t0 * K + tid, v, K, E, kTopkLanes, t0 * K, bad);
         sm.rank[tid] = 0;
     }
     __syncthreads();
     // One pass over all entries: the per-expert histogram, and for the first token each top-k entry's
-    // rank among earlier entries of the same expert (later tokens get their own pass below).
-    auto count_entry = [&](int i, int e) {
+    // rank among earlier entries of the same expert (later tokens get their own pass below). Bad
+    // entries (checked_expert) count as -1 here, so they are not sent and take no slot.
+    auto count_entry = [&](int i, int e, bool bad) {
+        if (bad) atomicMin(&sm.flag[1], i);
         if (e < 0 || !sm.active[e / El]) return;
         atomicAdd(&sm.hist[e], 1);
         if (t0 < N && i < t0 * K + K)
             for (int k = 0; k < K; ++k)
                 if (i < t0 * K + k && e == sm.target[k]) atomicAdd(&sm.rank[k], 1);
     };
-    count_entry(tid, pre_e0);
-    count_entry(tid + bd, pre_e1);
-    for (int i = tid + 2 * bd; i < NK; i += bd) count_entry(i, expert_of(topk, i, E));
+    {
+        bool bad;
+        int e = checked_expert(topk, tid, pre_v0, K, E, 0xffffffffu, wb0, bad);
+        count_entry(tid, e, bad);
+        e = checked_expert(topk, tid + bd, pre_v1, K, E, 0xffffffffu, wb0 + bd, bad);
+        count_entry(tid + bd, e, bad);
+    }
+    for (int wb = wb0 + 2 * bd; wb < NK; wb += bd) {
+        const int i = wb + lane;
+        bool bad;
+        const int e = checked_expert(topk, i, i < NK ? __ldg(topk + i) : -1, K, E, 0xffffffffu, wb, bad);
+        count_entry(i, e, bad);
+    }
     __syncthreads();
-    // At most T rows per (expert, source) fit the receiver (only repeated experts in a row exceed it,
-    // which validation rejects); the clamp keeps every slot inside its region regardless.
+    // Every block saw every entry; block 0 reports the first bad one (rare path: host-memory accesses).
+    if (blockIdx.x == 0 && tid == 0 && s.err != 0 && sm.flag[1] != 0x7fffffff) record_bad_entry(s, topk, sm.flag[1], K, E);
+    // At most T rows per (expert, source) fit the receiver, which a row naming each expert once
+    // guarantees; the clamp keeps every slot inside its region regardless.
     block_exclusive_scan(sm.base, sm.hist, E, sm.scan, T);
     trace_point(s, kTraceDispatch, kTrSendRouted);
 
@@ -121,15 +141,19 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
     for (int t = t0; t < N; t += gridDim.x) {
         if (t != t0) {
             if (tid < kMaxTopk) {
-                int e = tid < K ? expert_of(topk, t * K + tid, E) : -1;
+                bool bad;
+                const int64_t v = tid < K ? __ldg(topk + t * K + tid) : -1;
+                int e = checked_expert(topk, t * K + tid, v, K, E, kTopkLanes, t * K, bad);
                 if (e >= 0 && !sm.active[e / El]) e = -1;
                 sm.target[tid] = e;
                 sm.rank[tid] = 0;
             }
             __syncthreads();
             const int pos0 = t * K;
-            for (int i = tid; i < pos0 + K; i += blockDim.x) {
-                const int e = expert_of(topk, i, E);
+            for (int wb = wb0; wb < pos0 + K; wb += bd) {
+                const int i = wb + lane;
+                bool bad;
+                const int e = checked_expert(topk, i, i < pos0 + K ? __ldg(topk + i) : -1, K, E, 0xffffffffu, wb, bad);
                 if (e < 0) continue;
                 for (int k = 0; k < K; ++k)
                     if (i < pos0 + k && e == sm.target[k]) atomicAdd(&sm.rank[k], 1);

@@ -40,7 +40,17 @@ struct LLStatic {
     uint64_t slots_per_src = 0;
     int num_blocks = 0;           // grid size (<= number of SMs: every block must be resident)
     uint64_t trace = 0;           // 0, or device uint64[2][num_blocks][kTraceSlots]: per-block timeline
+    uint64_t err = 0;             // 0 (check_values=False), or the error record: pinned, host-mapped
+                                  // int32[kErrWords] (LLErrorWord), read by the host without a sync
 };
+
+// The dispatch kernel's error record (pyep/ep/errors.py decodes it). The first top-k entry of a
+// dispatch that is outside [-1, E) or repeats an earlier slot's expert in its row (row-major order)
+// is written by block 0, thread 0 -- only while `code` is 0, so the first error stays until the host
+// has reported it -- with `code` stored last after a system-scope fence. The host clears `code`.
+enum LLErrorWord : int { kErrCode = 0, kErrRow = 1, kErrK = 2, kErrValueLo = 3, kErrValueHi = 4, kErrFirstK = 5 };
+enum LLErrorCode : int { kErrNone = 0, kErrExpertRange = 1, kErrExpertDuplicate = 2 };
+constexpr int kErrWords = 8;
 
 // Timeline points (ll_common.cuh stamps them when LLStatic::trace is set; pyep/ep/trace.py reads them).
 enum TracePoint : int {
@@ -106,6 +116,10 @@ constexpr int kThreadsPerBlock = 512;
 // CUDA runtime helpers for the transports.
 uint64_t device_alloc(uint64_t bytes);
 void device_free(uint64_t ptr);
+// Zeroed pinned host memory mapped into the device's address space at the same address (UVA): the
+// error record. Throws if the device pointer differs from the host pointer.
+uint64_t host_alloc_mapped(uint64_t bytes);
+void host_free(uint64_t ptr);
 void memset_async(uint64_t ptr, int value, uint64_t bytes, uint64_t stream);
 void memcpy_htod(uint64_t dst, const void* src, uint64_t bytes);
 std::string ipc_get_handle(uint64_t ptr);     // 64 bytes

@@ -49,6 +49,26 @@ void device_free(uint64_t ptr) {
     if (ptr) check(cudaFree(reinterpret_cast<void*>(ptr)), "cudaFree");
 }
 
+uint64_t host_alloc_mapped(uint64_t bytes) {
+    void* p = nullptr;
+    check(cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+          "cudaHostAlloc(" + std::to_string(bytes) + " bytes, mapped)");
+    std::memset(p, 0, bytes);
+    void* d = nullptr;
+    const cudaError_t e = cudaHostGetDevicePointer(&d, p, 0);
+    if (e != cudaSuccess || d != p) {
+        cudaFreeHost(p);
+        throw std::runtime_error(e != cudaSuccess ? std::string("cudaHostGetDevicePointer: ") + cudaGetErrorString(e)
+                                                  : "mapped host memory has a different device address (no unified "
+                                                    "addressing)");
+    }
+    return reinterpret_cast<uint64_t>(p);
+}
+
+void host_free(uint64_t ptr) {
+    if (ptr) check(cudaFreeHost(reinterpret_cast<void*>(ptr)), "cudaFreeHost");
+}
+
 void memset_async(uint64_t ptr, int value, uint64_t bytes, uint64_t stream) {
     check(cudaMemsetAsync(reinterpret_cast<void*>(ptr), value, bytes, reinterpret_cast<cudaStream_t>(stream)),
           "cudaMemsetAsync");

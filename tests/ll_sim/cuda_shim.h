@@ -95,12 +95,30 @@ template <typename T> T __shfl_up_sync(uint32_t mask, T v, unsigned d) {
     return sim_exchange(mask, v, lane >= (int)d ? lane - (int)d : lane);
 }
 
+// Lanes of `mask` whose value equals this lane's (match.any.sync.b64).
+inline unsigned __match_any_sync(uint32_t mask, unsigned long long v) {
+    SimWarp& w = g_sim->block->warps[g_sim->tid.x / 32];
+    const int lane = g_sim->tid.x & 31;
+    __atomic_store_n(&w.slots[lane], (uint64_t)v, __ATOMIC_RELEASE);
+    w.bar(mask).arrive_and_wait();
+    unsigned out = 0;
+    for (int l = 0; l < 32; ++l)
+        if ((mask >> l & 1u) && __atomic_load_n(&w.slots[l], __ATOMIC_ACQUIRE) == (uint64_t)v) out |= 1u << l;
+    w.bar(mask).arrive_and_wait();
+    return out;
+}
+
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <typename T> T __ldg(const T* p) { return *p; }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline int atomicOr(int* p, int v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
 inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+inline int atomicMin(int* p, int v) {
+    int cur = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    while (v < cur && !__atomic_compare_exchange_n(p, &cur, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+    return cur;
+}
 inline int atomicCAS(int* p, int expected, int desired) {
     __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     return expected;

@@ -39,6 +39,7 @@ ll::LLStatic static_from(const py::dict& d) {
     set(d, "off_dsig", s.off_dsig); set(d, "off_csig", s.off_csig); set(d, "off_drecv", s.off_drecv);
     set(d, "off_crecv", s.off_crecv); set(d, "msg_bytes", s.msg_bytes); set(d, "slots_per_src", s.slots_per_src);
     set(d, "num_blocks", s.num_blocks);
+    if (d.contains("err")) set(d, "err", s.err);   // the error record (host memory here), optional
     ll::check_static(s);
     return s;
 }

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from pyep.ep import fp8
+from pyep.ep.errors import RECORD_WORDS
 from pyep.ep.layout import ll_buffer_layout, ws_words
 
 
@@ -77,6 +78,8 @@ class World:
         self.lay = ll_buffer_layout(T, H, E, R, K_max)
         self.e_l = E // R
         self.ws = [torch.zeros(ws_words(R), dtype=torch.int32) for _ in range(R)]
+        # The dispatch kernel's error record per rank (pyep.ep.errors; host memory on the GPU too).
+        self.errs = [torch.zeros(RECORD_WORDS, dtype=torch.int32) for _ in range(R)]
         self.active = [torch.ones(R, dtype=torch.int32) for _ in range(R)]
         nic = {(i, j) for i, j in nic_pairs} | {(j, i) for i, j in nic_pairs}
         if softnic:
@@ -105,7 +108,8 @@ class World:
                 flag_expect=t["flag_expect"].data_ptr(), fetch_addr=self.bufs[r].data_ptr() + lay.off_fetch,
                 workspace=self.ws[r].data_ptr(), half_bytes=lay.half_bytes, off_dsig=lay.off_dsig,
                 off_csig=lay.off_csig, off_drecv=lay.off_drecv, off_crecv=lay.off_crecv,
-                msg_bytes=lay.msg_bytes, slots_per_src=lay.slots_per_src, num_blocks=grid))
+                msg_bytes=lay.msg_bytes, slots_per_src=lay.slots_per_src, num_blocks=grid,
+                err=self.errs[r].data_ptr()))
 
     def rejoin(self) -> None:
         """What update_ep_member does on every rank: clear signals and decisions, everyone active."""
