@@ -1,6 +1,7 @@
-"""EpBuffer behaviour around the computation: every bad input is refused before anything is sent and
-leaves the buffer usable, handle lifetime rules (two in flight, foreign, stale after membership
-change, destroy), the transport table, and bounded waits when a peer never shows up."""
+"""EpBuffer behaviour around the computation: every bad argument is refused before anything is sent and
+leaves the buffer usable (bad expert-id values: tests/test_ep_value_errors.py), handle lifetime rules
+(two in flight, foreign, stale after membership change, destroy), the transport table, and bounded
+waits when a peer never shows up."""
 from __future__ import annotations
 
 import time
@@ -47,9 +48,6 @@ def check_bad_inputs_leave_buffer_usable() -> int:
         ("idx int32", lambda: buf.dispatch(x, idx.int()), TypeError),
         ("idx rows", lambda: buf.dispatch(x, idx[:2].contiguous()), ValueError),
         ("K > 16", lambda: buf.dispatch(x, torch.full((5, 17), -1, dtype=torch.int64)), ValueError),
-        ("idx >= E", lambda: buf.dispatch(x, torch.full_like(idx, E)), ValueError),
-        ("idx < -1", lambda: buf.dispatch(x, torch.full_like(idx, -3)), ValueError),
-        ("dup expert", lambda: buf.dispatch(x, torch.zeros_like(idx)), ValueError),
         ("ue8m0 w/o round", lambda: buf.dispatch(x, idx, use_fp8=True, use_ue8m0=True), ValueError),
         ("active size", lambda: buf.dispatch(x, idx, active_ranks=torch.ones(9, dtype=torch.int32)), ValueError),
         ("active dtype", lambda: buf.dispatch(x, idx, active_ranks=torch.ones(2, dtype=torch.bool)), TypeError),
@@ -122,7 +120,7 @@ def check_handle_lifetime() -> Dict[str, str]:
 
 
 def test_bad_inputs_leave_buffer_usable(pool2: Any) -> None:
-    assert pool2.run(check_bad_inputs_leave_buffer_usable) == [25, 25]
+    assert pool2.run(check_bad_inputs_leave_buffer_usable) == [22, 22]
 
 
 def test_handle_lifetime(pool2: Any) -> None:

@@ -8,6 +8,7 @@ import torch
 from pyep.ep import EpConfig, Handle
 from pyep.ep import validate as V
 from pyep.ep.config import size_hint
+from pyep.ep.errors import DuplicateExpertIndex, InvalidExpertIndex
 
 DEEPEP_LL_BYTES_E288 = 2.147e9     # DeepEP V1, T=128, H=7168, E=288 (REFERENCE.md §1)
 DEEPEP_LL_BYTES_E256 = 1.908e9
@@ -79,14 +80,15 @@ def test_handle_unpacks_like_deepep() -> None:
 
 
 CFG = EpConfig(num_max_dispatch_tokens_per_rank=8, hidden=256, num_experts=4)
+STRICT = EpConfig(num_max_dispatch_tokens_per_rank=8, hidden=256, num_experts=4, check_values="strict")
 CPU = torch.device("cpu")
 
 
-def _dispatch(x: object, idx: object, **over: object) -> int:
+def _dispatch(x: object, idx: object, cfg: EpConfig = CFG, **over: object) -> int:
     kw = dict(use_fp8=False, round_scale=False, use_ue8m0=False, active_ranks=None, timeout_us=None,
               async_finish=False, return_recv_hook=False, cumulative_local_expert_recv_stats=None)
     kw.update(over)
-    return V.validate_dispatch(CFG, 2, CPU, x, idx, **kw)
+    return V.validate_dispatch(cfg, 2, CPU, x, idx, **kw)
 
 
 X = torch.zeros(3, 256, dtype=torch.bfloat16)
@@ -107,9 +109,6 @@ IDX = torch.tensor([[0, 1], [2, -1], [-1, -1]])
     (X, torch.zeros(3, 17, dtype=torch.int64), {}, ValueError, "K must be in"),
     (X, torch.zeros(3, 0, dtype=torch.int64), {}, ValueError, "K must be in"),
     (X, IDX.t().contiguous().t(), {}, ValueError, "topk_idx must be contiguous"),
-    (X, torch.tensor([[0, 4], [1, 2], [3, -1]]), {}, ValueError, r"in \[-1, 4\), got 4"),
-    (X, torch.tensor([[0, 1], [1, -2], [3, -1]]), {}, ValueError, r"got -2 at \[1, 1\]"),
-    (X, torch.tensor([[0, 1], [2, 2], [3, -1]]), {}, ValueError, "row 1 names an expert more than once"),
     (X, IDX, dict(use_fp8=True, use_ue8m0=True), ValueError, "requires round_scale"),
     (X, IDX, dict(round_scale=True), ValueError, "only apply to FP8"),
     (X, IDX, dict(use_fp8=1), TypeError, "use_fp8 must be a bool"),
@@ -140,6 +139,40 @@ def test_validate_dispatch_accepts() -> None:
                         async_finish=False, return_recv_hook=False, cumulative_local_expert_recv_stats=None)
 
 
+@pytest.mark.parametrize("idx,exc,row,k,value", [
+    (torch.tensor([[0, 4], [1, 2], [3, -1]]), InvalidExpertIndex, 0, 1, 4),
+    (torch.tensor([[0, 1], [1, -2], [3, -1]]), InvalidExpertIndex, 1, 1, -2),
+    (torch.tensor([[0, 1], [2, 2], [3, -1]]), DuplicateExpertIndex, 1, 1, 2),
+    (torch.tensor([[0, 1], [2, 3], [9, 9]]), InvalidExpertIndex, 2, 0, 9),     # first in row-major order
+    (torch.tensor([[0, 1], [3, 3], [9, 1]]), DuplicateExpertIndex, 1, 1, 3),
+])
+def test_strict_mode_rejects_values_before_launch(idx: torch.Tensor, exc: type, row: int, k: int,
+                                                  value: int) -> None:
+    with pytest.raises(exc) as ei:
+        _dispatch(X, idx, STRICT)
+    assert (ei.value.row, ei.value.k, ei.value.value) == (row, k, value)
+    assert isinstance(ei.value, ValueError) and f"[{row}, {k}]" in str(ei.value)
+    if exc is DuplicateExpertIndex:
+        assert ei.value.first_k == k - 1
+    # The default (device-side checks) and False accept the same call: nothing is read on the host.
+    assert _dispatch(X, idx) == CFG.timeout_us
+    loose = EpConfig(num_max_dispatch_tokens_per_rank=8, hidden=256, num_experts=4, check_values=False)
+    assert _dispatch(X, idx, loose) == CFG.timeout_us
+
+
+@pytest.mark.parametrize("value,exc", [("yes", ValueError), (1, TypeError), (None, TypeError)])
+def test_check_values_setting(value: object, exc: type) -> None:
+    with pytest.raises(exc, match="check_values must be True, False or 'strict'"):
+        EpConfig(num_max_dispatch_tokens_per_rank=8, hidden=256, num_experts=4, check_values=value)
+
+
+def test_sanitize_matches_the_kernel_rule() -> None:
+    idx = torch.tensor([[0, 0, 5, -1], [-3, 1, 1, 1], [2, -1, 2, 3]])
+    assert V.sanitize_topk(idx, 4).tolist() == [[0, -1, -1, -1], [-1, 1, -1, -1], [2, -1, -1, 3]]
+    assert V.find_bad_entry(idx, 4) == (0, 1, 0, 0)
+    assert V.find_bad_entry(V.sanitize_topk(idx, 4), 4) is None
+
+
 def _combine(handle: object, **over: object) -> object:
     kw = dict(x=torch.zeros(2, 16, 256, dtype=torch.bfloat16), topk_idx=IDX,
               topk_weights=torch.ones(3, 2), handle=handle, owner="me", epoch=0, last_seq=5,
@@ -147,7 +180,8 @@ def _combine(handle: object, **over: object) -> object:
               return_recv_hook=False, out=None)
     kw.update(over)
     x, idx, w, h = kw.pop("x"), kw.pop("topk_idx"), kw.pop("topk_weights"), kw.pop("handle")
-    return V.validate_combine(CFG, 2, CPU, x, idx, w, h, **kw)
+    cfg = kw.pop("cfg", CFG)
+    return V.validate_combine(cfg, 2, CPU, x, idx, w, h, **kw)
 
 
 @pytest.mark.parametrize("over,exc,msg", [
@@ -164,11 +198,17 @@ def _combine(handle: object, **over: object) -> object:
     (dict(out=torch.zeros(3, 256)), TypeError, "out must have dtype"),
     (dict(zero_copy="yes"), TypeError, "zero_copy must be a bool"),
     (dict(active_ranks=torch.ones(2, 1, dtype=torch.int32)), ValueError, "active_ranks must have shape"),
-    (dict(topk_idx=torch.tensor([[0, 1], [2, 5], [-1, -1]])), ValueError, r"in \[-1, 4\)"),
 ])
 def test_validate_combine_rejects(over: dict, exc: type, msg: str) -> None:
     with pytest.raises(exc, match=msg):
         _combine(over.pop("handle", _handle()), **over)
+
+
+def test_validate_combine_values_strict_only() -> None:
+    bad = torch.tensor([[0, 1], [2, 5], [-1, -1]])
+    with pytest.raises(InvalidExpertIndex, match=r"topk_idx\[1, 1\] = 5 .* \[-1, 4\)"):
+        _combine(_handle(), topk_idx=bad, cfg=STRICT)
+    _combine(_handle(), topk_idx=bad)     # default: the device treats it as -1; dispatch reports
 
 
 def test_validate_combine_accepts_previous_and_latest() -> None:

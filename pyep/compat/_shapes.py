@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 from ..ep.buffer import EpBuffer
 from ..ep.config import MAX_TOPK, EpConfig
@@ -80,7 +80,7 @@ class ShapeBuffers:
 
 def template_config(*, backend: str, transport: str, device_name: str, timeout_us: int,
                     num_qps_per_peer: Optional[int], allow_nvlink: bool,
-                    num_buffer_bytes: Optional[int], check_values: bool = True) -> EpConfig:
+                    num_buffer_bytes: Optional[int], check_values: Union[bool, str] = True) -> EpConfig:
     # A template: the shape only has to pass validation; ShapeBuffers builds a config per call shape.
     return EpConfig(num_max_dispatch_tokens_per_rank=1, hidden=128, num_experts=1, max_topk=MAX_TOPK,
                     transport=transport, allow_nvlink=allow_nvlink, device_name=device_name,

@@ -26,10 +26,13 @@ Calls (all ranks of the group call dispatch/combine in the same order, like coll
 ---------------------------------------------------------------------------------------
 ``dispatch(x, topk_idx, opts) -> DispatchResult``
     x: bf16 [N, H] contiguous, topk_idx: int64 [N, K] contiguous, 0 <= N <= T, 1 <= K <= max_topk,
-    entries in [-1, E), no expert twice in one row (so an expert gets at most T rows per source
-    rank). Both on ``backend.device``. The entry checks read topk_idx on the host; they are skipped
-    under CUDA-graph capture and with EpConfig.check_values=False, so a kernel must still not write
-    out of bounds for a bad id (treat it as -1). Received-token layout (the same on every
+    both on ``backend.device``. topk_idx VALUES are not checked by the front (that would be a device
+    sync; only check_values="strict" does it): an entry outside [-1, E), or an expert an earlier slot
+    of the same row names, is routed as -1 (so an expert gets at most T rows per source rank and
+    nothing is written out of bounds). Unless EpConfig.check_values is False, the backend records the
+    first such entry of a dispatch (row-major order) and returns it, as a pyep.ep.errors exception,
+    from the optional ``take_error()`` (which clears it and must not synchronise the device; a
+    recorded error stays until taken, later ones are dropped). Received-token layout (the same on every
     backend, bit-for-bit for BF16): for local expert e, rows are grouped by source rank ascending,
     and inside a source rank by (source token index, k) ascending. layout_range[e][r] =
     (begin << 32) | count with begin = sum of counts of ranks < r; recv_count[e] = total count;
@@ -46,8 +49,9 @@ Calls (all ranks of the group call dispatch/combine in the same order, like coll
     x: bf16 [E_l, R*T, H] contiguous (ignored when ``opts.zero_copy``: the caller already wrote the
     expert outputs into ``next_combine_buffer(handle)``), topk_idx int64 [N, K] and topk_weights fp32
     [N, K] with the N, K of ``handle``. out[t] = sum over k ascending of w[t, k] * y(t, k) with fp32
-    accumulation and one final bf16 rounding, skipping k where topk_idx[t, k] == -1 or the owner
-    rank is marked 0 in ``opts.active_ranks``. ``opts.out`` (bf16 [N, H]) when given must be the
+    accumulation and one final bf16 rounding, skipping k where topk_idx[t, k] == -1 (or is an entry
+    dispatch routes as -1, see above; combine does not record it) or the owner rank is marked 0 in
+    ``opts.active_ranks``. ``opts.out`` (bf16 [N, H]) when given must be the
     returned tensor.
 
 ``next_combine_buffer(handle) -> Tensor``: bf16 [E_l, R*T, H] the caller may write expert outputs into

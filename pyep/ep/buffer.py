@@ -4,6 +4,11 @@ The front checks every argument (pyep.ep.validate) before anything is sent, keep
 bookkeeping (owner, dispatch sequence, buffer half, membership epoch) and delegates the work to a
 backend (pyep.ep.backend describes the contract): the native CUDA backend where it can run, else the
 reference backend over torch.distributed.
+
+Expert ids are checked without a host sync (check_values=True): the backend records the first bad
+entry of a dispatch (pyep.ep.errors) and the front raises it at the next dispatch/combine call, before
+that call does anything, and after the host waits a caller makes anyway (event.wait(), the receive
+hook). check_values="strict" checks on the host before launch instead; False checks nothing.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from ._dist import all_reduce_min_bounded, group_device, resolve_group
 from .backend import (CombineOptions, profiled_range, CompletedEvent, DispatchOptions, EpBackend, EventLike,
                       PeerTransport)
 from .config import DEFAULT_TIMEOUT_US, MAX_TOPK, EpConfig
+from .errors import InvalidExpertIndex
 from .config import size_hint as _size_hint
 from .handle import Handle
 from .validate import check_active_ranks, validate_combine, validate_dispatch, validate_handle
@@ -65,6 +71,46 @@ def _make_backend(group: "dist.ProcessGroup", config: EpConfig) -> EpBackend:
     return ReferenceBackend(group, config)
 
 
+class CheckedEvent:
+    """The event EpBuffer returns when values are checked on the device: wait() is a host wait, so
+    after it the error record of the calls before is complete and a recorded error is raised."""
+
+    __slots__ = ("_event", "_check")
+
+    def __init__(self, event: EventLike, check: Callable[[], None]) -> None:
+        self._event = event
+        self._check = check
+
+    def wait(self) -> None:
+        self._event.wait()
+        self._check()
+
+    def current_stream_wait(self) -> None:
+        self._event.current_stream_wait()
+
+    @property
+    def inner(self) -> EventLike:
+        return self._event
+
+    def __repr__(self) -> str:
+        return f"CheckedEvent({self._event!r})"
+
+
+class CheckedHook:
+    """The receive hook with the error check after it: the receive half always runs (peers wait for
+    it), then a value error recorded by then is raised."""
+
+    __slots__ = ("_hook", "_check")
+
+    def __init__(self, hook: Callable[[], None], check: Callable[[], None]) -> None:
+        self._hook = hook
+        self._check = check
+
+    def __call__(self) -> None:
+        self._hook()
+        self._check()
+
+
 class EpBuffer:
     """Low-latency expert-parallel dispatch/combine over a process group.
 
@@ -72,6 +118,8 @@ class EpBuffer:
     combine  -> (out, event, hook)
     At most two dispatch results may be in flight: the handle of dispatch #n is refused once
     dispatch #n+2 was issued. All ranks of the group must make the same calls in the same order.
+    A bad expert id (pyep.ep.errors) is raised at the next call, event.wait() or hook by default,
+    before launch with check_values="strict", never with check_values=False.
     """
 
     def __init__(self, group: Optional["dist.ProcessGroup"] = None, device_name: str = "mlx5_0", *,
@@ -79,7 +127,7 @@ class EpBuffer:
                  transport: str = "auto", timeout_us: int = DEFAULT_TIMEOUT_US, backend: str = "auto",
                  num_qps_per_peer: Optional[int] = None, allow_nvlink: bool = True,
                  num_buffer_bytes: Optional[int] = None, max_topk: int = MAX_TOPK,
-                 ranks_per_node: Optional[int] = None, check_values: bool = True) -> None:
+                 ranks_per_node: Optional[int] = None, check_values: Union[bool, str] = True) -> None:
         config = EpConfig(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=hidden,
                           num_experts=num_experts, max_topk=max_topk, transport=transport,
                           allow_nvlink=allow_nvlink, device_name=device_name, timeout_us=timeout_us,
@@ -107,6 +155,10 @@ class EpBuffer:
         self._epoch = 0
         self._seq = 0
         self._backend = _make_backend(self._group, config)
+        # Backends that check values on the device report through take_error() (no device sync).
+        take = getattr(self._backend, "take_error", None)
+        self._take_error: Optional[Callable[[], Optional[InvalidExpertIndex]]] = (
+            take if config.check_values is not False else None)
         self._device = self._backend.device
         self._destroyed = False
         # `pyep qp dump` on a running job: PYEP_QP_DUMP_SIGNAL / PYEP_QP_DUMP_TRIGGER (none by default).
@@ -165,6 +217,21 @@ class EpBuffer:
         if self._destroyed:
             raise RuntimeError(f"EpBuffer.{what}() called after destroy()")
 
+    def _raise_pending(self) -> None:
+        """Raise (and clear) the value error the device recorded in an earlier dispatch, if it is
+        visible yet. Reads a pinned host word: no device synchronisation."""
+        take = self._take_error
+        if take is not None:
+            err = take()
+            if err is not None:
+                raise err
+
+    def _checked(self, event: EventLike, hook: Hook) -> Tuple[EventLike, Hook]:
+        if self._take_error is None:
+            return event, hook
+        return CheckedEvent(event, self._raise_pending), (CheckedHook(hook, self._raise_pending)
+                                                         if hook is not None else None)
+
     # ------------------------------------------------------------------ dispatch / combine
     def dispatch(self, x: "torch.Tensor", topk_idx: "torch.Tensor", *, use_fp8: bool = True,
                  round_scale: bool = False, use_ue8m0: bool = False,
@@ -173,6 +240,8 @@ class EpBuffer:
                  cumulative_local_expert_recv_stats: Optional["torch.Tensor"] = None
                  ) -> Tuple[RecvX, "torch.Tensor", Handle, EventLike, Hook]:
         self._check_alive("dispatch")
+        if self._take_error is not None:
+            self._raise_pending()
         timeout = validate_dispatch(
             self._config, self._num_ranks, self._device, x, topk_idx, use_fp8=use_fp8,
             round_scale=round_scale, use_ue8m0=use_ue8m0, active_ranks=active_ranks,
@@ -197,8 +266,9 @@ class EpBuffer:
                         num_topk=int(topk_idx.shape[1]), owner=self._owner, epoch=self._epoch, seq=seq,
                         buffer_idx=seq & 1, use_fp8=use_fp8, extras=res.extras)
         recv: RecvX = (res.recv_x, res.recv_scales) if use_fp8 else res.recv_x
-        event = res.event if res.event is not None else CompletedEvent(f"dispatch #{seq}")
-        return recv, res.recv_count, handle, event, (res.hook if return_recv_hook else None)
+        event, hook = self._checked(res.event if res.event is not None else CompletedEvent(f"dispatch #{seq}"),
+                                    res.hook if return_recv_hook else None)
+        return recv, res.recv_count, handle, event, hook
 
     def combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
                 handle: Handle, *, active_ranks: Optional["torch.Tensor"] = None,
@@ -206,6 +276,8 @@ class EpBuffer:
                 return_recv_hook: bool = False, out: Optional["torch.Tensor"] = None
                 ) -> Tuple["torch.Tensor", EventLike, Hook]:
         self._check_alive("combine")
+        if self._take_error is not None:
+            self._raise_pending()
         handle, timeout = validate_combine(
             self._config, self._num_ranks, self._device, x, topk_idx, topk_weights, handle,
             owner=self._owner, epoch=self._epoch, last_seq=self._seq, active_ranks=active_ranks,
@@ -217,8 +289,10 @@ class EpBuffer:
             res = self._backend.combine(x, topk_idx, topk_weights, handle, opts)
         if return_recv_hook and res.hook is None:
             raise RuntimeError(f"backend {self._backend.name} returned no hook for return_recv_hook=True")
-        event = res.event if res.event is not None else CompletedEvent(f"combine of dispatch #{handle.seq}")
-        return res.out, event, (res.hook if return_recv_hook else None)
+        event, hook = self._checked(res.event if res.event is not None
+                                    else CompletedEvent(f"combine of dispatch #{handle.seq}"),
+                                    res.hook if return_recv_hook else None)
+        return res.out, event, hook
 
     def get_next_combine_buffer(self, handle: Handle) -> "torch.Tensor":
         """bf16 [E_l, R*T, H] to write expert outputs into for combine(..., zero_copy=True)."""

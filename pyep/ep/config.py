@@ -6,7 +6,7 @@ native backend allocates from; this module only forwards to it so the hint and t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 # H: multiple of the FP8 group size, up to the largest hidden size the kernels are built for.
 FP8_GROUP = 128
@@ -15,6 +15,7 @@ MAX_TOPK = 16
 # A host wait without a bound is a hang; ten seconds covers first-call JIT/registration on a busy node
 # while still surfacing a dead peer in a time a person will wait for.
 DEFAULT_TIMEOUT_US = 10_000_000
+CHECK_VALUES = (True, False, "strict")
 TRANSPORTS = ("auto", "nvlink", "ibgda", "emulated", "emulated-internode")
 BACKENDS = ("auto", "reference", "native")
 
@@ -53,9 +54,11 @@ class EpConfig:
     num_buffer_bytes: Optional[int] = None      # None: derived from the shape (size_hint)
     ranks_per_node: Optional[int] = None        # None: detected
     backend: str = "auto"
-    # Reading topk_idx on the host to reject bad expert ids costs one device sync per call on GPU;
-    # it is skipped during CUDA-graph capture, and benchmarks may turn it off.
-    check_values: bool = True
+    # Expert-id checks (pyep.ep.errors). True: the dispatch kernel checks the ids it routes and the
+    # error is raised later, at the next call / event wait / hook, with no host sync. "strict": topk_idx
+    # is also read on the host and a bad id raises before launch (one device sync per call; skipped
+    # during CUDA-graph capture). False: no checks (a bad id is still treated as -1, never out of bounds).
+    check_values: Union[bool, str] = True
 
     def __post_init__(self) -> None:
         _check_int("num_max_dispatch_tokens_per_rank", self.num_max_dispatch_tokens_per_rank, 1)
@@ -69,9 +72,13 @@ class EpConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        for flag in ("allow_nvlink", "check_values"):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
+        if not isinstance(self.allow_nvlink, bool):
+            raise TypeError(f"allow_nvlink must be a bool, got {type(self.allow_nvlink).__name__}")
+        if not isinstance(self.check_values, (bool, str)):
+            raise TypeError(f"check_values must be True, False or 'strict', got "
+                            f"{type(self.check_values).__name__}")
+        if isinstance(self.check_values, str) and self.check_values != "strict":
+            raise ValueError(f"check_values must be True, False or 'strict', got {self.check_values!r}")
         if not isinstance(self.device_name, str) or not self.device_name:
             raise ValueError(f"device_name must be a non-empty str, got {self.device_name!r}")
         if self.transport == "nvlink" and not self.allow_nvlink:

@@ -6,6 +6,9 @@ Streams: a call launches on the current stream, or with async_finish on this bac
 stream (which first waits for the current stream) and returns an event; the next non-async call on
 the current stream waits for that event, so calls never overlap on the device. Nothing in dispatch or
 combine blocks the host, so both are CUDA-graph capturable.
+
+Expert ids are checked by the dispatch kernel into a pinned, host-mapped error record (unless
+check_values=False); take_error() reads it with a plain host load (docs/ll_kernels.md).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from ._dist import barrier_bounded
 from .backend import (OnceHook, profiled_range, BackendUnavailable, CombineOptions, CombineResult, DispatchOptions, DispatchResult,
                       PeerTransport)
 from .config import EpConfig
+from .errors import RECORD_WORDS, InvalidExpertIndex, error_from_record
 from .layout import LLLayout, ll_buffer_layout, ws_words
 from .streams import NativeEvent, raw_current_stream
 from .trace import ENV_VAR as TRACE_ENV
@@ -90,8 +94,12 @@ class NativeBackend:
         self._combine_bufs: List[Optional["torch.Tensor"]] = [None, None]
         self._tables: Dict[str, "torch.Tensor"] = {}
         self._trace: Optional["torch.Tensor"] = None
+        self._err_ptr = 0
+        self._err: Any = None
         self._check_shared_memory()
         try:
+            if config.check_values is not False:
+                self._err_ptr, self._err = _map_error_record(self._ep)
             self._buf = int(self._ep.device_alloc(self.buffer_bytes))
             self._ep.memset_async(self._buf, 0, self.buffer_bytes, torch.cuda.current_stream().cuda_stream)
             torch.cuda.current_stream().synchronize()
@@ -148,12 +156,23 @@ class NativeBackend:
         s.off_drecv, s.off_crecv = lay.off_drecv, lay.off_crecv
         s.msg_bytes, s.slots_per_src = lay.msg_bytes, lay.slots_per_src
         s.num_blocks = self._grid_size()
+        s.err = self._err_ptr
         import os
         if os.environ.get(TRACE_ENV, "") not in ("", "0"):
             # Diagnostics (pyep.ep.trace): every block stamps its progress; read with read_trace().
             self._trace = torch.zeros((2, s.num_blocks, int(self._ep.TRACE_SLOTS)), dtype=torch.int64, device=dev)
             s.trace = self._trace.data_ptr()
         return s
+
+    def take_error(self) -> Optional["InvalidExpertIndex"]:
+        """The value error a dispatch kernel recorded (pyep.ep.errors), if it is visible yet; clears the
+        record. Reads pinned host memory only: no device synchronisation."""
+        rec = self._err
+        if rec is None or rec[0] == 0:
+            return None
+        words = [int(w) for w in rec[:6]]
+        rec[0] = 0     # the kernel writes a new record only while this word is 0
+        return error_from_record(words, self.config.num_experts)
 
     def read_trace(self) -> List[List[List[int]]]:
         """The latest dispatch's and combine's per-block stamps [kernel][block][slot] in ns (0 = not
@@ -457,6 +476,12 @@ class NativeBackend:
         if self._buf:
             self._ep.device_free(self._buf)
             self._buf = 0
+        if self._err_ptr:
+            # The record is pinned host memory the kernels write: free it only when none can run
+            # (destroy synchronises first; a failed __init__ never launched one).
+            self._err = None
+            self._ep.host_free(self._err_ptr)
+            self._err_ptr = 0
 
     def destroy(self) -> None:
         import torch
@@ -469,6 +494,18 @@ class NativeBackend:
             self._release()
             self._combine_bufs = [None, None]
             self._tables = {}
+
+
+def _map_error_record(ep: Any) -> "tuple[int, Any]":
+    """The kernels' error record: pinned host memory the device writes at the same address (UVA), and
+    a numpy view of it for the host (reading it is a plain memory load, never a device sync)."""
+    import ctypes
+
+    import numpy as np
+    words = int(getattr(ep, "ERR_WORDS", RECORD_WORDS))
+    ptr = int(ep.host_alloc_mapped(4 * words))
+    view = np.ctypeslib.as_array((ctypes.c_int32 * words).from_address(ptr))
+    return ptr, view
 
 
 def _ctl_device(group: "dist.ProcessGroup") -> "torch.device":

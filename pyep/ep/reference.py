@@ -7,6 +7,11 @@ slot, local expert, reserved) followed by the payload, all exchanged as bytes wi
 all-to-all and one data all-to-all per call. Every collective wait is bounded by the call's timeout.
 With return_recv_hook the exchange happens in the call and the hook does the receive-side placement,
 so outputs read before the hook runs are zero -- a caller that forgets the hook sees it in tests.
+
+Expert ids the kernels treat as errors (outside [-1, E), or an expert repeated in a row) are routed as
+-1 here too. With check_values on, the first one of a dispatch is kept as the pending error that
+take_error() hands to EpBuffer, which raises it where it would raise the native kernels' record (the
+next call, event.wait(), the hook): this oracle checks on the host, but reports at the same points.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from ._dist import all_to_all_bounded, barrier_bounded, group_device
 from .backend import (OnceHook, CombineOptions, CombineResult, CompletedEvent, DispatchOptions, DispatchResult,
                       PeerTransport)
 from .config import EpConfig
+from .errors import ERR_EXPERT_DUPLICATE, ERR_EXPERT_RANGE, InvalidExpertIndex, make_error
+from .validate import find_bad_entry, sanitize_topk
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +58,22 @@ class ReferenceBackend:
         self.device = group_device(group)
         self._combine_bufs: List[Optional["torch.Tensor"]] = [None, None]
         self._backend_name = str(dist.get_backend(group))
+        self._error: Optional[InvalidExpertIndex] = None
+
+    def take_error(self) -> Optional[InvalidExpertIndex]:
+        """The first bad expert id of a dispatch since the last call (cleared by reading)."""
+        err, self._error = self._error, None
+        return err
+
+    def _record(self, topk_idx: "torch.Tensor") -> None:
+        # Like the device record: the first error stays until it is reported.
+        if self._error is not None or self.config.check_values is False or topk_idx.numel() == 0:
+            return
+        found = find_bad_entry(topk_idx, self.config.num_experts)
+        if found is not None:
+            row, k, value, first_k = found
+            code = ERR_EXPERT_DUPLICATE if first_k >= 0 else ERR_EXPERT_RANGE
+            self._error = make_error(code, row, k, value, first_k, self.config.num_experts)
 
     @staticmethod
     def unavailable_reason(config: EpConfig) -> Optional[str]:
@@ -86,6 +109,8 @@ class ReferenceBackend:
         r_n, e_l, t_max, h = self.num_ranks, self.num_local_experts, cfg.num_max_dispatch_tokens_per_rank, cfg.hidden
         n, k = topk_idx.shape
         active = self._active(opts.active_ranks)
+        self._record(topk_idx)
+        topk_idx = sanitize_topk(topk_idx, cfg.num_experts)
         with torch.profiler.record_function("pyep::reference::dispatch_send"):
             flat = topk_idx.reshape(-1)
             owner = torch.div(flat.clamp_min(0), e_l, rounding_mode="floor")
@@ -177,6 +202,7 @@ class ReferenceBackend:
         r_n, e_l, h = self.num_ranks, self.num_local_experts, cfg.hidden
         n, k = topk_idx.shape
         active = self._active(opts.active_ranks)
+        topk_idx = sanitize_topk(topk_idx, cfg.num_experts)   # combine does not report, as the kernel
         src_x = self.next_combine_buffer(handle) if opts.zero_copy else x
         with torch.profiler.record_function("pyep::reference::combine_send"):
             cnt = handle.counts()                               # [E_l, R]

@@ -1,7 +1,10 @@
 """Argument checks shared by every backend. EpBuffer runs them before any communication or kernel
 launch, so a rejected call changes no state. Wrong Python/torch types and dtypes raise TypeError;
 wrong shapes, devices, layouts and values raise ValueError. Every message names the argument, what
-was expected and what was given."""
+was expected and what was given.
+
+Nothing here reads tensor values (a device sync on GPU) except strict mode (check_values="strict"):
+by default the expert ids are checked by the dispatch kernel and reported later (pyep.ep.errors)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
@@ -58,24 +61,55 @@ def _capturing(t: "torch.Tensor") -> bool:
     return bool(t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def check_topk_values(name: str, topk_idx: "torch.Tensor", num_experts: int) -> None:
-    """Every entry in [-1, E) and no expert twice in one row (a repeated expert would let one token
-    take two of the T rows reserved per source rank and overflow the receive area)."""
+def find_bad_entry(topk_idx: "torch.Tensor", num_experts: int) -> Optional[Tuple[int, int, int, int]]:
+    """The first (row-major) entry of topk_idx the kernels treat as an error: an id outside [-1, E),
+    or an expert an earlier slot of the same row names. Returns (row, k, value, earlier slot or -1),
+    or None. Reads topk_idx on the host (strict mode and the reference backend only)."""
+    bad = bad_entry_mask(topk_idx, num_experts)
+    hit = bad.reshape(-1).nonzero()
+    if hit.numel() == 0:
+        return None
+    k_n = topk_idx.shape[1]
+    pos = int(hit[0])
+    row, k = divmod(pos, k_n)
+    vals = topk_idx[row].tolist()
+    value = int(vals[k])
+    first_k = vals.index(value) if 0 <= value < num_experts and vals.index(value) < k else -1
+    return row, k, value, first_k
+
+
+def bad_entry_mask(topk_idx: "torch.Tensor", num_experts: int) -> "torch.Tensor":
+    """bool [N, K]: entries the kernels treat as -1 although they are not -1 (the definition of the
+    device-side check: out of [-1, E), or a repeat of an earlier slot's expert in the same row)."""
     import torch
+    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
+    k_n = topk_idx.shape[1]
+    same = topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)            # [N, k, j]
+    earlier = torch.ones(k_n, k_n, dtype=torch.bool, device=topk_idx.device).tril(-1)
+    dup = (same & earlier).any(dim=2) & (topk_idx >= 0) & ~out_of_range
+    return out_of_range | dup
+
+
+def sanitize_topk(topk_idx: "torch.Tensor", num_experts: int) -> "torch.Tensor":
+    """topk_idx with every entry the kernels treat as an error replaced by -1 (what they route)."""
+    import torch
+    return torch.where(bad_entry_mask(topk_idx, num_experts), torch.full_like(topk_idx, -1), topk_idx)
+
+
+def check_topk_values(name: str, topk_idx: "torch.Tensor", num_experts: int) -> None:
+    """Strict mode (check_values="strict"): every entry in [-1, E) and no expert twice in one row,
+    checked on the host before launch (one device sync), raising the errors the device check reports
+    later in the default mode (pyep.ep.errors)."""
     if topk_idx.numel() == 0 or _capturing(topk_idx):
         return
-    bad_range = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
-    srt = topk_idx.sort(dim=1).values
-    dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()
-    flags = torch.stack([bad_range, dup]).tolist()   # the one host sync of these checks
-    if flags[0]:
-        pos = ((topk_idx < -1) | (topk_idx >= num_experts)).nonzero()[0].tolist()
-        raise ValueError(f"{name} entries must be in [-1, {num_experts}), got "
-                         f"{int(topk_idx[pos[0], pos[1]])} at [{pos[0]}, {pos[1]}]")
-    if flags[1]:
-        row = int(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(dim=1).nonzero()[0])
-        raise ValueError(f"{name} row {row} names an expert more than once: "
-                         f"{topk_idx[row].tolist()} (use -1 for unused slots)")
+    found = find_bad_entry(topk_idx, num_experts)
+    if found is not None:
+        from .errors import ERR_EXPERT_DUPLICATE, ERR_EXPERT_RANGE, make_error
+        row, k, value, first_k = found
+        code = ERR_EXPERT_DUPLICATE if first_k >= 0 else ERR_EXPERT_RANGE
+        err = make_error(code, row, k, value, first_k, num_experts)
+        assert err is not None
+        raise err
 
 
 def check_active_ranks(active_ranks: Any, num_ranks: int, device: "torch.device") -> None:
@@ -119,7 +153,7 @@ def validate_dispatch(cfg: EpConfig, num_ranks: int, device: "torch.device", x: 
         check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                      dtype=torch.int32, shape=(e // num_ranks,), device=device)
     timeout = check_timeout("timeout_us", timeout_us, cfg.timeout_us)
-    if cfg.check_values:
+    if cfg.check_values == "strict":
         check_topk_values("topk_idx", topk_idx, e)
     return timeout
 
@@ -168,6 +202,6 @@ def validate_combine(cfg: EpConfig, num_ranks: int, device: "torch.device", x: A
         check_tensor("out", out, dtype=torch.bfloat16, shape=(n, cfg.hidden), device=device)
     check_active_ranks(active_ranks, num_ranks, device)
     timeout = check_timeout("timeout_us", timeout_us, cfg.timeout_us)
-    if cfg.check_values:
+    if cfg.check_values == "strict":
         check_topk_values("topk_idx", topk_idx, cfg.num_experts)
     return h, timeout
