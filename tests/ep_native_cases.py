@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
+import pytest
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -219,3 +221,82 @@ def two_in_flight(nat: Any, ref: Any, shape: Shape) -> None:
         y = expert_fn(wnt[0], wnt[1], rank * nat.num_local_experts)
         compare_combine(f"rank {rank} in-flight #{i}", outs[i], ref.combine(y, t, w, wnt[2])[0])
     torch.cuda.synchronize()
+
+
+def device_value_checks(transport: str) -> Dict[str, Any]:
+    """check_values=True on the GPU: a bad expert id is found by the dispatch kernel, routed as -1 and
+    raised from the pinned error record at the next call (which then does nothing), at event.wait() and
+    at the receive hook, naming row, slot and value; the outputs equal the reference on the sanitised
+    routing; the buffer works afterwards. Every rank has a bad id in the same calls, so all of them
+    raise at the same point and the calls stay collective."""
+    import torch
+    import torch.distributed as dist
+    from pyep.ep.errors import DuplicateExpertIndex, InvalidExpertIndex
+    from pyep.ep.validate import sanitize_topk
+    setup_device()
+    rank = dist.get_rank()
+    s = Shape(8, 256, 4 * dist.get_world_size(), 3)
+    nat, ref = new_buffers(s, transport)
+    assert nat.backend_name == "native"
+    seen: Dict[str, Any] = {}
+
+    def both(x, topk, **kw):
+        """Native dispatch+combine of (x, topk) next to the reference on the sanitised ids."""
+        clean = sanitize_topk(topk, s.E)
+        got = nat.dispatch(x.cuda(), topk.cuda(), use_fp8=False, **kw)
+        return got, clean
+
+    def finish(tag, got, x, topk, clean, w):
+        want = ref.dispatch(x, clean, use_fp8=False)
+        torch.cuda.synchronize()
+        compare_dispatch(tag, got, want, False)
+        y_n = expert_fn(got[0], got[1], rank * nat.num_local_experts)
+        out = nat.combine(y_n, topk.cuda(), w.cuda(), got[2])[0]   # bad ids: -1 in combine too
+        ref_out = ref.combine(expert_fn(want[0], want[1], rank * nat.num_local_experts), clean, w, want[2])[0]
+        torch.cuda.synchronize()
+        check_no_timeouts(tag, nat)
+        compare_combine(tag, out, ref_out)
+
+    # 1. The next call raises (the test synchronises first so the record is surely visible; the
+    #    library itself never does).
+    x, topk, w = make_inputs(41, rank, s, s.T, "uniform")
+    bad = topk.clone()
+    bad[rank + 1, 1] = s.E + rank
+    bad[5, 0] = -9
+    got, clean = both(x, bad)
+    torch.cuda.synchronize()
+    with pytest.raises(InvalidExpertIndex) as ei:
+        nat.dispatch(x.cuda(), topk.cuda(), use_fp8=False)
+    assert (ei.value.row, ei.value.k, ei.value.value) == (rank + 1, 1, s.E + rank), str(ei.value)
+    seen["next_call"] = str(ei.value)
+    finish(f"rank {rank} bad id, next call", got, x, bad, clean, w)   # the refused call consumed nothing
+
+    # 2. event.wait() raises (async_finish), once.
+    x, topk, w = make_inputs(42, rank, s, s.T, "uniform")
+    dup = topk.clone()
+    dup[2, 2] = dup[2, 0]
+    got, clean = both(x, dup, async_finish=True)
+    with pytest.raises(DuplicateExpertIndex) as ei:
+        got[3].wait()
+    assert (ei.value.row, ei.value.k, ei.value.first_k) == (2, 2, 0), str(ei.value)
+    seen["event"] = str(ei.value)
+    got[3].wait()
+    finish(f"rank {rank} duplicate, event", got, x, dup, clean, w)
+
+    # 3. The receive hook raises after launching the receive half.
+    x, topk, w = make_inputs(43, rank, s, s.T, "uniform")
+    bad = topk.clone()
+    bad[s.T - 1, 2] = -(2 ** 40)
+    got, clean = both(x, bad, return_recv_hook=True)
+    torch.cuda.synchronize()          # the send kernel has written the record
+    with pytest.raises(InvalidExpertIndex, match=rf"topk_idx\[{s.T - 1}, 2\] = {-(2 ** 40)}"):
+        got[4]()
+    finish(f"rank {rank} bad id, hook", got, x, bad, clean, w)
+
+    # 4. Good calls afterwards, in every mode: nothing pending, bitwise equal to the reference.
+    for seed, mode in ((44, "plain"), (45, "hook"), (46, "async")):
+        run_case(nat, ref, s, seed, s.T, "uniform", mode=mode)
+    nat.destroy()
+    ref.destroy()
+    torch.cuda.synchronize()
+    return seen

@@ -8,7 +8,8 @@ $PYEP_VIRTUAL_NODE_SIZE) x shapes (odd H=384 with partial UE8M0 words, H=7168 wi
 K=16); BF16 and FP8 in every scale mode; plain, hook and async; zero-copy; N=0, N=T, one hot expert,
 mostly -1; two results in flight. Every output is compared with the reference backend (bitwise).
 Then: 1000 rounds with stable checksums, the fault drill with a rejoin, CUDA-graph capture + profiler
-names, and a performance report for T=128, H=7168, K=8, E=288.
+names, bad expert ids found on the device (raised at the next call / event wait / hook), and a
+performance report for T=128, H=7168, K=8, E=288.
 """
 from __future__ import annotations
 
@@ -152,6 +153,16 @@ def _bad_handles() -> None:
     ref.combine(torch.zeros(ref.num_local_experts, 2 * s.T, s.H, dtype=torch.bfloat16), t, w, h_ref)
     nat.destroy()
     ref.destroy()
+
+
+@requires_gpu
+@pytest.mark.parametrize("transport", ["nvlink", "emulated"])
+def test_device_value_checks(pools, transport):
+    """A bad expert id, found by the dispatch kernel, raised at the next call / event wait / hook."""
+    from ep_native_cases import device_value_checks
+    res = pools[2].run(device_value_checks, transport, timeout_s=600)
+    for rank, seen in enumerate(res):
+        assert f"[{rank + 1}, 1] = " in seen["next_call"] and "twice" in seen["event"], seen
 
 
 @requires_gpu
