@@ -128,7 +128,9 @@ def launch(device: "torch.device", comm_stream: Callable[[], Any], fn: Callable[
     the caller's stream are read on the comm stream and outputs made on the comm stream are used on
     the caller's -- without it the caching allocator could hand their memory out too early.
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or not (async_finish or allocate_on_comm_stream or previous_event is not None):
+        # CPU, or the plain synchronous call: fn's kernels go on the current stream, which needs no
+        # Stream object (building one costs more host time than a kernel launch).
         return fn(), NormalEvent(None, device, what, bound_s, check)
     import torch
     current = torch.cuda.current_stream(device)
