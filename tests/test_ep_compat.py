@@ -119,8 +119,8 @@ def test_mooncake_shim(pool2: Any) -> None:
 
 
 def test_constructor_rejections() -> None:
-    with pytest.raises(ValueError, match="low-latency mode"):
-        deep_ep.Buffer(None, low_latency_mode=False, backend="reference")
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        deep_ep.Buffer(None, num_nvl_bytes=-1, low_latency_mode=False, backend="reference")
     with pytest.raises(ValueError, match="num_rdma_bytes"):
         deep_ep.Buffer(None, num_rdma_bytes=-1, backend="reference")
     with pytest.raises(ValueError, match="allow_mnnvl"):

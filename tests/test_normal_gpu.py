@@ -36,7 +36,9 @@ def _gpus() -> int:
 
 NGPU = _gpus()
 WORLDS = [w for w in (2, 4, 8) if w <= max(NGPU, 4)]
-requires_gpus = pytest.mark.skipif(NGPU < 2, reason="needs 2 CUDA GPUs and the CUDA build of pyep._engine")
+# Ranks share GPUs (rank % device_count) where there are fewer GPUs than ranks: slow (the processes
+# time-slice one GPU) but the same protocol, so one GPU is enough to check correctness.
+requires_gpus = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU and the CUDA build of pyep._engine")
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +92,7 @@ def test_invalid_expert_raises_and_buffer_recovers(pools, world):
     pools[world].run(invalid_expert, (64, 512, 8 * world, 4), timeout_s=220)
 
 
+@pytest.mark.skipif(NGPU < 2, reason="the bench runs NCCL, one rank per GPU: needs 2 GPUs")
 @requires_gpus
 @pytest.mark.timeout(300)
 def test_bench_guard_passes_on_native(tmp_path, monkeypatch):

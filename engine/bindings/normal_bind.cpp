@@ -58,10 +58,13 @@ void register_normal(py::module_& m) {
 
     n.def(
         "notify",
-        [](const NormalStatic& s, uint64_t per_expert, uint64_t in_rank, int num_tokens, int num_experts,
+        [](const NormalStatic& s, uint64_t topk, int num_topk, uint64_t per_expert, uint64_t in_rank, int num_tokens,
+           int num_experts,
            int num_channels, int seq, int expert_alignment, int num_worst_tokens, uint64_t rank_prefix,
            uint64_t channel_prefix, uint64_t recv_channel_prefix, uint64_t send_head, uint64_t stream) {
             NotifyArgs a;
+            a.topk = topk;
+            a.num_topk = num_topk;
             a.num_tokens_per_expert = per_expert;
             a.is_token_in_rank = in_rank;
             a.num_tokens = num_tokens;

@@ -187,7 +187,6 @@ void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream
     if (a.ring_tokens < 2) bad("the ring must hold at least 2 rows");
     if (a.hidden < 128 || a.hidden % 128) bad("hidden must be a positive multiple of 128");
     if (a.num_topk < 0 || a.num_topk > kMaxTopk) bad("num_topk must be in [0, 16]");
-    if (!a.send_head || !a.out) bad("missing tensor");
     const uint64_t need = (uint64_t)a.num_channels * s.num_ranks * a.ring_tokens * combine_row_bytes(a.hidden, a.num_topk);
     if (need > s.ring_capacity)
         bad("the rings need " + std::to_string(need) + " bytes, the buffer has " + std::to_string(s.ring_capacity));

@@ -48,6 +48,8 @@ struct LayoutArgs {
 };
 
 struct NotifyArgs {
+    uint64_t topk = 0;                    // int64 [N, K] or 0: checked for ids outside [-1, E)
+    int num_topk = 0;
     uint64_t num_tokens_per_rank = 0;     // int32 [R]
     uint64_t num_tokens_per_expert = 0;   // int32 [E]
     uint64_t is_token_in_rank = 0;        // bool [N, R]

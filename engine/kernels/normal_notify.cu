@@ -52,7 +52,9 @@ __global__ void __launch_bounds__(kLayoutThreads) normal_layout_kernel(NormalSta
 }
 
 // Block c, warp d: the positions of channel c's tokens in the stream to rank d (send_head) and the
-// stream's row count (stored in channel_prefix_matrix; notify turns the counts into prefixes).
+// stream's row count (stored in channel_prefix_matrix; notify turns the counts into prefixes). Warp 0
+// also checks the channel's top-k ids: dispatch may get topk_idx that did not go through the layout
+// kernel, and an id outside [-1, E) must be reported, not silently dropped.
 __global__ void normal_route_kernel(NormalStatic s, NotifyArgs a) {
     const int c = blockIdx.x, d = threadIdx.x / 32, lane = threadIdx.x % 32, R = s.num_ranks;
     if (d >= R) return;
@@ -69,6 +71,13 @@ __global__ void normal_route_kernel(NormalStatic s, NotifyArgs a) {
         pos += __popc(mask);
     }
     if (lane == 0) reinterpret_cast<int*>(a.channel_prefix_matrix)[d * a.num_channels + c] = pos;
+    if (d == 0 && a.topk) {
+        const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk);
+        for (int i = t0 * a.num_topk + lane; i < t1 * a.num_topk; i += 32) {
+            const int64_t v = topk[i];
+            if (v < -1 || v >= a.num_experts) record_error(s, kErrExpertId, i / a.num_topk, i % a.num_topk, (int)v);
+        }
+    }
 }
 
 // One block. Each rank writes its counts into every peer's notify slot of this call's parity, then the

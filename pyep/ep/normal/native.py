@@ -21,7 +21,7 @@ from ..streams import raw_current_stream
 from . import layout
 from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
-from .errors import BufferBroken, PeerTimeout, error_from_record
+from .errors import ERR_PEER_TIMEOUT, BufferBroken, PeerTimeout, error_from_record
 
 if TYPE_CHECKING:
     import torch
@@ -45,13 +45,18 @@ class NormalNativeBackend:
     name = "native"
 
     @staticmethod
-    def unavailable_reason(num_ranks: int) -> Optional[str]:
+    def unavailable_reason(group: "dist.ProcessGroup", *, transport: str = "auto", **_: Any) -> Optional[str]:
+        """Local check (no communication, no allocation): None if this process can run the backend."""
         try:
             import torch
+            import torch.distributed as dist
         except ImportError:
             return "torch is not installed"
         if not torch.cuda.is_available():
             return "no CUDA device is available"
+        if transport not in ("auto", "nvlink"):
+            return f"the native normal mode runs over NVLink (transport 'auto' or 'nvlink'), not {transport!r}"
+        num_ranks = dist.get_world_size(group)
         if num_ranks > MAX_RANKS:
             return f"the native normal mode runs on at most {MAX_RANKS} ranks of one node"
         try:
@@ -203,7 +208,8 @@ class NormalNativeBackend:
             rcp = torch.empty((r_n, c_n), dtype=i32, device=dev)
             send_head = torch.empty((n, r_n), dtype=i32, device=dev)
             in_rank = call.is_token_in_rank
-            self._n.notify(self._static, call.num_tokens_per_expert.data_ptr(), in_rank.data_ptr(), n, e_n, c_n, seq,
+            self._n.notify(self._static, call.topk_idx.data_ptr() if call.topk_idx is not None and n else 0, k,
+                           call.num_tokens_per_expert.data_ptr(), in_rank.data_ptr(), n, e_n, c_n, seq,
                            call.expert_alignment, call.num_worst_tokens, rpm.data_ptr(), cpm.data_ptr(),
                            rcp.data_ptr(), send_head.data_ptr(), stream)
             if call.num_worst_tokens > 0:
@@ -211,7 +217,11 @@ class NormalNativeBackend:
                 counts = []
             else:
                 self._wait_counts(seq)
-                self.check_errors()
+                if self._err_np[0] == ERR_PEER_TIMEOUT:
+                    # A peer never sent its counts: the counts are void and so is the rest of the call.
+                    # Value errors are not raised here: this rank must still launch the dispatch its
+                    # peers wait for; they surface at the event wait or the next call.
+                    self.check_errors()
                 real = rows = int(self._host_np[1])
                 counts = self._host_np[2:2 + e_n // r_n].tolist()
         else:
