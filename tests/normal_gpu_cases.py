@@ -74,9 +74,11 @@ HANDLE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_pr
                  "is_token_in_rank", "send_head")
 
 
-def compare_dispatch(tag: str, got: Tuple, want: Tuple, cached: bool = False) -> None:
-    """got/want: dispatch 6-tuples. With num_worst_tokens only the real rows of recv_x are specified."""
-    real = int((want[4].recv_src_idx >= 0).sum()) if not cached and want[4] is not None else None
+def compare_dispatch(tag: str, got: Tuple, want: Tuple, cached: bool = False, real: Optional[int] = None) -> None:
+    """got/want: dispatch 6-tuples. With num_worst_tokens only the real rows of recv_x are specified
+    (a cached dispatch has no handle of its own: the caller passes the real row count)."""
+    if real is None and not cached and want[4] is not None:
+        real = int((want[4].recv_src_idx >= 0).sum())
     if isinstance(want[0], tuple):
         assert isinstance(got[0], tuple), f"{tag}: expected an (e4m3, scales) pair"
         same(f"{tag} recv_x e4m3", got[0][0], want[0][0], real)
@@ -144,7 +146,7 @@ def run_case(nat: Any, ref: Any, s: Shape, seed: int, routing: str, *, use_fp8: 
             c_n[5].current_stream_wait()
         c_r = ref.dispatch(xin, handle=h_r, config=config)
         torch.cuda.synchronize()
-        compare_dispatch(tag + " (cached)", c_n, c_r, cached=True)
+        compare_dispatch(tag + " (cached)", c_n, c_r, cached=True, real=int((h_r.recv_src_idx >= 0).sum()))
     y_r = expert(want[0], rank)
     out_n = nat.combine(y_r.cuda(), h_n, topk_weights=got[2], config=config, **extra)
     if asynchronous:

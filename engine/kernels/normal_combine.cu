@@ -130,7 +130,7 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
                     int4 in[kMaxRanks];
 #pragma unroll
                     for (int i = 0; i < kMaxRanks; ++i)
-                        if (i < nsrc) in[i] = ld_v4(rows[i] + 16 * v);
+                        if (i < nsrc) in[i] = __ldcg(reinterpret_cast<const int4*>(rows[i]) + v);
 #pragma unroll
                     for (int i = 0; i < kMaxRanks; ++i)
                         if (i < nsrc) add_bf16x8(acc, in[i]);
@@ -142,7 +142,7 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
                 }
                 if (out_w && lane < K) {
                     float w = 0.f;
-                    for (int i = 0; i < nsrc; ++i) w += wrow[i][lane];
+                    for (int i = 0; i < nsrc; ++i) w += __ldcg(wrow[i] + lane);
                     out_w[(int64_t)t * K + lane] = w;
                 }
                 if (pos >= 0) atomicMax(&sh_max[lane], pos);

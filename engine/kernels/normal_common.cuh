@@ -115,6 +115,11 @@ __device__ __forceinline__ bool group_sync_or(int group, int warps, bool pred) {
 }
 
 // ---- copies ------------------------------------------------------------------------------------------
+// Every load of ring memory is ld.global.cg (L2 only, __ldcg): a slot is rewritten by a peer while this
+// SM may still hold its line in L1 -- a plain load of one slot's top-k ids used to cache the first
+// bytes of the next slot, and a later read of that slot returned the stale line. The L2 is the point
+// of coherence for NVLink stores, so .cg loads after the acquire see the new data.
+//
 // One warp copies `bytes` (a multiple of 16, both 16-byte aligned): kUnroll vectors per lane in flight.
 template <int kUnroll = 4>
 __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int bytes, int lane) {
@@ -125,14 +130,17 @@ __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int 
     for (; i + (kUnroll - 1) * 32 < n; i += kUnroll * 32) {
         int4 v[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = ld_v4(s4 + i + u * 32);
+        for (int u = 0; u < kUnroll; ++u) v[u] = __ldcg(s4 + i + u * 32);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) st_v4(d4 + i + u * 32, v[u]);
     }
-    for (; i < n; i += 32) st_v4(d4 + i, ld_v4(s4 + i));
+    for (; i < n; i += 32) st_v4(d4 + i, __ldcg(s4 + i));
 }
 
 __host__ __device__ __forceinline__ uint64_t align16(uint64_t v) { return (v + 15) / 16 * 16; }
+// Slots are whole 128-byte lines (layout.py RING_ALIGN): NVLink stores of full lines, and no line holds
+// the end of one slot and the start of the next.
+__host__ __device__ __forceinline__ uint64_t align128(uint64_t v) { return (v + 127) / 128 * 128; }
 
 // Dispatch row: [payload H*elem][scales align16(4*H/128), FP8 only][top-k ids int32 x K][weights fp32 x K][src idx]
 struct DispatchRow {
@@ -145,7 +153,7 @@ struct DispatchRow {
         ids = payload + (fp8 ? (uint32_t)align16(4 * (hidden / 128)) : 0);
         weights = ids + 4 * k;
         src = weights + 4 * k;
-        bytes = (uint32_t)align16(src + 4);
+        bytes = (uint32_t)align128(src + 4);
     }
 };
 // Combine row: [payload bf16 H][weights fp32 x K]
@@ -154,7 +162,7 @@ struct CombineRow {
     __host__ __device__ CombineRow(int hidden, int k) {
         payload = 2 * hidden;
         weights = payload;
-        bytes = (uint32_t)align16(payload + 4 * k);
+        bytes = (uint32_t)align128(payload + 4 * k);
     }
 };
 

@@ -105,7 +105,7 @@ __device__ __forceinline__ void emit_row(const DispatchArgs& a, const DispatchRo
     warp_copy(reinterpret_cast<uint8_t*>(a.recv_x) + (uint64_t)out * row.payload, payload, row.payload, lane);
     if (a.fp8)
         for (int g = lane; g < groups; g += 32)
-            reinterpret_cast<float*>(a.recv_x_scales)[(int64_t)out * groups + g] = scales[g];
+            reinterpret_cast<float*>(a.recv_x_scales)[(int64_t)out * groups + g] = __ldcg(scales + g);
     if (a.recv_topk_idx && lane < K) {
         const int64_t v = id(lane);
         const bool local = v >= lo && v < lo + El;
@@ -188,9 +188,9 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
             if (out >= a.num_out_rows) continue;    // more rows than num_worst_tokens: recorded by notify
             const uint8_t* r = ring + (uint64_t)(i % Q) * row.bytes;
             emit_row(a, row, out, r, reinterpret_cast<const float*>(r + row.scales),
-                     [&](int k) { return (int64_t)reinterpret_cast<const int*>(r + row.ids)[k]; },
-                     [&](int k) { return reinterpret_cast<const float*>(r + row.weights)[k]; },
-                     reinterpret_cast<const int*>(r + row.src)[0], lo, G.lane);
+                     [&](int k) { return (int64_t)__ldcg(reinterpret_cast<const int*>(r + row.ids) + k); },
+                     [&](int k) { return __ldcg(reinterpret_cast<const float*>(r + row.weights) + k); },
+                     __ldcg(reinterpret_cast<const int*>(r + row.src)), lo, G.lane);
         }
         group_sync(G.g, G.W);                       // every read of these slots is done
         if (G.leader()) st_release_sys(head, (int)(base + done + avail));

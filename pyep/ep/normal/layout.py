@@ -28,9 +28,9 @@ def _align(v: int, a: int) -> int:
 
 def slot_bytes(hidden: int, num_topk: int = MAX_TOPK) -> int:
     """One ring slot: the largest row of any call with this hidden size and top-k: a BF16 payload,
-    top-k ids (int32) and weights (fp32), the source token index; 16-byte aligned. FP8 rows (H bytes +
-    H/128 scales) and combine rows (BF16 + weights) are smaller."""
-    return _align(2 * hidden + 8 * num_topk + 4, 16)
+    top-k ids (int32) and weights (fp32), the source token index; whole 128-byte lines. FP8 rows (H
+    bytes + H/128 scales) and combine rows (BF16 + weights) are smaller (normal_common.cuh)."""
+    return _align(2 * hidden + 8 * num_topk + 4, RING_ALIGN)
 
 
 def control_words(num_ranks: int) -> dict:
