@@ -36,7 +36,8 @@ void register_normal(py::module_& m) {
     n.attr("MAX_CHANNELS") = kMaxChannels;
     n.attr("MAX_RANKS") = kMaxRanks;
     n.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
-    n.attr("THREADS") = kThreads;
+    n.attr("DISPATCH_THREADS") = kDispatchThreads;
+    n.attr("COMBINE_THREADS") = kCombineThreads;
     n.def("dispatch_row_bytes", &dispatch_row_bytes, py::arg("hidden"), py::arg("fp8"), py::arg("num_topk"));
     n.def("combine_row_bytes", &combine_row_bytes, py::arg("hidden"), py::arg("num_topk"));
 

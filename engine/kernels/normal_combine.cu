@@ -15,7 +15,7 @@ namespace {
 
 // Tokens a reduce round takes (one per warp). The receiver frees ring slots once per round, so a
 // sender may run at most ring_tokens - round rows ahead of the receiver's head (see combine_send).
-__device__ __forceinline__ int reduce_round(int ring_tokens) { return min(kWarps, ring_tokens / 2); }
+__device__ __forceinline__ int reduce_round(int ring_tokens) { return min(kCombineWarps, ring_tokens / 2); }
 
 // Group g (barrier 1 + g) sends to peer d != me; own rows are read in place by combine_recv.
 __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const CombineRow& row, int c, int g,
@@ -30,7 +30,7 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
     const uint8_t* x = reinterpret_cast<const uint8_t*>(a.x);
     const float* weights = reinterpret_cast<const float*>(a.topk_weights);
     // Room: the receiver needs up to one round of positions beyond its head before it frees any.
-    const int chunk = max(1, min(max(a.chunk_tokens, W), Q - reduce_round(Q)));   // every warp busy
+    const int chunk = max(1, min(max(a.chunk_tokens, 2 * W), Q - reduce_round(Q)));   // every warp busy
     const bool leader = wi == 0 && lane == 0;
 
     bool failed = false;
@@ -67,6 +67,37 @@ __device__ __forceinline__ void add_bf16x8(float* acc, int4 v) {
         const float2 f = __bfloat1622float2(h[i]);
         acc[2 * i] += f.x;
         acc[2 * i + 1] += f.y;
+    }
+}
+
+// out[v] = bf16(0 + b0[v] + b1[v] + rows[0][v] + ... + rows[nsrc-1][v]) in fp32, in that order, for the
+// vectors v of 8 channels this lane owns.
+template <int kSrc, int kVec>
+__device__ __forceinline__ void reduce_token(const uint8_t* const* rows, int nsrc, const int4* b0, const int4* b1,
+                                             int4* out, int vecs, int lane) {
+    for (int v0 = lane; v0 < vecs; v0 += 32 * kVec) {
+        int4 in[kSrc][kVec];
+#pragma unroll
+        for (int i = 0; i < kSrc; ++i)
+#pragma unroll
+            for (int u = 0; u < kVec; ++u)
+                if (i < nsrc && v0 + 32 * u < vecs) in[i][u] = __ldcg(reinterpret_cast<const int4*>(rows[i]) + v0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < kVec; ++u) {
+            const int v = v0 + 32 * u;
+            if (v >= vecs) break;
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            if (b0) add_bf16x8(acc, __ldcg(b0 + v));
+            if (b1) add_bf16x8(acc, __ldcg(b1 + v));
+#pragma unroll
+            for (int i = 0; i < kSrc; ++i)
+                if (i < nsrc) add_bf16x8(acc, in[i][u]);
+            int4 o;
+            __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+            out[v] = o;
+        }
     }
 }
 
@@ -123,23 +154,14 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
                     }
                     ++nsrc;
                 }
-                for (int v = lane; v < vecs; v += 32) {
-                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                    if (bias0) add_bf16x8(acc, bias0[(int64_t)t * vecs + v]);
-                    if (bias1) add_bf16x8(acc, bias1[(int64_t)t * vecs + v]);
-                    int4 in[kMaxRanks];
-#pragma unroll
-                    for (int i = 0; i < kMaxRanks; ++i)
-                        if (i < nsrc) in[i] = __ldcg(reinterpret_cast<const int4*>(rows[i]) + v);
-#pragma unroll
-                    for (int i = 0; i < kMaxRanks; ++i)
-                        if (i < nsrc) add_bf16x8(acc, in[i]);
-                    int4 o;
-                    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-                    out[(int64_t)t * vecs + v] = o;
-                }
+                // Loads in flight per lane: kSrc sources x kVec vectors, 8 in every instantiation (a
+                // reduce is latency-bound otherwise: one round trip per 16 bytes of output).
+                const int4* b0 = bias0 ? bias0 + (int64_t)t * vecs : nullptr;
+                const int4* b1 = bias1 ? bias1 + (int64_t)t * vecs : nullptr;
+                int4* o = out + (int64_t)t * vecs;
+                if (nsrc <= 2) reduce_token<2, 4>(rows, nsrc, b0, b1, o, vecs, lane);
+                else if (nsrc <= 4) reduce_token<4, 2>(rows, nsrc, b0, b1, o, vecs, lane);
+                else reduce_token<kMaxRanks, 1>(rows, nsrc, b0, b1, o, vecs, lane);
                 if (out_w && lane < K) {
                     float w = 0.f;
                     for (int i = 0; i < nsrc; ++i) w += __ldcg(wrow[i] + lane);
@@ -163,7 +185,7 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
     }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) normal_combine_kernel(NormalStatic s, CombineArgs a) {
+__global__ void __launch_bounds__(kCombineThreads, 1) normal_combine_kernel(NormalStatic s, CombineArgs a) {
     const int c = blockIdx.x >> 1;
     const CombineRow row(a.hidden, a.num_topk);
     if (blockIdx.x & 1) {
@@ -171,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, 1) normal_combine_kernel(NormalStati
         return;
     }
     if (s.num_ranks == 1) return;
-    const int W = kWarps / (s.num_ranks - 1), warp = threadIdx.x / 32, g = warp / W;
+    const int W = kCombineWarps / (s.num_ranks - 1), warp = threadIdx.x / 32, g = warp / W;
     if (g >= s.num_ranks - 1) return;
     combine_send(s, a, row, c, g, g + (g >= s.rank), warp % W, W, threadIdx.x % 32);
 }
@@ -190,7 +212,7 @@ void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream
     const uint64_t need = (uint64_t)a.num_channels * s.num_ranks * a.ring_tokens * combine_row_bytes(a.hidden, a.num_topk);
     if (need > s.ring_capacity)
         bad("the rings need " + std::to_string(need) + " bytes, the buffer has " + std::to_string(s.ring_capacity));
-    normal_combine_kernel<<<2 * a.num_channels, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    normal_combine_kernel<<<2 * a.num_channels, kCombineThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw std::runtime_error(std::string("normal combine launch: ") + cudaGetErrorString(e));
 }

@@ -121,7 +121,7 @@ __device__ __forceinline__ bool group_sync_or(int group, int warps, bool pred) {
 // of coherence for NVLink stores, so .cg loads after the acquire see the new data.
 //
 // One warp copies `bytes` (a multiple of 16, both 16-byte aligned): kUnroll vectors per lane in flight.
-template <int kUnroll = 4>
+template <int kUnroll = 6>
 __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int bytes, int lane) {
     const int n = bytes / 16;
     const int4* s4 = reinterpret_cast<const int4*>(src);

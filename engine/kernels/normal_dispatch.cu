@@ -1,5 +1,5 @@
 // Normal-mode intranode dispatch: 2C blocks, an even block sends channel c's tokens, an odd block
-// receives channel c from every source. Inside a block, warp group g (kWarps / R warps) serves peer g.
+// receives channel c from every source. Inside a block, warp group g (kDispatchWarps / R warps) serves peer g.
 // A row travels once: the sender stores it over NVLink into the ring (channel c, source = sender) in
 // the receiver's buffer and publishes the ring's tail; the receiver copies it to its final row and
 // publishes its head in the sender's buffer. docs/normal_mode.md states the invariants.
@@ -20,7 +20,7 @@ struct Group {
 };
 
 // Sender of channel c to peer d. Tokens are routed 32 at a time (one ballot per window); the j-th row
-// of a window goes to warp j % W, so rows of one window are written in parallel and the window is
+// of a round goes to warp j % W, so rows of one round are written in parallel and the round is
 // complete at the group barrier. The tail is published once `chunk` rows are pending, before any wait
 // for ring space (else a full ring could wait on rows the receiver was never told about), and at the end.
 __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, const DispatchRow& row, int c,
@@ -48,12 +48,19 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
     }
     if (group_sync_or(G.g, G.W, failed)) return;
 
+    // A round routes up to kMaxWindows ballots of 32 tokens, so that W warps get several rows each
+    // between two barriers; all of a round's rows must fit the ring at once.
+    const int windows = max(1, min(kMaxWindows, Q / kScanWindow));
     int sent = 0, published = 0;
-    for (int wbase = t0; wbase < t1; wbase += kScanWindow) {
-        const int t = wbase + G.lane;
-        const bool in = t < t1 && in_rank[(int64_t)t * R + d];
-        const uint32_t mask = __ballot_sync(0xffffffffu, in);
-        const int n = __popc(mask);
+    for (int rbase = t0; rbase < t1; rbase += windows * kScanWindow) {
+        uint32_t masks[kMaxWindows];
+        int n = 0;
+#pragma unroll
+        for (int w = 0; w < kMaxWindows; ++w) {
+            const int t = rbase + w * kScanWindow + G.lane;
+            masks[w] = __ballot_sync(0xffffffffu, w < windows && t < t1 && in_rank[(int64_t)t * R + d]);
+            n += __popc(masks[w]);
+        }
         if (n == 0) continue;                       // the same for every warp of the group
         if (sent + n > Q || sent - published >= a.chunk_tokens) {
             if (G.leader() && sent > published) st_release_sys(tail, (int)(base + sent));
@@ -67,25 +74,26 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
         }
         failed = __shfl_sync(0xffffffffu, failed, 0);
         if (!failed) {
-            uint32_t rest = mask;
-            for (int j = 0; rest; ++j) {
-                const int bit = __ffs(rest) - 1;
-                rest &= rest - 1;
-                if (j % G.W != G.wi) continue;
-                const int tok = wbase + bit;
-                uint8_t* dst = ring + (uint64_t)((sent + j) % Q) * row.bytes;
-                warp_copy(dst, x + (uint64_t)tok * row.payload, row.payload, G.lane);
-                if (a.fp8)
-                    for (int i = G.lane; i < groups; i += 32)
-                        reinterpret_cast<float*>(dst + row.scales)[i] = scales[(int64_t)tok * groups + i];
-                if (G.lane < K) {
-                    reinterpret_cast<int*>(dst + row.ids)[G.lane] = topk ? (int)topk[(int64_t)tok * K + G.lane] : -1;
-                    reinterpret_cast<float*>(dst + row.weights)[G.lane] = weights ? weights[(int64_t)tok * K + G.lane] : 0.f;
+            int j = 0;
+#pragma unroll
+            for (int w = 0; w < kMaxWindows; ++w) {
+                for (uint32_t rest = masks[w]; rest; rest &= rest - 1, ++j) {
+                    if (j % G.W != G.wi) continue;
+                    const int tok = rbase + w * kScanWindow + __ffs(rest) - 1;
+                    uint8_t* dst = ring + (uint64_t)((sent + j) % Q) * row.bytes;
+                    warp_copy(dst, x + (uint64_t)tok * row.payload, row.payload, G.lane);
+                    if (a.fp8)
+                        for (int i = G.lane; i < groups; i += 32)
+                            reinterpret_cast<float*>(dst + row.scales)[i] = scales[(int64_t)tok * groups + i];
+                    if (G.lane < K) {
+                        reinterpret_cast<int*>(dst + row.ids)[G.lane] = topk ? (int)topk[(int64_t)tok * K + G.lane] : -1;
+                        reinterpret_cast<float*>(dst + row.weights)[G.lane] = weights ? weights[(int64_t)tok * K + G.lane] : 0.f;
+                    }
+                    if (G.lane == 0) reinterpret_cast<int*>(dst + row.src)[0] = tok;
                 }
-                if (G.lane == 0) reinterpret_cast<int*>(dst + row.src)[0] = tok;
             }
         }
-        // The window's rows are written, or a warp gave up waiting and the group stops together.
+        // The round's rows are written, or a warp gave up waiting and the group stops together.
         if (group_sync_or(G.g, G.W, failed)) return;
         sent += n;
     }
@@ -199,14 +207,14 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
     if (G.leader()) *rx_of(s, c, src) = (int)(base + count);
 }
 
-__global__ void __launch_bounds__(kThreads, 1) normal_dispatch_kernel(NormalStatic s, DispatchArgs a) {
+__global__ void __launch_bounds__(kDispatchThreads, 1) normal_dispatch_kernel(NormalStatic s, DispatchArgs a) {
     __shared__ int sh_flag[kMaxRanks];
     const int c = blockIdx.x >> 1;
     const bool sender = (blockIdx.x & 1) == 0;
     if (!sender && a.num_worst_tokens > 0 && a.recv_src_idx) {
         // Rows past the real count (num_worst_tokens): no expert, no weight, no source.
         const int rows = reinterpret_cast<const int*>(s.workspace)[0], K = a.num_topk;
-        for (int r = rows + c * kThreads + threadIdx.x; r < a.num_out_rows; r += a.num_channels * kThreads) {
+        for (int r = rows + c * kDispatchThreads + threadIdx.x; r < a.num_out_rows; r += a.num_channels * kDispatchThreads) {
             reinterpret_cast<int*>(a.recv_src_idx)[r] = -1;
             for (int k = 0; k < K && a.recv_topk_idx; ++k) {
                 reinterpret_cast<int64_t*>(a.recv_topk_idx)[(int64_t)r * K + k] = -1;
@@ -219,11 +227,11 @@ __global__ void __launch_bounds__(kThreads, 1) normal_dispatch_kernel(NormalStat
     if (sender) {
         // Own rows skip the ring (dispatch_self), so the sender's warps are shared by the R - 1 peers.
         if (R == 1) return;
-        const int W = kWarps / (R - 1), g = warp / W;
-        if (g >= R - 1) return;                     // warps left over when R - 1 does not divide kWarps
+        const int W = kDispatchWarps / (R - 1), g = warp / W;
+        if (g >= R - 1) return;                     // warps left over when R - 1 does not divide kDispatchWarps
         dispatch_send(s, a, row, c, Group{g, warp % W, W, lane}, g + (g >= s.rank));
     } else {
-        const int W = kWarps / R, g = warp / W;
+        const int W = kDispatchWarps / R, g = warp / W;
         if (g >= R) return;
         dispatch_recv(s, a, row, c, Group{g, warp % W, W, lane}, sh_flag);
     }
@@ -245,7 +253,7 @@ void launch_dispatch(const NormalStatic& s, const DispatchArgs& a, uint64_t stre
     const uint64_t need = (uint64_t)a.num_channels * s.num_ranks * a.ring_tokens * dispatch_row_bytes(a.hidden, a.fp8, a.num_topk);
     if (need > s.ring_capacity)
         bad("the rings need " + std::to_string(need) + " bytes, the buffer has " + std::to_string(s.ring_capacity));
-    normal_dispatch_kernel<<<2 * a.num_channels, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    normal_dispatch_kernel<<<2 * a.num_channels, kDispatchThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw std::runtime_error(std::string("normal dispatch launch: ") + cudaGetErrorString(e));
 }

@@ -14,9 +14,14 @@ constexpr int kMaxChannels = 64;        // layout.py / config.py MAX_CHANNELS
 constexpr int kMaxRanks = 8;            // config.py MAX_RANKS: one NVLink domain
 constexpr int kMaxTopk = 16;
 constexpr int kMaxLocalExperts = 1024;
-constexpr int kThreads = 768;           // dispatch / combine blocks: 24 warps (divides among 1, 2, 3, 4, 6, 8 peers)
-constexpr int kWarps = kThreads / 32;
-constexpr int kScanWindow = 32;         // tokens a dispatch sender routes per round (one ballot)
+// Block sizes. Dispatch: 24 warps (copies need many stores in flight; 80 registers a thread suffice).
+// Combine: 16 warps, so that a reduce may keep 8 loads per lane in flight in 128 registers.
+constexpr int kDispatchThreads = 768;
+constexpr int kDispatchWarps = kDispatchThreads / 32;
+constexpr int kCombineThreads = 512;
+constexpr int kCombineWarps = kCombineThreads / 32;
+constexpr int kScanWindow = 32;         // tokens per routing ballot
+constexpr int kMaxWindows = 4;          // ballots per dispatch-sender round (bounded by ring_tokens / 32)
 
 // Device error record (pinned host memory, int32 words): [code, a, b, c]. errors.py decodes it.
 enum NormalError : int { kErrNone = 0, kErrExpertId = 1, kErrWorstTokens = 2, kErrPeerTimeout = 3, kErrBadHandle = 4 };
