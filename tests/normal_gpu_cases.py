@@ -356,3 +356,51 @@ def invalid_expert(shape_args: Tuple[int, int, int, int]) -> None:
         nat.destroy()
         ref.destroy()
         torch.cuda.synchronize()
+
+
+def peer_timeout(shape_args: Tuple[int, int, int, int], timeout_us: int) -> float:
+    """The last rank skips one dispatch (it sleeps instead): every other rank's dispatch raises
+    PeerTimeout naming it within the timeout (the host's wait for the counts ends because the notify
+    kernel gives up on its own), later calls raise BufferBroken, and after clean() on every rank the
+    buffer is bit for bit right again. Returns the seconds the failed call took."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from pyep.ep.normal import BufferBroken, NormalBuffer, PeerTimeout
+    setup_device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = Shape(*shape_args)
+    nat = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="native", timeout_us=timeout_us)
+    ref = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="reference")
+    victim = world - 1
+    took = 0.0
+    try:
+        x, t, w = make_inputs(21, rank, s, "random", world)
+        gx, gt, gw = _on("cuda", x, t, w)
+        lay = nat.get_dispatch_layout(gt, s.E)
+        if rank == victim:
+            time.sleep(3 * timeout_us / 1e6)
+        else:
+            start = time.monotonic()
+            try:
+                nat.dispatch(gx, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                             topk_idx=gt, topk_weights=gw)
+                torch.cuda.synchronize()
+                raise AssertionError(f"rank {rank}: dispatch with rank {victim} absent raised nothing")
+            except PeerTimeout as exc:
+                took = time.monotonic() - start
+                assert exc.peer == victim, f"rank {rank}: {exc} names rank {exc.peer}, not {victim}"
+            try:
+                nat.get_dispatch_layout(gt, s.E)
+                raise AssertionError(f"rank {rank}: a broken buffer accepted a call")
+            except BufferBroken:
+                pass
+        torch.cuda.synchronize()
+        nat.clean()
+        run_case(nat, ref, s, 22, "random", cached=True)
+    finally:
+        nat.destroy()
+        ref.destroy()
+        torch.cuda.synchronize()
+    return took

@@ -92,6 +92,17 @@ def test_invalid_expert_raises_and_buffer_recovers(pools, world):
     pools[world].run(invalid_expert, (64, 512, 8 * world, 4), timeout_s=220)
 
 
+@requires_gpus
+@pytest.mark.timeout(240)
+def test_absent_peer_times_out_and_clean_recovers(pools):
+    """A rank that skips a dispatch is named by PeerTimeout on the others within the timeout (plus the
+    host's slack), nothing hangs, and clean() makes the buffer usable again."""
+    from normal_gpu_cases import peer_timeout
+    timeout_us = 500_000
+    took = pools[2].run(peer_timeout, (64, 512, 16, 4), timeout_us, timeout_s=220)
+    assert 0 < took[0] < timeout_us / 1e6 + 5.0, f"rank 0 took {took[0]:.2f} s to report the absent peer"
+
+
 @pytest.mark.skipif(NGPU < 2, reason="the bench runs NCCL, one rank per GPU: needs 2 GPUs")
 @requires_gpus
 @pytest.mark.timeout(300)
