@@ -1,21 +1,26 @@
 """Shared by the drop-in shims: DeepEP and Mooncake pass the shape (T, E; H from x) on every call
 instead of at construction, so a shim keeps one EpBuffer per shape, created on first use (a
-collective, like the call that triggers it)."""
+collective, like the call that triggers it). Also the event wrapper both libraries return, the
+shared active-rank mask of DeepEP's shrink mode, and raw views of a native buffer."""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from ..ep.buffer import EpBuffer
 from ..ep.config import MAX_TOPK, EpConfig
 from ..ep.handle import Handle
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
 
 log = logging.getLogger("pyep.compat")
 ShapeKey = Tuple[int, int, int]   # (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+# pyep's kernels pick a peer's QP as `local expert % QPs per peer`, so QPs beyond one per local expert
+# carry nothing; 64 is EpConfig's upper bound.
+MAX_QPS_PER_PEER = 64
 
 
 def hidden_of(x: Any) -> int:
@@ -33,12 +38,25 @@ def handle_key(handle: Any) -> ShapeKey:
     return (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
 
 
+def qps_per_peer(requested: Optional[int], num_local_experts: int) -> Optional[int]:
+    """DeepEP's num_qps_per_rank (NVSHMEM RC QPs per peer; its tests pass E // R, up to hundreds) as
+    pyep's QPs per peer: at most one per local expert and at most MAX_QPS_PER_PEER. None: pyep picks."""
+    if requested is None or requested < 1:
+        return None
+    nqp = max(1, min(requested, num_local_experts, MAX_QPS_PER_PEER))
+    if nqp != requested:
+        log.debug("num_qps_per_rank=%d -> %d QPs per peer (pyep uses one QP per local expert at most, "
+                  "%d local experts, cap %d)", requested, nqp, num_local_experts, MAX_QPS_PER_PEER)
+    return nqp
+
+
 @dataclass
 class ShapeBuffers:
     """EpBuffers of one shim instance, keyed by shape."""
 
     group: Optional["dist.ProcessGroup"]
     template: EpConfig                      # transport/backend settings; shape fields replaced
+    qps_per_rank: Optional[int] = None      # the caller's QP count, mapped per shape (qps_per_peer)
     buffers: Dict[ShapeKey, EpBuffer] = field(default_factory=dict)
     destroyed: bool = False
 
@@ -47,15 +65,17 @@ class ShapeBuffers:
             raise RuntimeError(f"{what}() called after destroy()")
         buf = self.buffers.get(key)
         if buf is None:
+            import torch.distributed as dist
+            from ..ep._dist import resolve_group
             t, h, e = key
+            r_n = dist.get_world_size(resolve_group(self.group))
+            tpl = self.template
             cfg = EpConfig(num_max_dispatch_tokens_per_rank=t, hidden=h, num_experts=e,
-                           max_topk=self.template.max_topk, transport=self.template.transport,
-                           allow_nvlink=self.template.allow_nvlink, device_name=self.template.device_name,
-                           timeout_us=self.template.timeout_us,
-                           num_qps_per_peer=self.template.num_qps_per_peer,
-                           num_buffer_bytes=self.template.num_buffer_bytes,
-                           ranks_per_node=self.template.ranks_per_node, backend=self.template.backend,
-                           check_values=self.template.check_values)
+                           max_topk=tpl.max_topk, transport=tpl.transport, allow_nvlink=tpl.allow_nvlink,
+                           device_name=tpl.device_name, timeout_us=tpl.timeout_us,
+                           num_qps_per_peer=qps_per_peer(self.qps_per_rank, max(1, e // r_n)),
+                           num_buffer_bytes=tpl.num_buffer_bytes, ranks_per_node=tpl.ranks_per_node,
+                           backend=tpl.backend, check_values=tpl.check_values)
             buf = EpBuffer.from_config(cfg, self.group)
             log.debug("created EpBuffer for T=%d H=%d E=%d", t, h, e)
             self.buffers[key] = buf
@@ -79,29 +99,114 @@ class ShapeBuffers:
 
 
 def template_config(*, backend: str, transport: str, device_name: str, timeout_us: int,
-                    num_qps_per_peer: Optional[int], allow_nvlink: bool,
-                    num_buffer_bytes: Optional[int], check_values: Union[bool, str] = True) -> EpConfig:
+                    allow_nvlink: bool, num_buffer_bytes: Optional[int],
+                    check_values: Union[bool, str] = True) -> EpConfig:
     # A template: the shape only has to pass validation; ShapeBuffers builds a config per call shape.
     return EpConfig(num_max_dispatch_tokens_per_rank=1, hidden=128, num_experts=1, max_topk=MAX_TOPK,
                     transport=transport, allow_nvlink=allow_nvlink, device_name=device_name,
-                    timeout_us=timeout_us, num_qps_per_peer=num_qps_per_peer,
-                    num_buffer_bytes=num_buffer_bytes, backend=backend, check_values=check_values)
+                    timeout_us=timeout_us, num_buffer_bytes=num_buffer_bytes, backend=backend,
+                    check_values=check_values)
 
 
 class EventOverlap:
-    """DeepEP/Mooncake's event wrapper: current_stream_wait() and `with event:` overlap blocks."""
+    """DeepEP/Mooncake's event wrapper: `event`, `extra_tensors` (kept alive until the wrapper goes,
+    as DeepEP does for async calls), current_stream_wait() and `with event:` overlap blocks."""
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Any = None, extra_tensors: Optional[Tuple[Any, ...]] = None) -> None:
         self.event = event
+        self.extra_tensors = extra_tensors
 
     def current_stream_wait(self) -> None:
+        if self.event is None:
+            raise RuntimeError("EventOverlap.current_stream_wait(): this wrapper holds no event")
         self.event.current_stream_wait()
 
     def wait(self) -> None:
-        self.event.wait()
+        """pyep extension: block the host until the work finished (bounded), then raise errors the
+        device recorded for it."""
+        if self.event is not None:
+            self.event.wait()
 
     def __enter__(self) -> "EventOverlap":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.event.current_stream_wait()
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+
+class ActiveMask:
+    """DeepEP's shrink-mode mask buffer (1 = masked) held as pyep's active_ranks (1 = active, int32
+    [R]): one tensor shared by every low-latency buffer of a shim, passed to each call, so a rank the
+    kernels time out on is masked for every later call, and the caller's updates reach every call."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+        self._pending: List[int] = [1] * num_ranks    # until a buffer says which device it lives on
+        self.tensor: Optional["torch.Tensor"] = None
+
+    def bind(self, device: "torch.device") -> "torch.Tensor":
+        import torch
+        if self.tensor is None:
+            self.tensor = torch.tensor(self._pending, dtype=torch.int32, device=device)
+        elif self.tensor.device != device:
+            raise RuntimeError(f"low-latency buffers of one Buffer live on {self.tensor.device} and "
+                               f"{device}; shrink mode needs one device")
+        return self.tensor
+
+    def _check_rank(self, rank: Any) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank_to_mask must be an int in [0, {self.num_ranks}), got {rank!r}")
+        return rank
+
+    def update(self, rank: int, mask: bool) -> None:
+        r = self._check_rank(rank)
+        if self.tensor is None:
+            self._pending[r] = 0 if mask else 1
+        else:
+            self.tensor[r] = 0 if mask else 1       # stream-ordered, like DeepEP's one-thread kernel
+
+    def query(self, mask_status: Any) -> None:
+        import torch
+        if not isinstance(mask_status, torch.Tensor):
+            raise TypeError(f"mask_status must be a torch.Tensor, got {type(mask_status).__name__}")
+        if mask_status.dtype != torch.int32 or tuple(mask_status.shape) != (self.num_ranks,):
+            raise ValueError(f"mask_status must be int32 [{self.num_ranks}], got {mask_status.dtype} "
+                             f"{list(mask_status.shape)}")
+        if self.tensor is None:
+            src = torch.tensor([1 - a for a in self._pending], dtype=torch.int32, device=mask_status.device)
+        else:
+            src = (self.tensor == 0).to(torch.int32)
+        mask_status.copy_(src)
+
+    def clean(self) -> None:
+        if self.tensor is None:
+            self._pending = [1] * self.num_ranks
+        else:
+            self.tensor.fill_(1)
+
+
+def raw_buffer_tensor(backend: Any, what: str) -> "torch.Tensor":
+    """uint8 view of a native backend's registered buffer (the memory DeepEP's get_local_buffer_tensor
+    exposes). The reference backend has no such memory: its transfers are torch.distributed
+    collectives, so there is nothing to view and this raises."""
+    import torch
+    ptr = getattr(backend, "_buf", 0)
+    nbytes = getattr(backend, "buffer_bytes", None)
+    nbytes = nbytes() if callable(nbytes) else nbytes
+    if nbytes is None:
+        nbytes = getattr(backend, "_bytes", None)
+    device = getattr(backend, "device", None)
+    if not isinstance(ptr, int) or ptr == 0 or not isinstance(nbytes, int) or device is None \
+            or getattr(device, "type", "") != "cuda":
+        raise NotImplementedError(
+            f"{what}: the {getattr(backend, 'name', type(backend).__name__)} backend has no registered "
+            f"device buffer to view (the reference backend moves data with torch.distributed "
+            f"collectives); reset state with clean_low_latency_buffer() instead")
+
+    class _Mem:
+        # torch.as_tensor shares memory described by the CUDA array interface without copying.
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                    "version": 3, "strides": None}
+
+    return torch.as_tensor(_Mem(), dtype=torch.uint8, device=device)

@@ -152,7 +152,7 @@ class ReferenceBackend:
 
         def receive() -> None:
             with torch.profiler.record_function("pyep::reference::dispatch_recv"):
-                src = torch.repeat_interleave(torch.arange(r_n, device=dev), recv_counts)
+                src = torch.repeat_interleave(torch.arange(r_n, device=dev, dtype=torch.int64), recv_counts)
                 keep = active[src]
                 msgs, src = recv[keep], src[keep]
                 hdr = msgs[:, :HEADER_BYTES].contiguous().view(torch.int32).to(torch.int64)
@@ -164,7 +164,8 @@ class ReferenceBackend:
                 first = torch.cumsum(cnt, 0) - cnt                  # first sorted index of each key
                 cnt2 = cnt.view(e_l, r_n)
                 begin = torch.cumsum(cnt2, 1) - cnt2
-                row = torch.arange(key.numel(), device=dev) - first[key] + begin.reshape(-1)[key]
+                row = (torch.arange(key.numel(), device=dev, dtype=torch.int64) - first[key]
+                       + begin.reshape(-1)[key])
                 le = torch.div(key, r_n, rounding_mode="floor")
                 layout_range.copy_((begin << 32) | cnt2)
                 recv_count.copy_(cnt2.sum(1).to(torch.int32))
@@ -206,11 +207,12 @@ class ReferenceBackend:
         src_x = self.next_combine_buffer(handle) if opts.zero_copy else x
         with torch.profiler.record_function("pyep::reference::combine_send"):
             cnt = handle.counts()                               # [E_l, R]
-            pair = torch.repeat_interleave(torch.arange(e_l * r_n, device=dev), cnt.reshape(-1))
+            pair = torch.repeat_interleave(torch.arange(e_l * r_n, device=dev, dtype=torch.int64),
+                                           cnt.reshape(-1))
             le = torch.div(pair, r_n, rounding_mode="floor")
             src = pair % r_n
             rc = cnt.sum(1)
-            row = torch.arange(pair.numel(), device=dev) - (torch.cumsum(rc, 0) - rc)[le]
+            row = torch.arange(pair.numel(), device=dev, dtype=torch.int64) - (torch.cumsum(rc, 0) - rc)[le]
             keep = active[src]                                  # never send to a rank marked dead
             le, src, row = le[keep], src[keep], row[keep]
             order = torch.sort(src, stable=True).indices
@@ -232,7 +234,8 @@ class ReferenceBackend:
 
         def receive() -> None:
             with torch.profiler.record_function("pyep::reference::combine_recv"):
-                owner_rank = torch.repeat_interleave(torch.arange(r_n, device=dev), recv_counts)
+                owner_rank = torch.repeat_interleave(torch.arange(r_n, device=dev, dtype=torch.int64),
+                                                     recv_counts)
                 keep_msg = active[owner_rank]
                 msgs = recv[keep_msg]
                 hdr = msgs[:, :HEADER_BYTES].contiguous().view(torch.int32).to(torch.int64)

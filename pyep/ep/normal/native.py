@@ -95,8 +95,9 @@ class NormalNativeBackend:
         self._destroyed = False
         self._notify_seq = 0
         # Pinned host words the kernels write and the host reads without synchronising.
-        self._err = torch.zeros(8, dtype=torch.int32, pin_memory=True)
-        self._host = torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32, pin_memory=True)
+        self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
+        self._host = torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cpu",
+                                 pin_memory=True)
         self._err_np = self._err.numpy()
         self._host_np = self._host.numpy()
         self._ws = torch.zeros(8, dtype=torch.int32, device=self.device)

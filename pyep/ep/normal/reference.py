@@ -50,7 +50,7 @@ def token_channels(n: int, num_channels: int, device: "torch.device") -> "torch.
     P = ceil(N / C), so token t is in channel t // P."""
     import torch
     per = max(1, -(-n // num_channels))
-    return torch.div(torch.arange(n, device=device), per, rounding_mode="floor")
+    return torch.div(torch.arange(n, device=device, dtype=torch.int64), per, rounding_mode="floor")
 
 
 def first_bad_entry(topk_idx: "torch.Tensor", num_experts: int) -> List[int]:
