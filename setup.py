@@ -4,7 +4,9 @@ One extension module holds the whole native engine. Everywhere it contains the h
 (PRM encoders, softnic, DevX host setup). Where a CUDA build of torch and nvcc are present (GPU
 machines) it is built as a torch CUDAExtension and also holds the kernels in engine/**/*.cu.
 Set PYEP_CUDA=0 to force the host-only build, PYEP_CUDA=1 to insist on CUDA, PYEP_CUDA_ARCH to pick
-the target (default 90a). Kernels take raw pointers: no torch header is included anywhere.
+the target (default 90a). Kernels take raw pointers: no torch header is included in engine/kernels/;
+the one binding that uses ATen (engine/bindings/ep_fast_bind.cpp, the LL fast path) is compiled only
+in the CUDA build, where the extension is a torch CUDAExtension.
 """
 from __future__ import annotations
 

@@ -129,3 +129,24 @@ def test_outlier_note_when_the_mean_is_far_above_the_median() -> None:
     lines = report.outlier_lines(row)
     assert len(lines) == 1 and "combine" in lines[0] and "median 50.0 us" in lines[0]
     assert "pulled up by outliers" in _render(BenchConfig(), _env(4, "NVIDIA H200"), [row])
+
+
+def test_eager_table_and_deepep_pair() -> None:
+    """The eager table shows the pair, the host time per call, the pair against the kernels and
+    DeepEP's eager pair (its "Dispatch + combine" avg_t) beside native rows of the T DeepEP ran."""
+    from pyep.bench.metrics import Stat
+    cfg = BenchConfig()
+    row = _row("native", 128)
+
+    def st(v: float) -> Stat:
+        return Stat(mean=v, p50=v, p99=v, min=v, per_rank_mean=[v])
+    row.eager = {"pair": st(80.0), "host_dispatch": st(12.0), "host_combine": st(9.0)}
+    row.kernel = {**row.kernel, "dispatch": st(30.0), "combine": st(40.0)}
+    assert row.eager_vs_kernels() == pytest.approx(80.0 / 70.0)
+    doc = {"figures": {"dispatch_combine": {"avg_us": 71.8, "gbps": 100.0}}}
+    assert report.deepep_eager_pair(doc) == 71.8 and report.deepep_eager_pair(None) is None
+    console = Console(record=True, width=250)
+    report.render(console, cfg, _env(2, "NVIDIA H200"), [row], [], report.deepep_eager_pair(doc))
+    text = console.export_text()
+    assert "eager loop" in text and "71.8" in text and "1.14x" in text and "1.11x" in text
+    assert row.as_dict()["eager_us"]["pair"]["mean"] == 80.0

@@ -107,6 +107,14 @@ def test_two_rank_reference_run(tmp_path) -> None:  # type: ignore[no-untyped-de
         assert r["gbps"]["wall"]["dispatch"] == pytest.approx(
             mean_bytes / (r["wall_us"]["dispatch"]["mean"] * 1e-6) / 1e9, rel=1e-3)
         assert r["gbps"]["wall"]["dc"] > 0
+        # The eager pass: back-to-back pairs, pair time and host time of each call, per rank.
+        for metric in ("pair", "host_dispatch", "host_combine"):
+            st = r["eager_us"][metric]
+            assert st["mean"] > 0 and len(st["per_rank_mean"]) == 2
+            assert len(r["samples_us"]["eager"][metric]) == 2
+        assert r["eager_us"]["pair"]["mean"] >= r["eager_us"]["host_dispatch"]["mean"]
+        assert r["eager_pair_vs_kernels"] > 0
+    assert "eager loop" in so0 and "host dispatch us" in so0
     try:
         import matplotlib
         assert matplotlib is not None

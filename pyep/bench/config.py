@@ -84,6 +84,7 @@ class BenchConfig:
     wait_timeout_s: float = 120.0              # every barrier / device wait of the benchmark
     ranks_per_node: Optional[int] = None
     plot: bool = True
+    eager: bool = True                         # the eager pass: back-to-back pairs, default arguments
     extra: dict = field(default_factory=dict, compare=False)   # free-form notes copied into the JSON
 
     def __post_init__(self) -> None:
@@ -131,7 +132,7 @@ class BenchConfig:
         _float("wait_timeout_s", self.wait_timeout_s, 0.001, 86400.0)
         if self.ranks_per_node is not None:
             _check_int("ranks_per_node", self.ranks_per_node, 1)
-        for flag in ("hook", "kineto", "plot"):
+        for flag in ("hook", "kineto", "plot", "eager"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
 

@@ -133,8 +133,53 @@ def host_line(r: CaseRow) -> str:
             + ", ".join(parts))
 
 
+def deepep_eager_pair(deepep_doc: Optional[Dict[str, Any]]) -> Optional[float]:
+    """DeepEP's eager pair from a tools/deepep_baseline.py `ll` document: its test's "Dispatch + combine"
+    avg_t, which its bench() measures exactly as our eager pass (CUDA events around back-to-back
+    dispatch+combine pairs, default arguments)."""
+    figs = (deepep_doc or {}).get("figures") or {}
+    dc = figs.get("dispatch_combine")
+    val = dc.get("avg_us") if isinstance(dc, dict) else None
+    return float(val) if isinstance(val, (int, float)) else None
+
+
+def render_eager(console: Any, cfg: BenchConfig, env: Dict[str, Any], rows: Sequence[CaseRow],
+                 deepep_pair_us: Optional[float] = None) -> None:
+    """The eager table: the pair time of back-to-back dispatch+combine (default arguments, CUDA
+    events around each pair), the host time per call inside that loop, the pair against the sum of
+    the two kernels, and DeepEP's eager pair from the same run where it was measured."""
+    from rich.markup import escape
+    from rich.table import Table
+    measured = [r for r in rows if not r.skipped and r.eager]
+    if not measured:
+        return
+    fmt = "FP8" if cfg.use_fp8 else "BF16"
+    t = Table(title=f"pyep bench: eager loop (back-to-back dispatch+combine, default arguments, one stream), "
+                    f"{fmt} dispatch, {env['world_size']} ranks",
+              caption="us = mean (p99) over pairs, max over ranks; host = CPU time inside each call; "
+                      "vs kernels = pair / (dispatch kernel + combine kernel)")
+    for col in ("backend", "transport", "routing", "T"):
+        t.add_column(col, no_wrap=True)
+    for col in ("pair us", "host dispatch us", "host combine us", "kernels d + c us", "vs kernels",
+                "DeepEP pair us", "vs DeepEP"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for r in measured:
+        pair = r.eager.get("pair")
+        d, c = r.kernel.get("dispatch"), r.kernel.get("combine")
+        ksum = "-" if d is None or c is None or math.isnan(d.mean + c.mean) else f"{d.mean:.1f} + {c.mean:.1f}"
+        ratio = r.eager_vs_kernels()
+        native = r.backend == "native"
+        dp = deepep_pair_us if native and deepep_pair_us and r.tokens == cfg.tokens[0] else None   # DeepEP ran T[0]
+        t.add_row(r.backend, escape(r.transport), r.routing, str(r.tokens), _us(pair),
+                  _us(r.eager.get("host_dispatch")), _us(r.eager.get("host_combine")), ksum,
+                  "-" if math.isnan(ratio) else f"{ratio:.2f}x",
+                  f"{dp:.1f}" if dp else "-",
+                  f"{pair.mean / dp:.2f}x" if dp and pair is not None and not math.isnan(pair.mean) else "-")
+    console.print(t)
+
+
 def render(console: Any, cfg: BenchConfig, env: Dict[str, Any], rows: Sequence[CaseRow],
-           notes: Sequence[str]) -> None:
+           notes: Sequence[str], deepep_pair_us: Optional[float] = None) -> None:
     from rich.markup import escape
     from rich.table import Table
     world, gpu = env["world_size"], (env["device_names"][0] if env["device_names"] else "")
@@ -183,6 +228,7 @@ def render(console: Any, cfg: BenchConfig, env: Dict[str, Any], rows: Sequence[C
                       d, c, f"{ref.dispatch_combine_us:g}", f"- / - / {ref.dispatch_combine_gbps:g}",
                       halves_d, halves_c)
         console.print(t)
+    render_eager(console, cfg, env, rows, deepep_pair_us)
     failed = [r for r in measured if r.check is not None and not r.check.passed]
     for r in failed:
         assert r.check is not None

@@ -7,6 +7,9 @@ all-reduce, so all GPUs start the call together) and followed by a device wait:
 Pass 1 (warmup, then `iters` iterations) takes wall times; on GPU, pass 2 repeats the iterations
 under torch.profiler and takes per-kernel times. Profiling adds host overhead, which is why wall times
 come from the unprofiled pass.
+The eager pass (between them) runs dispatch+combine pairs back to back on one stream with default
+arguments, as a user's loop does, CUDA events around each pair (what DeepEP's bench() does): the host
+keeps the GPU busy only if a call costs less host time than its kernels.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("pyep.bench")
 
 METRICS = ("dispatch", "combine", "dc", "d_send", "d_recv", "c_send", "c_recv")
+# The eager pass: the pair's stream time, and the host time of each call in it.
+EAGER_METRICS = ("pair", "host_dispatch", "host_combine")
 HOOK_METRICS = ("d_send", "d_recv", "c_send", "c_recv")
 # Which kernels are the native backend's work in each phase (kernel names carry these words).
 NATIVE_KEYWORDS: Dict[str, Sequence[str]] = {
@@ -49,11 +54,15 @@ class CaseSamples:
     # Host time inside the call (Python front end, checks, allocations, launches): what an eager-mode
     # caller pays on the CPU per call; hidden behind GPU work when the host runs ahead.
     host: Dict[str, List[float]] = field(default_factory=dict)
+    # The eager pass (EAGER_METRICS), empty when it did not run.
+    eager: Dict[str, List[float]] = field(default_factory=dict)
 
 
 class CaseRunner:
     def __init__(self, buf: Any, batch: RoutedBatch, expert_out: "torch.Tensor", *, use_fp8: bool,
-                 hook: bool, sync: Sync, keywords: Dict[str, Sequence[str]], label: str) -> None:
+                 hook: bool, sync: Sync, keywords: Dict[str, Sequence[str]], label: str,
+                 eager: bool = True) -> None:
+        self.eager = eager
         self.buf = buf
         self.batch = batch
         self.expert_out = expert_out
@@ -109,6 +118,48 @@ class CaseRunner:
         _out, _e, c_hook = step("c_send", it, lambda: self._combine(handle, True), samples, ranged)
         step("c_recv", it, c_hook, samples, ranged)
 
+    def eager_pass(self, warmup: int, iters: int) -> Dict[str, List[float]]:
+        """`iters` dispatch+combine pairs back to back on the current stream, default arguments (the
+        dispatch dtype aside), no barrier or device wait between pairs: CUDA events around each pair
+        (perf_counter on CPU) and the host time of each call. One barrier and alignment before the
+        measured pairs, so all ranks start together; from then on the kernels pace the loop."""
+        import torch
+        x, idx, w, y, fp8 = self.batch.x, self.batch.topk_idx, self.batch.topk_weights, self.expert_out, self.use_fp8
+        buf, cuda = self.buf, self.sync.cuda
+
+        def pair() -> None:
+            _r, _c, handle, _e, _h = buf.dispatch(x, idx, use_fp8=fp8)
+            buf.combine(y, idx, w, handle)
+        self.sync.barrier(f"before the eager warmup of {self.label}")
+        for _ in range(warmup):
+            pair()
+        self.sync.device_wait(f"eager warmup of {self.label}")
+        self.sync.barrier(f"before the eager pass of {self.label}")
+        self.sync.align()
+        out: Dict[str, List[float]] = {m: [] for m in EAGER_METRICS}
+        events = []
+        perf = time.perf_counter
+        for _ in range(iters):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = perf()
+            _r, _c, handle, _e, _h = buf.dispatch(x, idx, use_fp8=fp8)
+            t1 = perf()
+            buf.combine(y, idx, w, handle)
+            t2 = perf()
+            if cuda:
+                end.record()
+                events.append((start, end))
+            else:
+                out["pair"].append((t2 - t0) * 1e6)
+            out["host_dispatch"].append((t1 - t0) * 1e6)
+            out["host_combine"].append((t2 - t1) * 1e6)
+        self.sync.device_wait(f"eager pass of {self.label}")
+        if cuda:
+            out["pair"] = [float(s.elapsed_time(e)) * 1000.0 for s, e in events]
+        return out
+
     # ------------------------------------------------------------------ passes
     def run(self, warmup: int, iters: int, use_kineto: bool) -> CaseSamples:
         for it in range(warmup):
@@ -118,12 +169,14 @@ class CaseRunner:
         for it in range(iters):
             self.iteration(it, wall, False, host)
         wall, host = _pad(wall, iters), _pad(host, iters)
+        eager = _pad(self.eager_pass(warmup, iters), iters) if self.eager else {}
         if not self.sync.cuda:
             return CaseSamples(wall, {m: list(v) for m, v in wall.items()},
                                "wall (no GPU: kineto has no device kernels on CPU, so kernel times "
-                               "are the wall times of the calls)", host=host)
+                               "are the wall times of the calls)", host=host, eager=eager)
         if not use_kineto:
-            return CaseSamples(wall, {m: [math.nan] * iters for m in METRICS}, "none (--no-kineto)", host=host)
+            return CaseSamples(wall, {m: [math.nan] * iters for m in METRICS}, "none (--no-kineto)", host=host,
+                               eager=eager)
         prof = kineto.Profiler()
         with prof:
             for it in range(min(PROFILER_WARMUP, max(warmup, 1))):
@@ -149,7 +202,7 @@ class CaseRunner:
             log.warning("%s: kineto saw no device kernels in phases %s", self.label, missing)
             for p in missing:
                 kernel[p] = [math.nan] * iters
-        return CaseSamples(wall, kernel, "kineto", info, host=host)
+        return CaseSamples(wall, kernel, "kineto", info, host=host, eager=eager)
 
 
 def _pad(samples: Dict[str, List[float]], iters: int) -> Dict[str, List[float]]:
@@ -157,12 +210,19 @@ def _pad(samples: Dict[str, List[float]], iters: int) -> Dict[str, List[float]]:
 
 
 def gather_samples(samples: CaseSamples, iters: int, sync: Sync) -> Dict[str, Dict[str, List[List[float]]]]:
-    """{"wall"|"kernel"|"host": {metric: [rank][iteration]}} on every rank."""
+    """{"wall"|"kernel"|"host": {metric: [rank][iteration]}, "eager": {EAGER_METRICS: ...}} on every
+    rank ("eager" only where the eager pass ran; every rank runs it or none)."""
     import torch
     host = samples.host or {m: [math.nan] * iters for m in METRICS}
     t = torch.tensor([[samples.wall[m] for m in METRICS], [samples.kernel[m] for m in METRICS],
                       [host[m] for m in METRICS]], dtype=torch.float64)
     assert t.shape == (3, len(METRICS), iters)
     per_rank = sync.gather(t, "benchmark samples")
-    return {kind: {m: [r[i, j].tolist() for r in per_rank] for j, m in enumerate(METRICS)}
-            for i, kind in enumerate(("wall", "kernel", "host"))}
+    out = {kind: {m: [r[i, j].tolist() for r in per_rank] for j, m in enumerate(METRICS)}
+           for i, kind in enumerate(("wall", "kernel", "host"))}
+    if samples.eager:
+        e = torch.tensor([samples.eager[m] for m in EAGER_METRICS], dtype=torch.float64)
+        assert e.shape == (len(EAGER_METRICS), iters)
+        per_rank_e = sync.gather(e, "eager samples")
+        out["eager"] = {m: [r[j].tolist() for r in per_rank_e] for j, m in enumerate(EAGER_METRICS)}
+    return out

@@ -12,7 +12,7 @@ from . import metrics
 from .config import BenchConfig, RoutingSpec
 from .guard import CheckResult, run_guard
 from .routing import make_batch
-from .runner import METRICS, NATIVE_KEYWORDS, CaseRunner, gather_samples
+from .runner import EAGER_METRICS, METRICS, NATIVE_KEYWORDS, CaseRunner, gather_samples
 from .sync import Sync
 
 if TYPE_CHECKING:
@@ -48,6 +48,8 @@ class CaseRow:
     wall: Dict[str, metrics.Stat] = field(default_factory=dict)
     kernel: Dict[str, metrics.Stat] = field(default_factory=dict)
     host: Dict[str, metrics.Stat] = field(default_factory=dict)     # CPU time inside the call
+    # The eager pass (runner.EAGER_METRICS): back-to-back pairs, default arguments; empty if not run.
+    eager: Dict[str, metrics.Stat] = field(default_factory=dict)
     samples: Dict[str, Dict[str, List[List[float]]]] = field(default_factory=dict)
     kernel_source: str = ""
     kineto: Dict[str, Any] = field(default_factory=dict)
@@ -62,6 +64,14 @@ class CaseRow:
         return {"dispatch": metrics.gbps(d, stats["dispatch"].mean),
                 "combine": metrics.gbps(c, stats["combine"].mean),
                 "dc": metrics.gbps(d + c, stats["dc"].mean)}
+
+    def eager_vs_kernels(self) -> float:
+        """Eager pair time / (dispatch kernel + combine kernel), means; NaN where not measured. 1.0
+        means the loop runs at kernel speed (the goal is <= 1.1)."""
+        pair, d, c = self.eager.get("pair"), self.kernel.get("dispatch"), self.kernel.get("combine")
+        if pair is None or d is None or c is None or not d.mean + c.mean > 0:
+            return math.nan
+        return pair.mean / (d.mean + c.mean)
 
     def as_dict(self) -> Dict[str, Any]:
         def num(v: float) -> Any:
@@ -80,6 +90,8 @@ class CaseRow:
             "wall_us": {m: s.as_dict() for m, s in self.wall.items()},
             "kernel_us": {m: s.as_dict() for m, s in self.kernel.items()},
             "host_us": {m: s.as_dict() for m, s in self.host.items()},
+            "eager_us": {m: s.as_dict() for m, s in self.eager.items()},
+            "eager_pair_vs_kernels": num(self.eager_vs_kernels()),
             "gbps": {k: {m: num(v) for m, v in self.gbps(k).items()} for k in ("kernel", "wall")},
             "kineto": self.kineto, "samples_us": self.samples})
         return out
@@ -112,8 +124,7 @@ class Suite:
         c = self.cfg
         return EpBuffer(self.group, num_max_dispatch_tokens_per_rank=tokens, hidden=c.hidden,
                         num_experts=c.experts, transport=transport, timeout_us=c.timeout_us,
-                        backend=backend, max_topk=c.topk, ranks_per_node=c.ranks_per_node,
-                        check_values=False)
+                        backend=backend, max_topk=c.topk, ranks_per_node=c.ranks_per_node)
 
     def _build(self, spec: BufferSpec, tokens: int, backend_arg: Optional[str] = None) -> Tuple[Any, str]:
         """(buffer or None, why not). Agreed over ranks: a buffer that failed anywhere is dropped."""
@@ -220,7 +231,7 @@ class Suite:
             label = f"{spec.key} {routing.label} T={tokens}"
             runner = CaseRunner(buf, batch, expert_outs[spec.key], use_fp8=c.use_fp8, hook=c.hook,
                                 sync=self.sync, keywords=NATIVE_KEYWORDS if spec.backend == "native" else {},
-                                label=label)
+                                label=label, eager=c.eager)
             samples = runner.run(c.warmup, c.iters, c.kineto)
             gathered = gather_samples(samples, c.iters, self.sync)
             row = CaseRow(spec.backend, spec.transport, routing.label, tokens,
@@ -231,6 +242,8 @@ class Suite:
                           wall={m: metrics.summarize(gathered["wall"][m]) for m in METRICS},
                           kernel={m: metrics.summarize(gathered["kernel"][m]) for m in METRICS},
                           host={m: metrics.summarize(gathered["host"][m]) for m in METRICS},
+                          eager={m: metrics.summarize(gathered["eager"][m]) for m in EAGER_METRICS
+                                 if "eager" in gathered},
                           samples=gathered, kernel_source=samples.kernel_source, kineto=samples.kineto,
                           size_hint_bytes=hint)
             rows.append(row)

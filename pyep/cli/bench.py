@@ -76,6 +76,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=10)
     g.add_argument("--no-hook", action="store_true", help="skip the send/receive-half measurements")
     g.add_argument("--no-kineto", action="store_true", help="skip the profiled pass (no per-kernel times)")
+    g.add_argument("--no-eager", action="store_true",
+                   help="skip the eager pass (back-to-back dispatch+combine pairs, default arguments)")
     g.add_argument("--timeout-us", type=int, help="EpBuffer per-call timeout (default 10 s)")
     g.add_argument("--wait-timeout-s", type=float, default=120.0, help="bound of every benchmark wait")
     g = p.add_argument_group("environment and output")
@@ -140,6 +142,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Tu
                           drop_fraction=args.drop_fraction, dispatch_dtype=args.dispatch_dtype,
                           transports=transports, backend=backend, iters=args.iters, warmup=args.warmup,
                           hook=not args.no_hook, kineto=not args.no_kineto, seed=args.seed,
+                          eager=not getattr(args, "no_eager", False),
                           timeout_us=int(s["timeout_us"]), wait_timeout_s=args.wait_timeout_s,  # type: ignore[arg-type]
                           ranks_per_node=s["ranks_per_node"], plot=not args.no_plot)  # type: ignore[arg-type]
     except (ValueError, TypeError) as exc:
@@ -252,10 +255,15 @@ def _run(cfg: BenchConfig, args: argparse.Namespace, environ: Mapping[str, str],
     os.makedirs(out_dir, exist_ok=True)
     width = None if sys.stdout.isatty() else 200
     console = Console(record=True, width=width)
-    report.render(console, cfg, env_info, rows, notes)
+    deepep_doc, deepep_note = (_deepep_ll_run(cfg, suite.world_size, out_dir, device) if args.deepep
+                               else (None, ""))
+    deepep_pair = report.deepep_eager_pair(deepep_doc)
+    report.render(console, cfg, env_info, rows, notes, deepep_pair)
     doc = report.bench_document(cfg, env_info, rows, notes)
     if args.deepep:
-        doc["deepep_measured"] = _deepep_ll(console, cfg, suite.world_size, out_dir, device)
+        _deepep_ll_print(console, cfg, deepep_doc, deepep_note)
+        doc["deepep_measured"] = deepep_doc
+        doc["deepep_eager_pair_us"] = deepep_pair
     json_path = os.path.join(out_dir, "bench.json")
     png: Optional[str] = None
     if cfg.plot:
@@ -267,27 +275,29 @@ def _run(cfg: BenchConfig, args: argparse.Namespace, environ: Mapping[str, str],
     return _exit_code(rows)
 
 
-def _deepep_ll(console, cfg: BenchConfig, world_size: int, out_dir: str, device) -> Optional[dict]:  # type: ignore[no-untyped-def]
-    """DeepEP's LL test on the same GPUs (rank 0, after the other ranks left), its figures printed below
-    ours; a missing DeepEP is a note."""
-    from rich.markup import escape
-
+def _deepep_ll_run(cfg: BenchConfig, world_size: int, out_dir: str, device) -> Tuple[Optional[dict], str]:  # type: ignore[no-untyped-def]
+    """DeepEP's LL test on the same GPUs (rank 0, after the other ranks left): (document, note); a
+    missing DeepEP is a note. Run before our tables are printed, so its eager pair sits beside ours."""
     from ..bench.normal_report import deepep_figures
     if device.type != "cuda":
-        console.print("note: --deepep: DeepEP runs on GPUs only; not run")
-        return None
+        return None, "--deepep: DeepEP runs on GPUs only; not run"
     import torch
     torch.cuda.empty_cache()
     extra = ["--num-tokens", str(cfg.tokens[0]), "--hidden", str(cfg.hidden), "--num-topk", str(cfg.topk),
              "--num-experts", str(cfg.experts)]
-    doc, note = deepep_figures("ll", world_size, extra, out_dir)
+    return deepep_figures("ll", world_size, extra, out_dir)
+
+
+def _deepep_ll_print(console, cfg: BenchConfig, doc: Optional[dict], note: str) -> Optional[dict]:  # type: ignore[no-untyped-def]
+    """DeepEP's figures, printed below ours."""
+    from rich.markup import escape
     console.print(f"note: {escape(note)}")
     figs = (doc or {}).get("figures") or {}
     k, dc, hk = figs.get("kernels"), figs.get("dispatch_combine"), figs.get("hooks")
     if k:
         console.print(escape(f"DeepEP LL (same machine, T={cfg.tokens[0]}): dispatch {k['dispatch_us']:.1f} us, "
                              f"combine {k['combine_us']:.1f} us (kineto)"
-                             + (f"; d+c {dc['avg_us']:.1f} us ({dc['gbps']:.0f} GB/s)" if dc else "")
+                             + (f"; eager pair (d+c) {dc['avg_us']:.1f} us ({dc['gbps']:.0f} GB/s)" if dc else "")
                              + (f"; halves {hk['dispatch_send_us']:.1f} + {hk['dispatch_recv_us']:.1f} / "
                                 f"{hk['combine_send_us']:.1f} + {hk['combine_recv_us']:.1f} us" if hk else "")))
     return doc

@@ -160,12 +160,27 @@ class EpBuffer:
         self._take_error: Optional[Callable[[], Optional[InvalidExpertIndex]]] = (
             take if config.check_values is not False else None)
         self._device = self._backend.device
+        self._init_fast(config)
         self._destroyed = False
         # `pyep qp dump` on a running job: PYEP_QP_DUMP_SIGNAL / PYEP_QP_DUMP_TRIGGER (none by default).
         from ..transport.qp_dump import install_dump_triggers
         self._qp_dump = install_dump_triggers(self, self._rank) if hasattr(self._backend, "qp_contexts") else None
         log.debug("EpBuffer rank %d/%d: %s, backend %s", self._rank, self._num_ranks,
                   config.describe_shape(self._num_ranks), self._backend.name)
+
+    def _init_fast(self, config: EpConfig) -> None:
+        """The backend's C++ fast path (native: one binding call per plain dispatch/combine), if any.
+        Strict value checks, async_finish, the recv hook and a running profiler always take the Python
+        path; the fast path itself declines anything else it does not take (argument errors included,
+        which the Python path then raises from validate.py)."""
+        import torch.autograd.profiler as prof
+        fast = getattr(self._backend, "fast_path", None)
+        if config.check_values == "strict" or not hasattr(prof, "_is_profiler_enabled"):
+            fast = None
+        self._prof = prof   # profiled_range's test: ranges exist only while a profiler runs
+        self._fast_dispatch: Optional[Callable[..., Any]] = fast.dispatch if fast is not None else None
+        self._fast_combine: Optional[Callable[..., Any]] = (
+            getattr(self._backend, "fast_combine", None) if fast is not None else None)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -239,6 +254,26 @@ class EpBuffer:
                  async_finish: bool = False, return_recv_hook: bool = False,
                  cumulative_local_expert_recv_stats: Optional["torch.Tensor"] = None
                  ) -> Tuple[RecvX, "torch.Tensor", Handle, EventLike, Hook]:
+        fast = self._fast_dispatch
+        if (fast is not None and async_finish is False and return_recv_hook is False and not self._destroyed
+                and not self._prof._is_profiler_enabled):
+            try:
+                res = fast(x, topk_idx, use_fp8, round_scale, use_ue8m0, active_ranks, timeout_us,
+                           cumulative_local_expert_recv_stats)
+            except BaseException:
+                self._seq += 1   # the launch failed after the half was consumed, as in the path below
+                raise
+            if res is not None:
+                recv_x, scales, recv_count, src_info, layout_range, extras, n, k = res
+                self._seq = seq = self._seq + 1
+                cfg = self._config
+                handle = Handle.fast(src_info, layout_range, cfg.num_max_dispatch_tokens_per_rank, cfg.hidden,
+                                     cfg.num_experts, n, k, self._owner, self._epoch, seq, use_fp8, extras)
+                event: EventLike = CompletedEvent(f"dispatch #{seq}")
+                if self._take_error is not None:
+                    event = CheckedEvent(event, self._raise_pending)
+                return ((recv_x, scales) if use_fp8 else recv_x), recv_count, handle, event, None
+            # Declined: the path below raises the argument or recorded error, or runs the call.
         self._check_alive("dispatch")
         if self._take_error is not None:
             self._raise_pending()
@@ -275,6 +310,16 @@ class EpBuffer:
                 timeout_us: Optional[int] = None, zero_copy: bool = False, async_finish: bool = False,
                 return_recv_hook: bool = False, out: Optional["torch.Tensor"] = None
                 ) -> Tuple["torch.Tensor", EventLike, Hook]:
+        fast = self._fast_combine
+        if (fast is not None and async_finish is False and return_recv_hook is False
+                and (zero_copy is False or zero_copy is True) and not self._destroyed
+                and not self._prof._is_profiler_enabled and self._handle_ok(handle)):
+            res = fast(x, topk_idx, topk_weights, handle, active_ranks, timeout_us, out, zero_copy)
+            if res is not None:
+                event = CompletedEvent(f"combine of dispatch #{handle.seq}")
+                if self._take_error is not None:
+                    event = CheckedEvent(event, self._raise_pending)
+                return res, event, None
         self._check_alive("combine")
         if self._take_error is not None:
             self._raise_pending()
@@ -293,6 +338,16 @@ class EpBuffer:
                                     else CompletedEvent(f"combine of dispatch #{handle.seq}"),
                                     res.hook if return_recv_hook else None)
         return res.out, event, hook
+
+    def _handle_ok(self, handle: Any) -> bool:
+        """validate_handle's verdict without raising: a bad handle takes the Python path, which raises
+        its error in validate_combine's order (a recorded value error first)."""
+        try:
+            validate_handle(handle, self._config, self._num_ranks, owner=self._owner, epoch=self._epoch,
+                            last_seq=self._seq)
+        except (TypeError, ValueError):
+            return False
+        return True
 
     def get_next_combine_buffer(self, handle: Handle) -> "torch.Tensor":
         """bf16 [E_l, R*T, H] to write expert outputs into for combine(..., zero_copy=True)."""
@@ -333,6 +388,7 @@ class EpBuffer:
         if self._destroyed:
             return
         self._destroyed = True
+        self._fast_dispatch = self._fast_combine = None
         if self._qp_dump is not None:
             self._qp_dump.close()
         self._backend.destroy()

@@ -46,6 +46,7 @@ def _engine_ep() -> Any:
 
 
 SOFTNIC_RESERVED_SMS = 4
+FAST_ENV = "PYEP_LL_FAST"
 
 
 class NativeBackend:
@@ -89,8 +90,11 @@ class NativeBackend:
         self._ws = torch.zeros(ws_words(r_n), dtype=torch.int32, device=self.device)
         self._active = torch.ones(r_n, dtype=torch.int32, device=self.device)
         self._comm = torch.cuda.Stream(device=self.device)
-        self._pending: Optional["torch.cuda.Event"] = None
-        self._half = 0
+        # The C++ fast path (ep_fast_bind.cpp), made once the static table exists; until then and in
+        # builds without it, _half and _pending live here.
+        self._fast: Any = None
+        self._half_py = 0
+        self._pending_ev: Optional["torch.cuda.Event"] = None
         self._combine_bufs: List[Optional["torch.Tensor"]] = [None, None]
         self._tables: Dict[str, "torch.Tensor"] = {}
         self._trace: Optional["torch.Tensor"] = None
@@ -108,6 +112,7 @@ class NativeBackend:
                                   self.buffer_bytes, self._setup_timeout_s)
             self._peers.connect()
             self._static = self._build_static()
+            self._fast = self._make_fast()
             barrier_bounded(group, _ctl_device(group), int(self._setup_timeout_s * 1e6),
                             "native EP buffer setup (every rank mapped its peers)")
         except BaseException:
@@ -163,6 +168,61 @@ class NativeBackend:
             self._trace = torch.zeros((2, s.num_blocks, int(self._ep.TRACE_SLOTS)), dtype=torch.int64, device=dev)
             s.trace = self._trace.data_ptr()
         return s
+
+    def _make_fast(self) -> Any:
+        """The C++ fast path of dispatch/combine (one binding call: checks, ATen outputs, launch), or None
+        where the build has none or PYEP_LL_FAST=0 (diagnostics: the Python path for every call)."""
+        import os
+        cls = getattr(self._ep, "FastLL", None)
+        if cls is None or os.environ.get(FAST_ENV, "1") == "0":
+            return None
+        cfg, lay = self.config, self.layout
+        fast = cls(self._static, self.device.index, lay.num_max_tokens, lay.hidden, cfg.num_experts, self.num_ranks,
+                   cfg.max_topk, cfg.timeout_us, self._active)
+        fast.half = self._half_py
+        fast.blocked = self._pending_ev is not None
+        return fast
+
+    @property
+    def fast_path(self) -> Any:
+        """The C++ fast path EpBuffer calls for a plain dispatch (None: every call takes the Python path).
+        Its dispatch returns (recv_x, scales, recv_count, src_info, layout_range, handle extras, N, K), or
+        None for a call it leaves to the Python path (which then raises validate.py's error or runs it)."""
+        return self._fast
+
+    def fast_combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
+                     handle: "Handle", active_ranks: Optional["torch.Tensor"], timeout_us: Any,
+                     out: Optional["torch.Tensor"], zero_copy: bool) -> Optional["torch.Tensor"]:
+        """combine through the fast path for a handle EpBuffer validated; None: take the Python path."""
+        fast = self._fast
+        ex = handle.extras
+        if fast is None or ex.get("buffer") != self._buf or ex.get("backend") != "native":
+            return None
+        src = self.next_combine_buffer(handle) if zero_copy else None
+        return fast.combine(x, topk_idx, topk_weights, handle.src_info, handle.layout_range, ex["topk_slot"],
+                            ex["half"], handle.num_tokens, handle.num_topk, active_ranks, timeout_us, out, src)
+
+    # The buffer half of the next dispatch and the outstanding async_finish event are shared with the
+    # fast path: it must leave a call to the Python path while an event is outstanding (stream order).
+    @property
+    def _half(self) -> int:
+        return int(self._fast.half) if self._fast is not None else self._half_py
+
+    @_half.setter
+    def _half(self, value: int) -> None:
+        self._half_py = value
+        if self._fast is not None:
+            self._fast.half = value
+
+    @property
+    def _pending(self) -> Optional["torch.cuda.Event"]:
+        return self._pending_ev
+
+    @_pending.setter
+    def _pending(self, ev: Optional["torch.cuda.Event"]) -> None:
+        self._pending_ev = ev
+        if self._fast is not None:
+            self._fast.blocked = ev is not None
 
     def take_error(self) -> Optional["InvalidExpertIndex"]:
         """The value error a dispatch kernel recorded (pyep.ep.errors), if it is visible yet; clears the
@@ -423,6 +483,8 @@ class NativeBackend:
         torch.cuda.synchronize(self.device)   # our kernels are bounded by timeout_us, so this is too
         self._peers.reconnect()
         self._static = self._build_static()
+        if self._fast is not None:
+            self._fast.static = self._static
         self._zero_state()
         if active_ranks is not None:
             self._active.copy_(active_ranks)
@@ -467,6 +529,8 @@ class NativeBackend:
             raise RuntimeError(f"native EP backend: {what}() after destroy()")
 
     def _release(self) -> None:
+        # The fast path holds the error record's address: drop it before the record is freed.
+        self._fast = None
         if self._peers is not None:
             try:
                 self._peers.close()

@@ -1,95 +1,282 @@
 #!/usr/bin/env python3
-"""Host (CPU) time of the pieces of one native dispatch / combine call, on one GPU (world size 1).
+"""Host (CPU) time of one native dispatch / combine call, measured with the GPU kept busy, so that it
+is host time and not waiting: each window of calls is queued behind a device sleep that outlasts it
+(the tool checks that the sleep was still running when the window's last call returned).
 
-    python tools/dev/host_overhead.py [--iters 300]
+    python tools/dev/host_overhead.py [--iters 200] [--ranks 1] [--pieces] [--json FILE]
 
-Prints the mean microseconds of each piece, measured separately with the device idle between calls,
-so the front end's cost can be attributed (validation, allocations, the launch binding, handles).
+Works on one GPU: --ranks N starts N processes on a gloo group, all on GPU (rank % GPUs), so two ranks
+may share one GPU. Prints, per path (the C++ fast path, and the Python path with PYEP_LL_FAST=0), the
+mean / p50 / p99 microseconds a dispatch and a combine spend on the host (rank 0; --json writes every
+rank's figures). --pieces also times the parts of the Python path one by one (device idle between
+calls), as before the fast path existed.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import sys
 import time
+from typing import Any, Dict, List
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+GOAL_US = 20.0
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=300)
-    args = ap.parse_args()
+
+def _stats(v: List[float]) -> Dict[str, float]:
+    s = sorted(v)
+    return {"mean": statistics.fmean(s), "p50": s[len(s) // 2], "p99": s[min(len(s) - 1, int(0.99 * len(s)))],
+            "n": float(len(s))}
+
+
+def _busy_loop(buf: Any, x: Any, topk: Any, w: Any, y: Any, iters: int, window: int,
+               sleep_cycles: int) -> Dict[str, Any]:
+    """iters dispatch+combine pairs, `window` at a time behind a device sleep; host us per call."""
     import torch
-    import torch.distributed as dist
+    host: Dict[str, List[float]] = {"dispatch": [], "combine": []}
+    idle_windows = 0
+    done = 0
+    while done < iters:
+        n = min(window, iters - done)
+        torch.cuda._sleep(sleep_cycles)
+        busy = torch.cuda.Event()
+        busy.record()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            _r, _c, handle, _e, _h = buf.dispatch(x, topk)
+            t1 = time.perf_counter()
+            buf.combine(y, topk, w, handle)
+            t2 = time.perf_counter()
+            host["dispatch"].append((t1 - t0) * 1e6)
+            host["combine"].append((t2 - t1) * 1e6)
+        if busy.query():       # the sleep ended before the host finished queueing: not all host time
+            idle_windows += 1
+        torch.cuda.synchronize()
+        done += n
+    return {"dispatch": _stats(host["dispatch"]), "combine": _stats(host["combine"]), "idle_windows": idle_windows,
+            "windows": (iters + window - 1) // window}
 
-    from pyep.ep import EpBuffer
+
+def _pieces(buf: Any, x: Any, topk: Any, w: Any, y: Any, iters: int) -> List[str]:
+    """The old breakdown of the Python path (device idle between calls)."""
+    import torch
+
     from pyep.ep.validate import validate_combine, validate_dispatch
+    be, cfg, dev, r = buf.backend, buf.config, buf.device, buf.num_ranks
+    lines: List[str] = []
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    dev = torch.device("cuda", 0)
-    T, H, E, K = 128, 7168, 72, 8      # E_l = 72 as for E = 288 over 4 ranks
-    buf = EpBuffer(None, num_max_dispatch_tokens_per_rank=T, hidden=H, num_experts=E, max_topk=K,
-                   backend="native", check_values=False)
-    be = buf.backend
-    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
-    topk = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(T)])
-    w = torch.rand(T, K, device=dev)
-    y = torch.randn(E, T, H, device=dev).to(torch.bfloat16)
-    cfg = buf._config
-
-    def timed(name: str, fn) -> None:
+    def timed(name: str, fn: Any) -> None:
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
         total = 0.0
-        for _ in range(args.iters):
+        for _ in range(iters):
             t0 = time.perf_counter()
             fn()
             total += time.perf_counter() - t0
             torch.cuda.synchronize()
-        print(f"{name:<44} {total / args.iters * 1e6:8.1f} us")
+        lines.append(f"  {name:<42} {total / iters * 1e6:8.1f} us")
 
-    _r, _c, handle, _e, _h = buf.dispatch(x, topk)
-    torch.cuda.synchronize()
-    timed("EpBuffer.dispatch (fp8)", lambda: buf.dispatch(x, topk))
-    timed("EpBuffer.combine", lambda: buf.combine(y, topk, w, buf.dispatch(x, topk)[2]))
-    timed("  validate_dispatch", lambda: validate_dispatch(
-        cfg, 1, dev, x, topk, use_fp8=True, round_scale=False, use_ue8m0=False, active_ranks=None,
+    timed("validate_dispatch", lambda: validate_dispatch(
+        cfg, r, dev, x, topk, use_fp8=True, round_scale=False, use_ue8m0=False, active_ranks=None,
         timeout_us=None, async_finish=False, return_recv_hook=False, cumulative_local_expert_recv_stats=None))
     _r, _c, handle, _e, _h = buf.dispatch(x, topk)
+    buf.combine(y, topk, w, handle)
     torch.cuda.synchronize()
-    timed("  validate_combine", lambda: validate_combine(
-        cfg, 1, dev, y, topk, w, handle, owner=buf._owner, epoch=buf._epoch, last_seq=buf._seq,
+    _r, _c, handle, _e, _h = buf.dispatch(x, topk)
+    timed("validate_combine", lambda: validate_combine(
+        cfg, r, dev, y, topk, w, handle, owner=buf._owner, epoch=buf._epoch, last_seq=buf._seq,
         active_ranks=None, timeout_us=None, zero_copy=False, async_finish=False, return_recv_hook=False,
         out=None))
-    timed("  torch.empty recv_x [72,128,7168] e4m3", lambda: torch.empty((E, T, H), dtype=torch.float8_e4m3fn,
-                                                                         device=dev))
-    timed("  torch.empty scales (+transpose)", lambda: torch.empty((E, H // 128, T), dtype=torch.float32,
-                                                                   device=dev).transpose(1, 2))
-    timed("  torch.empty int32 [E*(1+2T)]", lambda: torch.empty(E * (1 + 2 * T), dtype=torch.int32, device=dev))
-    timed("  torch.empty out [T,H] bf16", lambda: torch.empty((T, H), dtype=torch.bfloat16, device=dev))
-    timed("  raw stream query", be._raw_current_stream)
-    timed("  10 x data_ptr()", lambda: [x.data_ptr() for _ in range(10)])
-    recv = torch.empty((E, T, H), dtype=torch.float8_e4m3fn, device=dev)
-    sc = torch.empty((E, H // 128, T), dtype=torch.float32, device=dev).transpose(1, 2)
-    meta = torch.empty(E * (1 + 2 * T), dtype=torch.int32, device=dev)
-    lr = torch.empty((E, 1), dtype=torch.int64, device=dev)
-    act = be._active_ptr(None)
-    s = be._static
-    ep = be._ep
-    timed("  ep.dispatch binding + launch", lambda: ep.dispatch(
-        s, x.data_ptr(), topk.data_ptr(), T, K, 0, True, False, False, act, recv.data_ptr(), sc.data_ptr(),
-        meta.data_ptr() + 4 * E, meta.data_ptr() + 4 * E * (1 + T), lr.data_ptr(), meta.data_ptr(), 0,
-        10**10, 3, be._raw_current_stream()))
-    buf.destroy()
+    buf.combine(y, topk, w, handle)
+    torch.cuda.synchronize()
+    e_l, rows, h = buf.num_local_experts, r * cfg.num_max_dispatch_tokens_per_rank, cfg.hidden
+    timed(f"torch.empty recv_x [{e_l},{rows},{h}] e4m3", lambda: torch.empty((e_l, rows, h), dtype=torch.float8_e4m3fn,
+                                                                              device=dev))
+    timed("torch.empty out bf16", lambda: torch.empty((x.shape[0], h), dtype=torch.bfloat16, device=dev))
+    timed("raw stream query", be._raw_current_stream)
+    timed("10 x data_ptr()", lambda: [x.data_ptr() for _ in range(10)])
+    return lines
+
+
+def _verify(bufs: List[Any], x: Any, topk: Any, w: Any, y: Any) -> List[str]:
+    """The fast path and the Python path give the same bits (FP8, BF16 and UE8M0 dispatch, combine
+    with out= and zero_copy), the same typed errors, and the fast path took the plain calls."""
+    import torch
+    fast, slow = bufs
+    problems: List[str] = []
+    for kw in ({}, {"use_fp8": False}, {"round_scale": True, "use_ue8m0": True}):
+        res = []
+        for buf in (fast, slow):
+            # One combine per dispatch: plain, out=, zero_copy.
+            recv, count, handle, _e, _h = buf.dispatch(x, topk, **kw)
+            recv = list(recv) if isinstance(recv, tuple) else [recv]
+            out1, _e, _h = buf.combine(y, topk, w, handle)
+            _r, _c, h2, _e, _h = buf.dispatch(x, topk, **kw)
+            given = torch.empty_like(out1)
+            out2, _e, _h = buf.combine(y, topk, w, h2, out=given)
+            _r, _c, h3, _e, _h = buf.dispatch(x, topk, **kw)
+            buf.get_next_combine_buffer(h3).copy_(y)
+            out3, _e, _h = buf.combine(y, topk, w, h3, zero_copy=True)
+            if out2 is not given:
+                problems.append(f"{kw}: combine(out=) did not return the given tensor")
+            res.append((recv, count, handle.src_info, handle.layout_range, [out1, out2, out3]))
+        torch.cuda.synchronize()
+        (ra, ca, sa, la, oa), (rb, cb, sb, lb, ob) = res
+        if not (torch.equal(ca, cb) and torch.equal(la, lb)):
+            problems.append(f"{kw}: recv_count / layout_range differ between the paths")
+            continue
+        # Rows past recv_count[e] are unspecified: compare the received rows only.
+        for e, n in enumerate(ca.tolist()):
+            pairs = [(t[e, :n], u[e, :n]) for t, u in zip(ra, rb)] + [(sa[e, :n], sb[e, :n])]
+            for i, (t, u) in enumerate(pairs):
+                t8 = t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
+                u8 = u.contiguous().view(torch.uint8) if u.element_size() == 1 else u
+                if t.dtype != u.dtype or t.stride() != u.stride() or not torch.equal(t8, u8):
+                    problems.append(f"{kw}: expert {e} output {i} differs between the paths")
+                    break
+        for i, (t, u) in enumerate(zip(oa, ob)):
+            if not torch.equal(t, u):
+                problems.append(f"{kw}: combine output {i} differs between the paths")
+    bad = [("x fp32", lambda b: b.dispatch(x.float(), topk)), ("idx int32", lambda b: b.dispatch(x, topk.int())),
+           ("timeout 0", lambda b: b.dispatch(x, topk, timeout_us=0))]
+    for name, call in bad:
+        msgs = []
+        for buf in (fast, slow):
+            try:
+                call(buf)
+                msgs.append("no error")
+            except (TypeError, ValueError) as exc:
+                msgs.append(f"{type(exc).__name__}: {exc}")
+        if msgs[0] != msgs[1] or msgs[0] == "no error":
+            problems.append(f"{name}: {msgs}")
+    fp = fast.backend.fast_path
+    if fp is None or int(fp.calls) == 0:
+        problems.append("the fast path took no call")
+    return problems or ["fast and Python paths agree"]
+
+
+def _rank_main(rank: int, args: argparse.Namespace, port: int, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from pyep.ep import EpBuffer
+    from pyep.ep.native import FAST_ENV
+    ngpu = torch.cuda.device_count()
+    if ngpu == 0:
+        raise SystemExit("host_overhead: no CUDA device")
+    dev = torch.device("cuda", rank % ngpu)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
+    T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+    topk = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(dev)
+    w = torch.rand(T, K, generator=gen).to(dev)
+    e_l = E // args.ranks
+    y = torch.randn(e_l, args.ranks * T, H, generator=gen).to(torch.bfloat16).to(dev)
+    out: Dict[str, Any] = {"rank": rank, "device": torch.cuda.get_device_name(dev), "paths": {}}
+    bufs = {}
+    for path, fast in (("C++ fast path", "1"), ("Python path (PYEP_LL_FAST=0)", "0")):
+        os.environ[FAST_ENV] = fast
+        bufs[path] = EpBuffer(None, num_max_dispatch_tokens_per_rank=T, hidden=H, num_experts=E, max_topk=K,
+                              backend="native")     # default arguments otherwise: check_values=True
+    os.environ.pop(FAST_ENV, None)
+    out["verify"] = _verify(list(bufs.values()), x, topk, w, y)
+    for path, buf in bufs.items():
+        fast = "1" if path.startswith("C++") else "0"
+        try:
+            for _ in range(5):
+                _r, _c, handle, _e, _h = buf.dispatch(x, topk)
+                buf.combine(y, topk, w, handle)
+            torch.cuda.synchronize()
+            dist.barrier()
+            res = _busy_loop(buf, x, topk, w, y, args.iters, args.window, args.sleep_cycles)
+            fp = buf.backend.fast_path
+            res["fast_calls"] = int(fp.calls) if fp is not None else 0
+            if args.pieces and rank == 0 and fast == "0":
+                res["pieces"] = _pieces(buf, x, topk, w, y, max(20, args.iters // 4))
+            dist.barrier()
+            out["paths"][path] = res
+        finally:
+            buf.destroy()
+    results.put(out)
     dist.destroy_process_group()
-    return 0
+
+
+def _table(outs: List[Dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [f"host time per call, us, GPU kept busy (T={args.tokens} H={args.hidden} E={args.experts} "
+             f"K={args.topk}, {args.ranks} rank(s), FP8 dispatch, default arguments; goal <= {GOAL_US:g} us)",
+             f"{'rank':>4}  {'path':<30} {'call':<9} {'mean':>8} {'p50':>8} {'p99':>8}  {'fast calls':>10}  note"]
+    for o in sorted(outs, key=lambda o: o["rank"]):
+        for path, res in o["paths"].items():
+            for call in ("dispatch", "combine"):
+                st = res[call]
+                note = "" if res["idle_windows"] == 0 else f"GPU idle in {res['idle_windows']}/{res['windows']} windows"
+                if path.startswith("C++"):
+                    note = (note + "; " if note else "") + ("meets goal" if st["p50"] <= GOAL_US else "ABOVE goal")
+                lines.append(f"{o['rank']:>4}  {path:<30} {call:<9} {st['mean']:8.1f} {st['p50']:8.1f} {st['p99']:8.1f}  "
+                             f"{res['fast_calls']:>10}  {note}")
+            lines += res.get("pieces", [])
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=200, help="measured dispatch+combine pairs per path")
+    ap.add_argument("--window", type=int, default=16, help="pairs queued behind one device sleep")
+    ap.add_argument("--sleep-cycles", type=int, default=20_000_000,
+                    help="device sleep per window (default ~10 ms at H100/H200 clocks)")
+    ap.add_argument("--ranks", type=int, default=1, help="processes (gloo group), GPU = rank %% GPUs")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=288)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--pieces", action="store_true", help="also break the Python path down (rank 0)")
+    ap.add_argument("--json", help="write every rank's figures here")
+    args = ap.parse_args()
+    if args.ranks < 1 or args.experts % args.ranks or args.iters < 1 or args.window < 1:
+        ap.error("need ranks >= 1 dividing experts, iters >= 1, window >= 1")
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, args, port, results)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    outs: List[Dict[str, Any]] = []
+    deadline = time.monotonic() + 900
+    while len(outs) < args.ranks and time.monotonic() < deadline:
+        try:
+            outs.append(results.get(timeout=5))
+        except Exception:  # noqa: BLE001 - queue.Empty: check the processes are alive
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+    for p in procs:
+        p.join(timeout=60)
+    if len(outs) < args.ranks:
+        print(f"host_overhead: {args.ranks - len(outs)} rank(s) gave no result "
+              f"(exit codes {[p.exitcode for p in procs]})", file=sys.stderr)
+        return 1
+    print(_table(outs, args))
+    for o in outs:
+        print(f"rank {o['rank']} verify: " + "; ".join(o["verify"]))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"config": vars(args), "ranks": outs}, fh, indent=1)
+    if any(o["verify"] != ["fast and Python paths agree"] for o in outs):
+        return 4
+    fast_ok = all(o["paths"]["C++ fast path"][c]["p50"] <= GOAL_US for o in outs for c in ("dispatch", "combine"))
+    return 0 if fast_ok else 3
 
 
 if __name__ == "__main__":
