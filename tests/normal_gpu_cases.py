@@ -404,3 +404,48 @@ def peer_timeout(shape_args: Tuple[int, int, int, int], timeout_us: int) -> floa
         ref.destroy()
         torch.cuda.synchronize()
     return took
+
+
+def deep_ep_shim(shape_args: Tuple[int, int, int, int]) -> None:
+    """Code written for DeepEP's intranode path, run through pyep.compat.deep_ep on the native kernels:
+    the calls DeepEP's tests/test_intranode.py makes (layout, BF16 and FP8 dispatch, cached dispatch,
+    combine with weights, the event), compared bit for bit with the same shim on the reference."""
+    import torch
+    import torch.distributed as dist
+    from pyep.compat import deep_ep
+    from pyep.ep.normal import NormalBuffer
+    setup_device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = Shape(*shape_args)
+    nvl = NormalBuffer.size_hint(s.H, world)
+    bufs = {name: deep_ep.Buffer(dist.group.WORLD, nvl, 0, low_latency_mode=False, backend=name)
+            for name in ("native", "reference")}
+    try:
+        x, t, w = make_inputs(31, rank, s, "random", world)
+        outs = {}
+        for name, buf in bufs.items():
+            dev = "cuda" if name == "native" else "cpu"
+            dx, dt, dw = _on(dev, x, t, w)
+            n_rank, n_rdma, n_exp, in_rank, ev = buf.get_dispatch_layout(dt, s.E)
+            assert n_rdma is None
+            recv_x, recv_idx, recv_w, counts, handle, ev = buf.dispatch(
+                dx, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_exp,
+                topk_idx=dt, topk_weights=dw, config=deep_ep.Buffer.get_dispatch_config(world), async_finish=True)
+            ev.current_stream_wait()
+            fx = (dx.to(torch.float8_e4m3fn), torch.ones(dx.shape[0], s.H // 128, device=dev))
+            f_recv, _, _, _, _, _ = buf.dispatch(fx, handle=handle)
+            combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w,
+                                                  config=deep_ep.Buffer.get_combine_config(world))
+            if name == "native":
+                torch.cuda.synchronize()
+                raw = buf.get_local_buffer_tensor(torch.uint8)
+                assert raw.is_cuda and raw.numel() > 0
+            outs[name] = [t_.cpu() if t_ is not None else None for t_ in
+                          (recv_x, recv_idx, recv_w, torch.tensor(counts), f_recv[0].view(torch.uint8), f_recv[1],
+                           combined, combined_w, *handle)]
+        for i, (a, b) in enumerate(zip(outs["native"], outs["reference"])):
+            same(f"rank {rank} deep_ep shim output {i}", a, b)
+    finally:
+        for buf in bufs.values():
+            buf.destroy()
+        torch.cuda.synchronize()

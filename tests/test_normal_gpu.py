@@ -103,6 +103,15 @@ def test_absent_peer_times_out_and_clean_recovers(pools):
     assert 0 < took[0] < timeout_us / 1e6 + 5.0, f"rank 0 took {took[0]:.2f} s to report the absent peer"
 
 
+@requires_gpus
+@pytest.mark.timeout(240)
+def test_deep_ep_shim_on_native(pools):
+    """pyep.compat.deep_ep.Buffer(low_latency_mode=False) on the kernels, as DeepEP's intranode test
+    calls it, equal to the same shim on the reference backend."""
+    from normal_gpu_cases import deep_ep_shim
+    pools[2].run(deep_ep_shim, (200, 1024, 16, 4), timeout_s=220)
+
+
 @pytest.mark.skipif(NGPU < 2, reason="the bench runs NCCL, one rank per GPU: needs 2 GPUs")
 @requires_gpus
 @pytest.mark.timeout(300)
