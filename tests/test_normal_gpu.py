@@ -112,6 +112,15 @@ def test_deep_ep_shim_on_native(pools):
     pools[2].run(deep_ep_shim, (200, 1024, 16, 4), timeout_s=220)
 
 
+@requires_gpus
+@pytest.mark.timeout(240)
+def test_kernel_names_in_profiles(pools):
+    """One kernel named *dispatch* per dispatch call and one *combine* per combine call (profiling
+    helpers written for DeepEP look for exactly that)."""
+    from normal_gpu_cases import kernel_names
+    pools[2].run(kernel_names, (128, 1024, 16, 4), timeout_s=220)
+
+
 @pytest.mark.skipif(NGPU < 2, reason="the bench runs NCCL, one rank per GPU: needs 2 GPUs")
 @requires_gpus
 @pytest.mark.timeout(300)
