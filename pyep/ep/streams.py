@@ -30,6 +30,19 @@ def raw_current_stream(device: "torch.device") -> int:
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
+def wait_event_bounded(event: "torch.cuda.Event", bound_s: float, what: str) -> None:
+    """Block the host until `event` completed, polling with a growing pause; TimeoutError naming `what`
+    after bound_s (a kernel waits at most timeout_us per peer, so longer means the GPU is blocked)."""
+    deadline = time.monotonic() + bound_s
+    pause = 20e-6
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not finish within {bound_s:.1f} s on the device (its kernels wait "
+                               f"at most timeout_us per peer; a longer stall means the GPU is blocked by other work)")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
 class NativeEvent:
     """EventLike over a CUDA event; wait() is bounded and names the operation."""
 
@@ -40,15 +53,7 @@ class NativeEvent:
         self.bound_s = bound_s
 
     def wait(self) -> None:
-        deadline = time.monotonic() + self.bound_s
-        pause = 20e-6
-        while not self._event.query():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.what} did not finish within {self.bound_s:.1f} s on the device "
-                                   f"(its kernels wait at most timeout_us per peer; a longer stall means the "
-                                   f"GPU is blocked by other work)")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        wait_event_bounded(self._event, self.bound_s, self.what)
 
     def current_stream_wait(self) -> None:
         import torch

@@ -13,8 +13,9 @@ either record an event (async_finish) or make the caller's stream wait for it.
 """
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Tuple, TypeVar
+
+from ..streams import wait_event_bounded
 
 if TYPE_CHECKING:
     import torch
@@ -58,15 +59,7 @@ class NormalEvent:
     def wait(self) -> None:
         """Block until the call's work finished (bounded), then raise what the device recorded."""
         if self._event is not None:
-            deadline = time.monotonic() + self.bound_s
-            pause = 20e-6
-            while not self._event.query():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.what} did not finish within {self.bound_s:.1f} s on the device "
-                                       f"(its kernels wait at most timeout_us per peer; a longer stall means "
-                                       f"the GPU is blocked by other work)")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+            wait_event_bounded(self._event, self.bound_s, self.what)
         if self._check is not None:
             self._check()
 
