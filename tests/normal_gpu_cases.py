@@ -227,17 +227,22 @@ def graph_case(shape_args: Tuple[int, int, int, int], replays: int) -> None:
             out, ow, handle = step()
         torch.cuda.synchronize()
         for i in range(replays):
-            x_i = make_inputs(100 + i, rank, s, "random", world)[0]
-            gx.copy_(x_i.cuda())
+            # New tokens and a new routing each replay: every replay is a new call of the count exchange
+            # (its call number lives on the device, not in the captured arguments).
+            x_i, t_i, w_i = make_inputs(100 + i, rank, s, "hot" if i % 2 else "random", world)
+            for dst, src in zip((gx, gt, gw, n_rank, n_exp, in_rank), (x_i, t_i, w_i, *_layout_ref(t_i, s.E, world))):
+                dst.copy_(src.to(dst.device))
             graph.replay()
             torch.cuda.synchronize()
-            lay = ref.get_dispatch_layout(t, s.E)
+            lay = ref.get_dispatch_layout(t_i, s.E)
             want = ref.dispatch(x_i, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
-                                num_tokens_per_expert=lay[2], topk_idx=t, topk_weights=w, num_worst_tokens=worst)
+                                num_tokens_per_expert=lay[2], topk_idx=t_i, topk_weights=w_i, num_worst_tokens=worst)
             want_out = ref.combine(expert(want[0], rank), want[4], topk_weights=want[2])
             same(f"rank {rank} graph replay {i} combined_x", out, want_out[0])
             same(f"rank {rank} graph replay {i} combined_topk_weights", ow, want_out[1])
         # A cached dispatch + combine captured with the handle of an eager dispatch.
+        for dst, src in zip((gx, gt, gw, n_rank, n_exp, in_rank), (x, t, w, *_layout_ref(t, s.E, world))):
+            dst.copy_(src.to(dst.device))
         recv0, _i, rw0, _c, h0, _e = nat.dispatch(gx, **args)
         torch.cuda.synchronize()
         g2 = torch.cuda.CUDAGraph()

@@ -61,7 +61,7 @@ void register_normal(py::module_& m) {
         "notify",
         [](const NormalStatic& s, uint64_t topk, int num_topk, uint64_t per_expert, uint64_t in_rank, int num_tokens,
            int num_experts,
-           int num_channels, int seq, int expert_alignment, int num_worst_tokens, uint64_t rank_prefix,
+           int num_channels, int expert_alignment, int num_worst_tokens, uint64_t rank_prefix,
            uint64_t channel_prefix, uint64_t recv_channel_prefix, uint64_t send_head, uint64_t stream) {
             NotifyArgs a;
             a.topk = topk;
@@ -71,7 +71,6 @@ void register_normal(py::module_& m) {
             a.num_tokens = num_tokens;
             a.num_experts = num_experts;
             a.num_channels = num_channels;
-            a.seq = seq;
             a.expert_alignment = expert_alignment;
             a.num_worst_tokens = num_worst_tokens;
             a.rank_prefix_matrix = rank_prefix;

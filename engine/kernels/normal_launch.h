@@ -39,8 +39,9 @@ struct NormalStatic {
     uint32_t off_tail = 0, off_head = 0, off_tx = 0, off_rx = 0, off_flag = 0, off_notify = 0;
     uint32_t notify_ints = 0;     // ints per (parity, source) notify slot
     uint64_t err = 0;             // pinned int32[8]: the error record
-    uint64_t host_counts = 0;     // pinned int32[2 + kMaxLocalExperts]: [ready seq, rows, aligned per-expert rows]
-    uint64_t workspace = 0;       // device int32[8]: [0] rows this rank receives (latest notify), [4] error claim
+    uint64_t host_counts = 0;     // pinned int32[2 + kMaxLocalExperts]: [ready, rows, aligned per-expert rows]
+    uint64_t workspace = 0;       // device int32[8]: [0] rows this rank receives (latest notify), [1] notify
+                                  // call number, [4] error claim
     uint64_t timeout_ns = 0;
 };
 
@@ -59,7 +60,6 @@ struct NotifyArgs {
     uint64_t num_tokens_per_expert = 0;   // int32 [E]
     uint64_t is_token_in_rank = 0;        // bool [N, R]
     int num_tokens = 0, num_experts = 0, num_channels = 0;
-    int seq = 0;                          // notify call number (>= 1), the same on every rank
     int expert_alignment = 1;
     int num_worst_tokens = 0;
     uint64_t rank_prefix_matrix = 0;      // out int32 [R, R]

@@ -84,9 +84,18 @@ __global__ void normal_route_kernel(NormalStatic s, NotifyArgs a) {
 // call number as the slot's flag (release, after a system fence); it waits for every peer's flag and
 // reads the slots. Parity double-buffering is enough: a rank cannot start notify k+2 before every peer
 // has published flag k+1, which each peer does only after it finished reading the slots of call k.
+// The call number lives on the device (workspace word 1), not in the launch arguments: a CUDA graph
+// replays the same arguments, and every replay must still be a new call.
 __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalStatic s, NotifyArgs a) {
     const int R = s.num_ranks, me = s.rank, C = a.num_channels, El = a.num_experts / R;
-    const int parity = a.seq & 1, NI = (int)s.notify_ints;
+    int* ws = reinterpret_cast<int*>(s.workspace);
+    __shared__ int seq_sh;
+    if (threadIdx.x == 0) {
+        seq_sh = ws[1] + 1;
+        ws[1] = seq_sh;
+    }
+    __syncthreads();
+    const int seq = seq_sh, parity = seq & 1, NI = (int)s.notify_ints;
     const int* per_expert = reinterpret_cast<const int*>(a.num_tokens_per_expert);
     int* cpm = reinterpret_cast<int*>(a.channel_prefix_matrix);
     __shared__ int aborted;
@@ -114,14 +123,14 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
     if (threadIdx.x < R) {
         const int d = threadIdx.x;
         __threadfence_system();
-        st_release_sys(words(peer_buf(s, d), s.off_flag) + parity * R + me, a.seq);
+        st_release_sys(words(peer_buf(s, d), s.off_flag) + parity * R + me, seq);
         int acc = 0;   // this rank's rows per channel for d -> inclusive prefix
         for (int c = 0; c < C; ++c) {
             acc += cpm[d * C + c];
             cpm[d * C + c] = acc;
         }
         uint8_t* own = reinterpret_cast<uint8_t*>(s.buf);
-        if (!wait_counter(words(own, s.off_flag) + parity * R + d, (uint32_t)a.seq, s.timeout_ns)) {
+        if (!wait_counter(words(own, s.off_flag) + parity * R + d, (uint32_t)seq, s.timeout_ns)) {
             record_error(s, kErrPeerTimeout, d, kPhaseNotify, -1);
             aborted = 1;
         }
@@ -146,7 +155,10 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
             row += aborted ? 0 : slots[j * NI + kMaxRanks + c];
         }
     }
-    for (int e = threadIdx.x; e < El; e += blockDim.x) {
+    // Host-visible counts only for a call whose host waits for them (num_worst_tokens == 0): a
+    // worst-case-sized call never writes there, so it cannot overwrite the counts of a later call.
+    const bool host_waits = a.num_worst_tokens == 0;
+    for (int e = threadIdx.x; e < El && host_waits; e += blockDim.x) {
         int n = 0;
         for (int i = 0; i < R && !aborted; ++i) n += slots[i * NI + kMaxRanks + kMaxChannels + e];
         host[2 + e] = (n + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment;
@@ -154,15 +166,15 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
     if (threadIdx.x == 0) {
         int rows = 0;
         for (int i = 0; i < R && !aborted; ++i) rows += slots[i * NI + me];
-        reinterpret_cast<int*>(s.workspace)[0] = rows;
-        host[1] = rows;
+        ws[0] = rows;
+        if (host_waits) host[1] = rows;
         if (a.num_worst_tokens > 0 && rows > a.num_worst_tokens)
             record_error(s, kErrWorstTokens, rows, a.num_worst_tokens, 0);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && host_waits) {
         __threadfence_system();
-        *reinterpret_cast<volatile int*>(host) = a.seq;   // the host waits for this word
+        *reinterpret_cast<volatile int*>(host) = 1;   // the host cleared it before the launch and waits
     }
 }
 
@@ -204,7 +216,7 @@ void launch_notify(const NormalStatic& s, const NotifyArgs& a, uint64_t stream) 
     if (a.num_channels < 1 || a.num_channels > kMaxChannels) throw std::invalid_argument("num_channels must be in [1, 64]");
     if (a.num_experts % s.num_ranks || a.num_experts / s.num_ranks > kMaxLocalExperts)
         throw std::invalid_argument("num_experts must be a multiple of num_ranks with at most 1024 per rank");
-    if (a.seq < 1 || a.expert_alignment < 1) throw std::invalid_argument("seq and expert_alignment must be >= 1");
+    if (a.expert_alignment < 1) throw std::invalid_argument("expert_alignment must be >= 1");
     if ((int)s.notify_ints < kMaxRanks + kMaxChannels + kMaxLocalExperts) throw std::invalid_argument("notify slot too small");
     auto st = reinterpret_cast<cudaStream_t>(stream);
     normal_route_kernel<<<a.num_channels, 32 * s.num_ranks, 0, st>>>(s, a);

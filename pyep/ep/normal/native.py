@@ -172,14 +172,16 @@ class NormalNativeBackend:
         return LayoutResult(per_rank, per_expert, in_rank)
 
     def _wait_counts(self, seq: int) -> None:
+        # seq only names the call in messages: the notify kernel sets host word 0 to 1, which the host
+        # cleared before the launch (no other launch writes it, see normal_notify_kernel).
         """The pinned word the notify kernel sets once the counts are in (bounded: the kernel itself
         gives up on a silent peer after the timeout and still sets the word)."""
         host = self._host_np
-        if host[0] == seq:
+        if host[0] == 1:
             return
         deadline = time.monotonic() + 2 * self.timeout_us / 1e6 + 10.0
         spins = 0
-        while host[0] != seq:
+        while host[0] != 1:
             spins += 1
             if spins > 2000:
                 if time.monotonic() > deadline:
@@ -209,8 +211,10 @@ class NormalNativeBackend:
             rcp = torch.empty((r_n, c_n), dtype=i32, device=dev)
             send_head = torch.empty((n, r_n), dtype=i32, device=dev)
             in_rank = call.is_token_in_rank
+            if call.num_worst_tokens == 0:
+                self._host_np[0] = 0
             self._n.notify(self._static, call.topk_idx.data_ptr() if call.topk_idx is not None and n else 0, k,
-                           call.num_tokens_per_expert.data_ptr(), in_rank.data_ptr(), n, e_n, c_n, seq,
+                           call.num_tokens_per_expert.data_ptr(), in_rank.data_ptr(), n, e_n, c_n,
                            call.expert_alignment, call.num_worst_tokens, rpm.data_ptr(), cpm.data_ptr(),
                            rcp.data_ptr(), send_head.data_ptr(), stream)
             if call.num_worst_tokens > 0:
