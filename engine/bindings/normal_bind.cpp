@@ -86,7 +86,7 @@ void register_normal(py::module_& m) {
         [](const NormalStatic& s, uint64_t x, uint64_t x_scales, uint64_t topk_idx, uint64_t topk_weights,
            uint64_t in_rank, uint64_t rank_prefix, uint64_t channel_prefix, uint64_t recv_channel_prefix,
            int num_tokens, int hidden, int num_topk, int num_local_experts, bool fp8, int num_channels,
-           int ring_tokens, int chunk_tokens, int num_out_rows, int num_worst_tokens, uint64_t recv_x,
+           int ring_tokens, int chunk_tokens, int num_out_rows, int num_worst_tokens, bool use_tma, uint64_t recv_x,
            uint64_t recv_x_scales, uint64_t recv_topk_idx, uint64_t recv_topk_weights, uint64_t recv_src_idx,
            uint64_t stream) {
             DispatchArgs a;
@@ -108,6 +108,7 @@ void register_normal(py::module_& m) {
             a.chunk_tokens = chunk_tokens;
             a.num_out_rows = num_out_rows;
             a.num_worst_tokens = num_worst_tokens;
+            a.use_tma = use_tma;
             a.recv_x = recv_x;
             a.recv_x_scales = recv_x_scales;
             a.recv_topk_idx = recv_topk_idx;

@@ -9,10 +9,15 @@
 #include <string>
 
 #include "kernels/normal_common.cuh"
+#include "kernels/normal_tma.cuh"
 
 namespace pyep {
 namespace normal {
 namespace {
+
+// Receiver blocks: two TMA stages per warp, then the warps' mbarriers.
+constexpr int kTmaSmemData = kDispatchWarps * kTmaStages * kTmaStageBytes;
+constexpr int kTmaSmemBytes = kTmaSmemData + kDispatchWarps * kTmaStages * 8;
 
 struct Group {
     int g, wi, W, lane;
@@ -107,10 +112,13 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
 // One received row: payload (and FP8 scales) by the whole warp, local top-k ids / weights and the source
 // index by a few lanes. `id(k)` and `weight(k)` read the row's top-k entry from wherever it is.
 template <typename Id, typename Weight>
-__device__ __forceinline__ void emit_row(const DispatchArgs& a, const DispatchRow& row, int out, const uint8_t* payload,
-                                         const float* scales, Id id, Weight weight, int src_token, int lo, int lane) {
+__device__ __forceinline__ void emit_row(const DispatchArgs& a, const DispatchRow& row, WarpTma& tma, int out,
+                                         const uint8_t* payload, const float* scales, Id id, Weight weight,
+                                         int src_token, int lo, int lane) {
     const int K = a.num_topk, El = a.num_local_experts, groups = a.hidden / 128;
-    warp_copy(reinterpret_cast<uint8_t*>(a.recv_x) + (uint64_t)out * row.payload, payload, row.payload, lane);
+    uint8_t* dst = reinterpret_cast<uint8_t*>(a.recv_x) + (uint64_t)out * row.payload;
+    if (a.use_tma) tma_copy(tma, dst, payload, row.payload, lane);
+    else warp_copy(dst, payload, row.payload, lane);
     if (a.fp8)
         for (int g = lane; g < groups; g += 32)
             reinterpret_cast<float*>(a.recv_x_scales)[(int64_t)out * groups + g] = __ldcg(scales + g);
@@ -127,7 +135,7 @@ __device__ __forceinline__ void emit_row(const DispatchArgs& a, const DispatchRo
 // This rank's own rows of channel c go from x straight to their output rows (no ring, no counters):
 // the j-th row of a 32-token round goes to warp j mod W, at row recv_channel_prefix[me][c] + position.
 __device__ void dispatch_self(const NormalStatic& s, const DispatchArgs& a, const DispatchRow& row, int c,
-                              const Group& G) {
+                              const Group& G, WarpTma& tma) {
     const int R = s.num_ranks, me = s.rank, K = a.num_topk, groups = a.hidden / 128;
     int t0, t1;
     channel_range(a.num_tokens, a.num_channels, c, t0, t1);
@@ -150,20 +158,21 @@ __device__ void dispatch_self(const NormalStatic& s, const DispatchArgs& a, cons
             const int out = start + pos + j;
             if (j % G.W != G.wi || out >= a.num_out_rows) continue;
             const int tok = wbase + bit;
-            emit_row(a, row, out, x + (uint64_t)tok * row.payload, scales + (int64_t)tok * groups,
+            emit_row(a, row, tma, out, x + (uint64_t)tok * row.payload, scales + (int64_t)tok * groups,
                      [&](int k) { return topk ? topk[(int64_t)tok * K + k] : (int64_t)-1; },
                      [&](int k) { return weights ? weights[(int64_t)tok * K + k] : 0.f; }, tok, lo, G.lane);
         }
         pos += __popc(mask);
     }
+    tma_drain(G.lane);
 }
 
 // Receiver of channel c from source src: rows [start, end) of the output, contiguous in ring order.
 __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, const DispatchRow& row, int c,
-                              const Group& G, int* sh_flag) {
+                              const Group& G, int* sh_flag, WarpTma& tma) {
     const int R = s.num_ranks, me = s.rank, src = G.g, Q = a.ring_tokens, C = a.num_channels;
     if (src == me) {
-        dispatch_self(s, a, row, c, G);
+        dispatch_self(s, a, row, c, G, tma);
         return;
     }
     int start, count;
@@ -189,22 +198,27 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
         }
         group_sync(G.g, G.W);
         const int avail = sh_flag[G.g];
-        if (avail < 0) return;
+        if (avail < 0) {
+            tma_drain(G.lane);
+            return;
+        }
         for (int j = G.wi; j < avail; j += G.W) {
             const int i = done + j;
             const int out = start + i;
             if (out >= a.num_out_rows) continue;    // more rows than num_worst_tokens: recorded by notify
             const uint8_t* r = ring + (uint64_t)(i % Q) * row.bytes;
-            emit_row(a, row, out, r, reinterpret_cast<const float*>(r + row.scales),
+            emit_row(a, row, tma, out, r, reinterpret_cast<const float*>(r + row.scales),
                      [&](int k) { return (int64_t)__ldcg(reinterpret_cast<const int*>(r + row.ids) + k); },
                      [&](int k) { return __ldcg(reinterpret_cast<const float*>(r + row.weights) + k); },
                      __ldcg(reinterpret_cast<const int*>(r + row.src)), lo, G.lane);
         }
-        group_sync(G.g, G.W);                       // every read of these slots is done
+        group_sync(G.g, G.W);                       // every read of these slots is done (tma_copy
+                                                    // returns once its loads completed)
         if (G.leader()) st_release_sys(head, (int)(base + done + avail));
         done += avail;
     }
     if (G.leader()) *rx_of(s, c, src) = (int)(base + count);
+    tma_drain(G.lane);
 }
 
 __global__ void __launch_bounds__(kDispatchThreads, 1) normal_dispatch_kernel(NormalStatic s, DispatchArgs a) {
@@ -233,7 +247,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) normal_dispatch_kernel(No
     } else {
         const int W = kDispatchWarps / R, g = warp / W;
         if (g >= R) return;
-        dispatch_recv(s, a, row, c, Group{g, warp % W, W, lane}, sh_flag);
+        extern __shared__ __align__(128) uint8_t tma_smem[];
+        WarpTma tma = tma_setup(tma_smem, reinterpret_cast<uint64_t*>(tma_smem + kTmaSmemData), warp, lane);
+        dispatch_recv(s, a, row, c, Group{g, warp % W, W, lane}, sh_flag, tma);
     }
 }
 
@@ -253,7 +269,13 @@ void launch_dispatch(const NormalStatic& s, const DispatchArgs& a, uint64_t stre
     const uint64_t need = (uint64_t)a.num_channels * s.num_ranks * a.ring_tokens * dispatch_row_bytes(a.hidden, a.fp8, a.num_topk);
     if (need > s.ring_capacity)
         bad("the rings need " + std::to_string(need) + " bytes, the buffer has " + std::to_string(s.ring_capacity));
-    normal_dispatch_kernel<<<2 * a.num_channels, kDispatchThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    static const bool smem_ok = [] {
+        return cudaFuncSetAttribute(normal_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmemBytes) ==
+               cudaSuccess;
+    }();
+    if (!smem_ok) throw std::runtime_error("normal dispatch: cannot reserve " + std::to_string(kTmaSmemBytes) +
+                                           " bytes of shared memory per block");
+    normal_dispatch_kernel<<<2 * a.num_channels, kDispatchThreads, kTmaSmemBytes, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw std::runtime_error(std::string("normal dispatch launch: ") + cudaGetErrorString(e));
 }

@@ -80,6 +80,7 @@ struct DispatchArgs {
     int num_channels = 0, ring_tokens = 0, chunk_tokens = 0;
     int num_out_rows = 0;                 // rows of the outputs
     int num_worst_tokens = 0;             // > 0: pad rows past the real count (topk -1, weights 0, src -1)
+    int use_tma = 1;                      // receiver's local row copies by bulk copy (1) or by warp loads/stores (0)
     uint64_t recv_x = 0, recv_x_scales = 0, recv_topk_idx = 0, recv_topk_weights = 0, recv_src_idx = 0;
 };
 

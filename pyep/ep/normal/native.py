@@ -94,6 +94,10 @@ class NormalNativeBackend:
         self._broken = False
         self._destroyed = False
         self._notify_seq = 0
+        # PYEP_NORMAL_TMA=0: the dispatch receiver copies rows with warp loads/stores instead of the bulk
+        # copy engine (an A/B switch for measurements; both give the same bytes).
+        import os
+        self._use_tma = os.environ.get("PYEP_NORMAL_TMA", "1") != "0"
         # Pinned host words the kernels write and the host reads without synchronising.
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host = torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cpu",
@@ -248,7 +252,7 @@ class NormalNativeBackend:
                          ptr(None if cached else call.topk_weights), in_rank.data_ptr(), rpm.data_ptr(), cpm.data_ptr(),
                          rcp.data_ptr(), n, h, k, (call.num_experts // r_n) if call.num_experts else 0, fp8, c_n,
                          cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, rows,
-                         call.num_worst_tokens, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w),
+                         call.num_worst_tokens, self._use_tma, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w),
                          0 if cached else recv_src.data_ptr(), stream)
         return DispatchResult(recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=recv_idx,
                               recv_topk_weights=recv_w, num_recv_tokens_per_expert_list=None if cached else counts,
