@@ -253,6 +253,7 @@ def graph_case(shape_args: Tuple[int, int, int, int], replays: int) -> None:
         gx.copy_(x_j.cuda())
         g2.replay()
         torch.cuda.synchronize()
+        nat.backend.check_errors()          # anything the kernels recorded (a handle/count mismatch...)
         lay = ref.get_dispatch_layout(t, s.E)
         want = ref.dispatch(x_j, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
                             topk_idx=t, topk_weights=w, num_worst_tokens=worst)
