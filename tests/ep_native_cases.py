@@ -131,12 +131,15 @@ def new_buffers(shape: Shape, transport: str, **kw: Any):
 
 
 def run_case(nat: Any, ref: Any, shape: Shape, seed: int, n: int, routing: str, *, use_fp8: bool = False,
-             round_scale: bool = False, use_ue8m0: bool = False, mode: str = "plain", zero_copy: bool = False) -> None:
-    """One dispatch + combine on both backends; mode: plain, hook, async."""
+             round_scale: bool = False, use_ue8m0: bool = False, mode: str = "plain", zero_copy: bool = False,
+             use_logfmt: bool = False) -> None:
+    """One dispatch + combine on both backends; mode: plain, hook, async. use_logfmt: LogFMT combine, the
+    expert outputs scaled by 2^-6 (exact) so that most groups are cast (|y| < 1) and some are not."""
     import torch
     import torch.distributed as dist
     rank = dist.get_rank()
-    tag = f"rank {rank} seed {seed} n={n} {routing} fp8={use_fp8}/{round_scale}/{use_ue8m0} {mode} zc={zero_copy}"
+    tag = (f"rank {rank} seed {seed} n={n} {routing} fp8={use_fp8}/{round_scale}/{use_ue8m0} {mode} zc={zero_copy}"
+           f" logfmt={use_logfmt}")
     x, topk, w = make_inputs(seed, rank, shape, n, routing)
     dx, dtopk, dw = x.cuda(), topk.cuda(), w.cuda()
     stats = torch.zeros(nat.num_local_experts, dtype=torch.int32, device="cuda")
@@ -154,15 +157,17 @@ def run_case(nat: Any, ref: Any, shape: Shape, seed: int, n: int, routing: str, 
     e_off = rank * nat.num_local_experts
     y_n = expert_fn(got[0], got[1], e_off)
     y_r = expert_fn(want[0], want[1], e_off)
+    if use_logfmt:
+        y_n, y_r = y_n * 2.0 ** -6, y_r * 2.0 ** -6
     if zero_copy:
         nat.get_next_combine_buffer(got[2]).copy_(y_n)
     out = nat.combine(y_n, dtopk, dw, got[2], zero_copy=zero_copy, async_finish=mode == "async",
-                      return_recv_hook=mode == "hook")
+                      return_recv_hook=mode == "hook", use_logfmt=use_logfmt)
     if mode == "hook":
         out[2]()
     elif mode == "async":
         out[1].wait()
-    ref_out = ref.combine(y_r, topk, w, want[2])
+    ref_out = ref.combine(y_r, topk, w, want[2], use_logfmt=use_logfmt)
     torch.cuda.synchronize()
     check_no_timeouts(tag, nat)
     compare_combine(tag, out[0], ref_out[0])
@@ -190,7 +195,10 @@ def correctness(shape_args: Tuple[int, int, int, int], transport: str, ranks_per
             (7, T, "uniform", dict(use_fp8=True, mode="async")), (8, T - 1, "sparse", dict(zero_copy=True)),
             (9, T, "uniform", dict(use_fp8=True, use_ue8m0=True, round_scale=True, mode="hook")),
             (10, T, "zipf", dict(use_fp8=True)), (11, T, "bench-hot", {})]
-    chosen = full if cases == "all" else [c for c in full if c[0] in (1, 3, 4, 5, 10)]
+    if shape.H % 512 == 0:   # LogFMT: native bits == reference LogFMT bits (pyep.ep.logfmt)
+        full += [(12, T, "uniform", dict(use_logfmt=True)), (13, T, "hot", dict(use_logfmt=True, mode="hook")),
+                 (14, T - 1, "zipf", dict(use_logfmt=True, use_fp8=True, zero_copy=True, mode="async"))]
+    chosen = full if cases == "all" else [c for c in full if c[0] in (1, 3, 4, 5, 10, 12, 13, 14)]
     for seed, n, routing, kw in chosen:
         run_case(nat, ref, shape, seed, n, routing, **kw)
     two_in_flight(nat, ref, shape)

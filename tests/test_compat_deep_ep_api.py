@@ -199,8 +199,8 @@ def check_constructor_and_errors() -> Dict[str, Any]:
     with pytest.raises(NotImplementedError, match="combine_wait_recv_cost_stats"):
         buf.low_latency_combine(recv, idx, w, handle,
                                 combine_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.int64))
-    with pytest.raises(NotImplementedError, match="LogFMT"):
-        buf.low_latency_combine(recv, idx, w, handle, use_logfmt=True)
+    with pytest.raises(ValueError, match="use_logfmt=True needs hidden to be a multiple of 512"):
+        buf.low_latency_combine(recv, idx, w, handle, use_logfmt=True)   # LogFMT needs H % 512
     with pytest.raises(NotImplementedError, match="registered"):
         buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)   # vLLM's clean_buffers call
     out, _, _ = buf.low_latency_combine(recv, idx, w, handle)           # the handle survived the refusals

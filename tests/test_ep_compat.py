@@ -51,8 +51,8 @@ def check_deep_ep() -> Dict[str, Any]:
         pass
     event.current_stream_wait()
     assert hook is None and torch.equal(out, rout)
-    with pytest.raises(NotImplementedError, match="use_logfmt"):
-        buf.low_latency_combine(zc, idx, w, handle, use_logfmt=True)
+    with pytest.raises(ValueError, match="use_logfmt=True needs hidden to be a multiple of 512"):
+        buf.low_latency_combine(zc, idx, w, handle, use_logfmt=True)   # passed through, checked by EpBuffer
     with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
         buf.low_latency_dispatch(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(2, dtype=torch.int64))
     with pytest.raises(TypeError, match="handle"):

@@ -53,7 +53,10 @@ def test_message_formats_fit_a_slot(shape):
     assert lay.fp8_msg_bytes <= lay.msg_bytes
     assert lay.fp8_msg_bytes % 16 == 0
     # Whole cache lines per slot, so payloads (at offset 0) start 128-byte aligned.
-    assert lay.msg_bytes % 128 == 0 and lay.msg_bytes - lay.bf16_msg_bytes < 128
+    # The slot also holds a LogFMT combine row at its largest (meta words + 2H; pyep/ep/logfmt.py).
+    from pyep.ep.logfmt import message_bytes
+    assert message_bytes(lay.hidden) <= lay.msg_bytes
+    assert lay.msg_bytes % 128 == 0 and lay.msg_bytes - max(lay.bf16_msg_bytes, message_bytes(lay.hidden)) < 128
     assert lay.off_drecv % 128 == 0 and lay.off_crecv % 128 == 0
     # The header follows the payload (and the FP8 scales) without overlapping them.
     groups = lay.hidden // 128

@@ -296,3 +296,75 @@ def case_bad_ids(path: str, nic: str) -> str:
 def test_bad_expert_ids_recorded_and_routed_as_minus_one(sim_pool, nic):
     pool, path = sim_pool
     assert pool.run(case_bad_ids, path, nic, timeout_s=240) == ["ok"]
+
+
+def _logfmt_outputs(w, seed: int):
+    """Expert outputs that exercise every LogFMT case: most groups cast (|y| < 1), some groups sent
+    as bf16 (a value >= 1, all equal, all zero), zeros and bf16 subnormals inside cast groups."""
+    import torch
+    ys = []
+    for r in range(w.R):
+        g = torch.Generator().manual_seed(seed * 37 + r)
+        y = torch.randn(w.e_l, w.R * w.T, w.H, generator=g) * 0.2
+        y = y.reshape(-1, w.H // 128, 128)
+        pick = torch.rand(y.shape[:2], generator=g)
+        y[pick < 0.10] *= 40.0                              # over 1: bf16 group
+        y[(pick >= 0.10) & (pick < 0.14)] = 0.25            # amin == amax: bf16 group
+        y[(pick >= 0.14) & (pick < 0.17)] = 0.0             # all zero: bf16 group
+        y[(pick >= 0.17) & (pick < 0.25), 3] = 0.0          # a zero: lowest level 32 octaves down
+        y[(pick >= 0.25) & (pick < 0.30), 5] = 1e-39        # a subnormal counts as 0
+        y[(pick >= 0.30) & (pick < 0.35)] *= 1e-30          # tiny, still normal
+        ys.append(y.reshape(w.e_l, w.R * w.T, w.H).to(torch.bfloat16))
+    return ys
+
+
+def case_logfmt(path: str, R: int, shape, grid: int, nic: str) -> str:
+    """use_logfmt combine: the kernel's output equals the reference (pyep.ep.logfmt encode + decode, then
+    the same fp32 reduce) bit for bit, for several routings, both halves, split launches, with store
+    peers and with NIC peers (the packed, shorter RDMA write)."""
+    sys.path.insert(0, SIM_DIR)
+    from world import World, check_combine, check_dispatch, load
+    sim = load(path)
+    T, H, E, K = shape
+    softnic = nic.startswith("softnic")
+    nic = nic.split("-")[-1]
+    pairs = [] if nic == "none" else [(i, j) for i in range(R) for j in range(i + 1, R)
+                                      if nic == "all" or (i < R // 2) != (j < R // 2)]
+    w = World(sim, R, T, H, E, max(K, 2), grid, nic_pairs=pairs, softnic=softnic)
+    for i, routing in enumerate(["uniform", "sparse", "hot", "zipf", "one"]):
+        n = [T if (i + r) % 3 else max(0, T - 1 - r) for r in range(R)]
+        inputs = _inputs(R, T, H, E, K, 80 + i, routing, n)
+        half = i % 2
+        outs = w.dispatch(inputs, half)
+        for r in range(R):
+            check_dispatch(w, inputs, outs, r, [True] * R, False, False, False, f"logfmt {routing} rank {r}")
+        ys = _logfmt_outputs(w, 90 + i)
+        if i == 2:   # the hook path
+            w.combine(ys, inputs, outs, half, phases=1, use_logfmt=True)
+            comb = w.combine(ys, inputs, outs, half, phases=2, use_logfmt=True)
+        else:
+            comb = w.combine(ys, inputs, outs, half, use_logfmt=True)
+        for r in range(R):
+            check_combine(w, inputs, ys, comb, r, [True] * R, f"logfmt {nic} {routing} rank {r}", use_logfmt=True)
+    if w.nic is not None:
+        assert not w.nic.errors(), w.nic.errors()
+        if softnic:
+            w.nic.close()
+    return "ok"
+
+
+LOGFMT = [
+    (2, (6, 512, 8, 3), 2, "none"),
+    (3, (5, 1024, 6, 4), 2, "none"),
+    (2, (4, 1536, 4, 2), 1, "all"),
+    (4, (3, 512, 8, 3), 1, "cross"),
+    (2, (4, 512, 8, 3), 2, "softnic-all"),
+]
+
+
+@pytest.mark.parametrize("R,shape,grid,nic", LOGFMT)
+def test_logfmt_combine_matches_reference_bits(sim_pool, R, shape, grid, nic):
+    if nic.startswith("softnic") and not _has_softnic():
+        pytest.skip("pyep._engine has no softnic in this build")
+    pool, path = sim_pool
+    assert pool.run(case_logfmt, path, R, shape, grid, nic, timeout_s=300) == ["ok"]

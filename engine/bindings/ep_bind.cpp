@@ -86,7 +86,7 @@ void register_ep(py::module_& m) {
         "combine",
         [](const LLStatic& s, uint64_t x, uint64_t topk, uint64_t weights, int num_tokens, int num_topk, int half,
            uint64_t src_info, uint64_t recv_slot, uint64_t layout_range, uint64_t active, uint64_t out,
-           uint64_t timeout_ns, int phases, uint64_t stream) {
+           uint64_t timeout_ns, int phases, uint64_t stream, bool use_logfmt) {
             LLCombineCall c;
             c.x = x;
             c.topk = topk;
@@ -101,12 +101,14 @@ void register_ep(py::module_& m) {
             c.out = out;
             c.timeout_ns = timeout_ns;
             c.phases = phases;
+            c.use_logfmt = use_logfmt ? 1 : 0;
             launch_combine(s, c, stream);
         },
         py::arg("static"), py::arg("x"), py::arg("topk"), py::arg("weights"), py::arg("num_tokens"),
         py::arg("num_topk"), py::arg("half"), py::arg("src_info"), py::arg("recv_slot"), py::arg("layout_range"),
         py::arg("active"), py::arg("out"), py::arg("timeout_ns"), py::arg("phases"), py::arg("stream"),
-        "Launch the combine kernel (phases: 1 send, 2 receive, 3 both).");
+        py::arg("use_logfmt") = false,
+        "Launch the combine kernel (phases: 1 send, 2 receive, 3 both; use_logfmt: LogFMT-10 payload).");
 
     ep.def("dispatch_smem_bytes", &dispatch_smem_bytes, py::arg("static"));
     ep.def("combine_smem_bytes", &combine_smem_bytes, py::arg("static"));

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "kernels/ll_common.cuh"
+#include "kernels/ll_logfmt.cuh"
 
 namespace pyep {
 namespace ll {
@@ -27,6 +28,8 @@ struct CombineSmem {
     int* rowstart;  // [E + 1]
     int* srcoff;    // [E + 1] source_offsets()
     int* scan;      // [scan_scratch_ints(E)]
+    float* lf_tbl;  // [128] LogFMT log2 mantissa table (kLfLog2Mant)
+    uint8_t* stage; // [kWarps][kLfStageBytes] LogFMT: one round of a warp's encoded row
 };
 
 __device__ CombineSmem carve_combine(uint8_t* p, int R, int E) {
@@ -39,7 +42,110 @@ __device__ CombineSmem carve_combine(uint8_t* p, int R, int E) {
     m.rowstart = q; q += E + 1;
     m.srcoff = q; q += E + 1;
     m.scan = q;
+    q += scan_scratch_ints(E);
+    uint8_t* b = reinterpret_cast<uint8_t*>(q);
+    b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(b) + 15) & ~uintptr_t(15));
+    m.lf_tbl = reinterpret_cast<float*>(b);
+    m.stage = b + 128 * 4;
     return m;
+}
+
+// LogFMT send (pyep/ep/logfmt.py is the format): one warp per row, rounds of 512 channels, lane l
+// holding channels 16l..16l+15 of the round. A round's four groups are encoded into the warp's shared
+// staging (a cast group: 160 bytes, else its 256 raw bytes), then copied out as int4 at the row's
+// running offset: groups are packed, so the wire size depends on how many groups cast.
+__device__ void combine_send_logfmt(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm, int total) {
+    const int R = s.num_ranks, El = s.num_local_experts, T = s.num_max_tokens, H = s.hidden;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint8_t* hb = reinterpret_cast<uint8_t*>(s.buf);
+    const int* src_info = reinterpret_cast<const int*>(c.src_info);
+    const int* recv_slot = reinterpret_cast<const int*>(c.recv_slot);
+    const uint32_t meta = lf_meta_bytes(H);
+    uint8_t* wst = sm.stage + warp * kLfStageBytes;
+    const int RT = R * T;
+    for (int q = blockIdx.x * kWarps + warp; q < total; q += gridDim.x * kWarps) {
+        const int p = find_range(sm.rowstart, s.num_ranks * El, q);
+        const int e = p / R, r = p - e * R;
+        if (!sm.active[r]) continue;
+        const int i = q - sm.rowstart[p];
+        const int row = q - sm.rowstart[e * R];
+        const size_t in_row = (size_t)e * RT + row;
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(c.x) + in_row * 2 * (size_t)H;
+        const int t = __ldg(src_info + in_row), k = __ldg(recv_slot + in_row);
+        if (t < 0 || t >= T || k < 0 || k >= s.max_topk) continue;
+        const uint64_t doff = off_crecv(s, c.half, t, k);
+        const bool store_peer = sm.active[r] == kPeerStore;
+        uint8_t* dst = store_peer ? reinterpret_cast<uint8_t*>(peer_base(s, r) + doff)
+                                  : hb + off_drecv(s, c.half, r, (uint64_t)(source_slot(sm.srcoff, El, e, r) + i));
+        uint32_t carry = 0;
+        for (int ch0 = 0; ch0 < H; ch0 += kLfRound) {
+            const int ch = ch0 + lane * 16;
+            const bool live = ch < H;
+            uint32_t w[8];
+            if (live) {
+                const int4 a = ld_nc_v4(src + 2 * (size_t)ch), b = ld_nc_v4(src + 2 * (size_t)ch + 16);
+                w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) w[j] = 0;
+            }
+            uint32_t amax = 0, amin = 0xffffu;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const uint32_t lo = lf_mag(w[j] & 0xffffu), hi = lf_mag(w[j] >> 16);
+                amax = lf_umax(amax, lf_umax(lo, hi));
+                amin = lf_umin(amin, lf_umin(lo, hi));
+            }
+#pragma unroll
+            for (int m = 1; m < 8; m <<= 1) {
+                amax = lf_umax(amax, (uint32_t)__shfl_xor_sync(0xffffffffu, (int)amax, m));
+                amin = lf_umin(amin, (uint32_t)__shfl_xor_sync(0xffffffffu, (int)amin, m));
+            }
+            const bool cast = live && lf_cast(amax, amin);
+            const int bytes = live ? (cast ? kLfCastBytes : 2 * kLfGroup) : 0;
+            // Offsets of the round's four groups (leaders: lanes 0, 8, 16, 24).
+            int off = 0, round_bytes = 0;
+            const int gj = lane >> 3;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int bj = __shfl_sync(0xffffffffu, bytes, 8 * j);
+                if (j < gj) off += bj;
+                round_bytes += bj;
+            }
+            if (live) {
+                const int u = lane & 7;
+                if (u == 0)
+                    *reinterpret_cast<uint32_t*>(dst + 4 * (ch / kLfGroup)) = amax | (amin << 16);
+                if (cast) {
+                    uint32_t enc[kLfUnitWords];
+                    lf_encode_unit(w, lf_params(amax | (amin << 16), sm.lf_tbl), sm.lf_tbl, enc);
+                    uint32_t* o = reinterpret_cast<uint32_t*>(wst + off + 20 * u);
+#pragma unroll
+                    for (int j = 0; j < kLfUnitWords; ++j) o[j] = enc[j];
+                } else {
+                    int4* o = reinterpret_cast<int4*>(wst + off + 32 * u);
+                    o[0] = make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]);
+                    o[1] = make_int4((int)w[4], (int)w[5], (int)w[6], (int)w[7]);
+                }
+            }
+            __syncwarp();
+            int4* d4 = reinterpret_cast<int4*>(dst + meta + carry);
+            for (int j = lane; j < round_bytes / 16; j += 32) st_v4(d4 + j, *reinterpret_cast<const int4*>(wst + 16 * j));
+            __syncwarp();
+            carry += (uint32_t)round_bytes;
+        }
+        if (!store_peer) {
+            __threadfence_system();   // the NIC reads the staged row over PCIe
+            __syncwarp();
+            if (lane == 0) {
+                const int st = gda::post_rdma_write(peer_qp(s, r, e % s.num_qps_per_peer), (uint64_t)dst, s.lkey,
+                                                    remote_addr(s, r) + doff, rkey_of(s, r), meta + carry, false,
+                                                    c.timeout_ns);
+                if (st != gda::kOk) note_failure(s, r);
+            }
+            __syncwarp();
+        }
+    }
 }
 
 __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm) {
@@ -63,6 +169,9 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrSendRouted);
 
     const int RT = R * T;
+    if (c.use_logfmt) {
+        combine_send_logfmt(s, c, sm, total);
+    } else {
     const int row_int4 = H / 8;
     const int per_item = 32 * kCopyUnroll;
     const int chunks = (row_int4 + per_item - 1) / per_item;
@@ -113,6 +222,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
             __syncwarp();
         }
     }
+    }   // !use_logfmt
 
     __syncthreads();
     trace_point(s, kTraceCombine, kTrSendIssued);
@@ -137,6 +247,123 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrSendDone);
 }
 
+// LogFMT reduce (pyep/ep/logfmt.py): items (token t, 512-channel chunk); lane l owns channels
+// 16l..16l+15, i.e. unit l & 7 of group 4 * chunk + l / 8. A group's place in the message depends on
+// how many earlier groups were cast: every lane loads meta words of the groups before the chunk's end
+// (one coalesced load per 32 groups, cached for the items of the same row), and a ballot counts them.
+// Then each slot's 5 code words or 32 raw bytes are loaded, decoded to fp32 and reduced exactly like
+// the BF16 path (k ascending, one multiply and one add per term), rounded to bf16 once.
+constexpr int kLfBatch = 4;   // slots in flight per item (registers: codes/raw words + 16 accumulators)
+
+__device__ __forceinline__ uint32_t lf_ld_u32(const uint8_t* p) {
+#if !defined(PYEP_LL_CPU_SIM)
+    uint32_t v;
+    asm volatile("ld.global.L1::no_allocate.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+#else
+    uint32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return v;
+#endif
+}
+
+__device__ void combine_reduce_logfmt(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm, int64_t first_it,
+                                      int64_t items, int col_chunks, int64_t pre_v, float pre_w) {
+    const int El = s.num_local_experts, E = s.num_ranks * El, H = s.hidden, K = c.num_topk;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const uint8_t* hb = reinterpret_cast<const uint8_t*>(s.buf);
+    const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
+    const float* weights = reinterpret_cast<const float*>(c.weights);
+    const uint32_t meta_bytes = lf_meta_bytes(H);
+    for (int64_t it = first_it; it < items; it += (int64_t)gridDim.x * kWarps) {
+        const int t = (int)(it / col_chunks);
+        const int chunk = (int)(it - (int64_t)t * col_chunks);
+        const int g = chunk * 4 + (lane >> 3);          // this lane's group
+        const int ng = chunk * 4 + 4;                   // groups whose meta this item needs
+        int64_t my_v = -1;
+        float my_w = 0.0f;
+        if (lane < K) {
+            if (it == first_it) {
+                my_v = pre_v;
+                my_w = pre_w;
+            } else {
+                my_v = __ldg(topk + t * K + lane);
+                my_w = __ldg(weights + t * K + lane);
+            }
+        }
+        bool bad;
+        int my_e = checked_expert(topk, t * K + lane, my_v, K, E, 0xffffffffu, t * K, bad);
+        if (my_e >= 0 && !sm.ok[my_e / El]) my_e = -1;
+        float acc[16];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) acc[j] = 0.0f;
+        for (int k0 = 0; k0 < K; k0 += kLfBatch) {
+            bool use[kLfBatch];
+            float w[kLfBatch];
+            uint32_t mine[kLfBatch];
+            uint32_t before[kLfBatch];   // cast groups before g
+            const uint8_t* row[kLfBatch];
+#pragma unroll
+            for (int j = 0; j < kLfBatch; ++j) {
+                const int k = k0 + j;
+                use[j] = __shfl_sync(0xffffffffu, my_e, k & 31) >= 0 && k < K;
+                w[j] = __shfl_sync(0xffffffffu, my_w, k & 31);
+                row[j] = hb + off_crecv(s, c.half, t, k < K ? k : 0);
+                mine[j] = 0;
+                before[j] = 0;
+                if (!use[j]) continue;   // uniform over the warp
+                mine[j] = lf_ld_u32(row[j] + 4 * g);
+                for (int b = 0; b < ng; b += 32) {
+                    const int gi = b + lane;
+                    const uint32_t mw = gi < ng ? lf_ld_u32(row[j] + 4 * gi) : 0u;
+                    const unsigned m = __ballot_sync(0xffffffffu, gi < ng && lf_cast(mw & 0xffffu, mw >> 16));
+                    if (g >= b + 32) before[j] += __popc(m);
+                    else if (g >= b) before[j] += __popc(m & ((1u << (g - b)) - 1u));
+                }
+            }
+            uint32_t d[kLfBatch][8];
+#pragma unroll
+            for (int j = 0; j < kLfBatch; ++j) {
+                if (!use[j]) continue;
+                const bool cast = lf_cast(mine[j] & 0xffffu, mine[j] >> 16);
+                const uint8_t* gp = row[j] + meta_bytes + 256u * (uint32_t)g - 96u * before[j];
+                if (cast) {
+#pragma unroll
+                    for (int q = 0; q < kLfUnitWords; ++q) d[j][q] = lf_ld_u32(gp + 20 * (lane & 7) + 4 * q);
+                } else {
+                    const int4 a = ld_v4(gp + 32 * (lane & 7)), b = ld_v4(gp + 32 * (lane & 7) + 16);
+                    d[j][0] = a.x; d[j][1] = a.y; d[j][2] = a.z; d[j][3] = a.w;
+                    d[j][4] = b.x; d[j][5] = b.y; d[j][6] = b.z; d[j][7] = b.w;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kLfBatch; ++j) {
+                if (!use[j]) continue;
+                const LfParams p = lf_params(mine[j], sm.lf_tbl);
+                if (p.cast) {
+#pragma unroll
+                    for (int q = 0; q < 16; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w[j], lf_decode(d[j], q, p)));
+                } else {
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) {
+                        acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w[j], bf16_lo(d[j][q])));
+                        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w[j], bf16_hi(d[j][q])));
+                    }
+                }
+            }
+        }
+        uint32_t o[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const __nv_bfloat162 b = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+            o[j] = *reinterpret_cast<const uint32_t*>(&b);
+        }
+        int4* dst = reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(c.out) + ((size_t)t * H + chunk * kLfRound + lane * 16) * 2);
+        st_v4(dst, make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]));
+        st_v4(dst + 1, make_int4((int)o[4], (int)o[5], (int)o[6], (int)o[7]));
+    }
+}
+
 __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm) {
     const int R = s.num_ranks, El = s.num_local_experts, E = R * El, H = s.hidden;
     const int N = c.num_tokens, K = c.num_topk;
@@ -153,7 +380,8 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
     const float* weights = reinterpret_cast<const float*>(c.weights);
     const int cols = H / 8;               // int4 columns of a row
-    const int col_chunks = (cols + 31) / 32;
+    // LogFMT items are (token, 512 channels): lane l reduces channels 16l..16l+15.
+    const int col_chunks = c.use_logfmt ? H / kLfRound : (cols + 31) / 32;
     const int64_t items = (int64_t)N * col_chunks;
     const int64_t first_it = (int64_t)blockIdx.x * kWarps + warp;
     int64_t pre_v = -1;
@@ -174,6 +402,9 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     __syncthreads();
     trace_point(s, kTraceCombine, kTrRecvReady);
 
+    if (c.use_logfmt) {
+        combine_reduce_logfmt(s, c, sm, first_it, items, col_chunks, pre_v, pre_w);
+    } else {
     for (int64_t it = first_it; it < items; it += (int64_t)gridDim.x * kWarps) {
         const int t = (int)(it / col_chunks);
         const int col = (int)(it - (int64_t)t * col_chunks) * 32 + lane;
@@ -231,6 +462,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
         }
         st_v4(reinterpret_cast<uint8_t*>(c.out) + ((size_t)t * cols + col) * 16, o);
     }
+    }   // !use_logfmt
 
     const bool last_recv = arrive_last(ws_counter(s, half, kCombineRecvDone), sm.flag, false);
     trace_point(s, kTraceCombine, kTrRecvCopied);
@@ -246,6 +478,8 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) ll_combine_kernel(LLStatic s, LLCombineCall c) {
     uint8_t* smem = dynamic_smem();
     CombineSmem sm = carve_combine(smem, s.num_ranks, s.num_ranks * s.num_local_experts);
+    if (c.use_logfmt)
+        for (int j = threadIdx.x; j < 128; j += blockDim.x) sm.lf_tbl[j] = __uint_as_float(kLfLog2Mant[j]);
     if (c.phases & kPhaseSend) combine_send(s, c, sm);
     if (c.phases & kPhaseRecv) {
         __syncthreads();
@@ -264,7 +498,8 @@ void check(cudaError_t e, const char* what) {
 
 int combine_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
-    return 4 * (4 + 2 * R + 3 * E + 2 + scan_scratch_ints(E));
+    // + 16 alignment slack, the LogFMT log2 table and the per-warp LogFMT staging.
+    return 4 * (4 + 2 * R + 3 * E + 2 + scan_scratch_ints(E)) + 16 + 128 * 4 + kWarps * kLfStageBytes;
 }
 
 #if !defined(PYEP_LL_CPU_SIM)
@@ -283,6 +518,8 @@ void launch_combine(const LLStatic& s, const LLCombineCall& c, uint64_t stream) 
     if ((c.phases & kPhaseRecv) && c.num_tokens > 0 && (!c.topk || !c.weights || !c.out))
         throw std::invalid_argument("ll combine: topk/weights/out pointers are null");
     if (!(c.phases & (kPhaseSend | kPhaseRecv))) throw std::invalid_argument("ll combine: no phase");
+    if (c.use_logfmt && s.hidden % kLfRound != 0)
+        throw std::invalid_argument("ll combine: use_logfmt needs hidden % 512 == 0, got " + std::to_string(s.hidden));
     const int smem = combine_smem_bytes(s);
     if (smem > 48 * 1024)
         check(cudaFuncSetAttribute(ll_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),

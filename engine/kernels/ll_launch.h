@@ -99,6 +99,7 @@ struct LLCombineCall {
     uint64_t out = 0;             // bf16 [N, H]
     uint64_t timeout_ns = 0;
     int phases = kPhaseSend | kPhaseRecv;
+    int use_logfmt = 0;           // LogFMT-10 payload (pyep/ep/logfmt.py); H % 512 == 0
 };
 
 // Throw std::invalid_argument / std::runtime_error with a message on bad arguments or launch errors.

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/ll_common.cuh"
+#include "kernels/ll_logfmt.cuh"
 
 namespace pyep {
 namespace ll {
@@ -24,8 +25,9 @@ void check_static(const LLStatic& s) {
     if (!s.buf || !s.peer_base || !s.flag_expect || !s.workspace) bad("buffer/table pointers must be set");
     if (s.num_qps_per_peer < 1) bad("num_qps_per_peer must be >= 1");
     if (s.num_blocks < 1) bad("num_blocks must be >= 1");
-    if (s.msg_bytes != (uint64_t)((kHeaderBytes + 2 * s.hidden + kMsgAlign - 1) / kMsgAlign * kMsgAlign))
-        bad("msg_bytes does not match the hidden size (layout.py: 2H + 16 rounded up to 128)");
+    const uint32_t tail = lf_meta_bytes(s.hidden) > (uint32_t)kHeaderBytes ? lf_meta_bytes(s.hidden) : (uint32_t)kHeaderBytes;
+    if (s.msg_bytes != (uint64_t)((tail + 2 * s.hidden + kMsgAlign - 1) / kMsgAlign * kMsgAlign))
+        bad("msg_bytes does not match the hidden size (layout.py: 2H + max(16, LogFMT meta) rounded up to 128)");
     if ((s.half_bytes | s.off_drecv | s.off_crecv | s.msg_bytes) % kMsgAlign) bad("layout offsets must be 128-byte aligned");
     if ((int64_t)s.num_ranks * s.num_max_tokens >= (1ll << 31)) bad("R*T must fit in int32");
 }

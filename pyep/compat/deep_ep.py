@@ -308,15 +308,12 @@ class Buffer:
                             return_recv_hook: bool = False, out: Optional["torch.Tensor"] = None,
                             combine_wait_recv_cost_stats: Optional["torch.Tensor"] = None
                             ) -> Tuple["torch.Tensor", EventOverlap, Hook]:
-        if use_logfmt:
-            raise NotImplementedError("use_logfmt=True (DeepEP's 10-bit LogFMT combine) is not implemented "
-                                      "in pyep; combine sends BF16 (use_logfmt=False gives DeepEP's BF16 path)")
         if combine_wait_recv_cost_stats is not None:
             raise NotImplementedError(f"combine_wait_recv_cost_stats is not supported: {_NO_COST_STATS}")
         buf = self._buffers.for_handle(handle, "low_latency_combine")
         combined, event, hook = buf.combine(x, topk_idx, topk_weights, handle, active_ranks=self._active(buf),
                                             zero_copy=zero_copy, async_finish=async_finish,
-                                            return_recv_hook=return_recv_hook, out=out)
+                                            return_recv_hook=return_recv_hook, out=out, use_logfmt=use_logfmt)
         keep = (x, topk_idx, topk_weights, handle, combined) if async_finish else None
         return combined, EventOverlap(event, keep), hook
 

@@ -173,6 +173,8 @@ class CombineOptions:
     async_finish: bool
     return_recv_hook: bool
     out: Optional["torch.Tensor"]      # bf16 [N, H] contiguous on backend.device, or None
+    use_logfmt: bool = False           # LogFMT-10 payload (pyep.ep.logfmt; H % 512 == 0, checked by
+                                       # validate_combine): rows are decoded to fp32 before the reduce
 
 
 @dataclass

@@ -308,10 +308,11 @@ class EpBuffer:
     def combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
                 handle: Handle, *, active_ranks: Optional["torch.Tensor"] = None,
                 timeout_us: Optional[int] = None, zero_copy: bool = False, async_finish: bool = False,
-                return_recv_hook: bool = False, out: Optional["torch.Tensor"] = None
+                return_recv_hook: bool = False, out: Optional["torch.Tensor"] = None, use_logfmt: bool = False
                 ) -> Tuple["torch.Tensor", EventLike, Hook]:
         fast = self._fast_combine
-        if (fast is not None and async_finish is False and return_recv_hook is False
+        # use_logfmt takes the Python path (the fast path launches BF16 combines only).
+        if (fast is not None and use_logfmt is False and async_finish is False and return_recv_hook is False
                 and (zero_copy is False or zero_copy is True) and not self._destroyed
                 and not self._prof._is_profiler_enabled and self._handle_ok(handle)):
             res = fast(x, topk_idx, topk_weights, handle, active_ranks, timeout_us, out, zero_copy)
@@ -327,9 +328,10 @@ class EpBuffer:
             self._config, self._num_ranks, self._device, x, topk_idx, topk_weights, handle,
             owner=self._owner, epoch=self._epoch, last_seq=self._seq, active_ranks=active_ranks,
             timeout_us=timeout_us, zero_copy=zero_copy, async_finish=async_finish,
-            return_recv_hook=return_recv_hook, out=out)
+            return_recv_hook=return_recv_hook, out=out, use_logfmt=use_logfmt)
         opts = CombineOptions(active_ranks=active_ranks, timeout_us=timeout, zero_copy=zero_copy,
-                              async_finish=async_finish, return_recv_hook=return_recv_hook, out=out)
+                              async_finish=async_finish, return_recv_hook=return_recv_hook, out=out,
+                              use_logfmt=bool(use_logfmt))
         with profiled_range("pyep::combine"):
             res = self._backend.combine(x, topk_idx, topk_weights, handle, opts)
         if return_recv_hook and res.hook is None:

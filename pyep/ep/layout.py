@@ -16,8 +16,8 @@ use half s & 1). Each half holds
 
 A message is its payload first -- BF16: 2H bytes; FP8: H e4m3 bytes, then the G = H/128 fp32 scales
 padded to 16 bytes -- and then a 16-byte header (source token, k, local expert, 0) at
-header_offset(fp8). The slot stride M = 2H + 16 rounded up to 128 bytes: payloads start on 128-byte
-boundaries, so a warp's 512-byte store covers exactly four whole cache lines (with the header first
+header_offset(fp8). The slot stride M = 2H + max(16, H/32 rounded up to 16: a LogFMT combine row's
+meta words) rounded up to 128 bytes: payloads start on 128-byte boundaries, so a warp's 512-byte store covers exactly four whole cache lines (with the header first
 and M = 2H + 16, every store straddled five lines and wrote two of them partially, which cost
 NVLink bandwidth). On the wire (NIC path) a message is header_offset + 16 bytes.
 
@@ -143,7 +143,9 @@ def ll_buffer_layout(T: int, H: int, E: int, R: int, K_max: int = 16) -> LLLayou
     if E % R:
         raise ValueError(f"E ({E}) must be divisible by R ({R})")
     e_l = E // R
-    msg = _align(2 * H + HEADER_BYTES, MSG_ALIGN)
+    # A slot holds a dispatch message (payload + 16-byte header) or a LogFMT combine row (its per-group
+    # meta words + at most 2H bytes of groups: pyep/ep/logfmt.py), whichever is larger.
+    msg = _align(2 * H + max(HEADER_BYTES, _align(4 * (H // FP8_GROUP), 16)), MSG_ALIGN)
     slots = T * min(K_max, e_l)
     off_dsig = 0
     off_csig = _align(off_dsig + 4 * e_l * R, SIGNAL_ALIGN)

@@ -437,7 +437,8 @@ class NativeBackend:
         def launch(phases: int, stream: int) -> None:
             self._ep.combine(self._static, src.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), n, k,
                              half, handle.src_info.data_ptr(), recv_slot.data_ptr(),
-                             handle.layout_range.data_ptr(), active, out.data_ptr(), timeout_ns, phases, stream)
+                             handle.layout_range.data_ptr(), active, out.data_ptr(), timeout_ns, phases, stream,
+                             opts.use_logfmt)
 
         keep = [src, topk_idx, topk_weights, out, handle.src_info, recv_slot, handle.layout_range,
                 opts.active_ranks]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
-from . import fp8
+from . import fp8, logfmt
 from ._dist import all_to_all_bounded, barrier_bounded, group_device
 from .backend import (OnceHook, CombineOptions, CombineResult, CompletedEvent, DispatchOptions, DispatchResult,
                       PeerTransport)
@@ -225,9 +225,14 @@ class ReferenceBackend:
                                    "was not produced by the reference backend")
             header = torch.stack([handle.src_info[le, row].to(torch.int64), slot.to(torch.int64),
                                   le, torch.zeros_like(le)], dim=1).to(torch.int32)
-            send = torch.cat([_bytes(header), _bytes(src_x[le, row])], dim=1)
+            if opts.use_logfmt:   # the kernels' bits: pyep.ep.logfmt (message padded to its largest size)
+                msgs, _ = logfmt.encode(src_x[le, row])
+                payload, width = torch.from_numpy(msgs).to(dev), logfmt.message_bytes(h)
+            else:
+                payload, width = _bytes(src_x[le, row]), 2 * h
+            send = torch.cat([_bytes(header), payload], dim=1)
             counts = torch.bincount(src, minlength=r_n).to(torch.int64)
-            recv, recv_counts = self._exchange(send, counts, HEADER_BYTES + 2 * h, opts.timeout_us,
+            recv, recv_counts = self._exchange(send, counts, HEADER_BYTES + width, opts.timeout_us,
                                                f"combine of dispatch #{handle.seq}")
         out = opts.out if opts.out is not None else torch.empty((n, h), dtype=torch.bfloat16, device=dev)
         out.zero_()
@@ -239,9 +244,14 @@ class ReferenceBackend:
                 keep_msg = active[owner_rank]
                 msgs = recv[keep_msg]
                 hdr = msgs[:, :HEADER_BYTES].contiguous().view(torch.int32).to(torch.int64)
-                y = torch.zeros((n, k, h), dtype=torch.bfloat16, device=dev)
                 got = torch.zeros((n, k), dtype=torch.bool, device=dev)
-                y[hdr[:, 0], hdr[:, 1]] = msgs[:, HEADER_BYTES:].contiguous().view(torch.bfloat16)
+                if opts.use_logfmt:   # decoded to fp32, reduced like BF16
+                    y = torch.zeros((n, k, h), dtype=torch.float32, device=dev)
+                    y[hdr[:, 0], hdr[:, 1]] = torch.from_numpy(
+                        logfmt.decode(msgs[:, HEADER_BYTES:].cpu().numpy(), h)).to(dev)
+                else:
+                    y = torch.zeros((n, k, h), dtype=torch.bfloat16, device=dev)
+                    y[hdr[:, 0], hdr[:, 1]] = msgs[:, HEADER_BYTES:].contiguous().view(torch.bfloat16)
                 got[hdr[:, 0], hdr[:, 1]] = True
                 owner = torch.div(topk_idx.clamp_min(0), e_l, rounding_mode="floor")
                 use = got & (topk_idx >= 0) & active[owner]

@@ -183,12 +183,15 @@ def validate_handle(handle: Any, cfg: EpConfig, num_ranks: int, *, owner: str, e
 def validate_combine(cfg: EpConfig, num_ranks: int, device: "torch.device", x: Any, topk_idx: Any,
                      topk_weights: Any, handle: Any, *, owner: str, epoch: int, last_seq: int,
                      active_ranks: Any, timeout_us: Any, zero_copy: Any, async_finish: Any,
-                     return_recv_hook: Any, out: Any) -> Tuple[Handle, int]:
+                     return_recv_hook: Any, out: Any, use_logfmt: Any = False) -> Tuple[Handle, int]:
     """Checks a combine call; returns (handle, timeout in microseconds)."""
     import torch
     for name, flag in (("zero_copy", zero_copy), ("async_finish", async_finish),
-                       ("return_recv_hook", return_recv_hook)):
+                       ("return_recv_hook", return_recv_hook), ("use_logfmt", use_logfmt)):
         check_bool(name, flag)
+    if use_logfmt and cfg.hidden % 512:
+        raise ValueError(f"use_logfmt=True needs hidden to be a multiple of 512 (LogFMT packs 512 channels "
+                         f"per warp round), got {cfg.hidden}")
     if async_finish and return_recv_hook:
         raise ValueError("async_finish and return_recv_hook are exclusive")
     h = validate_handle(handle, cfg, num_ranks, owner=owner, epoch=epoch, last_seq=last_seq)

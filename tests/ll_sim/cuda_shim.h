@@ -108,6 +108,20 @@ inline unsigned __match_any_sync(uint32_t mask, unsigned long long v) {
     return out;
 }
 
+// Lanes of `mask` whose predicate is true (vote.ballot.sync), and a population count.
+inline unsigned __ballot_sync(uint32_t mask, bool pred) {
+    SimWarp& w = g_sim->block->warps[g_sim->tid.x / 32];
+    const int lane = g_sim->tid.x & 31;
+    __atomic_store_n(&w.slots[lane], (uint64_t)(pred ? 1 : 0), __ATOMIC_RELEASE);
+    w.bar(mask).arrive_and_wait();
+    unsigned out = 0;
+    for (int l = 0; l < 32; ++l)
+        if ((mask >> l & 1u) && __atomic_load_n(&w.slots[l], __ATOMIC_ACQUIRE) != 0) out |= 1u << l;
+    w.bar(mask).arrive_and_wait();
+    return out;
+}
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <typename T> T __ldg(const T* p) { return *p; }

@@ -61,6 +61,7 @@ ll::LLCombineCall combine_from(const py::dict& d) {
     set(d, "num_topk", c.num_topk); set(d, "half", c.half); set(d, "src_info", c.src_info);
     set(d, "recv_slot", c.recv_slot); set(d, "layout_range", c.layout_range); set(d, "active", c.active);
     set(d, "out", c.out); set(d, "timeout_ns", c.timeout_ns); set(d, "phases", c.phases);
+    if (d.contains("use_logfmt")) set(d, "use_logfmt", c.use_logfmt);
     return c;
 }
 

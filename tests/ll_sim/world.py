@@ -152,7 +152,8 @@ class World:
         return outs
 
     def combine(self, ys: Sequence[Any], inputs: Sequence[Any], douts: Sequence[Dict[str, Any]], half: int,
-                ranks: Optional[Sequence[int]] = None, phases: int = 3, timeout_ns: int = 20_000_000_000):
+                ranks: Optional[Sequence[int]] = None, phases: int = 3, timeout_ns: int = 20_000_000_000,
+                use_logfmt: bool = False):
         ranks = list(range(self.R)) if ranks is None else list(ranks)
         outs = [torch.full((inputs[r][0].shape[0], self.H), float("nan"), dtype=torch.bfloat16) for r in range(self.R)]
         calls = []
@@ -163,7 +164,7 @@ class World:
                               num_topk=topk.shape[1], half=half, src_info=d["src_info"].data_ptr(),
                               recv_slot=d["recv_slot"].data_ptr(), layout_range=d["layout_range"].data_ptr(),
                               active=self.active[r].data_ptr(), out=outs[r].data_ptr(), timeout_ns=timeout_ns,
-                              phases=phases))
+                              phases=phases, use_logfmt=int(use_logfmt)))
         self.sim.combine([self.statics[r] for r in ranks], calls)
         return outs
 
@@ -216,9 +217,13 @@ def expert_outputs(w: World, outs: Sequence[Dict[str, Any]], use_fp8: bool, use_
 
 
 def check_combine(w: World, inputs: Sequence[Any], ys: Sequence[Any], outs: Sequence[Any], me: int,
-                  active: Sequence[bool], tag: str) -> None:
-    """out[t] = sum over k ascending of w * y(row of (me, t, k) at its owner), fp32, one bf16 rounding."""
+                  active: Sequence[bool], tag: str, use_logfmt: bool = False) -> None:
+    """out[t] = sum over k ascending of w * y(row of (me, t, k) at its owner), fp32, one bf16 rounding.
+    With use_logfmt, y is the row after pyep.ep.logfmt's encode + decode (bit-exact reference)."""
     x, topk, wts = inputs[me]
+    if use_logfmt:
+        from pyep.ep import logfmt
+        ys = [logfmt.roundtrip(y.reshape(-1, w.H)).reshape(y.shape) for y in ys]
     acc = torch.zeros(x.shape[0], w.H, dtype=torch.float32)
     row_of: Dict[Tuple[int, int], Tuple[int, int, int]] = {}
     for owner in range(w.R):
