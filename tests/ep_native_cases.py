@@ -26,6 +26,18 @@ def setup_device() -> int:
     return dev
 
 
+def rank_device(backend: str) -> Any:
+    """Where a per-rank check's tensors live: the CPU for the reference backend; this rank's GPU for
+    the native one (setup_device: rank % device_count, so ranks may share a GPU). The compat checks
+    (tests/test_compat_*.py) run on either."""
+    import torch
+    if backend == "reference":
+        return torch.device("cpu")
+    if backend != "native":
+        raise ValueError(f"backend must be 'reference' or 'native', got {backend!r}")
+    return torch.device("cuda", setup_device())
+
+
 def make_inputs(seed: int, rank: int, s: Shape, n: int, routing: str):
     """x bf16 [n, H], topk int64 [n, K] (distinct experts per row, -1 allowed), weights fp32 [n, K]."""
     import torch

@@ -1,5 +1,6 @@
 """pyep.compat.deep_ep as DeepEP V1's own tests/test_low_latency.py, SGLang's DeepEP dispatcher and
-vLLM's DeepEP all2all managers call it (reference backend, gloo, 2 ranks), under the default dtype
+vLLM's DeepEP all2all managers call it (reference backend, gloo, 2 ranks; the per-rank checks take
+backend="native" too, run on GPUs by tests/test_compat_gpu.py), under the default dtype
 DeepEP's test utilities set (bfloat16): constructor in DeepEP's positional order, the static API,
 the low-latency round trip with DeepEP's numerical checks, shrink mode, destroy semantics, the
 `import deep_ep` alias, and the clear errors for what pyep does not do."""
@@ -54,10 +55,19 @@ def _inputs(rank: int, num_ranks: int):
     return x, topk_idx, topk_weights, torch.stack(parts), offset
 
 
+def _cpu(t: Any) -> Any:
+    if isinstance(t, tuple):
+        return tuple(_cpu(v) for v in t)
+    return t.detach().cpu() if isinstance(t, torch.Tensor) else t
+
+
 def _check_dispatch(rank: int, num_ranks: int, recv: Any, count: torch.Tensor, handle: Any,
                     stats: torch.Tensor, all_topk_idx: torch.Tensor, mask: torch.Tensor, use_fp8: bool,
                     round_scale: bool, offset: int) -> int:
-    """DeepEP test_low_latency.py's per-expert checks; returns the tokens received."""
+    """DeepEP test_low_latency.py's per-expert checks, on the CPU (only the first count rows of an
+    expert are defined); returns the tokens received."""
+    recv, count, stats = _cpu(recv), _cpu(count), _cpu(stats)
+    src_infos, layouts = _cpu(handle[0]), _cpu(handle[1])
     e_l = NUM_EXPERTS // num_ranks
     if mask[rank]:      # the masked rank itself: "dead" in DeepEP's test; here nothing reaches it
         assert int(count.sum()) == 0 and int(stats.sum()) == 0
@@ -66,7 +76,7 @@ def _check_dispatch(rank: int, num_ranks: int, recv: Any, count: torch.Tensor, h
     for i in range(e_l):
         expert_id = rank * e_l + i
         recv_x = per_token_cast_back(recv[0][i], recv[1][i]) if use_fp8 else recv[i]
-        n, src_info, layout = int(count[i]), handle[0][i], handle[1][i]
+        n, src_info, layout = int(count[i]), src_infos[i], layouts[i]
         assert int(stats[i]) == n
         assert n == int((layout & (2 ** 32 - 1)).sum())
         assert n == int((all_topk_idx == expert_id).sum(dim=[1, 2])[mask == 0].sum())
@@ -90,10 +100,21 @@ def _check_dispatch(rank: int, num_ranks: int, recv: Any, count: torch.Tensor, h
     return got
 
 
-def check_low_latency_flow(shrink: bool) -> Dict[str, Any]:
-    """test_low_latency.py's loop; with shrink, rank 1 is masked by the caller (a CPU stand-in for
-    DeepEP's timed-out rank: the reference backend honours marks, the kernels also set them)."""
+# test_low_latency.py calls with async_finish = not return_recv_hook; pyep also checks the plain call
+# (neither), which on the native backend takes the C++ fast path.
+CALL_MODES = (("async", False, True), ("hook", True, False), ("plain", False, False))
+
+
+def check_low_latency_flow(shrink: bool, backend: str = "reference") -> Dict[str, Any]:
+    """test_low_latency.py's loop on `backend` (inputs on its device, checks on the CPU). With shrink,
+    rank 1 is masked by the caller, standing in for DeepEP's rank that failed and was masked by a
+    timeout: the reference backend's collectives need every rank, so there rank 1 keeps calling and
+    receives nothing; on the native backend rank 1 is dead as in DeepEP's test: after the collective
+    setup it makes no low-latency call (a masked rank that kept calling would wait for peers that no
+    longer send to it), only the collective clean_low_latency_buffer."""
+    from ep_native_cases import rank_device
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = rank_device(backend)
     torch.set_default_dtype(torch.bfloat16)   # DeepEP's init_dist does this (and set_default_device)
     try:
         group = dist.group.WORLD
@@ -101,61 +122,35 @@ def check_low_latency_flow(shrink: bool) -> Dict[str, Any]:
         buffer = deep_ep.Buffer(group, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True,
                                 num_qps_per_rank=NUM_EXPERTS // num_ranks, allow_nvlink_for_low_latency_mode=True,
                                 explicitly_destroy=True, allow_mnnvl=False, enable_shrink=shrink,
-                                backend="reference")
+                                backend=backend)
         x, topk_idx, topk_weights, all_topk_idx, offset = _inputs(rank, num_ranks)
-        mask_status = torch.zeros((num_ranks,), dtype=torch.int)
+        x_d, idx_d, w_d = x.to(dev), topk_idx.to(dev), topk_weights.to(dev)
+        mask_status = torch.zeros((num_ranks,), dtype=torch.int, device=dev)
         if shrink:
             buffer.low_latency_update_mask_buffer(1, True)   # before any buffer exists: kept pending
+        buffer.clean_low_latency_buffer(NUM_TOKENS, HIDDEN, NUM_EXPERTS)   # creates the buffer (collective)
+        dead = shrink and backend == "native" and rank == 1
         expected = torch.tensor([0, 1] if shrink else [0, 0], dtype=torch.int32)
         received, runs = 0, 0
-        for return_recv_hook in (False, True):
+        for _, return_recv_hook, async_finish in CALL_MODES:
             for use_fp8 in (False, True):
                 for round_scale in (False, True) if use_fp8 else (False,):
                     for use_ue8m0 in (False, True) if round_scale else (False,):
-                        stats = torch.zeros((NUM_EXPERTS // num_ranks,), dtype=torch.int)
-                        recv, count, handle, event, hook = buffer.low_latency_dispatch(
-                            x, topk_idx, NUM_TOKENS, NUM_EXPERTS, use_fp8=use_fp8, round_scale=round_scale,
-                            use_ue8m0=use_ue8m0, cumulative_local_expert_recv_stats=stats,
-                            async_finish=not return_recv_hook, return_recv_hook=return_recv_hook)
-                        hook() if return_recv_hook else event.current_stream_wait()
-                        assert (hook is not None) == return_recv_hook and isinstance(event, deep_ep.EventOverlap)
-                        if shrink:
-                            buffer.low_latency_query_mask_buffer(mask_status)
-                            assert torch.equal(mask_status, expected)
-                        recv = (recv[0], recv[1].contiguous()) if use_fp8 else recv
-                        received += _check_dispatch(rank, num_ranks, recv, count, handle, stats, all_topk_idx,
-                                                    expected, use_fp8, round_scale, offset)
-                        sim = per_token_cast_back(recv[0].view(-1, HIDDEN), recv[1].view(-1, HIDDEN // 128)).view(
-                            recv[0].shape) if use_fp8 else recv.clone()
-                        for zero_copy in (False, True):
-                            if zero_copy:
-                                buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = sim
-                            out = torch.empty((NUM_TOKENS, HIDDEN), dtype=torch.bfloat16)
-                            combined, event, hook = buffer.low_latency_combine(
-                                sim, topk_idx, topk_weights, handle, use_logfmt=False,
-                                async_finish=not return_recv_hook, zero_copy=zero_copy,
-                                return_recv_hook=return_recv_hook, out=out)
-                            hook() if return_recv_hook else event.current_stream_wait()
-                            assert combined.data_ptr() == out.data_ptr()
-                            idx = topk_idx.clone()
-                            if shrink:   # entries owned by a masked rank are dropped, as DeepEP's check does
-                                owner = torch.where(idx >= 0, idx // (NUM_EXPERTS // num_ranks), 0)
-                                idx[(idx >= 0) & (expected[owner] == 1)] = -1
-                            want = x * topk_weights.masked_fill(idx == -1, 0).sum(dim=1).view(-1, 1)
-                            diff = calc_diff(want, combined)
-                            assert not torch.isnan(combined).any()
-                            if not round_scale and not expected[rank]:
-                                assert diff < (9e-4 if use_fp8 else 1e-5), (diff, use_fp8, zero_copy)
+                        if not dead:
+                            received += _round_trip(buffer, rank, num_ranks, dev, x_d, idx_d, w_d, x, topk_idx,
+                                                    topk_weights, all_topk_idx, offset, expected, mask_status,
+                                                    shrink, return_recv_hook, async_finish, use_fp8, round_scale,
+                                                    use_ue8m0)
                         if shrink:
                             buffer.clean_low_latency_buffer(NUM_TOKENS, HIDDEN, NUM_EXPERTS)
                             buffer.low_latency_query_mask_buffer(mask_status)
-                            assert torch.equal(mask_status, expected)   # clean keeps the mask
+                            assert torch.equal(_cpu(mask_status), expected)   # clean keeps the mask
                         runs += 1
         if shrink:
             buffer.low_latency_clean_mask_buffer()
             buffer.low_latency_query_mask_buffer(mask_status)
             assert int(mask_status.sum()) == 0
-            buffer.low_latency_update_mask_buffer(0, True)      # live tensor path
+            buffer.low_latency_update_mask_buffer(0, True)      # live tensor path (pending on a dead rank)
             buffer.low_latency_query_mask_buffer(mask_status)
             assert mask_status.tolist() == [1, 0]
             buffer.low_latency_update_mask_buffer(0)            # mask=False by default: unmask
@@ -164,7 +159,7 @@ def check_low_latency_flow(shrink: bool) -> Dict[str, Any]:
             with pytest.raises(ValueError, match="rank_to_mask"):
                 buffer.low_latency_update_mask_buffer(num_ranks, True)
             with pytest.raises(ValueError, match="int32"):
-                buffer.low_latency_query_mask_buffer(torch.zeros(num_ranks, dtype=torch.int64))
+                buffer.low_latency_query_mask_buffer(torch.zeros(num_ranks, dtype=torch.int64, device=dev))
         else:
             for api, args in (("low_latency_update_mask_buffer", (1, True)),
                               ("low_latency_query_mask_buffer", (mask_status,)),
@@ -177,55 +172,133 @@ def check_low_latency_flow(shrink: bool) -> Dict[str, Any]:
         torch.set_default_dtype(torch.float32)
 
 
-def check_constructor_and_errors() -> Dict[str, Any]:
+def _round_trip(buffer: Any, rank: int, num_ranks: int, dev: torch.device, x_d: torch.Tensor, idx_d: torch.Tensor,
+                w_d: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                all_topk_idx: torch.Tensor, offset: int, expected: torch.Tensor, mask_status: torch.Tensor,
+                shrink: bool, return_recv_hook: bool, async_finish: bool, use_fp8: bool, round_scale: bool,
+                use_ue8m0: bool) -> int:
+    """One dispatch and two combines (copied input, zero-copy) of test_low_latency.py's loop."""
+    def wait(event: Any, hook: Any) -> None:
+        if return_recv_hook:
+            hook()
+        elif async_finish:
+            event.current_stream_wait()
+
+    stats = torch.zeros((NUM_EXPERTS // num_ranks,), dtype=torch.int, device=dev)
+    recv, count, handle, event, hook = buffer.low_latency_dispatch(
+        x_d, idx_d, NUM_TOKENS, NUM_EXPERTS, use_fp8=use_fp8, round_scale=round_scale,
+        use_ue8m0=use_ue8m0, cumulative_local_expert_recv_stats=stats,
+        async_finish=async_finish, return_recv_hook=return_recv_hook)
+    wait(event, hook)
+    assert (hook is not None) == return_recv_hook and isinstance(event, deep_ep.EventOverlap)
+    if shrink:
+        buffer.low_latency_query_mask_buffer(mask_status)
+        assert torch.equal(_cpu(mask_status), expected)
+    recv = (recv[0], recv[1].contiguous()) if use_fp8 else recv
+    got = _check_dispatch(rank, num_ranks, recv, count, handle, stats, all_topk_idx, expected, use_fp8,
+                          round_scale, offset)
+    sim = per_token_cast_back(recv[0].view(-1, HIDDEN), recv[1].view(-1, HIDDEN // 128)).view(
+        recv[0].shape) if use_fp8 else recv.clone()
+    for zero_copy in (False, True):
+        if zero_copy:
+            buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = sim
+        out = torch.empty((NUM_TOKENS, HIDDEN), dtype=torch.bfloat16, device=dev)
+        combined, event, hook = buffer.low_latency_combine(
+            sim, idx_d, w_d, handle, use_logfmt=False, async_finish=async_finish, zero_copy=zero_copy,
+            return_recv_hook=return_recv_hook, out=out)
+        wait(event, hook)
+        assert combined.data_ptr() == out.data_ptr()
+        combined = _cpu(combined)
+        idx = topk_idx.clone()
+        if shrink:   # entries owned by a masked rank are dropped, as DeepEP's check does
+            owner = torch.where(idx >= 0, idx // (NUM_EXPERTS // num_ranks), 0)
+            idx[(idx >= 0) & (expected[owner] == 1)] = -1
+        want = x * topk_weights.masked_fill(idx == -1, 0).sum(dim=1).view(-1, 1)
+        diff = calc_diff(want, combined)
+        assert not torch.isnan(combined).any()
+        if not round_scale and not expected[rank]:
+            assert diff < (9e-4 if use_fp8 else 1e-5), (diff, use_fp8, zero_copy)
+    return got
+
+
+def check_constructor_and_errors(backend: str = "reference") -> Dict[str, Any]:
+    from ep_native_cases import rank_device
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = rank_device(backend)
     group = dist.group.WORLD
     # Every DeepEP argument, positionally in DeepEP's order; DeepEP's tests pass num_qps_per_rank=E // R.
-    buf = deep_ep.Buffer(group, 0, 0, True, 144, True, True, True, False, False, None, backend="reference")
+    buf = deep_ep.Buffer(group, 0, 0, True, 144, True, True, True, False, False, None, backend=backend)
     assert (buf.rank, buf.group_size, buf.group) == (rank, num_ranks, group)
     assert (buf.num_nvl_bytes, buf.num_rdma_bytes, buf.low_latency_mode) == (0, 0, True)
     assert (buf.explicitly_destroy, buf.enable_shrink) == (False, False)
-    assert buf.get_comm_stream() is None                 # CPU: no streams; no normal buffer yet
-    x = torch.randn(4, HIDDEN).to(torch.bfloat16)
-    idx = torch.tensor([[0, 5], [9, -1], [15, 2], [3, 12]], dtype=torch.int64)
+    assert buf.get_comm_stream() is None                 # no normal-mode buffer yet (and no streams on CPU)
+    x = torch.randn(4, HIDDEN).to(torch.bfloat16).to(dev)
+    idx = torch.tensor([[0, 5], [9, -1], [15, 2], [3, 12]], dtype=torch.int64, device=dev)
     recv, count, handle, event, hook = buf.low_latency_dispatch(x, idx, NUM_TOKENS, NUM_EXPERTS, use_fp8=False)
-    assert buf.ep_buffer(NUM_TOKENS, HIDDEN, NUM_EXPERTS).config.num_qps_per_peer == NUM_EXPERTS // num_ranks
+    ep = buf.ep_buffer(NUM_TOKENS, HIDDEN, NUM_EXPERTS)
+    assert ep.config.num_qps_per_peer == NUM_EXPERTS // num_ranks and ep.backend_name == backend
     src_info, layout_range, t, h, e = handle             # DeepEP's 5-tuple
     assert (t, h, e) == (NUM_TOKENS, HIDDEN, NUM_EXPERTS) and src_info.dtype == torch.int32
     with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats.*per-source"):
         buf.low_latency_dispatch(x, idx, NUM_TOKENS, NUM_EXPERTS,
-                                 dispatch_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.int64))
-    w = torch.rand(4, 2)
+                                 dispatch_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.int64, device=dev))
+    w = torch.rand(4, 2).to(dev)
     with pytest.raises(NotImplementedError, match="combine_wait_recv_cost_stats"):
         buf.low_latency_combine(recv, idx, w, handle,
-                                combine_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.int64))
+                                combine_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.int64, device=dev))
     with pytest.raises(ValueError, match="use_logfmt=True needs hidden to be a multiple of 512"):
         buf.low_latency_combine(recv, idx, w, handle, use_logfmt=True)   # LogFMT needs H % 512
-    with pytest.raises(NotImplementedError, match="registered"):
-        buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)   # vLLM's clean_buffers call
+    if backend == "reference":
+        with pytest.raises(NotImplementedError, match="registered"):
+            buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)   # vLLM's clean_buffers call
+    else:
+        check_local_buffer_tensor(buf, ep.backend.raw_buffer(), True, dev)
     out, _, _ = buf.low_latency_combine(recv, idx, w, handle)           # the handle survived the refusals
     assert out.shape == (4, HIDDEN)
+    want = x.float() * w.masked_fill(idx < 0, 0).sum(1, keepdim=True)   # recv passed back unchanged
+    assert torch.allclose(_cpu(out).float(), _cpu(want), rtol=1e-2, atol=1e-2)
     buf.update_ep_member()
     with pytest.raises(ValueError, match="stale"):
         buf.get_next_low_latency_combine_buffer(handle)
-    ep = buf.ep_buffer(NUM_TOKENS, HIDDEN, NUM_EXPERTS)
     del buf                                               # explicitly_destroy=False: freed by the finaliser
     gc.collect()
     assert "destroyed" in repr(ep)
-    kept = deep_ep.Buffer(group, explicitly_destroy=True, backend="reference")
+    kept = deep_ep.Buffer(group, explicitly_destroy=True, backend=backend)
     ep2 = kept.ep_buffer(NUM_TOKENS, HIDDEN, NUM_EXPERTS)
     kept.destroy()
     assert "destroyed" in repr(ep2)
     with pytest.raises(RuntimeError, match="after destroy"):
         kept.low_latency_dispatch(x, idx, NUM_TOKENS, NUM_EXPERTS)
+    with pytest.raises(RuntimeError, match="after destroy"):
+        kept.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)
     with pytest.raises(NotImplementedError, match="mpi4py"):
-        deep_ep.Buffer(None, comm=object(), backend="reference")
+        deep_ep.Buffer(None, comm=object(), backend=backend)
     return {"received": int(count.sum())}
 
 
-def check_vllm_and_sglang_calls() -> Dict[str, Any]:
+def check_local_buffer_tensor(buf: Any, raw: Any, use_rdma_buffer: bool, dev: torch.device) -> None:
+    """get_local_buffer_tensor on a native backend: views of the registered memory (raw_buffer()'s
+    address and size), offset in bytes, dtype and size as DeepEP's C++ applies them; readable."""
+    ptr, nbytes = raw
+    whole = buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=use_rdma_buffer)   # vLLM's clean_buffers call
+    assert whole.device == dev and whole.dtype == torch.int8, (whole.device, whole.dtype)
+    assert whole.numel() == nbytes and whole.data_ptr() == ptr
+    part = buf.get_local_buffer_tensor(torch.bfloat16, torch.Size([4, 8]), 256, use_rdma_buffer)
+    assert part.shape == (4, 8) and part.data_ptr() == ptr + 256
+    words = buf.get_local_buffer_tensor(torch.int32, offset=64, use_rdma_buffer=use_rdma_buffer)
+    assert words.numel() == (nbytes - 64) // 4 and words.data_ptr() == ptr + 64
+    assert _cpu(words[:16]).shape == (16,)      # readable (peers may write it now: no value to compare)
+    with pytest.raises(ValueError, match="offset"):
+        buf.get_local_buffer_tensor(torch.int8, offset=nbytes + 1, use_rdma_buffer=use_rdma_buffer)
+    with pytest.raises(ValueError, match="needs"):
+        buf.get_local_buffer_tensor(torch.int8, torch.Size([nbytes + 1]), use_rdma_buffer=use_rdma_buffer)
+
+
+def check_vllm_and_sglang_calls(backend: str = "reference") -> Dict[str, Any]:
     """vLLM's DeepEPLLAll2AllManager / DeepEPHTAll2AllManager and SGLang's DeepEPBuffer, by keyword."""
+    from ep_native_cases import rank_device
     num_ranks = dist.get_world_size()
+    dev = rank_device(backend)
     group = dist.new_group(list(range(num_ranks)), backend="gloo")   # vLLM passes its CPU group
     e_l = NUM_EXPERTS // num_ranks
     ll = deep_ep.Buffer(group=group, num_nvl_bytes=1024 * 1024 * 1024,
@@ -233,8 +306,8 @@ def check_vllm_and_sglang_calls() -> Dict[str, Any]:
                             num_max_dispatch_tokens_per_rank=NUM_TOKENS, hidden=HIDDEN, num_ranks=num_ranks,
                             num_experts=NUM_EXPERTS),
                         low_latency_mode=True, num_qps_per_rank=e_l, allow_nvlink_for_low_latency_mode=True,
-                        allow_mnnvl=False, explicitly_destroy=True, enable_shrink=True, backend="reference")
-    mask = torch.zeros(num_ranks, dtype=torch.int32)
+                        allow_mnnvl=False, explicitly_destroy=True, enable_shrink=True, backend=backend)
+    mask = torch.zeros(num_ranks, dtype=torch.int32, device=dev)
     ll.low_latency_query_mask_buffer(mask)                   # vLLM's query_active_mask
     assert not bool((mask != torch.zeros_like(mask)).any())  # vLLM's query_fault
     ll.low_latency_clean_mask_buffer()
@@ -243,32 +316,39 @@ def check_vllm_and_sglang_calls() -> Dict[str, Any]:
     topk_ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:NUM_TOPK] for _ in range(5)]).to(torch.int64)
     topk_weights = torch.rand(5, NUM_TOPK, generator=gen)
     expected_m = (hidden_states.shape[0] * ll.group_size * topk_ids.shape[1] + NUM_EXPERTS) // NUM_EXPERTS
+    hs_d, ids_d, tw_d = hidden_states.to(dev), topk_ids.to(dev), topk_weights.to(dev)
     results: List[torch.Tensor] = []
     for return_recv_hook in (False, True):                   # SGLang's LL dispatcher, both variants
         recv, masked_m, handle, event, hook = ll.low_latency_dispatch(
-            hidden_states, topk_ids, NUM_TOKENS, NUM_EXPERTS, use_fp8=True, async_finish=not return_recv_hook,
+            hs_d, ids_d, NUM_TOKENS, NUM_EXPERTS, use_fp8=True, async_finish=not return_recv_hook,
             return_recv_hook=return_recv_hook, round_scale=False, use_ue8m0=False)
         hook() if return_recv_hook else event.current_stream_wait()
         hidden, scale = recv
         y = per_token_cast_back(hidden.view(-1, HIDDEN), scale.contiguous().view(-1, HIDDEN // 128)).view(hidden.shape)
-        combined, event, hook = ll.low_latency_combine(x=y, topk_idx=topk_ids, topk_weights=topk_weights, handle=handle,
+        combined, event, hook = ll.low_latency_combine(x=y, topk_idx=ids_d, topk_weights=tw_d, handle=handle,
                                                        async_finish=not return_recv_hook,
                                                        return_recv_hook=return_recv_hook)
         hook() if return_recv_hook else event.current_stream_wait()
-        results.append(combined)
+        results.append(_cpu(combined))
     assert torch.equal(results[0], results[1]) and expected_m >= 1
     want = hidden_states.float() * topk_weights.sum(1, keepdim=True)
     assert calc_diff(want, results[0]) < 9e-4
     ll.clean_low_latency_buffer(NUM_TOKENS, HIDDEN, NUM_EXPERTS)   # SGLang: normal -> low-latency switch
     ll.destroy()
     ht = deep_ep.Buffer(group=group, num_nvl_bytes=1024 * 1024 * 1024, num_rdma_bytes=0, low_latency_mode=False,
-                        num_qps_per_rank=1, explicitly_destroy=True, backend="reference")
+                        num_qps_per_rank=1, explicitly_destroy=True, backend=backend)
     old = deep_ep.Buffer.num_sms
     deep_ep.Buffer.set_num_sms(20)                           # vLLM's set_num_sms
     try:
         assert deep_ep.Buffer.get_dispatch_config(num_ranks).num_sms == 20
-        ntpr, ntprr, ntpe, in_rank, _ = ht.get_dispatch_layout(topk_ids, NUM_EXPERTS)
-        assert ntprr is None and ht.normal_buffer().backend_name == "reference"
+        ntpr, ntprr, ntpe, in_rank, _ = ht.get_dispatch_layout(ids_d, NUM_EXPERTS)
+        assert ntprr is None and ht.normal_buffer().backend_name == backend
+        assert torch.equal(_cpu(in_rank).sum(0).to(ntpr.dtype), _cpu(ntpr))
+        if backend == "reference":
+            with pytest.raises(NotImplementedError, match="registered"):
+                ht.get_local_buffer_tensor(torch.int8)       # the NVLink buffer
+        else:
+            check_local_buffer_tensor(ht, ht.normal_buffer().backend.raw_buffer(), False, dev)
     finally:
         deep_ep.Buffer.set_num_sms(old)
         ht.destroy()
@@ -277,17 +357,13 @@ def check_vllm_and_sglang_calls() -> Dict[str, Any]:
 
 def test_low_latency_flow(pool2: Any) -> None:
     res = pool2.run(check_low_latency_flow, False, timeout_s=120)
-    assert all(r["runs"] == 8 and r["default"] == "torch.bfloat16" for r in res)
+    assert all(r["runs"] == 12 and r["default"] == "torch.bfloat16" for r in res)
     assert sum(r["received"] for r in res) > 0
 
 
 def test_shrink_mode(pool2: Any) -> None:
-    res = pool2.run(check_shrink_flow_wrapper, timeout_s=120)
+    res = pool2.run(check_low_latency_flow, True, timeout_s=120)
     assert res[1]["received"] == 0 and res[0]["received"] > 0     # rank 1 masked: nothing to or from it
-
-
-def check_shrink_flow_wrapper() -> Dict[str, Any]:
-    return check_low_latency_flow(True)
 
 
 def test_constructor_and_clear_errors(pool2: Any) -> None:
@@ -346,24 +422,26 @@ def test_import_alias(clean_modules: None, tmp_path: Any, monkeypatch: Any, capl
     assert "shadowing" in caplog.text and sys.modules["deep_ep"] is deep_ep
 
 
-def check_defaults_independence() -> Dict[str, Any]:
+def check_defaults_independence(backend: str = "reference") -> Dict[str, Any]:
     """DeepEP's test utilities set the default dtype to bfloat16 and the default device to "cuda".
-    On CPU, "meta" stands in for that device: any allocation inside pyep that relies on the default
-    device lands on meta and fails the call; the inputs here name their device, as DeepEP code does."""
-    torch.set_default_device("meta")
+    Native backend: exactly that. Reference backend (CPU): "meta" stands in for that device, so any
+    allocation inside pyep that relies on the default device lands on meta and fails the call. The
+    inputs name their device, as DeepEP code does."""
+    from ep_native_cases import rank_device
+    dev = rank_device(backend)
+    torch.set_default_device("meta" if backend == "reference" else "cuda")
     torch.set_default_dtype(torch.bfloat16)
     try:
-        cpu = torch.device("cpu")
         buf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True, num_qps_per_rank=8, enable_shrink=True,
-                             explicitly_destroy=True, backend="reference")
-        x = torch.ones(4, HIDDEN, dtype=torch.bfloat16, device=cpu)
-        idx = torch.tensor([[0, 5], [9, -1], [15, 2], [3, 12]], dtype=torch.int64, device=cpu)
-        w = torch.rand(4, 2, dtype=torch.float32, device=cpu)
+                             explicitly_destroy=True, backend=backend)
+        x = torch.ones(4, HIDDEN, dtype=torch.bfloat16, device=dev)
+        idx = torch.tensor([[0, 5], [9, -1], [15, 2], [3, 12]], dtype=torch.int64, device=dev)
+        w = torch.rand(4, 2, dtype=torch.float32, device=dev)
         (q, s), count, handle, _, _ = buf.low_latency_dispatch(x, idx, NUM_TOKENS, NUM_EXPERTS, round_scale=True,
                                                                use_ue8m0=True)
         buf.get_next_low_latency_combine_buffer(handle).copy_(q.to(torch.bfloat16))
         out, _, _ = buf.low_latency_combine(q.to(torch.bfloat16), idx, w, handle, zero_copy=True)
-        mask = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=cpu)
+        mask = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=dev)
         buf.low_latency_query_mask_buffer(mask)
         ntpr, _, ntpe, tir, _ = buf.get_dispatch_layout(idx, NUM_EXPERTS)
         rx, ri, rw, _, nh, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=tir,
@@ -371,7 +449,8 @@ def check_defaults_independence() -> Dict[str, Any]:
         cx, cw, _ = buf.combine(rx, nh, topk_weights=rw)
         buf.destroy()
         devices = {t.device.type for t in (q, s, count, handle.src_info, out, mask, ntpr, tir, rx, ri, cx, cw)}
-        return {"devices": sorted(devices), "equal": bool(torch.equal(cx, x * tir.sum(1, keepdim=True).to(torch.bfloat16)))}
+        equal = bool(torch.equal(cx, x * tir.sum(1, keepdim=True).to(torch.bfloat16)))
+        return {"devices": sorted(devices), "want": [dev.type], "equal": equal}
     finally:
         torch.set_default_device(None)
         torch.set_default_dtype(torch.float32)
@@ -379,7 +458,7 @@ def check_defaults_independence() -> Dict[str, Any]:
 
 def test_no_dependence_on_default_device_or_dtype(pool2: Any) -> None:
     res = pool2.run(check_defaults_independence)
-    assert all(r["devices"] == ["cpu"] for r in res)
+    assert all(r["devices"] == r["want"] == ["cpu"] for r in res)
     assert all(r["equal"] for r in res)   # normal combine sums a token once per rank it reached
 
 

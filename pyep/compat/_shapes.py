@@ -188,21 +188,17 @@ class ActiveMask:
 
 def raw_buffer_tensor(backend: Any, what: str) -> "torch.Tensor":
     """uint8 view of a native backend's registered buffer (the memory DeepEP's get_local_buffer_tensor
-    exposes). The reference backend has no such memory: its transfers are torch.distributed
-    collectives, so there is nothing to view and this raises."""
+    exposes), from the backend's raw_buffer() -> (address, bytes). The reference backend has no such
+    memory: its transfers are torch.distributed collectives, so there is nothing to view and this raises."""
     import torch
-    ptr = getattr(backend, "_buf", 0)
-    nbytes = getattr(backend, "buffer_bytes", None)
-    nbytes = nbytes() if callable(nbytes) else nbytes
-    if nbytes is None:
-        nbytes = getattr(backend, "_bytes", None)
+    raw = getattr(backend, "raw_buffer", None)
     device = getattr(backend, "device", None)
-    if not isinstance(ptr, int) or ptr == 0 or not isinstance(nbytes, int) or device is None \
-            or getattr(device, "type", "") != "cuda":
+    if raw is None or device is None or getattr(device, "type", "") != "cuda":
         raise NotImplementedError(
             f"{what}: the {getattr(backend, 'name', type(backend).__name__)} backend has no registered "
             f"device buffer to view (the reference backend moves data with torch.distributed "
             f"collectives); reset state with clean_low_latency_buffer() instead")
+    ptr, nbytes = raw()
 
     class _Mem:
         # torch.as_tensor shares memory described by the CUDA array interface without copying.

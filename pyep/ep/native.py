@@ -520,6 +520,13 @@ class NativeBackend:
                               link.detail if marks[link.rank] else f"timed out; was {link.kind} ({link.detail})")
                 for link in self._peers.links]
 
+    def raw_buffer(self) -> "tuple[int, int]":
+        """(device address, bytes) of the registered buffer that the kernels and the peers write: the
+        memory DeepEP's get_local_buffer_tensor exposes (pyep.compat views it). Valid until destroy();
+        writing it while a call is in flight corrupts that call."""
+        self._check_alive("raw_buffer")
+        return self._buf, self.buffer_bytes
+
     @property
     def active_mask(self) -> "torch.Tensor":
         """The backend's own active_ranks (used when a call passes none)."""

@@ -299,6 +299,13 @@ class NormalNativeBackend:
     def buffer_bytes(self) -> int:
         return self._bytes
 
+    def raw_buffer(self) -> "tuple[int, int]":
+        """(device address, bytes) of the registered NVLink buffer (control area and rings): the memory
+        DeepEP's get_local_buffer_tensor(use_rdma_buffer=False) exposes. Valid until destroy()."""
+        if self._destroyed:
+            raise RuntimeError("native normal-mode backend: raw_buffer() after destroy()")
+        return self._buf, self._bytes
+
     def transport_table(self) -> List[PeerTransport]:
         return [PeerTransport(link.rank, link.kind, link.detail) for link in self._peers.links]
 
