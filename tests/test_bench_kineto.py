@@ -69,14 +69,14 @@ def test_collect_from_profiler_events() -> None:
         _evt("pyep::native::combine_recv", "CUDA", 100.0, 141.0),    # a label without the annotation flag
         _evt("orphan", "CUDA", 150.0, 151.0),
         # A non-template kernel's demangled name starts with our namespace: it is work, not a label.
-        _evt("pyep::ll::(anonymous namespace)::ll_combine_kernel(pyep::ll::LLStatic, pyep::ll::LLCombineCall)",
+        _evt("pyep::ll::(anonymous namespace)::combine(pyep::ll::LLStatic, pyep::ll::LLCombineCall)",
              "CUDA", 160.0, 170.0),
     ]
     prof = SimpleNamespace(events=lambda: events)
     ranges, kernels = kineto.collect(prof)
     assert ranges == [Range("dispatch", 0, 100.0, 110.0)]
     assert kernels[:2] == [Kernel("ll_dispatch", 115.0, 25.0, 101.0), Kernel("orphan", 150.0, 1.0, None)]
-    assert len(kernels) == 3 and "ll_combine_kernel" in kernels[2].name
+    assert len(kernels) == 3 and "combine" in kernels[2].name
 
 
 def test_collect_on_a_real_cpu_profile() -> None:

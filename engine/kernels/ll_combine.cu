@@ -475,7 +475,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrRecvDone);
 }
 
-__global__ void __launch_bounds__(kThreadsPerBlock, 1) ll_combine_kernel(LLStatic s, LLCombineCall c) {
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) combine(LLStatic s, LLCombineCall c) {
     uint8_t* smem = dynamic_smem();
     CombineSmem sm = carve_combine(smem, s.num_ranks, s.num_ranks * s.num_local_experts);
     if (c.use_logfmt)
@@ -522,9 +522,9 @@ void launch_combine(const LLStatic& s, const LLCombineCall& c, uint64_t stream) 
         throw std::invalid_argument("ll combine: use_logfmt needs hidden % 512 == 0, got " + std::to_string(s.hidden));
     const int smem = combine_smem_bytes(s);
     if (smem > 48 * 1024)
-        check(cudaFuncSetAttribute(ll_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+        check(cudaFuncSetAttribute(combine, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
               "ll combine smem attribute");
-    ll_combine_kernel<<<s.num_blocks, kThreadsPerBlock, smem, reinterpret_cast<cudaStream_t>(stream)>>>(s, c);
+    combine<<<s.num_blocks, kThreadsPerBlock, smem, reinterpret_cast<cudaStream_t>(stream)>>>(s, c);
     check(cudaGetLastError(), "ll combine launch");
 }
 

@@ -392,7 +392,7 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
 }
 
 template <bool kFp8>
-__global__ void __launch_bounds__(kThreadsPerBlock, 1) ll_dispatch_kernel(LLStatic s, LLDispatchCall c) {
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch(LLStatic s, LLDispatchCall c) {
     uint8_t* smem = dynamic_smem();
     DispatchSmem sm = carve_dispatch(smem, s.num_ranks, s.num_ranks * s.num_local_experts);
     if (c.phases & kPhaseSend) dispatch_send<kFp8>(s, c, sm);
@@ -434,7 +434,7 @@ void launch_dispatch(const LLStatic& s, const LLDispatchCall& c, uint64_t stream
         throw std::invalid_argument("ll dispatch: an output pointer is null");
     if (!(c.phases & (kPhaseSend | kPhaseRecv))) throw std::invalid_argument("ll dispatch: no phase");
     const int smem = dispatch_smem_bytes(s);
-    auto kern = c.use_fp8 ? ll_dispatch_kernel<true> : ll_dispatch_kernel<false>;
+    auto kern = c.use_fp8 ? dispatch<true> : dispatch<false>;
     if (smem > 48 * 1024)
         check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "ll dispatch smem attribute");
     kern<<<s.num_blocks, kThreadsPerBlock, smem, reinterpret_cast<cudaStream_t>(stream)>>>(s, c);

@@ -185,7 +185,7 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
     }
 }
 
-__global__ void __launch_bounds__(kCombineThreads, 1) normal_combine_kernel(NormalStatic s, CombineArgs a) {
+__global__ void __launch_bounds__(kCombineThreads, 1) combine(NormalStatic s, CombineArgs a) {
     const int c = blockIdx.x >> 1;
     const CombineRow row(a.hidden, a.num_topk);
     if (blockIdx.x & 1) {
@@ -212,7 +212,7 @@ void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream
     const uint64_t need = (uint64_t)a.num_channels * s.num_ranks * a.ring_tokens * combine_row_bytes(a.hidden, a.num_topk);
     if (need > s.ring_capacity)
         bad("the rings need " + std::to_string(need) + " bytes, the buffer has " + std::to_string(s.ring_capacity));
-    normal_combine_kernel<<<2 * a.num_channels, kCombineThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    combine<<<2 * a.num_channels, kCombineThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw std::runtime_error(std::string("normal combine launch: ") + cudaGetErrorString(e));
 }

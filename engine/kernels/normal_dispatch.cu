@@ -221,7 +221,7 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
     tma_drain(G.lane);
 }
 
-__global__ void __launch_bounds__(kDispatchThreads, 1) normal_dispatch_kernel(NormalStatic s, DispatchArgs a) {
+__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch(NormalStatic s, DispatchArgs a) {
     __shared__ int sh_flag[kMaxRanks];
     const int c = blockIdx.x >> 1;
     const bool sender = (blockIdx.x & 1) == 0;
@@ -270,12 +270,12 @@ void launch_dispatch(const NormalStatic& s, const DispatchArgs& a, uint64_t stre
     if (need > s.ring_capacity)
         bad("the rings need " + std::to_string(need) + " bytes, the buffer has " + std::to_string(s.ring_capacity));
     static const bool smem_ok = [] {
-        return cudaFuncSetAttribute(normal_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmemBytes) ==
+        return cudaFuncSetAttribute(dispatch, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmemBytes) ==
                cudaSuccess;
     }();
     if (!smem_ok) throw std::runtime_error("normal dispatch: cannot reserve " + std::to_string(kTmaSmemBytes) +
                                            " bytes of shared memory per block");
-    normal_dispatch_kernel<<<2 * a.num_channels, kDispatchThreads, kTmaSmemBytes, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    dispatch<<<2 * a.num_channels, kDispatchThreads, kTmaSmemBytes, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw std::runtime_error(std::string("normal dispatch launch: ") + cudaGetErrorString(e));
 }

@@ -25,7 +25,7 @@ RANGE_PREFIX = "pyep_bench::"
 # Our record_function labels ("pyep::dispatch", "pyep::native::combine_recv", benchmark ranges) come
 # back on the device timeline as gpu_user_annotation spans. A label has no spaces or parentheses; a
 # kernel's demangled name does (a non-template kernel such as "pyep::ll::(anonymous
-# namespace)::ll_combine_kernel(...)" starts with "pyep::" too, and must not be dropped).
+# namespace)::combine(...)" starts with "pyep::" too, and must not be dropped).
 _ANNOTATION_LABEL = re.compile(r"pyep(_bench)?::[A-Za-z0-9_:]+")
 _OPERATOR_ACTIVITIES = ("cpu_op", "user_annotation")
 

@@ -244,8 +244,8 @@ PYBIND11_MODULE(ll_sim, m) {
         const int smem = ll::dispatch_smem_bytes(ss.at(0));
         const bool fp8 = cs.at(0).use_fp8 != 0;
         py::gil_scoped_release nogil;
-        if (fp8) run_grids(ss, cs, ll::ll_dispatch_kernel<true>, smem);
-        else run_grids(ss, cs, ll::ll_dispatch_kernel<false>, smem);
+        if (fp8) run_grids(ss, cs, ll::dispatch<true>, smem);
+        else run_grids(ss, cs, ll::dispatch<false>, smem);
     });
     m.def("combine", [](const py::list& statics, const py::list& calls) {
         std::vector<ll::LLStatic> ss;
@@ -256,7 +256,7 @@ PYBIND11_MODULE(ll_sim, m) {
         }
         const int smem = ll::combine_smem_bytes(ss.at(0));
         py::gil_scoped_release nogil;
-        run_grids(ss, cs, ll::ll_combine_kernel, smem);
+        run_grids(ss, cs, ll::combine, smem);
     });
     py::class_<SimNic>(m, "SimNic")
         .def(py::init<std::vector<uint64_t>, std::vector<uint64_t>, int, int>())

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """LogFMT combine (use_logfmt=True) next to BF16 combine on the native backend: the error of LogFMT's
-output against BF16's, and the combine kernel time of both (kineto: device time of ll_combine_kernel).
+output against BF16's, and the combine kernel time of both (kineto: device time of combine).
 
     python tools/dev/logfmt_bench.py [--ranks 2] [--tokens 128] [--hidden 7168] [--experts 288]
                                      [--topk 8] [--iters 50] [--scale 0.1] [--json FILE]
