@@ -177,6 +177,8 @@ def check_profiler_kernel_names(return_recv_hook: bool) -> Dict[str, Any]:
         mine = [n for n in names if word in n]
         assert len(mine) == 1, f"rank {rank}: {tag}: {len(mine)} kernels named '*{word}*', want 1: {names}"
         assert not [n for n in names if other in n], f"rank {rank}: {tag}: a kernel named '*{other}*': {names}"
+        # DeepEP's profiling helper looks for '::dispatch' / '::combine' when the hook splits a call.
+        assert f"::{word}" in mine[0], f"rank {rank}: {tag}: {mine[0]!r} has no '::{word}'"
     return {"launches": launches}
 
 
