@@ -189,8 +189,8 @@ def graph_and_profiler(shape_args: Sequence[int], transport: str, replays: int) 
     names = [e.key for e in prof.key_averages()]
     nat.destroy()
     ref.destroy()
-    assert any("dispatch" in n and "ll_" in n for n in names), f"no dispatch kernel in the profile: {names}"
-    assert any("combine" in n and "ll_" in n for n in names), f"no combine kernel in the profile: {names}"
+    assert any("pyep::ll::" in n and "::dispatch" in n for n in names), f"no dispatch kernel in the profile: {names}"
+    assert any("pyep::ll::" in n and "::combine" in n for n in names), f"no combine kernel in the profile: {names}"
     assert any(n == "pyep::dispatch" for n in names) and any(n == "pyep::combine" for n in names), names
     return {"replays": replays}
 
@@ -229,7 +229,7 @@ def perf(shape_args: Sequence[int], iters: int) -> Dict[str, Any]:
             torch.cuda.synchronize()
         times: Dict[str, List[float]] = {"dispatch": [], "combine": []}
         for ev in sorted(prof.events(), key=lambda e: e.time_range.start):
-            if ev.device_type.name == "CUDA" and "ll_" in ev.name:
+            if ev.device_type.name == "CUDA" and "pyep::ll::" in ev.name:
                 times["dispatch" if "dispatch" in ev.name else "combine"].append(ev.device_time_total)
         for kind, ts in times.items():
             if hook:   # kernels alternate send, receive

@@ -34,8 +34,8 @@ def _kernel_us(buf: Any, y: Any, topk: Any, w: Any, handle: Any, use_logfmt: boo
             buf.combine(y, topk, w, handle, use_logfmt=use_logfmt)
         torch.cuda.synchronize()
     times = [e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-             for e in prof.key_averages() if "ll_combine" in e.key]
-    calls = [e.count for e in prof.key_averages() if "ll_combine" in e.key]
+             for e in prof.key_averages() if "pyep::ll::" in e.key and "::combine" in e.key]
+    calls = [e.count for e in prof.key_averages() if "pyep::ll::" in e.key and "::combine" in e.key]
     return sum(times) / max(1, sum(calls))
 
 
