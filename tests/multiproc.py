@@ -187,3 +187,19 @@ class LazyPools(dict):
     def close(self) -> None:
         for pool in self.values():
             pool.close()
+
+
+def usable_gpus(part: str = "ep") -> int:
+    """CUDA devices a GPU test can use: 0 without CUDA or without a CUDA build of pyep._engine that has
+    `part` (its submodule: "ep", "normal", ...). Any failure here means "no usable GPU build"."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return 0
+        from pyep._native import load
+        mod = load()
+        if mod is None or not getattr(mod, "has_cuda", False) or not hasattr(mod, part):
+            return 0
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0

@@ -13,25 +13,12 @@ import logging
 from typing import Any, Dict, Iterator, List
 
 import pytest
+from multiproc import usable_gpus
 
 log = logging.getLogger("tests.compat_gpu")
 
 
-def _gpus() -> int:
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            return 0
-        from pyep._native import load
-        mod = load()
-        if mod is None or not getattr(mod, "has_cuda", False) or not hasattr(mod, "ep"):
-            return 0
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - any failure here means "no usable GPU build"
-        return 0
-
-
-NGPU = _gpus()
+NGPU = usable_gpus("ep")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(NGPU == 0, reason="needs a CUDA GPU and the CUDA build of pyep._engine")]
 WORLD = 2

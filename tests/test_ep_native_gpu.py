@@ -17,26 +17,13 @@ import logging
 from typing import Dict, Iterator
 
 import pytest
+from multiproc import usable_gpus
 
 pytestmark = pytest.mark.gpu
 log = logging.getLogger("tests.ep_native_gpu")
 
 
-def _gpus() -> int:
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            return 0
-        from pyep._native import load
-        mod = load()
-        if mod is None or not getattr(mod, "has_cuda", False) or not hasattr(mod, "ep"):
-            return 0
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - any failure here means "no usable GPU build"
-        return 0
-
-
-NGPU = _gpus()
+NGPU = usable_gpus("ep")
 WORLDS = [w for w in (2, 4, 8) if w <= max(NGPU, 2)] if NGPU else [2]
 requires_gpu = pytest.mark.skipif(NGPU == 0, reason="needs a CUDA GPU and the CUDA build of pyep._engine")
 

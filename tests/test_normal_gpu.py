@@ -15,26 +15,12 @@ from __future__ import annotations
 from typing import Dict, Iterator
 
 import pytest
+from multiproc import usable_gpus
 
 pytestmark = pytest.mark.gpu
 
 
-def _gpus() -> int:
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            return 0
-        from pyep._native import load
-        mod = load()
-        if mod is None or not getattr(mod, "has_cuda", False):
-            return 0
-        from pyep.ep.normal import NormalBuffer  # noqa: F401 - the front must import
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - any failure here means "no usable GPU build"
-        return 0
-
-
-NGPU = _gpus()
+NGPU = usable_gpus("normal")
 WORLDS = [w for w in (2, 4, 8) if w <= max(NGPU, 4)]
 # Ranks share GPUs (rank % device_count) where there are fewer GPUs than ranks: slow (the processes
 # time-slice one GPU) but the same protocol, so one GPU is enough to check correctness.
