@@ -188,6 +188,55 @@ def correctness(shape_args: Tuple[int, int, int, int], cases: str) -> None:
         torch.cuda.synchronize()
 
 
+def mixed_rows(shape_args: Tuple[int, int, int, int], rounds: int) -> None:
+    """Calls of different row kinds back to back with no host wait between them (num_worst_tokens): an
+    FP8 dispatch, a combine without weights, a cached BF16 dispatch, a combine with weights. A peer that
+    finished one call starts writing the next while this rank may still read the last one, so the
+    rings of one call must never overlap another call's (docs/normal_mode.md, "Rings never move")."""
+    import torch
+    import torch.distributed as dist
+    from pyep.ep import fp8
+    setup_device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = Shape(*shape_args)
+    worst = s.N * world
+    nat, ref = new_buffers(s)
+    try:
+        got = []
+        inputs = [make_inputs(300 + i, rank, s, "hot" if i % 2 else "random", world) for i in range(rounds)]
+        for x, t, w in inputs:        # everything queued first: the ranks drift apart freely
+            xq = fp8.quantize_fp8(x)
+            gt, gw = _on("cuda", t, w)
+            lay = nat.get_dispatch_layout(gt, s.E)
+            d8 = nat.dispatch(tuple(_on("cuda", *xq)), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                              num_tokens_per_expert=lay[2], topk_idx=gt, topk_weights=gw, num_worst_tokens=worst)
+            c0 = nat.combine(expert(d8[0], rank), d8[4])
+            d16 = nat.dispatch(x.cuda(), handle=d8[4])
+            c1 = nat.combine(expert(d16[0], rank), d8[4], topk_weights=d8[2])
+            got.append((d8[0], c0[0], d16[0], c1[0], c1[1]))
+        torch.cuda.synchronize()
+        nat.backend.check_errors()
+        for i, ((x, t, w), (g8, g_c0, g16, g_c1, g_w1)) in enumerate(zip(inputs, got)):
+            xq = fp8.quantize_fp8(x)
+            lay = ref.get_dispatch_layout(t, s.E)
+            w8 = ref.dispatch(xq, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                              topk_idx=t, topk_weights=w, num_worst_tokens=worst)
+            real = int((w8[4].recv_src_idx >= 0).sum())
+            tag = f"rank {rank} round {i}"
+            same(f"{tag} fp8 recv_x", g8[0], w8[0][0], real)
+            same(f"{tag} fp8 recv_scales", g8[1], w8[0][1], real)
+            same(f"{tag} combine without weights", g_c0, ref.combine(expert(w8[0], rank), w8[4])[0])
+            w16 = ref.dispatch(x, handle=w8[4])
+            same(f"{tag} cached bf16 recv_x", g16, w16[0], real)
+            c1 = ref.combine(expert(w16[0], rank), w8[4], topk_weights=w8[2])
+            same(f"{tag} combine with weights", g_c1, c1[0])
+            same(f"{tag} combined weights", g_w1, c1[1])
+    finally:
+        nat.destroy()
+        ref.destroy()
+        torch.cuda.synchronize()
+
+
 # ---------------------------------------------------------------------- drills
 def _layout_ref(t: Any, e: int, world: int) -> Tuple[Any, Any, Any]:
     """The layout tensors computed on the host (pyep.bench.normal_check, ids out of range count as -1)."""

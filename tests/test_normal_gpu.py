@@ -64,6 +64,16 @@ def test_cuda_graph_with_worst_tokens_and_cached_handle(pools, world):
 
 @requires_gpus
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_row_kinds_back_to_back(pools, world):
+    """FP8 dispatch, combine without weights, cached BF16 dispatch, combine with weights, queued with no
+    host wait: a fast peer's next call must not write over rows a slow rank still reads."""
+    from normal_gpu_cases import mixed_rows
+    pools[world].run(mixed_rows, (64, 1024, 8 * world, 4), 6, timeout_s=220)
+
+
+@requires_gpus
+@pytest.mark.timeout(240)
 def test_thousand_rounds_hash_stable(pools):
     from normal_gpu_cases import stability
     res = pools[2].run(stability, (128, 1024, 16, 4), 1000, timeout_s=220)

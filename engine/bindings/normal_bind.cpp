@@ -22,6 +22,7 @@ void register_normal(py::module_& m) {
         .def_readwrite("peer_base", &NormalStatic::peer_base)
         .def_readwrite("ring_off", &NormalStatic::ring_off)
         .def_readwrite("ring_capacity", &NormalStatic::ring_capacity)
+        .def_readwrite("slot_bytes", &NormalStatic::slot_bytes)
         .def_readwrite("off_tail", &NormalStatic::off_tail)
         .def_readwrite("off_head", &NormalStatic::off_head)
         .def_readwrite("off_tx", &NormalStatic::off_tx)

@@ -23,7 +23,7 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
     const int R = s.num_ranks, me = s.rank, Q = a.ring_tokens, K = a.num_topk, C = a.num_channels;
     int start, count;
     recv_run(a.rank_prefix_matrix, a.recv_channel_prefix_matrix, R, C, me, d, c, start, count);
-    uint8_t* ring = ring_of(s, peer_buf(s, d), c, me, Q, row.bytes);
+    uint8_t* ring = ring_of(s, peer_buf(s, d), c, me, Q);
     int* tail = tail_of(s, peer_buf(s, d), c, me);
     const int* head = head_of(s, reinterpret_cast<uint8_t*>(s.buf), c, d);
     const uint32_t base = (uint32_t)*tx_of(s, c, d);
@@ -48,7 +48,7 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
         if (group_sync_or(g, W, failed)) return;
         for (int j = wi; j < n; j += W) {
             const int i = sent + j;
-            uint8_t* dst = ring + (uint64_t)(i % Q) * row.bytes;
+            uint8_t* dst = ring + slot_offset(s, i, Q);
             warp_copy(dst, x + (uint64_t)(start + i) * row.payload, row.payload, lane);
             if (lane < K)
                 reinterpret_cast<float*>(dst + row.weights)[lane] = weights ? weights[(int64_t)(start + i) * K + lane] : 0.f;
@@ -149,7 +149,7 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
                         rows[nsrc] = reinterpret_cast<const uint8_t*>(a.x) + (uint64_t)r * row.payload;
                         wrow[nsrc] = a.topk_weights ? reinterpret_cast<const float*>(a.topk_weights) + (int64_t)r * K : nullptr;
                     } else {
-                        rows[nsrc] = ring_of(s, own, c, d, Q, row.bytes) + (uint64_t)(p % Q) * row.bytes;
+                        rows[nsrc] = ring_of(s, own, c, d, Q) + slot_offset(s, p, Q);
                         wrow[nsrc] = reinterpret_cast<const float*>(rows[nsrc] + row.weights);
                     }
                     ++nsrc;
@@ -209,7 +209,10 @@ void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream
     if (a.ring_tokens < 2) bad("the ring must hold at least 2 rows");
     if (a.hidden < 128 || a.hidden % 128) bad("hidden must be a positive multiple of 128");
     if (a.num_topk < 0 || a.num_topk > kMaxTopk) bad("num_topk must be in [0, 16]");
-    const uint64_t need = (uint64_t)a.num_channels * s.num_ranks * a.ring_tokens * combine_row_bytes(a.hidden, a.num_topk);
+    if (combine_row_bytes(a.hidden, a.num_topk) > s.slot_bytes)
+        bad("a row of hidden " + std::to_string(a.hidden) + " does not fit the buffer's " + std::to_string(s.slot_bytes) +
+            "-byte slots");
+    const uint64_t need = (uint64_t)a.num_channels * s.num_ranks * a.ring_tokens * s.slot_bytes;
     if (need > s.ring_capacity)
         bad("the rings need " + std::to_string(need) + " bytes, the buffer has " + std::to_string(s.ring_capacity));
     combine<<<2 * a.num_channels, kCombineThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);

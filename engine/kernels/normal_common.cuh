@@ -37,10 +37,15 @@ __device__ __forceinline__ int* tx_of(const NormalStatic& s, int c, int p) {
 __device__ __forceinline__ int* rx_of(const NormalStatic& s, int c, int p) {
     return words(reinterpret_cast<uint8_t*>(s.buf), s.off_rx) + c * s.num_ranks + p;
 }
-// Ring (channel c, source src) inside the buffer `base`: ring_tokens slots of row_bytes.
-__device__ __forceinline__ uint8_t* ring_of(const NormalStatic& s, uint8_t* base, int c, int src, int ring_tokens,
-                                            uint64_t row_bytes) {
-    return base + s.ring_off + ((uint64_t)(c * s.num_ranks + src) * ring_tokens) * row_bytes;
+// Ring (channel c, source src) inside the buffer `base`: ring_tokens slots of s.slot_bytes. The stride
+// is the buffer's, never the row's: a sender of the next call may already write its stream while a
+// slower receiver still reads another stream of the previous call, and with a per-row-kind stride
+// (FP8 dispatch rows, then combine rows) those two streams' bytes would overlap.
+__device__ __forceinline__ uint8_t* ring_of(const NormalStatic& s, uint8_t* base, int c, int src, int ring_tokens) {
+    return base + s.ring_off + ((uint64_t)(c * s.num_ranks + src) * ring_tokens) * s.slot_bytes;
+}
+__device__ __forceinline__ uint64_t slot_offset(const NormalStatic& s, int pos, int ring_tokens) {
+    return (uint64_t)(pos % ring_tokens) * s.slot_bytes;
 }
 
 // Channel c's token range of a rank with n tokens and C channels (contract.py: P = ceil(n / C)).

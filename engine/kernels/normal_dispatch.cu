@@ -34,7 +34,7 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
     int t0, t1;
     channel_range(a.num_tokens, a.num_channels, c, t0, t1);
     const int count = prefix_count(reinterpret_cast<const int*>(a.channel_prefix_matrix), a.num_channels, d, c);
-    uint8_t* ring = ring_of(s, peer_buf(s, d), c, me, Q, row.bytes);
+    uint8_t* ring = ring_of(s, peer_buf(s, d), c, me, Q);
     int* tail = tail_of(s, peer_buf(s, d), c, me);
     const int* head = head_of(s, reinterpret_cast<uint8_t*>(s.buf), c, d);
     const uint32_t base = (uint32_t)*tx_of(s, c, d);
@@ -85,7 +85,7 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
                 for (uint32_t rest = masks[w]; rest; rest &= rest - 1, ++j) {
                     if (j % G.W != G.wi) continue;
                     const int tok = rbase + w * kScanWindow + __ffs(rest) - 1;
-                    uint8_t* dst = ring + (uint64_t)((sent + j) % Q) * row.bytes;
+                    uint8_t* dst = ring + slot_offset(s, sent + j, Q);
                     warp_copy(dst, x + (uint64_t)tok * row.payload, row.payload, G.lane);
                     if (a.fp8)
                         for (int i = G.lane; i < groups; i += 32)
@@ -178,7 +178,7 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
     int start, count;
     recv_run(a.rank_prefix_matrix, a.recv_channel_prefix_matrix, R, C, me, src, c, start, count);
     uint8_t* own = reinterpret_cast<uint8_t*>(s.buf);
-    const uint8_t* ring = ring_of(s, own, c, src, Q, row.bytes);
+    const uint8_t* ring = ring_of(s, own, c, src, Q);
     const int* tail = tail_of(s, own, c, src);
     int* head = head_of(s, peer_buf(s, src), c, me);
     const uint32_t base = (uint32_t)*rx_of(s, c, src);
@@ -206,7 +206,7 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
             const int i = done + j;
             const int out = start + i;
             if (out >= a.num_out_rows) continue;    // more rows than num_worst_tokens: recorded by notify
-            const uint8_t* r = ring + (uint64_t)(i % Q) * row.bytes;
+            const uint8_t* r = ring + slot_offset(s, i, Q);
             emit_row(a, row, tma, out, r, reinterpret_cast<const float*>(r + row.scales),
                      [&](int k) { return (int64_t)__ldcg(reinterpret_cast<const int*>(r + row.ids) + k); },
                      [&](int k) { return __ldcg(reinterpret_cast<const float*>(r + row.weights) + k); },
@@ -266,7 +266,10 @@ void launch_dispatch(const NormalStatic& s, const DispatchArgs& a, uint64_t stre
     if (a.hidden < 128 || a.hidden % 128) bad("hidden must be a positive multiple of 128");
     if (a.num_topk < 0 || a.num_topk > kMaxTopk) bad("num_topk must be in [0, 16]");
     // Pointers may be 0 for empty tensors (N = 0, nothing received); the front checked the shapes.
-    const uint64_t need = (uint64_t)a.num_channels * s.num_ranks * a.ring_tokens * dispatch_row_bytes(a.hidden, a.fp8, a.num_topk);
+    if (dispatch_row_bytes(a.hidden, a.fp8, a.num_topk) > s.slot_bytes)
+        bad("a row of hidden " + std::to_string(a.hidden) + " does not fit the buffer's " + std::to_string(s.slot_bytes) +
+            "-byte slots");
+    const uint64_t need = (uint64_t)a.num_channels * s.num_ranks * a.ring_tokens * s.slot_bytes;
     if (need > s.ring_capacity)
         bad("the rings need " + std::to_string(need) + " bytes, the buffer has " + std::to_string(s.ring_capacity));
     static const bool smem_ok = [] {

@@ -190,6 +190,7 @@ void check_static(const NormalStatic& s) {
     if (s.rank < 0 || s.rank >= s.num_ranks) bad("rank outside [0, num_ranks)");
     if (!s.buf || !s.peer_base || !s.err || !s.host_counts || !s.workspace) bad("pointers must be set");
     if (s.ring_off % 128) bad("ring offset must be 128-byte aligned");
+    if (s.slot_bytes == 0 || s.slot_bytes % 128) bad("slot_bytes must be a positive multiple of 128");
 }
 
 uint64_t dispatch_row_bytes(int hidden, int fp8, int num_topk) { return DispatchRow(hidden, fp8, num_topk).bytes; }

@@ -94,6 +94,7 @@ class NormalNativeBackend:
         self._broken = False
         self._destroyed = False
         self._notify_seq = 0
+        self._ring_tokens: Optional[int] = None   # ring depth of the last launched call
         # PYEP_NORMAL_TMA=0: the dispatch receiver copies rows with warp loads/stores instead of the bulk
         # copy engine (an A/B switch for measurements; both give the same bytes).
         import os
@@ -136,6 +137,7 @@ class NormalNativeBackend:
         s.peer_base = self._peer_base.data_ptr()
         s.ring_off = layout.ring_offset(self.num_ranks)
         s.ring_capacity = self._bytes - s.ring_off
+        s.slot_bytes = layout.slot_bytes(self.hidden)
         s.off_tail, s.off_head, s.off_tx, s.off_rx = words["tail"], words["head"], words["tx_pos"], words["rx_pos"]
         s.off_flag, s.off_notify = words["notify_flag"], words["notify"]
         s.notify_ints = layout.NOTIFY_INTS
@@ -193,10 +195,29 @@ class NormalNativeBackend:
                                        f"{2 * self.timeout_us / 1e6 + 10.0:.1f} s (the GPU is blocked by other work)")
                 time.sleep(20e-6)
 
+    def _settle_ring_depth(self, ring_tokens: int, what: str) -> None:
+        """A ring's place in the buffer depends on the ring depth (layout.py): a call with another depth
+        than the last one lays its rings over streams that a slower peer may still be reading from the
+        earlier call. Such a call first lets every rank finish its earlier calls (device synchronise,
+        then a bounded barrier); calls of one depth never wait here."""
+        import torch
+        if self._ring_tokens is None or self._ring_tokens == ring_tokens:
+            self._ring_tokens = ring_tokens
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"{what}: num_max_nvl_chunked_recv_tokens changes from {self._ring_tokens} to "
+                             f"{ring_tokens} inside a CUDA graph capture; a new ring depth needs every rank idle "
+                             f"first: make one eager call with the new config before capturing")
+        torch.cuda.synchronize(self.device)
+        barrier_bounded(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6),
+                        f"{what}: ring depth {self._ring_tokens} -> {ring_tokens}")
+        self._ring_tokens = ring_tokens
+
     def dispatch(self, call: DispatchCall) -> DispatchResult:
         import torch
         dev, r_n = self.device, self.num_ranks
         cfg = call.config
+        self._settle_ring_depth(cfg.num_max_nvl_chunked_recv_tokens, "normal dispatch")
         c_n = cfg.num_channels()
         n, h = call.x.shape
         fp8 = call.x_scales is not None
@@ -266,6 +287,7 @@ class NormalNativeBackend:
         if hd.num_channels != cfg.num_channels():
             raise ValueError(f"the handle was made with {hd.num_channels} channels, this config has "
                              f"{cfg.num_channels()}: pass a config with num_sms={2 * hd.num_channels}")
+        self._settle_ring_depth(cfg.num_max_nvl_chunked_recv_tokens, "normal combine")
         n, h = hd.num_tokens, int(call.x.shape[1])
         k = int(call.topk_weights.shape[1]) if call.topk_weights is not None else 0
         out = torch.empty((n, h), dtype=torch.bfloat16, device=self.device)
