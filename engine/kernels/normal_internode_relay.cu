@@ -80,8 +80,11 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
         __threadfence_system();   // the NIC reads the record over PCIe
         gda::Qp* qp = relay_qp(s, m, 0);
         const uint64_t dst = raddr(s, m) + 4ull * s.off_count + 8ull * (par * M + s.node);
-        const int st = gda::post_rdma_write(qp, reinterpret_cast<uint64_t>(out), s.lkey, dst, rkey(s, m), 8, false,
-                                            s.timeout_ns);
+        int st = gda::post_rdma_write(qp, reinterpret_cast<uint64_t>(out), s.lkey, dst, rkey(s, m), 8, false,
+                                      s.timeout_ns);
+        // quiet: the record was placed (or an error CQE names why not: a bad rkey, a peer that is gone)
+        // before this rank waits for the peer's record, so a broken QP is reported at this call.
+        if (st == gda::kOk) st = gda::quiet(qp, s.timeout_ns);
         if (st != gda::kOk) {
             qp_failed(s, qp, m, st, kPhaseRdmaCounts);
             atomicExch(&fail, 1);
@@ -188,7 +191,12 @@ __device__ void relay_send(const RelayStatic& s, const RelayArgs& a, int m) {
         __syncthreads();
         if (flag != gda::kOk) return;
     }
-    if (threadIdx.x == 0) *tx_word = (int)(tx + (uint32_t)n);
+    // Every WQE of this call completed (or its error CQE is reported now, not at a later call).
+    if (threadIdx.x == 0) {
+        const int st = gda::quiet(qp, s.timeout_ns);
+        if (st != gda::kOk) qp_failed(s, qp, m, st, a.phase);
+        *tx_word = (int)(tx + (uint32_t)n);
+    }
 }
 
 __device__ void relay_recv(const RelayStatic& s, const RelayArgs& a, int m) {
