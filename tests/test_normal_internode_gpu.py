@@ -7,7 +7,8 @@ checks what it received byte for byte without further communication.
 Cases: 2 nodes x 2 ranks and 2 nodes x 1 rank; random, skewed (one node gets everything), empty and
 all-to-one counts; a ring of 8 slots and chunks of 3 rows (every ring wraps, chunks split at the
 wrap); 1,000 rounds with a stable hash; a bad rkey (RelayError naming the peer and the QP, with the
-syndrome) and a dropped peer (PeerTimeout naming it) within the timeout.
+syndrome) and a dropped peer (PeerTimeout naming it) within the timeout. PYEP_RELAY_TRANSPORT=ibgda
+runs the same tests on the host's ConnectX NICs instead of the softnic.
 """
 from __future__ import annotations
 
@@ -46,14 +47,16 @@ def _rows(seed: int, src: int, node: int, n: int) -> "Any":
     return torch.randint(0, 256, (n, ROW), generator=g, dtype=torch.uint8)
 
 
-def _relay(p: int, transport: str = "emulated") -> Any:
+def _relay(p: int) -> Any:
+    import os
+
     import torch.distributed as dist
     from ep_native_cases import setup_device
     from pyep.ep.normal.internode_relay import Relay
     from pyep.ep.normal.topology import NodeLayout
     setup_device()
     nodes = NodeLayout(dist.get_world_size(), p)
-    return Relay(dist.group.WORLD, nodes, ring_bytes=8 * ROW, transport=transport, timeout_us=TIMEOUT_US), nodes
+    return Relay(dist.group.WORLD, nodes, ring_bytes=8 * ROW, transport=os.environ.get("PYEP_RELAY_TRANSPORT", "emulated"), timeout_us=TIMEOUT_US), nodes
 
 
 def relay_rounds(p: int, routings: List[str], rounds: int, fixed_seed: bool) -> Dict[str, Any]:

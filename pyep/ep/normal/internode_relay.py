@@ -116,8 +116,8 @@ class Relay:
         self._bytes = self.layout.total_bytes
         self._buf = 0
         self._peers: Any = None
-        self._err = torch.zeros(8, dtype=torch.int32, pin_memory=True)
-        self._host = torch.zeros(2 + m_n, dtype=torch.int32, pin_memory=True)
+        self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
+        self._host = torch.zeros(2 + m_n, dtype=torch.int32, device="cpu", pin_memory=True)
         self._ws = torch.zeros(8, dtype=torch.int32, device=self.device)
         try:
             self._buf = int(self._ep.device_alloc(self._bytes))
@@ -139,7 +139,7 @@ class Relay:
                     at = (link.rank * nqp + j) * size
                     qps[at:at + size] = ctx
             self._tables = {
-                "remote_addr": torch.tensor([link.remote_addr for link in links], dtype=torch.int64).to(self.device),
+                "remote_addr": torch.tensor([link.remote_addr for link in links], dtype=torch.int64, device=self.device),
                 "rkeys": torch.from_numpy(np.array([link.rkey for link in links], dtype=np.uint32).view(np.int32)
                                           ).to(self.device),
                 "qps": torch.frombuffer(qps, dtype=torch.uint8).to(self.device),
@@ -201,8 +201,8 @@ class Relay:
         if q < 1:
             raise ValueError(f"a relay row of {row_bytes} bytes does not fit the ring of {self.layout.ring_bytes}")
         chunk = max(1, min(chunk_tokens, q))
-        offs = torch.tensor([0] + list(_cumsum(send_counts)), dtype=torch.int32)
-        roffs = torch.tensor([0] + list(_cumsum(recv_counts)), dtype=torch.int32)
+        offs = torch.tensor([0] + _cumsum(send_counts), dtype=torch.int32, device="cpu")
+        roffs = torch.tensor([0] + _cumsum(recv_counts), dtype=torch.int32, device="cpu")
         dst = torch.empty((sum(recv_counts), row_bytes), dtype=torch.uint8, device=self.device)
         offs_d, roffs_d = offs.to(self.device), roffs.to(self.device)
         self._r.relay(self.static, phase, src.data_ptr(), offs_d.data_ptr(), dst.data_ptr(), roffs_d.data_ptr(),
