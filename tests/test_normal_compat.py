@@ -160,10 +160,11 @@ def check_deepep_intranode_flow() -> Dict[str, Any]:
     buffer.dispatch(x=x_e4m3, handle=handle, config=deep_ep.Buffer.get_dispatch_config(num_ranks))
     out, _, _ = buffer.combine(x=recv_x, handle=handle, config=deep_ep.Buffer.get_combine_config(num_ranks))
     assert torch.equal(out, (x.float() * is_token_in_rank.sum(1, keepdim=True)).to(torch.bfloat16))
-    with pytest.raises(NotImplementedError, match="internode"):
-        buffer.internode_dispatch(x, handle)
-    with pytest.raises(NotImplementedError, match="internode"):
-        buffer.internode_combine(x, handle)
+    # DeepEP's internode names run the same call (the buffer picks the protocol from its nodes).
+    recv_i, _, _, _, _, _ = buffer.internode_dispatch(x, handle)
+    assert torch.equal(recv_i, recv_x)
+    out_i, _, _ = buffer.internode_combine(recv_x, handle)
+    assert torch.equal(out_i, out)
     assert buffer.normal_buffer().hidden >= HIDDEN and buffer.get_comm_stream() is None
     buffer.destroy()
     with pytest.raises(RuntimeError, match="after destroy"):

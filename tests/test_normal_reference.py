@@ -81,14 +81,22 @@ def run_case(case: Case) -> Dict[str, Any]:
     ins = [make_inputs(case, r) for r in range(r_n)]
     x, scales, idx, w = ins[me]
     n = x.shape[0]
-    buf = NormalBuffer(hidden=h, backend="reference")
+    p_n = case.get("P", r_n)                       # ranks per node: P < R is the internode mode
+    m_n = r_n // p_n
+    buf = NormalBuffer(hidden=h, backend="reference", ranks_per_node=case.get("P"))
+    assert (buf.num_nodes, buf.ranks_per_node) == (m_n, p_n)
 
     # ---- layout
     ntpr, rdma, ntpe, tir, ev = buf.get_dispatch_layout(idx, e)
     ev.wait()
-    assert rdma is None
     want_tir = torch.tensor([[to_rank(idx, t, d, e_l) for d in range(r_n)] for t in range(n)],
                             dtype=torch.bool).reshape(n, r_n)
+    if m_n == 1:
+        assert rdma is None
+    else:
+        want_rdma = [sum(any(to_rank(idx, t, d, e_l) for d in range(nd * p_n, (nd + 1) * p_n)) for t in range(n))
+                     for nd in range(m_n)]
+        assert rdma.dtype == torch.int32 and rdma.tolist() == want_rdma
     assert torch.equal(tir, want_tir)
     assert ntpr.dtype == torch.int32 and ntpr.tolist() == want_tir.sum(0).tolist()
     assert ntpe.dtype == torch.int32 and ntpe.tolist() == [int((idx == g).sum()) for g in range(e)]
@@ -99,7 +107,7 @@ def run_case(case: Case) -> Dict[str, Any]:
         # Column-major scales, as DeepEP's test and SGLang pass them.
         x_arg = (x, scales.T.contiguous().T if case.get("colmajor") else scales)
     recv, r_idx, r_w, counts, handle, ev = buf.dispatch(
-        x_arg, num_tokens_per_rank=ntpr, is_token_in_rank=tir, num_tokens_per_expert=ntpe, topk_idx=idx,
+        x_arg, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=rdma, is_token_in_rank=tir, num_tokens_per_expert=ntpe, topk_idx=idx,
         topk_weights=w, expert_alignment=align, num_worst_tokens=nwt, config=cfg,
         async_finish=case.get("async", False))
     ev.wait()
@@ -183,11 +191,23 @@ def run_case(case: Case) -> Dict[str, Any]:
         if bias_kind == "pair":
             acc = acc + b1[t].float()
         acc_w = torch.zeros(k, dtype=torch.float32)
-        for d in range(r_n):
-            if to_rank(idx, t, d, e_l):
-                acc = acc + expert_fn(d, dequant(x[t:t + 1], scales[t:t + 1] if scales is not None else None))[0].float()
-                local = torch.tensor([0 <= int(g) and int(g) // e_l == d for g in idx[t]])
-                acc_w = acc_w + torch.where(local, w[t], torch.zeros(k))
+        # Intranode: every rank's row straight into acc. Internode: per node, an fp32 partial from 0,
+        # rounded to BF16 (weights not rounded), added for the nodes that hold one of t's ranks.
+        for nd in range(m_n):
+            part = acc if m_n == 1 else torch.zeros(h, dtype=torch.float32)
+            part_w = acc_w if m_n == 1 else torch.zeros(k, dtype=torch.float32)
+            used = False
+            for d in range(nd * p_n, (nd + 1) * p_n):
+                if to_rank(idx, t, d, e_l):
+                    used = True
+                    part = part + expert_fn(d, dequant(x[t:t + 1], scales[t:t + 1] if scales is not None else None))[0].float()
+                    local = torch.tensor([0 <= int(g) and int(g) // e_l == d for g in idx[t]])
+                    part_w = part_w + torch.where(local, w[t], torch.zeros(k))
+            if m_n == 1:
+                acc, acc_w = part, part_w
+            elif used:
+                acc = acc + part.to(torch.bfloat16).float()
+                acc_w = acc_w + part_w
         assert torch.equal(bits(out[t]), bits(acc.to(torch.bfloat16))), f"rank {me} token {t}"
         if with_w:
             assert torch.equal(bits(out_w[t]), bits(acc_w)), f"rank {me} token {t} weights"
@@ -200,6 +220,7 @@ BASE: Case = dict(H=256, E=8, K=3, seed=1)
 CASES = {
     2: {
         "random": dict(BASE, R=2),
+        "nodes2x1_bias": dict(BASE, R=2, P=1, bias="pair", seed=11, cached=True),
         "hot_expert": dict(BASE, R=2, hot=5, N=[9, 4], seed=2),
         "masked": dict(BASE, R=2, neg=0.7, seed=3),
         "empty_rank": dict(BASE, R=2, N=[0, 11], seed=4, cached=True),
@@ -216,6 +237,13 @@ CASES = {
         "empty_and_hot": dict(BASE, R=3, E=6, hot=4, N=[0, 6, 5], seed=23),
     },
     4: {
+        # P=2: two nodes of two ranks (the internode mode); P=1: four nodes of one rank.
+        "nodes2x2_random": dict(BASE, R=4, P=2, E=16, K=4, seed=51, cached=True, bias="pair"),
+        "nodes2x2_fp8_worst": dict(BASE, R=4, P=2, E=16, K=4, fp8=True, worst=50, bias="one", seed=52),
+        "nodes2x2_hot_masked": dict(BASE, R=4, P=2, E=8, hot=6, N=[9, 0, 4, 7], seed=53, align=128),
+        "nodes2x2_one_rank_empty": dict(BASE, R=4, P=2, E=16, one_rank=True, N=[0, 8, 5, 0], seed=54),
+        "nodes2x2_masked_noweights": dict(BASE, R=4, P=2, E=32, K=16, neg=0.6, combine_weights=False, seed=55),
+        "nodes4x1_random": dict(BASE, R=4, P=1, E=16, K=4, seed=56, bias="one", cached=True),
         "random": dict(BASE, R=4, E=16, K=4, seed=31),
         "empty_ranks_align": dict(BASE, R=4, N=[0, 12, 0, 5], align=128, cached=True, bias="one", seed=32),
         "one_rank_fp8": dict(BASE, R=4, E=16, one_rank=True, fp8=True, H=384, seed=33),

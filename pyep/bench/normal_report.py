@@ -293,6 +293,11 @@ def _run(cfg: NormalBenchConfig, args: Any, environ: Mapping[str, str], group: A
     console = Console(record=True, width=None if sys.stdout.isatty() else 220)
     render(console, cfg, env_info, rows, notes + suite.notes, deepep)
     doc = document(cfg, env_info, rows, notes + suite.notes, deepep)
+    nic_model = _internode_model(cfg, suite.world_size, environ)
+    if nic_model is not None:
+        from .normal_internode_model import render as render_model
+        render_model(console, nic_model)
+        doc["internode_model"] = nic_model
     png = None
     if cfg.plot:
         png = plot(os.path.join(out_dir, "bench_normal.png"), cfg, rows, deepep,
@@ -304,6 +309,16 @@ def _run(cfg: NormalBenchConfig, args: Any, environ: Mapping[str, str], group: A
                   markup=False, highlight=False)
     console.save_text(os.path.join(out_dir, "bench_normal.txt"))
     return code
+
+
+def _internode_model(cfg: NormalBenchConfig, world: int, environ: Mapping[str, str]) -> Optional[Dict[str, Any]]:
+    """The real-NIC model (normal_internode_model.py) when the ranks form several (virtual) nodes."""
+    from ..config.env import virtual_node_size
+    from .normal_internode_model import model
+    size = virtual_node_size(environ) or int(environ.get("LOCAL_WORLD_SIZE") or 0) or None   # torchrun's
+    if size is None or size >= world or world % size or cfg.experts % world:
+        return None
+    return model(cfg.tokens, cfg.hidden, cfg.topk, cfg.experts, world, size)
 
 
 __all__ = ["render", "document", "plot", "config_from_args", "run_cli", "deepep_figures", "DEFAULT_SWEEP_SMS"]

@@ -271,14 +271,13 @@ class Buffer:
             x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream)
         return combined_x, combined_w, EventOverlap(event)
 
-    def internode_dispatch(self, x: RecvX, handle: Optional[Tuple[Any, ...]] = None, *args: Any,
-                           **kwargs: Any) -> Any:
-        raise NotImplementedError("pyep's normal mode is intranode only: internode_dispatch (RDMA between "
-                                  "nodes) is not available yet; use one node's ranks, or the low-latency mode")
+    def internode_dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepEP's internode entry point: dispatch() picks the internode protocol itself when the group
+        spans nodes (or virtual nodes), so both names run the same call."""
+        return self.dispatch(*args, **kwargs)
 
-    def internode_combine(self, x: "torch.Tensor", handle: Any, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("pyep's normal mode is intranode only: internode_combine (RDMA between "
-                                  "nodes) is not available yet; use one node's ranks, or the low-latency mode")
+    def internode_combine(self, *args: Any, **kwargs: Any) -> Any:
+        return self.combine(*args, **kwargs)
 
     # ------------------------------------------------------------------ low-latency mode
     def _active(self, buf: Any) -> Optional["torch.Tensor"]:

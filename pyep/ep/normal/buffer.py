@@ -21,6 +21,7 @@ from .config import DEFAULT_NUM_SMS, MAX_CHANNELS, Config, default_config
 from .contract import CombineCall, DispatchCall, NormalBackend
 from .events import NormalEvent, capture_current, launch, wait_bound_s
 from .handle import NormalHandle
+from .topology import NodeLayout, detect_node_layout
 
 if TYPE_CHECKING:
     import torch
@@ -47,8 +48,9 @@ def _native_unavailable_reason(group: "dist.ProcessGroup", kwargs: dict) -> Opti
 def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> NormalBackend:
     import torch
     from .reference import NormalReferenceBackend
+    nodes: NodeLayout = kwargs["nodes"]
     if backend == "reference":
-        return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"])
+        return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes)
     reason = _native_unavailable_reason(group, kwargs)
     if backend == "native":
         if reason is not None:
@@ -63,7 +65,7 @@ def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> Nor
         from .native import NormalNativeBackend
         return NormalNativeBackend(group, **kwargs)
     log.info("NormalBuffer: using the reference backend (%s)", reason or "another rank cannot run the native one")
-    return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"])
+    return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes)
 
 
 def _default(num_ranks: int, num_sms: int, combine: bool) -> Config:
@@ -76,9 +78,11 @@ def _default(num_ranks: int, num_sms: int, combine: bool) -> Config:
 
 
 class NormalBuffer:
-    """DeepEP normal-mode dispatch/combine within one node.
+    """DeepEP normal-mode dispatch/combine: within one node, or across nodes (chosen when the group
+    spans nodes or virtual nodes: ranks_per_node, $PYEP_VIRTUAL_NODE_SIZE, host names; see topology.py).
 
-    get_dispatch_layout -> (num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event)
+    get_dispatch_layout -> (num_tokens_per_rank, num_tokens_per_rdma_rank (None on one node),
+                            num_tokens_per_expert, is_token_in_rank, event)
     dispatch -> (recv_x or (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
                  num_recv_tokens_per_expert_list, handle, event); cached: (recv_x, None, None, None, None, event)
     combine  -> (combined_x, combined_topk_weights, event)
@@ -88,11 +92,14 @@ class NormalBuffer:
 
     def __init__(self, group: Optional["dist.ProcessGroup"] = None, num_nvl_bytes: Optional[int] = None, *,
                  hidden: int = 7168, backend: str = "auto", transport: str = "auto",
-                 timeout_us: int = DEFAULT_TIMEOUT_US, num_sms: Optional[int] = None) -> None:
+                 timeout_us: int = DEFAULT_TIMEOUT_US, num_sms: Optional[int] = None,
+                 ranks_per_node: Optional[int] = None, num_rdma_bytes: Optional[int] = None) -> None:
         import torch.distributed as dist
         self._destroyed = True   # until the backend exists nothing may be called
         if num_nvl_bytes is not None:
             v.check_int("num_nvl_bytes", num_nvl_bytes, 0)
+        if num_rdma_bytes is not None:
+            v.check_int("num_rdma_bytes", num_rdma_bytes, 0)
         v.check_int("hidden", hidden, 1)
         v.check_hidden("hidden", hidden, None)
         if backend not in BACKENDS:
@@ -112,8 +119,10 @@ class NormalBuffer:
         self._epoch = 0
         self._seq = 0
         self._comm: Any = None
+        self._nodes = detect_node_layout(self._group, ranks_per_node, timeout_us)
         self._backend: NormalBackend = _make_backend(self._group, backend, dict(
-            num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport=transport, timeout_us=timeout_us, num_sms=sms))
+            num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport=transport, timeout_us=timeout_us, num_sms=sms,
+            nodes=self._nodes, num_rdma_bytes=num_rdma_bytes))
         self._device: "torch.device" = self._backend.device
         self._destroyed = False
         log.debug("NormalBuffer rank %d/%d: backend %s, hidden %d, device %s", self._rank, self._num_ranks,
@@ -163,6 +172,14 @@ class NormalBuffer:
     @property
     def device(self) -> "torch.device":
         return self._device
+
+    @property
+    def num_nodes(self) -> int:
+        return self._nodes.num_nodes
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self._nodes.ranks_per_node
 
     @property
     def hidden(self) -> int:
@@ -217,9 +234,11 @@ class NormalBuffer:
         with profiled_range("pyep::normal::layout"):
             res, event = self._launch(
                 "get_dispatch_layout", lambda: self._backend.get_dispatch_layout(topk_idx, num_experts),
-                lambda r: (topk_idx, r.num_tokens_per_rank, r.num_tokens_per_expert, r.is_token_in_rank),
+                lambda r: (topk_idx, r.num_tokens_per_rank, r.num_tokens_per_expert, r.is_token_in_rank,
+                           r.num_tokens_per_rdma_rank),
                 previous_event, async_finish, allocate_on_comm_stream)
-        return res.num_tokens_per_rank, None, res.num_tokens_per_expert, res.is_token_in_rank, event
+        return (res.num_tokens_per_rank, res.num_tokens_per_rdma_rank, res.num_tokens_per_expert,
+                res.is_token_in_rank, event)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: RecvX, handle: Optional[NormalHandle] = None,
@@ -242,7 +261,7 @@ class NormalBuffer:
             num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
             expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
             num_ranks=self._num_ranks, device=self._device, buffer_hidden=self._hidden, owner=self._owner,
-            epoch=self._epoch)
+            epoch=self._epoch, num_nodes=self._nodes.num_nodes)
         cached = handle is not None
         if config is None:
             sms = 2 * handle.num_channels if cached else NormalBuffer.num_sms
@@ -258,14 +277,17 @@ class NormalBuffer:
             scales = scales.contiguous()   # a device copy, no host read; backends take dense scales
         self._seq += 1
         call = DispatchCall(x=args.x, x_scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
-                            num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_rank=num_tokens_per_rank,
+                            num_tokens_per_rdma_rank=None if cached else num_tokens_per_rdma_rank,
+                            is_token_in_rank=in_rank,
                             num_tokens_per_expert=num_tokens_per_expert, num_experts=args.num_experts,
                             expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                             config=config, handle=handle, timeout_us=self._timeout_us, seq=self._seq)
         with profiled_range("pyep::normal::dispatch"):
             res, event = self._launch(
                 f"normal dispatch #{self._seq}", lambda: self._backend.dispatch(call),
-                lambda r: (call.x, call.x_scales, topk_idx, topk_weights, num_tokens_per_rank, in_rank,
+                lambda r: (call.x, call.x_scales, topk_idx, topk_weights, num_tokens_per_rank,
+                           num_tokens_per_rdma_rank, in_rank,
                            num_tokens_per_expert, r.recv_x, r.recv_x_scales, r.recv_topk_idx,
                            r.recv_topk_weights, r.rank_prefix_matrix, r.channel_prefix_matrix,
                            r.recv_channel_prefix_matrix, r.recv_src_idx, r.send_head),
@@ -279,7 +301,7 @@ class NormalBuffer:
             is_token_in_rank=in_rank, send_head=res.send_head, owner=self._owner, epoch=self._epoch,
             num_channels=config.num_channels(), num_tokens=int(args.x.shape[0]),
             num_recv_tokens=res.num_recv_tokens, num_worst_tokens=num_worst_tokens, hidden=args.hidden,
-            num_topk=args.num_topk)
+            num_topk=args.num_topk, ranks_per_node=self._nodes.ranks_per_node if self._nodes.internode else 0)
         return (recv, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
                 new_handle, event)
 
@@ -320,6 +342,7 @@ class NormalBuffer:
     def describe(self) -> str:
         self._check_alive("describe")
         return (f"NormalBuffer rank {self._rank}/{self._num_ranks}: backend {self._backend.name}, "
+                f"{self._nodes.num_nodes} node(s) of {self._nodes.ranks_per_node} ranks, "
                 f"hidden <= {self._hidden}, device {self._device}, {self.buffer_bytes} buffer bytes, "
                 f"default num_sms {NormalBuffer.num_sms}")
 

@@ -6,8 +6,13 @@ Notation: R ranks, E experts (E % R == 0), E_l = E / R, N tokens on this rank (m
 (multiple of 128), K top-k (1..16), C channels (Config.num_channels()). The tokens of a rank are cut
 into C contiguous channel ranges: channel c covers [min(c*P, N), min((c+1)*P, N)) with P = ceil(N/C).
 
+Nodes (topology.py): M nodes of P ranks each, node n = ranks [n*P, (n+1)*P); M = 1 is the intranode
+mode. With M > 1 the native kernels route a token over RDMA once per remote node and over NVLink
+inside it (docs/normal_internode.md); the results below differ from M = 1 only in the combine sum.
+
 Layout (``get_dispatch_layout``) for topk_idx int64 [N, K] with entries in [-1, E):
     num_tokens_per_rank int32 [R]: tokens with at least one expert of rank r (experts [r*E_l, (r+1)*E_l))
+    num_tokens_per_rdma_rank int32 [M]: tokens with at least one expert on a rank of node n; None if M = 1
     num_tokens_per_expert int32 [E]: (t, k) entries naming expert e
     is_token_in_rank bool [N, R]
     An entry outside [-1, E) counts as -1 and is reported as InvalidExpertIndex (see errors below).
@@ -45,9 +50,18 @@ the same way as when the handle was made, with no count exchange; returns
 
 Combine (x bf16 [num_recv_rows, H] in received-row order; topk_weights fp32 [num_recv_rows, K] or
 None; bias None, one bf16 [N, H] tensor or a pair):
+  M = 1 (intranode):
     combined_x[t] = bf16(acc) with acc, in fp32 and in this order: 0, + bias_0[t], + bias_1[t],
         then + x_d[row of t at d] for every d with is_token_in_rank[t, d], d ascending.
     combined_topk_weights[t, k] = 0 + w_d[row, k] for d ascending (fp32), None without topk_weights.
+  M > 1 (internode; the sum is reduced per node on the way back, see combine_order below):
+    part_n[t] = bf16(0 + x_d[row of t at d] for every d of node n with is_token_in_rank[t, d], d
+        ascending, in fp32) for every node n that holds one of t's ranks;
+    combined_x[t] = bf16(acc), acc in fp32: 0, + bias_0[t], + bias_1[t], then + part_n[t] for those n
+        ascending. A node with a single rank for t gives part_n = x_d exactly, so when every node holds
+        at most one of t's ranks the result equals the M = 1 formula.
+    wpart_n[t, k] = 0 + w_d[row, k] for d of node n ascending (fp32, not rounded);
+    combined_topk_weights[t, k] = 0 + wpart_n[t, k] for those n ascending.
     Rows of x past the real received count (num_worst_tokens) are ignored.
 
 Errors (pyep.ep.normal.errors): argument problems raise TypeError / ValueError before anything is
@@ -67,6 +81,7 @@ if TYPE_CHECKING:
 
     from .config import Config
     from .handle import NormalHandle
+    from .topology import NodeLayout
 
 
 @dataclass
@@ -74,6 +89,16 @@ class LayoutResult:
     num_tokens_per_rank: "torch.Tensor"       # int32 [R]
     num_tokens_per_expert: "torch.Tensor"     # int32 [E]
     is_token_in_rank: "torch.Tensor"          # bool [N, R]
+    num_tokens_per_rdma_rank: Optional["torch.Tensor"] = None   # int32 [M], None on one node
+
+
+def combine_order(num_ranks: int, ranks_per_node: int) -> List[List[int]]:
+    """The groups of ranks whose rows combine sums into one BF16 partial, in the order the partials are
+    added (after the bias): one group of all ranks, not rounded separately, when the group is one node
+    (the intranode formula); else one group per node. Backends and tests read the order from here."""
+    if ranks_per_node >= num_ranks:
+        return [list(range(num_ranks))]
+    return [list(range(n, n + ranks_per_node)) for n in range(0, num_ranks, ranks_per_node)]
 
 
 @dataclass(frozen=True)
@@ -83,6 +108,7 @@ class DispatchCall:
     topk_idx: Optional["torch.Tensor"]        # int64 [N, K] (None for cached dispatch)
     topk_weights: Optional["torch.Tensor"]    # fp32 [N, K] or None
     num_tokens_per_rank: Optional["torch.Tensor"]   # int32 [R] (None for cached dispatch)
+    num_tokens_per_rdma_rank: Optional["torch.Tensor"]   # int32 [M] (None on one node / cached)
     is_token_in_rank: "torch.Tensor"          # bool [N, R]
     num_tokens_per_expert: Optional["torch.Tensor"]  # int32 [E] (None for cached dispatch)
     num_experts: int                          # E (0 for cached dispatch)
@@ -136,6 +162,7 @@ class NormalBackend(Protocol):
     device: "torch.device"
     rank: int
     num_ranks: int
+    nodes: "NodeLayout"
 
     def get_dispatch_layout(self, topk_idx: "torch.Tensor", num_experts: int) -> LayoutResult: ...
 

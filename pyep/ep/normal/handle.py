@@ -25,6 +25,12 @@ class NormalHandle:
     num_worst_tokens: int                       # 0, or the row count of the outputs
     hidden: int
     num_topk: int                               # K of the dispatch, 0 without topk_idx
+    ranks_per_node: int = 0                     # P of the buffer's nodes (0: one node of all ranks)
+
+    @property
+    def num_nodes(self) -> int:
+        r_n = int(self.rank_prefix_matrix.shape[0])
+        return r_n // self.ranks_per_node if self.ranks_per_node else 1
 
     @property
     def num_recv_rows(self) -> int:

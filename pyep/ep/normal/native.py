@@ -21,6 +21,7 @@ from ..streams import raw_current_stream
 from . import layout
 from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
+from .topology import NodeLayout
 from .errors import ERR_PEER_TIMEOUT, BufferBroken, PeerTimeout, error_from_record
 
 if TYPE_CHECKING:
@@ -45,8 +46,12 @@ class NormalNativeBackend:
     name = "native"
 
     @staticmethod
-    def unavailable_reason(group: "dist.ProcessGroup", *, transport: str = "auto", **_: Any) -> Optional[str]:
+    def unavailable_reason(group: "dist.ProcessGroup", *, transport: str = "auto", nodes: Optional[NodeLayout] = None,
+                           **_: Any) -> Optional[str]:
         """Local check (no communication, no allocation): None if this process can run the backend."""
+        if nodes is not None and nodes.internode:
+            return (f"the group spans {nodes.num_nodes} nodes and the native internode kernels are not "
+                    f"available in this build")
         try:
             import torch
             import torch.distributed as dist
@@ -66,9 +71,13 @@ class NormalNativeBackend:
         return None
 
     def __init__(self, group: "dist.ProcessGroup", *, num_nvl_bytes: Optional[int], hidden: int, transport: str,
-                 timeout_us: int, num_sms: int) -> None:
+                 timeout_us: int, num_sms: int, nodes: Optional[NodeLayout] = None,
+                 num_rdma_bytes: Optional[int] = None) -> None:
         import torch
         import torch.distributed as dist
+        reason = NormalNativeBackend.unavailable_reason(group, transport=transport, nodes=nodes)
+        if reason is not None:
+            raise BackendUnavailable(reason)
         mod = _engine()
         self._ep, self._n = mod.ep, mod.normal
         if transport not in ("auto", "nvlink"):
@@ -77,6 +86,7 @@ class NormalNativeBackend:
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
+        self.nodes = NodeLayout(self.num_ranks, self.num_ranks)
         if self.num_ranks > MAX_RANKS:
             raise ValueError(f"the native normal mode runs on at most {MAX_RANKS} ranks, got {self.num_ranks}")
         self.device = torch.device("cuda", torch.cuda.current_device())

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from .._dist import all_to_all_bounded, barrier_bounded, group_device
 from ..config import DEFAULT_TIMEOUT_US
-from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
+from .contract import (CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult,
+                       combine_order)
 from .errors import InvalidExpertIndex, NormalModeError, WorstTokensExceeded
+from .topology import NodeLayout
 
 if TYPE_CHECKING:
     import torch
@@ -79,11 +81,13 @@ def raise_expert_error(records: "torch.Tensor", me: int, num_experts: int) -> No
 class NormalReferenceBackend:
     name = "reference"
 
-    def __init__(self, group: "dist.ProcessGroup", *, timeout_us: int = DEFAULT_TIMEOUT_US) -> None:
+    def __init__(self, group: "dist.ProcessGroup", *, timeout_us: int = DEFAULT_TIMEOUT_US,
+                 nodes: Optional[NodeLayout] = None) -> None:
         import torch.distributed as dist
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
+        self.nodes = nodes if nodes is not None else NodeLayout(self.num_ranks, self.num_ranks)
         self.device = group_device(group)
         self.timeout_us = timeout_us
 
@@ -130,7 +134,16 @@ class NormalReferenceBackend:
         for r in range(r_n):
             in_rank[:, r] = (valid & (owner == r)).any(dim=1)
         return LayoutResult(num_tokens_per_rank=in_rank.sum(dim=0).to(torch.int32),
-                            num_tokens_per_expert=per_expert, is_token_in_rank=in_rank)
+                            num_tokens_per_expert=per_expert, is_token_in_rank=in_rank,
+                            num_tokens_per_rdma_rank=self._per_node(in_rank))
+
+    def _per_node(self, in_rank: "torch.Tensor") -> Optional["torch.Tensor"]:
+        """int32 [M]: tokens with a rank on node n (None on one node)."""
+        import torch
+        if not self.nodes.internode:
+            return None
+        m, p = self.nodes.num_nodes, self.nodes.ranks_per_node
+        return in_rank.reshape(-1, m, p).any(dim=2).sum(dim=0).to(torch.int32)
 
     # ------------------------------------------------------------------ dispatch
     def _payload(self, call: DispatchCall, tokens: "torch.Tensor", with_topk: bool) -> "torch.Tensor":
@@ -205,7 +218,13 @@ class NormalReferenceBackend:
         common = torch.cat([torch.tensor(err, dtype=torch.int64, device=dev), per_chan.sum(dim=1),
                             call.num_tokens_per_rank.to(torch.int64)])
         experts = call.num_tokens_per_expert.to(torch.int64).reshape(r_n, e_l)
-        header = torch.cat([common.reshape(1, -1).expand(r_n, -1), per_chan, experts], dim=1).contiguous()
+        parts = [common.reshape(1, -1).expand(r_n, -1), per_chan, experts]
+        if self.nodes.internode:
+            # [my num_tokens_per_rdma_rank | what is_token_in_rank gives for it], for every destination
+            assert call.num_tokens_per_rdma_rank is not None
+            rdma = torch.cat([call.num_tokens_per_rdma_rank.to(torch.int64), self._per_node(in_rank).to(torch.int64)])
+            parts.append(rdma.reshape(1, -1).expand(r_n, -1))
+        header = torch.cat(parts, dim=1).contiguous()
         hdr = torch.empty_like(header)
         all_to_all_bounded(hdr, header, None, None, self.group, call.timeout_us,
                            f"normal dispatch #{call.seq} (header all-to-all)")
@@ -218,6 +237,8 @@ class NormalReferenceBackend:
             raise NormalModeError(f"rank {s}: num_tokens_per_rank[{d}]={int(claimed[s, d])} but "
                                   f"is_token_in_rank selects {int(sent[s, d])} tokens for rank {d}; pass "
                                   f"the tensors of one get_dispatch_layout call")
+        if self.nodes.internode:
+            self._check_rdma_claims(hdr[:, o_chan + c_n + e_l:], call.seq)
         arrive = sent.sum(dim=0)               # [d]: rows rank d receives
         nwt = call.num_worst_tokens
         if nwt > 0 and bool((arrive > nwt).any()):
@@ -244,13 +265,25 @@ class NormalReferenceBackend:
         counts_list: List[int] = []
         if nwt == 0:
             align = call.expert_alignment
-            per_local = hdr[:, o_chan + c_n:].sum(dim=0)
+            per_local = hdr[:, o_chan + c_n:o_chan + c_n + e_l].sum(dim=0)
             counts_list = [(int(v) + align - 1) // align * align for v in per_local]
         return DispatchResult(recv_x=recv_x, recv_x_scales=scales, recv_topk_idx=idx_out,
                               recv_topk_weights=w_out, num_recv_tokens_per_expert_list=counts_list,
                               rank_prefix_matrix=rank_prefix, channel_prefix_matrix=channel_prefix,
                               recv_channel_prefix_matrix=recv_channel_prefix, recv_src_idx=src,
                               send_head=send_head, num_recv_tokens=m)
+
+    def _check_rdma_claims(self, rdma: "torch.Tensor", seq: int) -> None:
+        """rdma [R, 2M]: every source's num_tokens_per_rdma_rank and the count its is_token_in_rank
+        gives; every rank sees every source's pair, so all raise together."""
+        import torch
+        m = self.nodes.num_nodes
+        claimed, derived = rdma[:, :m], rdma[:, m:]
+        if not torch.equal(claimed, derived):
+            s, n = (int(v) for v in (claimed != derived).nonzero()[0])
+            raise NormalModeError(f"rank {s}: num_tokens_per_rdma_rank[{n}]={int(claimed[s, n])} but "
+                                  f"is_token_in_rank selects {int(derived[s, n])} tokens for node {n} "
+                                  f"(dispatch #{seq}); pass the tensors of one get_dispatch_layout call")
 
     def _send_head(self, in_rank: "torch.Tensor", chan: "torch.Tensor", per_chan: "torch.Tensor"
                    ) -> "torch.Tensor":
@@ -314,13 +347,26 @@ class NormalReferenceBackend:
             if b is not None:
                 acc = acc + b.float()
         acc_w = torch.zeros((n, k), dtype=torch.float32, device=dev) if k else None
-        begin = 0
-        for count in recv_counts:
-            sl = slice(begin, begin + count)
-            acc[src[sl]] = acc[src[sl]] + xs[sl]
-            if acc_w is not None and ws is not None:
-                acc_w[src[sl]] = acc_w[src[sl]] + ws[sl]
-            begin += count
+        starts = [sum(recv_counts[:d]) for d in range(r_n)]
+        groups = combine_order(r_n, self.nodes.ranks_per_node)
+        for ranks in groups:
+            # One partial per group (contract.combine_order): on one node the group is every rank and
+            # the rows go straight into acc; per node they go into a partial that is rounded to BF16
+            # (the forwarder's RDMA row) before it is added.
+            alone = len(groups) == 1
+            part = acc if alone else torch.zeros((n, h), dtype=torch.float32, device=dev)
+            part_w = acc_w if alone or acc_w is None else torch.zeros((n, k), dtype=torch.float32, device=dev)
+            touched = torch.zeros(n, dtype=torch.bool, device=dev)
+            for d in ranks:
+                sl = slice(starts[d], starts[d] + recv_counts[d])
+                part[src[sl]] = part[src[sl]] + xs[sl]
+                if part_w is not None and ws is not None:
+                    part_w[src[sl]] = part_w[src[sl]] + ws[sl]
+                touched[src[sl]] = True
+            if not alone:
+                acc[touched] = acc[touched] + part[touched].to(torch.bfloat16).float()
+                if acc_w is not None and part_w is not None:
+                    acc_w[touched] = acc_w[touched] + part_w[touched]
         return CombineResult(combined_x=acc.to(torch.bfloat16), combined_topk_weights=acc_w)
 
     # ------------------------------------------------------------------ the rest

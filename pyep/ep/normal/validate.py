@@ -161,15 +161,16 @@ def validate_layout(topk_idx: Any, num_experts: Any, num_ranks: int, device: "to
 def validate_dispatch(*, x: Any, handle: Any, num_tokens_per_rank: Any, num_tokens_per_rdma_rank: Any,
                       is_token_in_rank: Any, num_tokens_per_expert: Any, topk_idx: Any, topk_weights: Any,
                       expert_alignment: Any, num_worst_tokens: Any, num_ranks: int,
-                      device: "torch.device", buffer_hidden: int, owner: str, epoch: int) -> DispatchArgs:
-    """Checks a dispatch call (cached when handle is given)."""
+                      device: "torch.device", buffer_hidden: int, owner: str, epoch: int,
+                      num_nodes: int = 1) -> DispatchArgs:
+    """Checks a dispatch call (cached when handle is given); num_nodes > 1: internode."""
     import torch
     data, scales = split_x(x, device)
     n, h = (int(v) for v in data.shape)
     check_hidden("x", h, buffer_hidden)
     check_int("expert_alignment", expert_alignment, 1)
     check_int("num_worst_tokens", num_worst_tokens, 0)
-    if num_tokens_per_rdma_rank is not None:
+    if num_tokens_per_rdma_rank is not None and num_nodes == 1:
         raise ValueError("num_tokens_per_rdma_rank must be None: this buffer is intranode (get_dispatch_layout "
                          "returns None for it)")
     if handle is not None:
@@ -177,6 +178,7 @@ def validate_dispatch(*, x: Any, handle: Any, num_tokens_per_rank: Any, num_toke
         given = [name for name, v in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
                                       ("num_tokens_per_rank", num_tokens_per_rank),
                                       ("num_tokens_per_expert", num_tokens_per_expert),
+                                      ("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank),
                                       ("is_token_in_rank", is_token_in_rank)) if v is not None]
         if given:
             raise ValueError(f"cached dispatch (handle given) takes the routing from the handle: pass "
@@ -187,13 +189,18 @@ def validate_dispatch(*, x: Any, handle: Any, num_tokens_per_rank: Any, num_toke
             raise ValueError(f"cached dispatch: num_worst_tokens={num_worst_tokens} differs from the handle's "
                              f"{hd.num_worst_tokens} (the received rows are laid out as the handle says)")
         return DispatchArgs(data, scales, h, 0, 0)
-    missing = [name for name, v in (("num_tokens_per_rank", num_tokens_per_rank),
-                                    ("is_token_in_rank", is_token_in_rank),
-                                    ("num_tokens_per_expert", num_tokens_per_expert)) if v is None]
+    needed = [("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+              ("num_tokens_per_expert", num_tokens_per_expert)]
+    if num_nodes > 1:
+        needed.append(("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank))
+    missing = [name for name, v in needed if v is None]
     if missing:
         raise ValueError(f"dispatch without a handle needs the layout from get_dispatch_layout: "
                          f"{', '.join(missing)} is None")
     check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(num_ranks,), device=device)
+    if num_nodes > 1:
+        check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=torch.int32, shape=(num_nodes,),
+                     device=device)
     check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(n, num_ranks), device=device)
     if not isinstance(num_tokens_per_expert, torch.Tensor) or num_tokens_per_expert.dim() != 1:
         raise (TypeError if not isinstance(num_tokens_per_expert, torch.Tensor) else ValueError)(

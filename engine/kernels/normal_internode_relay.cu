@@ -1,0 +1,274 @@
+// The RDMA stage of the normal mode across nodes (docs/normal_internode.md): rows travel between the
+// ranks of one column (same local index on every node) through bounded rings in the receiver's relay
+// buffer, posted by GPU threads on our mlx5 QPs (qp.h: WQE encoding, doorbells, send-queue room by CQ
+// polling, error CQEs). Per (sender, receiver) pair and direction there is one ring of Q slots and two
+// absolute counters that only grow (modulo 2^32):
+//   tail[src] in the receiver's buffer: rows the sender published; the sender's masked fetch-add,
+//       posted on the same QP right behind the RDMA write(s) of the rows (RC executes a QP's WQEs in
+//       order, and the responder places the write's data before it executes the atomic);
+//   head[dst] in the sender's buffer: rows the receiver consumed; the receiver's fetch-add after it
+//       copied them out, which is also the proof that the NIC finished reading the sender's staging
+//       slots (a slot is reused only once head passed it).
+// Every call starts on an empty ring (the sender waits for head == tx first), so row size and Q may
+// change between calls. Every wait is bounded; an expired wait records PeerTimeout(peer, phase) and a
+// failed post records the QP's error (error CQE syndrome, QP number) naming the peer.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/normal_common.cuh"
+#include "kernels/normal_internode.h"
+#include "mlx5gda/qp.h"
+
+namespace pyep {
+namespace normal {
+namespace {
+
+__device__ __forceinline__ uint8_t* rbuf(const RelayStatic& s) { return reinterpret_cast<uint8_t*>(s.buf); }
+__device__ __forceinline__ int* rword(const RelayStatic& s, uint32_t off, int i) {
+    return reinterpret_cast<int*>(s.buf) + off + i;
+}
+__device__ __forceinline__ int column_peer(const RelayStatic& s, int m) { return m * s.ranks_per_node + s.local; }
+__device__ __forceinline__ gda::Qp* relay_qp(const RelayStatic& s, int m, int j) {
+    return reinterpret_cast<gda::Qp*>(s.qps) + (m * s.num_qps_per_peer + j % s.num_qps_per_peer);
+}
+__device__ __forceinline__ uint64_t raddr(const RelayStatic& s, int m) {
+    return reinterpret_cast<const uint64_t*>(s.remote_addr)[m];
+}
+__device__ __forceinline__ uint32_t rkey(const RelayStatic& s, int m) {
+    return reinterpret_cast<const uint32_t*>(s.rkeys)[m];
+}
+
+// The error record is the intranode one (same words, same first-error-wins claim).
+__device__ void relay_error(const RelayStatic& s, int code, int a, int b, int c) {
+    if (atomicCAS(reinterpret_cast<int*>(s.workspace) + 4, 0, 1) != 0) return;
+    volatile int* e = reinterpret_cast<volatile int*>(s.err);
+    e[1] = a;
+    e[2] = b;
+    e[3] = c;
+    __threadfence_system();
+    e[0] = code;
+}
+
+// A post that did not return kOk: the QP's own record says why (error CQE, ring or ordering timeout).
+__device__ void qp_failed(const RelayStatic& s, gda::Qp* qp, int m, int st, int phase) {
+    if (st == gda::kErrQp || gda::qp_in_error(qp)) {
+        const gda::QpError& e = qp->err;
+        relay_error(s, kErrQp, column_peer(s, m), (int)e.syndrome | ((int)e.vendor_syndrome << 8) | ((int)e.kind << 16),
+                    (int)qp->qpn);
+    } else {
+        relay_error(s, kErrPeerTimeout, column_peer(s, m), phase, -1);
+    }
+}
+
+// ---- counts: one 8-byte record per (sender, receiver) and call, by call parity ----------------------
+// A rank cannot post the record of call k+2 before every column peer posted k+1, which a peer does
+// only after its call k read our record k: two slots per peer suffice (the intranode notify's argument).
+__global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCountsArgs a) {
+    const int m = threadIdx.x;
+    const int M = s.num_nodes;
+    const int par = a.seq & 1;
+    __shared__ int got[kMaxNodes];
+    __shared__ int fail;
+    if (m == 0) fail = 0;
+    __syncthreads();
+    const uint64_t want = (uint64_t)(uint32_t)a.seq << 32;
+    if (m < M && m != s.node) {
+        uint64_t* out = reinterpret_cast<uint64_t*>(rbuf(s) + 4ull * s.off_outbox) + par * M + m;
+        *out = want | (uint32_t)reinterpret_cast<const int*>(a.send_counts)[m];
+        __threadfence_system();   // the NIC reads the record over PCIe
+        gda::Qp* qp = relay_qp(s, m, 0);
+        const uint64_t dst = raddr(s, m) + 4ull * s.off_count + 8ull * (par * M + s.node);
+        int st = gda::post_rdma_write(qp, reinterpret_cast<uint64_t>(out), s.lkey, dst, rkey(s, m), 8, false,
+                                      s.timeout_ns);
+        // quiet: the record was placed (or an error CQE names why not: a bad rkey, a peer that is gone)
+        // before this rank waits for the peer's record, so a broken QP is reported at this call.
+        if (st == gda::kOk) st = gda::quiet(qp, s.timeout_ns);
+        if (st != gda::kOk) {
+            qp_failed(s, qp, m, st, kPhaseRdmaCounts);
+            atomicExch(&fail, 1);
+        }
+    }
+    if (m < M) got[m] = 0;
+    __syncthreads();
+    if (m < M && m != s.node && !fail) {
+        const volatile uint64_t* slot = reinterpret_cast<const uint64_t*>(rbuf(s) + 4ull * s.off_count) + par * M + m;
+        const uint64_t start = gda::now_ns();
+        uint64_t v;
+        while (((v = *slot) >> 32) != (uint64_t)(uint32_t)a.seq) {
+            if (gda::now_ns() - start > s.timeout_ns) {
+                relay_error(s, kErrPeerTimeout, column_peer(s, m), kPhaseRdmaCounts, -1);
+                atomicExch(&fail, 1);
+                break;
+            }
+        }
+        got[m] = (int)(uint32_t)v;
+    }
+    __syncthreads();
+    if (m == 0) {
+        int* rc = reinterpret_cast<int*>(a.recv_counts);
+        volatile int* host = reinterpret_cast<volatile int*>(a.host_counts);
+        int total = 0;
+        for (int i = 0; i < M; ++i) {
+            const int c = (fail || i == s.node) ? 0 : got[i];
+            rc[i] = c;
+            total += c;
+            if (host) host[2 + i] = c;
+        }
+        rc[M] = total;
+        if (host) {
+            host[1] = total;
+            __threadfence_system();
+            host[0] = fail ? -a.seq : a.seq;   // the host waits for +-seq; negative: read the error record
+        }
+    }
+}
+
+// Thread 0 waits for the counter; the block learns the outcome through shared memory.
+__device__ bool block_wait(const int* ctr, uint32_t target, uint64_t timeout_ns, int* flag) {
+    if (threadIdx.x == 0) *flag = wait_counter(ctr, target, timeout_ns) ? 0 : 1;
+    __syncthreads();
+    return *flag == 0;
+}
+
+// Copy `rows` rows of row_bytes between (possibly wrapping) ring slots and a dense array; one warp per row.
+__device__ void copy_rows(uint8_t* dst, const uint8_t* src, int rows, int row_bytes, bool dst_ring, bool src_ring,
+                          uint32_t ring_first, int Q) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int j = warp; j < rows; j += kRelayWarps) {
+        const uint64_t slot = (ring_first + (uint32_t)j) % (uint32_t)Q;
+        uint8_t* d = dst + (dst_ring ? slot : (uint64_t)j) * row_bytes;
+        const uint8_t* sp = src + (src_ring ? slot : (uint64_t)j) * row_bytes;
+        warp_copy(d, sp, row_bytes, lane);
+    }
+}
+
+__device__ void relay_send(const RelayStatic& s, const RelayArgs& a, int m) {
+    __shared__ int flag;
+    const int* off = reinterpret_cast<const int*>(a.send_offsets);
+    const int n = off[m + 1] - off[m];
+    const uint8_t* rows = reinterpret_cast<const uint8_t*>(a.src) + (uint64_t)off[m] * a.row_bytes;
+    int* tx_word = rword(s, s.off_tx, m);
+    const uint32_t tx = (uint32_t)*tx_word;
+    const int* head = rword(s, s.off_head, m);
+    uint8_t* stage = rbuf(s) + s.off_send + (uint64_t)m * s.ring_bytes;
+    const uint64_t ring = raddr(s, m) + s.off_recv + (uint64_t)s.node * s.ring_bytes;
+    const uint64_t tail = raddr(s, m) + 4ull * s.off_tail + 4ull * s.node;
+    const uint64_t fetch = s.buf + 4ull * s.off_fetch;
+    gda::Qp* qp = relay_qp(s, m, 0);
+    const int Q = a.ring_tokens;
+    // Start on an empty ring: the previous call's rows (of any size) were all consumed.
+    if (!block_wait(head, tx, s.timeout_ns, &flag)) {
+        if (threadIdx.x == 0) relay_error(s, kErrPeerTimeout, column_peer(s, m), a.phase, -1);
+        return;
+    }
+    for (int i = 0; i < n; i += a.chunk_tokens) {
+        const int k = min(a.chunk_tokens, n - i);
+        const uint32_t first = tx + (uint32_t)i;
+        // Room: slot (first + k - 1) mod Q is free once head >= first + k - Q.
+        if (!block_wait(head, first + (uint32_t)k - (uint32_t)Q, s.timeout_ns, &flag)) {
+            if (threadIdx.x == 0) relay_error(s, kErrPeerTimeout, column_peer(s, m), a.phase, -1);
+            return;
+        }
+        copy_rows(stage, rows + (uint64_t)i * a.row_bytes, k, a.row_bytes, true, false, first, Q);
+        __threadfence_system();   // staged rows visible to the NIC before the doorbell
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const uint32_t s0 = first % (uint32_t)Q;
+            const int run = min(k, Q - (int)s0);
+            int st = gda::post_rdma_write(qp, reinterpret_cast<uint64_t>(stage) + (uint64_t)s0 * a.row_bytes, s.lkey,
+                                          ring + (uint64_t)s0 * a.row_bytes, rkey(s, m),
+                                          (uint32_t)run * a.row_bytes, false, s.timeout_ns);
+            if (st == gda::kOk && k > run)
+                st = gda::post_rdma_write(qp, reinterpret_cast<uint64_t>(stage), s.lkey, ring, rkey(s, m),
+                                          (uint32_t)(k - run) * a.row_bytes, false, s.timeout_ns);
+            if (st == gda::kOk)
+                st = gda::post_masked_fa32(qp, tail, rkey(s, m), (uint32_t)k, fetch, s.lkey, false, s.timeout_ns);
+            flag = st;
+            if (st != gda::kOk) qp_failed(s, qp, m, st, a.phase);
+        }
+        __syncthreads();
+        if (flag != gda::kOk) return;
+    }
+    // Every WQE of this call completed (or its error CQE is reported now, not at a later call).
+    if (threadIdx.x == 0) {
+        const int st = gda::quiet(qp, s.timeout_ns);
+        if (st != gda::kOk) qp_failed(s, qp, m, st, a.phase);
+        *tx_word = (int)(tx + (uint32_t)n);
+    }
+}
+
+__device__ void relay_recv(const RelayStatic& s, const RelayArgs& a, int m) {
+    __shared__ int flag;
+    __shared__ int avail;
+    const int* off = reinterpret_cast<const int*>(a.recv_offsets);
+    const int n = off[m + 1] - off[m];
+    uint8_t* out = reinterpret_cast<uint8_t*>(a.dst) + (uint64_t)off[m] * a.row_bytes;
+    int* rx_word = rword(s, s.off_rx, m);
+    const uint32_t rx = (uint32_t)*rx_word;
+    const int* tail = rword(s, s.off_tail, m);
+    const uint8_t* ring = rbuf(s) + s.off_recv + (uint64_t)m * s.ring_bytes;
+    const uint64_t head = raddr(s, m) + 4ull * s.off_head + 4ull * s.node;
+    const uint64_t fetch = s.buf + 4ull * s.off_fetch;
+    gda::Qp* qp = relay_qp(s, m, 1);   // a second QP where there is one: head returns beside the data
+    int done = 0;
+    while (done < n) {
+        if (!block_wait(tail, rx + (uint32_t)done + 1, s.timeout_ns, &flag)) {
+            if (threadIdx.x == 0) relay_error(s, kErrPeerTimeout, column_peer(s, m), a.phase, -1);
+            return;
+        }
+        if (threadIdx.x == 0) avail = min(n - done, (int)((uint32_t)ld_acquire_sys(tail) - (rx + (uint32_t)done)));
+        __syncthreads();
+        const int k = avail;
+        // Ring reads are .cg (normal_common.cuh warp_copy): the NIC rewrites slots this SM may have cached.
+        copy_rows(out + (uint64_t)done * a.row_bytes, ring, k, a.row_bytes, false, true, rx + (uint32_t)done, a.ring_tokens);
+        __syncthreads();   // every read of these slots done before the head frees them
+        if (threadIdx.x == 0) {
+            const int st = gda::post_masked_fa32(qp, head, rkey(s, m), (uint32_t)k, fetch, s.lkey, false, s.timeout_ns);
+            flag = st;
+            if (st != gda::kOk) qp_failed(s, qp, m, st, a.phase);
+        }
+        __syncthreads();
+        if (flag != gda::kOk) return;
+        done += k;
+    }
+    if (threadIdx.x == 0) *rx_word = (int)(rx + (uint32_t)n);
+}
+
+// Block 2m sends to node m's column peer, block 2m + 1 receives from it (both idle for this node).
+__global__ void __launch_bounds__(kRelayThreads) relay_kernel(RelayStatic s, RelayArgs a) {
+    const int m = blockIdx.x / 2;
+    if (m == s.node) return;
+    if (blockIdx.x % 2 == 0)
+        relay_send(s, a, m);
+    else
+        relay_recv(s, a, m);
+}
+
+void check_launch(const char* what) {
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+void launch_relay_counts(const RelayStatic& s, const RelayCountsArgs& a, uint64_t stream) {
+    if (s.num_nodes < 2 || s.num_nodes > kMaxNodes) throw std::invalid_argument("relay: num_nodes out of range");
+    relay_counts_kernel<<<1, 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    check_launch("relay_counts_kernel");
+}
+
+void launch_relay(const RelayStatic& s, const RelayArgs& a, uint64_t stream) {
+    if (s.num_nodes < 2 || s.num_nodes > kMaxNodes) throw std::invalid_argument("relay: num_nodes out of range");
+    if (a.row_bytes <= 0 || a.row_bytes % 16) throw std::invalid_argument("relay: row_bytes must be a positive multiple of 16");
+    if (a.ring_tokens < 1 || (uint64_t)a.ring_tokens * a.row_bytes > s.ring_bytes)
+        throw std::invalid_argument("relay: ring_tokens * row_bytes exceeds the relay ring");
+    if (a.chunk_tokens < 1 || a.chunk_tokens > a.ring_tokens)
+        throw std::invalid_argument("relay: chunk_tokens must be in [1, ring_tokens]");
+    relay_kernel<<<2 * s.num_nodes, kRelayThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    check_launch("relay_kernel");
+}
+
+}  // namespace normal
+}  // namespace pyep

@@ -1,0 +1,237 @@
+"""The RDMA stage of the normal mode across nodes: `Relay` drives engine/kernels/normal_internode_relay.cu
+between the ranks of one column (the ranks with this rank's local index on every node) over our mlx5
+QPs -- the softnic (transport "emulated" / "emulated-internode") or a real NIC ("ibgda" / "auto") --
+set up by pyep.transport's PeerSet exactly as the LL mode's NIC peers. docs/normal_internode.md
+explains the protocol; this module owns the relay buffer's layout:
+
+    u32 tail[M] | u32 head[M] | u32 tx[M] | u32 rx[M] | u64 count[2][M] | u64 outbox[2][M] | u64 fetch
+    (128-byte aligned) send rings [M] of ring_bytes | receive rings [M] of ring_bytes
+
+One call moves, for every other node m, a dense run of rows to node m's column peer and receives the
+run that peer sends here; counts() first tells each peer how many rows to expect (and the host, for
+sizing). Counters are absolute and never reset except by clean().
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, Optional
+
+from ..config import EpConfig
+from ..streams import raw_current_stream
+from .errors import ERR_NONE, NormalModeError, PeerTimeout
+from .topology import NodeLayout
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+log = logging.getLogger("pyep.ep.normal.relay")
+RING_ALIGN = 128
+PHASES = {3: "rdma counts", 4: "rdma dispatch", 5: "rdma combine"}
+ERR_QP = 5
+
+
+def _align(v: int, a: int) -> int:
+    return (v + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class RelayLayout:
+    num_nodes: int
+    ring_bytes: int
+
+    @property
+    def words(self) -> dict:
+        m = self.num_nodes
+        off = {"tail": 0, "head": m, "tx": 2 * m, "rx": 3 * m, "count": 4 * m}
+        off["outbox"] = off["count"] + 4 * m
+        off["fetch"] = off["outbox"] + 4 * m
+        off["end"] = off["fetch"] + 2
+        return off
+
+    @property
+    def off_send(self) -> int:
+        return _align(4 * self.words["end"], RING_ALIGN)
+
+    @property
+    def off_recv(self) -> int:
+        return self.off_send + self.num_nodes * self.ring_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.off_recv + self.num_nodes * self.ring_bytes
+
+
+def nic_transport(transport: str) -> str:
+    """The PeerSet transport of the column: every column peer is on another node."""
+    return "emulated" if transport in ("emulated", "emulated-internode") else "ibgda"
+
+
+class RelayError(NormalModeError):
+    """A relay QP failed (error CQE or a send queue that stopped completing), naming the peer."""
+
+    def __init__(self, peer: int, qpn: int, syndrome: int, vendor_syndrome: int, kind: int) -> None:
+        self.peer, self.qpn, self.syndrome, self.vendor_syndrome, self.kind = peer, qpn, syndrome, vendor_syndrome, kind
+        what = {1: "error CQE", 2: "send queue stopped completing", 3: "doorbell ordering timeout",
+                4: "quiet timeout"}.get(kind, f"kind {kind}")
+        super().__init__(f"RDMA to rank {peer} failed on QP 0x{qpn:x}: {what}, syndrome 0x{syndrome:02x}, "
+                         f"vendor syndrome 0x{vendor_syndrome:02x}; call clean() on every live rank")
+
+
+def relay_error(words: List[int], timeout_us: int) -> Optional[NormalModeError]:
+    code, a, b, c = words[:4]
+    if code == ERR_NONE:
+        return None
+    if code == ERR_QP:
+        return RelayError(a, c & 0xFFFFFFFF, b & 0xFF, (b >> 8) & 0xFF, (b >> 16) & 0xFFFF)
+    if code == 3:
+        return PeerTimeout(a, PHASES.get(b, f"phase {b}"), c, timeout_us)
+    return NormalModeError(f"relay error record {words[:4]}")
+
+
+class Relay:
+    """One rank's end of the column's RDMA rings (collective constructor over the whole group)."""
+
+    def __init__(self, group: "dist.ProcessGroup", nodes: NodeLayout, *, ring_bytes: int, transport: str,
+                 timeout_us: int, setup_timeout_s: float = 120.0, num_qps_per_peer: int = 2) -> None:
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        from ..._native import load
+        mod = load()
+        self._ep, self._r = mod.ep, mod.relay
+        rank = dist.get_rank(group)
+        self.nodes = nodes
+        self.timeout_us = timeout_us
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        # Every rank creates every column group in the same order (new_group is collective).
+        cols = [dist.new_group([m * nodes.ranks_per_node + l for m in range(nodes.num_nodes)])
+                for l in range(nodes.ranks_per_node)]
+        self.group = cols[nodes.local(rank)]
+        m_n = nodes.num_nodes
+        self.layout = RelayLayout(m_n, _align(ring_bytes, RING_ALIGN))
+        self._bytes = self.layout.total_bytes
+        self._buf = 0
+        self._peers: Any = None
+        self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
+        self._host = torch.zeros(2 + m_n, dtype=torch.int32, device="cpu", pin_memory=True)
+        self._ws = torch.zeros(8, dtype=torch.int32, device=self.device)
+        try:
+            self._buf = int(self._ep.device_alloc(self._bytes))
+            self._ep.memset_async(self._buf, 0, self._bytes, torch.cuda.current_stream().cuda_stream)
+            torch.cuda.current_stream().synchronize()
+            from ...transport.setup import PeerSet
+            cfg = EpConfig(num_max_dispatch_tokens_per_rank=1, hidden=128, num_experts=m_n,
+                           transport=nic_transport(transport), ranks_per_node=1, timeout_us=timeout_us,
+                           num_qps_per_peer=num_qps_per_peer)
+            self._peers = PeerSet(self.group, cfg, self._ep, nodes.node(rank), m_n, self.device.index, self._buf,
+                                  self._bytes, setup_timeout_s)
+            self._peers.connect()
+            links = self._peers.links
+            nqp = self._peers.qps_per_peer()
+            size = int(self._r.QP_CONTEXT_SIZE)
+            qps = bytearray(m_n * nqp * size)
+            for link in links:
+                for j, ctx in enumerate(link.qp_contexts):
+                    at = (link.rank * nqp + j) * size
+                    qps[at:at + size] = ctx
+            self._tables = {
+                "remote_addr": torch.tensor([link.remote_addr for link in links], dtype=torch.int64, device=self.device),
+                "rkeys": torch.from_numpy(np.array([link.rkey for link in links], dtype=np.uint32).view(np.int32)
+                                          ).to(self.device),
+                "qps": torch.frombuffer(qps, dtype=torch.uint8).to(self.device),
+            }
+            self.static = self._make_static(rank, nqp)
+        except BaseException:
+            self.destroy()
+            raise
+
+    def _make_static(self, rank: int, nqp: int) -> Any:
+        lay, w = self.layout, self.layout.words
+        s = self._r.RelayStatic()
+        s.node, s.num_nodes = self.nodes.node(rank), self.nodes.num_nodes
+        s.ranks_per_node, s.local = self.nodes.ranks_per_node, self.nodes.local(rank)
+        s.buf = self._buf
+        s.remote_addr = self._tables["remote_addr"].data_ptr()
+        s.rkeys = self._tables["rkeys"].data_ptr()
+        s.lkey = self._peers.lkey()
+        s.qps = self._tables["qps"].data_ptr()
+        s.num_qps_per_peer = nqp
+        s.off_tail, s.off_head, s.off_tx, s.off_rx = w["tail"], w["head"], w["tx"], w["rx"]
+        s.off_count, s.off_outbox, s.off_fetch = w["count"], w["outbox"], w["fetch"]
+        s.off_send, s.off_recv, s.ring_bytes = lay.off_send, lay.off_recv, lay.ring_bytes
+        s.err = self._err.data_ptr()
+        s.workspace = self._ws.data_ptr()
+        s.timeout_ns = self.timeout_us * 1000
+        return s
+
+    # ------------------------------------------------------------------ calls
+    def counts(self, seq: int, send_counts: "torch.Tensor") -> List[int]:
+        """Exchange this call's row counts (int32 [M] on the device, this node's entry ignored); returns
+        the rows each node sends here. One bounded host wait."""
+        import torch
+        self.check_errors()
+        recv = torch.zeros(self.nodes.num_nodes + 1, dtype=torch.int32, device=self.device)
+        self._host[0] = 0
+        self._r.counts(self.static, seq, send_counts.data_ptr(), recv.data_ptr(), self._host.data_ptr(),
+                       raw_current_stream(self.device))
+        host = self._host.numpy()
+        deadline = time.monotonic() + 2 * self.timeout_us / 1e6 + 10.0
+        while abs(int(host[0])) != seq:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"relay counts #{seq}: no answer within {2 * self.timeout_us / 1e6 + 10.0:.1f} s "
+                                   f"(the GPU is blocked by other work)")
+            time.sleep(20e-6)
+        if int(host[0]) < 0:
+            self.check_errors()
+        return [int(v) for v in host[2:2 + self.nodes.num_nodes]]
+
+    def relay(self, phase: int, src: "torch.Tensor", send_counts: List[int], recv_counts: List[int],
+              ring_tokens: int, chunk_tokens: int) -> "torch.Tensor":
+        """Rows of `src` (uint8 [sum(send_counts), row_bytes], node by node) go to the column peers;
+        returns the rows received (uint8 [sum(recv_counts), row_bytes], node by node)."""
+        import torch
+        row_bytes = int(src.shape[1])
+        if row_bytes % 16:
+            raise ValueError(f"relay rows must be a multiple of 16 bytes, got {row_bytes}")
+        q = min(ring_tokens, self.layout.ring_bytes // row_bytes)
+        if q < 1:
+            raise ValueError(f"a relay row of {row_bytes} bytes does not fit the ring of {self.layout.ring_bytes}")
+        chunk = max(1, min(chunk_tokens, q))
+        offs = torch.tensor([0] + _cumsum(send_counts), dtype=torch.int32, device="cpu")
+        roffs = torch.tensor([0] + _cumsum(recv_counts), dtype=torch.int32, device="cpu")
+        dst = torch.empty((sum(recv_counts), row_bytes), dtype=torch.uint8, device=self.device)
+        offs_d, roffs_d = offs.to(self.device), roffs.to(self.device)
+        self._r.relay(self.static, phase, src.data_ptr(), offs_d.data_ptr(), dst.data_ptr(), roffs_d.data_ptr(),
+                      row_bytes, q, chunk, raw_current_stream(self.device))
+        self._keep = (src, offs_d, roffs_d)   # alive until the next call (stream order)
+        return dst
+
+    def check_errors(self) -> None:
+        words = [int(v) for v in self._err.numpy()[:4]]
+        err = relay_error(words, self.timeout_us)
+        if err is not None:
+            self._err.zero_()
+            self._ws.zero_()
+            raise err
+
+    def destroy(self) -> None:
+        if self._peers is not None:
+            self._peers.close()
+            self._peers = None
+        if self._buf:
+            import torch
+            torch.cuda.synchronize(self.device)
+            self._ep.device_free(self._buf)
+            self._buf = 0
+
+
+def _cumsum(v: List[int]) -> List[int]:
+    out, acc = [], 0
+    for x in v:
+        acc += x
+        out.append(acc)
+    return out
