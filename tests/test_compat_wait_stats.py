@@ -32,6 +32,7 @@ def check_late_rank_stands_out(backend: str = "reference") -> Dict[str, Any]:
     dev = rank_device(backend)
     buf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True, num_qps_per_rank=E // r_n, backend=backend,
                          explicitly_destroy=True)
+    buf.clean_low_latency_buffer(T, H, E)   # makes the buffer now (collective: it would absorb the delay)
     gen = torch.Generator().manual_seed(5 + rank)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
     idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(dev)
