@@ -34,13 +34,22 @@ void check_static(const LLStatic& s) {
 
 // The argument checks of one launch (launch_dispatch / launch_combine run them first; so does the CPU
 // simulator): pointers the phases need, N, K and the buffer half.
-void check_call(const LLStatic& s, const LLDispatchCall& c) {
+namespace {
+
+// What both calls share: the buffer, N, K and the half. `what`: "ll dispatch" / "ll combine".
+void check_common(const LLStatic& s, int num_tokens, int num_topk, int half, const std::string& what) {
     check_static(s);
-    if (c.num_tokens < 0 || c.num_tokens > s.num_max_tokens)
-        throw std::invalid_argument("ll dispatch: num_tokens " + std::to_string(c.num_tokens) + " outside [0, T]");
-    if (c.num_topk < 1 || c.num_topk > s.max_topk || c.num_topk > kMaxTopk)
-        throw std::invalid_argument("ll dispatch: num_topk " + std::to_string(c.num_topk) + " outside [1, K_max]");
-    if (c.half != 0 && c.half != 1) throw std::invalid_argument("ll dispatch: half must be 0 or 1");
+    if (num_tokens < 0 || num_tokens > s.num_max_tokens)
+        throw std::invalid_argument(what + ": num_tokens " + std::to_string(num_tokens) + " outside [0, T]");
+    if (num_topk < 1 || num_topk > s.max_topk || num_topk > kMaxTopk)
+        throw std::invalid_argument(what + ": num_topk " + std::to_string(num_topk) + " outside [1, K_max]");
+    if (half != 0 && half != 1) throw std::invalid_argument(what + ": half must be 0 or 1");
+}
+
+}  // namespace
+
+void check_call(const LLStatic& s, const LLDispatchCall& c) {
+    check_common(s, c.num_tokens, c.num_topk, c.half, "ll dispatch");
     if (!c.active) throw std::invalid_argument("ll dispatch: active pointer is null");
     if ((c.phases & kPhaseSend) && c.num_tokens > 0 && (!c.x || !c.topk))
         throw std::invalid_argument("ll dispatch: x/topk pointers are null");
@@ -51,12 +60,7 @@ void check_call(const LLStatic& s, const LLDispatchCall& c) {
 }
 
 void check_call(const LLStatic& s, const LLCombineCall& c) {
-    check_static(s);
-    if (c.num_tokens < 0 || c.num_tokens > s.num_max_tokens)
-        throw std::invalid_argument("ll combine: num_tokens " + std::to_string(c.num_tokens) + " outside [0, T]");
-    if (c.num_topk < 1 || c.num_topk > s.max_topk || c.num_topk > kMaxTopk)
-        throw std::invalid_argument("ll combine: num_topk " + std::to_string(c.num_topk) + " outside [1, K_max]");
-    if (c.half != 0 && c.half != 1) throw std::invalid_argument("ll combine: half must be 0 or 1");
+    check_common(s, c.num_tokens, c.num_topk, c.half, "ll combine");
     if (!c.active || !c.layout_range || !c.src_info || !c.recv_slot)
         throw std::invalid_argument("ll combine: active/handle pointers are null");
     if ((c.phases & kPhaseSend) && !c.x) throw std::invalid_argument("ll combine: x pointer is null");
