@@ -271,7 +271,7 @@ constexpr int kLfBatch = 4;   // slots in flight per item (registers: codes/raw 
 __device__ void combine_reduce_logfmt(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm, int64_t first_it,
                                       int64_t items, int col_chunks, int64_t pre_v, float pre_w) {
     const int El = s.num_local_experts, E = s.num_ranks * El, H = s.hidden, K = c.num_topk;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const uint8_t* hb = reinterpret_cast<const uint8_t*>(s.buf);
     const uint32_t meta_bytes = lf_meta_bytes(H);
     for (int64_t it = first_it; it < items; it += (int64_t)gridDim.x * kWarps) {
