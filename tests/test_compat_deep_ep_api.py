@@ -239,13 +239,17 @@ def check_constructor_and_errors(backend: str = "reference") -> Dict[str, Any]:
     assert ep.config.num_qps_per_peer == NUM_EXPERTS // num_ranks and ep.backend_name == backend
     src_info, layout_range, t, h, e = handle             # DeepEP's 5-tuple
     assert (t, h, e) == (NUM_TOKENS, HIDDEN, NUM_EXPERTS) and src_info.dtype == torch.int32
-    with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats.*per-source"):
-        buf.low_latency_dispatch(x, idx, NUM_TOKENS, NUM_EXPERTS,
-                                 dispatch_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.int64, device=dev))
+    # DeepEP's per-source wait statistics: int64 [num_ranks], checked on the host before anything is sent.
+    for bad, err in ((torch.zeros(num_ranks, dtype=torch.int32, device=dev), TypeError),
+                     (torch.zeros(num_ranks + 1, dtype=torch.int64, device=dev), ValueError),
+                     (torch.zeros(num_ranks, 1, dtype=torch.int64, device=dev), ValueError),
+                     (torch.zeros(2 * num_ranks, dtype=torch.int64, device=dev)[::2], ValueError)):
+        with pytest.raises(err, match="dispatch_wait_recv_cost_stats"):
+            buf.low_latency_dispatch(x, idx, NUM_TOKENS, NUM_EXPERTS, dispatch_wait_recv_cost_stats=bad)
     w = torch.rand(4, 2).to(dev)
-    with pytest.raises(NotImplementedError, match="combine_wait_recv_cost_stats"):
+    with pytest.raises(TypeError, match="combine_wait_recv_cost_stats.*int64"):   # tests/test_compat_wait_stats.py
         buf.low_latency_combine(recv, idx, w, handle,
-                                combine_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.int64, device=dev))
+                                combine_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.float32, device=dev))
     with pytest.raises(ValueError, match="use_logfmt=True needs hidden to be a multiple of 512"):
         buf.low_latency_combine(recv, idx, w, handle, use_logfmt=True)   # LogFMT needs H % 512
     if backend == "reference":

@@ -4,7 +4,8 @@ tests/test_compat_mooncake_api.py with backend="native" (inputs on each rank's G
 on 2 ranks (DistPool over gloo; rank r on GPU r % device_count, so one GPU is enough), plus DeepEP's
 profiling contract: one low-latency dispatch call and one combine call each show exactly one CUDA kernel
 whose name contains "dispatch" / "combine" (with the receive hook: one per launch), and no other kernel
-of the call matches those words. Small shapes (T <= 16 in the API checks, T=64 H=2048 E=32 in the
+of the call matches those words; and DeepEP's per-source wait statistics on the kernels (a late rank
+stands out). Small shapes (T <= 16 in the API checks, T=64 H=2048 E=32 in the
 profile) keep the file under two minutes on one shared GPU.
 """
 from __future__ import annotations
@@ -63,6 +64,21 @@ def test_deep_ep_default_device_cuda(pool: Any) -> None:
     res = pool.run(check_defaults_independence, "native", timeout_s=RUN_S)
     assert all(r["devices"] == r["want"] == ["cuda"] for r in res)
     assert all(r["equal"] for r in res)
+
+
+def test_deep_ep_wait_stats_late_rank(pool: Any) -> None:
+    """dispatch/combine_wait_recv_cost_stats on the kernels: rank 0 enters each call 0.25 s late, so
+    rank 1's receive adds >= 0.7 * 0.25 s per call for source 0 and far less for itself."""
+    from test_compat_wait_stats import LATE_S, check_late_rank_stands_out
+    res = pool.run(check_late_rank_stands_out, "native", timeout_s=RUN_S)
+    for kind in ("dispatch", "combine"):
+        log.info("wait stats, %s: %s", kind, [r[kind] for r in res])
+        assert res[1][kind][0] >= 2 * int(0.7 * LATE_S * 1e9)
+
+
+def test_deep_ep_wait_stats_refused_on_the_host(pool: Any) -> None:
+    from test_compat_wait_stats import check_refusals
+    assert [r["calls"] for r in pool.run(check_refusals, "native", timeout_s=RUN_S)] == [2, 2]
 
 
 # ---------------------------------------------------------------------------------- Mooncake EP

@@ -53,8 +53,9 @@ def check_deep_ep() -> Dict[str, Any]:
     assert hook is None and torch.equal(out, rout)
     with pytest.raises(ValueError, match="use_logfmt=True needs hidden to be a multiple of 512"):
         buf.low_latency_combine(zc, idx, w, handle, use_logfmt=True)   # passed through, checked by EpBuffer
-    with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
-        buf.low_latency_dispatch(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(2, dtype=torch.int64))
+    waits = torch.zeros(dist.get_world_size(), dtype=torch.int64)   # accepted, per source (test_compat_wait_stats.py)
+    buf.low_latency_dispatch(x, idx, T, E, dispatch_wait_recv_cost_stats=waits)
+    assert waits.dtype == torch.int64 and min(waits.tolist()) >= 0
     with pytest.raises(TypeError, match="handle"):
         buf.low_latency_combine(zc, idx, w, (src_info, layout_range, t, h, e))
     with pytest.raises(ValueError, match="another Buffer"):

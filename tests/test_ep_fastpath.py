@@ -79,7 +79,7 @@ def _dispatch_cases() -> List[Tuple[str, Dict[str, Any]]]:
     e_l = E // R
     good = dict(x=x, topk_idx=idx, use_fp8=True, round_scale=False, use_ue8m0=False, active_ranks=None,
                 timeout_us=None, async_finish=False, return_recv_hook=False,
-                cumulative_local_expert_recv_stats=None)
+                cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None)
 
     def case(**kw: Any) -> Dict[str, Any]:
         return {**good, **kw}
@@ -88,7 +88,8 @@ def _dispatch_cases() -> List[Tuple[str, Dict[str, Any]]]:
         ("good bf16", case(use_fp8=False)),
         ("good ue8m0", case(round_scale=True, use_ue8m0=True)),
         ("good all args", case(active_ranks=torch.ones(R, dtype=torch.int32), timeout_us=5,
-                               cumulative_local_expert_recv_stats=torch.zeros(e_l, dtype=torch.int32))),
+                               cumulative_local_expert_recv_stats=torch.zeros(e_l, dtype=torch.int32),
+                               dispatch_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int64))),
         ("good N=0", case(x=torch.zeros(0, H, dtype=torch.bfloat16), topk_idx=torch.zeros(0, K, dtype=torch.int64))),
         ("x fp32", case(x=x.float())),
         ("x not a tensor", case(x=x.tolist())),
@@ -114,6 +115,11 @@ def _dispatch_cases() -> List[Tuple[str, Dict[str, Any]]]:
         ("active list", case(active_ranks=[1] * R)),
         ("stats shape", case(cumulative_local_expert_recv_stats=torch.zeros(e_l + 1, dtype=torch.int32))),
         ("stats dtype", case(cumulative_local_expert_recv_stats=torch.zeros(e_l, dtype=torch.int64))),
+        ("waits dtype", case(dispatch_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int32))),
+        ("waits shape", case(dispatch_wait_recv_cost_stats=torch.zeros(R + 1, dtype=torch.int64))),
+        ("waits 2-d", case(dispatch_wait_recv_cost_stats=torch.zeros(1, R, dtype=torch.int64))),
+        ("waits strided", case(dispatch_wait_recv_cost_stats=torch.zeros(2 * R, dtype=torch.int64)[::2])),
+        ("waits list", case(dispatch_wait_recv_cost_stats=[0] * R)),
         ("timeout 0", case(timeout_us=0)),
         ("timeout -1", case(timeout_us=-1)),
         ("timeout float", case(timeout_us=1.5)),
@@ -139,7 +145,8 @@ def _cpp_dispatch(kw: Dict[str, Any]) -> Optional[str]:
     return _llcheck().dispatch(SHAPE, _meta(kw["x"]), _meta(kw["topk_idx"]), _meta(kw["active_ranks"]),
                                _meta(kw["cumulative_local_expert_recv_stats"]), _flag(kw["use_fp8"]),
                                _flag(kw["round_scale"]), _flag(kw["use_ue8m0"]), _flag(kw["async_finish"]),
-                               _flag(kw["return_recv_hook"]), _timeout(kw["timeout_us"]))
+                               _flag(kw["return_recv_hook"]), _timeout(kw["timeout_us"]),
+                               wait=_meta(kw["dispatch_wait_recv_cost_stats"]))
 
 
 @pytest.mark.parametrize("name,kw", _dispatch_cases(), ids=[c[0] for c in _dispatch_cases()])
@@ -154,6 +161,8 @@ def test_dispatch_predicate_mirrors_validate(name: str, kw: Dict[str, Any]) -> N
     else:
         assert py is not None, f"{name}: validate.py accepted it"
         assert cpp is not None, f"{name}: the fast path would take a call validate.py rejects ({py.__name__})"
+        if name.startswith("waits"):
+            assert cpp == "dispatch_wait_recv_cost_stats", cpp
 
 
 def _handle(n: int = 5, k: int = K) -> Handle:
@@ -170,14 +179,15 @@ def _combine_cases() -> List[Tuple[str, Dict[str, Any]]]:
     idx, w = d["idx"], torch.rand(5, K)
     flat = torch.zeros(5 * H + 1, dtype=torch.bfloat16)
     good = dict(x=y, topk_idx=idx, topk_weights=w, active_ranks=None, timeout_us=None, zero_copy=False,
-                async_finish=False, return_recv_hook=False, out=None)
+                async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None)
 
     def case(**kw: Any) -> Dict[str, Any]:
         return {**good, **kw}
     return [
         ("good", case()),
         ("good all args", case(active_ranks=torch.ones(R, dtype=torch.int32), timeout_us=7,
-                               out=torch.empty(5, H, dtype=torch.bfloat16), zero_copy=True)),
+                               out=torch.empty(5, H, dtype=torch.bfloat16), zero_copy=True,
+                               combine_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int64))),
         ("x fp8", case(x=y.to(torch.float8_e4m3fn))),
         ("x shape", case(x=y[:, :1].contiguous())),
         ("x non-contiguous", case(x=y.transpose(0, 1).contiguous().transpose(0, 1))),
@@ -190,6 +200,9 @@ def _combine_cases() -> List[Tuple[str, Dict[str, Any]]]:
         ("out shape", case(out=torch.empty(4, H, dtype=torch.bfloat16))),
         ("out misaligned", case(out=flat[1:].view(5, H))),
         ("active dtype", case(active_ranks=torch.ones(R, dtype=torch.int64))),
+        ("waits dtype", case(combine_wait_recv_cost_stats=torch.zeros(R, dtype=torch.float32))),
+        ("waits shape", case(combine_wait_recv_cost_stats=torch.zeros(R - 1, dtype=torch.int64))),
+        ("waits strided", case(combine_wait_recv_cost_stats=torch.zeros(2 * R, dtype=torch.int64)[::2])),
         ("zero_copy int", case(zero_copy=1)),
         ("async + hook", case(async_finish=True, return_recv_hook=True)),
         ("timeout 0", case(timeout_us=0)),
@@ -204,7 +217,8 @@ def test_combine_predicate_mirrors_validate(name: str, kw: Dict[str, Any]) -> No
         validate_combine(_cfg(), R, CPU, kw["x"], kw["topk_idx"], kw["topk_weights"], h, owner="me", epoch=0,
                          last_seq=1, active_ranks=kw["active_ranks"], timeout_us=kw["timeout_us"],
                          zero_copy=kw["zero_copy"], async_finish=kw["async_finish"],
-                         return_recv_hook=kw["return_recv_hook"], out=kw["out"])
+                         return_recv_hook=kw["return_recv_hook"], out=kw["out"],
+                         combine_wait_recv_cost_stats=kw["combine_wait_recv_cost_stats"])
         NativeBackend._check_aligned("x", kw["x"])
         if kw["out"] is not None:
             NativeBackend._check_aligned("out", kw["out"])
@@ -214,12 +228,14 @@ def test_combine_predicate_mirrors_validate(name: str, kw: Dict[str, Any]) -> No
     cpp = _llcheck().combine(SHAPE, h.num_tokens, h.num_topk, _meta(kw["x"]), _meta(kw["topk_idx"]),
                              _meta(kw["topk_weights"]), _meta(kw["out"]), _meta(kw["active_ranks"]),
                              _flag(kw["zero_copy"]), _flag(kw["async_finish"]), _flag(kw["return_recv_hook"]),
-                             _timeout(kw["timeout_us"]))
+                             _timeout(kw["timeout_us"]), wait=_meta(kw["combine_wait_recv_cost_stats"]))
     if name.startswith("good"):
         assert py is None and cpp is None, (py, cpp)
     else:
         assert py is not None, f"{name}: the Python path accepted it"
         assert cpp is not None, f"{name}: the fast path would take a call the Python path rejects"
+        if name.startswith("waits"):
+            assert cpp == "combine_wait_recv_cost_stats", cpp
 
 
 def test_device_mismatch_declines() -> None:

@@ -113,13 +113,13 @@ def case_matrix(path: str, R: int, shape, grid: int, nic: str) -> str:
     # Both halves in flight: two dispatches, then both combines.
     a, b = _inputs(R, T, H, E, K, 30), _inputs(R, T, H, E, K, 31)
     from world import check_combine, check_dispatch, expert_outputs
-    oa = w.dispatch(a, 0)
+    oa = w.dispatch(a, 0, wait_stats=True)     # timing the waits changes no output bit
     ob = w.dispatch(b, 1)
     for r in range(R):
         check_dispatch(w, a, oa, r, [True] * R, False, False, False, f"in-flight A rank {r}")
         check_dispatch(w, b, ob, r, [True] * R, False, False, False, f"in-flight B rank {r}")
     ya, yb = expert_outputs(w, oa, False, False, 5), expert_outputs(w, ob, False, False, 6)
-    ca, cb = w.combine(ya, a, oa, 0), w.combine(yb, b, ob, 1)
+    ca, cb = w.combine(ya, a, oa, 0, wait_stats=True), w.combine(yb, b, ob, 1)
     for r in range(R):
         check_combine(w, a, ya, ca, r, [True] * R, f"in-flight A rank {r}")
         check_combine(w, b, yb, cb, r, [True] * R, f"in-flight B rank {r}")
@@ -368,3 +368,98 @@ def test_logfmt_combine_matches_reference_bits(sim_pool, R, shape, grid, nic):
         pytest.skip("pyep._engine has no softnic in this build")
     pool, path = sim_pool
     assert pool.run(case_logfmt, path, R, shape, grid, nic, timeout_s=300) == ["ok"]
+
+
+def case_wait_stats(path: str, nic: str) -> str:
+    """dispatch/combine wait_stats (DeepEP's *_wait_recv_cost_stats): each receive adds, per source, the
+    nanoseconds it waited for that source, into the caller's int64 [R]. Ranks 0 and 1 start 0.3 s
+    before rank 2: they accrue >= 0.3 s for source 2 and little for each other, while rank 2 finds
+    everything there at its first poll and adds exactly 0 for sources 0 and 1. A silent source accrues
+    about the timeout once, then nothing while it is inactive; the tensors accumulate over calls; a
+    call without wait_stats leaves them alone."""
+    sys.path.insert(0, SIM_DIR)
+    import threading
+
+    import torch
+    from world import World, check_combine, check_dispatch, expert_outputs, load
+    sim = load(path)
+    R, T, H, E, K = 3, 4, 256, 6, 2
+    w = World(sim, R, T, H, E, K, 2, nic_pairs=[(0, 2), (1, 2)] if nic == "nic" else [])
+    ds, cs = w.wait_stats["dispatch"], w.wait_stats["combine"]
+    _round(w, _inputs(R, T, H, E, K, 55), 0, "untimed")             # no wait_stats: nothing added
+    assert all(int(t.abs().sum()) == 0 for t in ds + cs)
+    delay, early, late = 0.3, [0, 1], [2]
+
+    def staggered(fn):
+        """fn(ranks) for ranks 0 and 1 now and for rank 2 `delay` seconds later, concurrently (the
+        simulator releases the GIL while its grids run)."""
+        errors = []
+
+        def run(ranks, wait_s):
+            try:
+                time.sleep(wait_s)
+                fn(ranks)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+        th = [threading.Thread(target=run, args=(early, 0.0)), threading.Thread(target=run, args=(late, delay))]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    inputs = _inputs(R, T, H, E, K, 56)
+    outs = w.dispatch_outputs()
+    staggered(lambda ranks: w.dispatch(inputs, 1, ranks=ranks, outs=outs, wait_stats=True))
+    for r in range(R):
+        check_dispatch(w, inputs, outs, r, [True] * R, False, False, False, f"staggered dispatch rank {r}")
+    ys = expert_outputs(w, outs, False, False, 12)
+    comb = [None] * R
+
+    def combine(ranks):
+        got = w.combine(ys, inputs, outs, 1, ranks=ranks, wait_stats=True)
+        for r in ranks:
+            comb[r] = got[r]
+    staggered(combine)
+    for r in range(R):
+        check_combine(w, inputs, ys, comb, r, [True] * R, f"staggered combine rank {r}")
+    ns = int(delay * 1e9)
+    for kind, st in (("dispatch", ds), ("combine", cs)):
+        for r in early:
+            got = st[r].tolist()
+            assert got[2] >= int(0.8 * ns), f"{kind} rank {r}: waited {got[2]} ns for the late rank 2"
+            assert got[2] > 2 * max(got[0], got[1]), f"{kind} rank {r}: {got} (rank 2 must dominate)"
+            assert min(got) >= 0, f"{kind} rank {r}: {got}"
+        got = st[2].tolist()
+        assert got[0] == 0 and got[1] == 0, f"{kind} rank 2 found ranks 0, 1 there at its first poll: {got}"
+        assert 0 <= got[2] < ns, f"{kind} rank 2 waiting for itself: {got}"
+    before = [t.clone() for t in ds + cs]
+
+    # Rank 2 is silent: ranks 0 and 1 add about the timeout for it, once, and nothing afterwards.
+    timeout = 300_000_000
+    inputs = _inputs(R, T, H, E, K, 57)
+    outs = w.dispatch(inputs, 0, ranks=early, timeout_ns=timeout, wait_stats=True)
+    ys = expert_outputs(w, outs, False, False, 13)
+    w.combine(ys, inputs, outs, 0, ranks=early, timeout_ns=timeout, wait_stats=True)
+    for kind, st, i in (("dispatch", ds, 0), ("combine", cs, R)):
+        for r in early:
+            added = (st[r] - before[i + r]).tolist()
+            assert w.active[r].tolist() == [1, 1, 0]
+            if kind == "dispatch":
+                assert timeout <= added[2] < timeout + 5_000_000_000, f"{kind} rank {r}: timed-out source {added}"
+            else:   # combine never waits for a source the dispatch already marked inactive
+                assert added[2] == 0, f"{kind} rank {r}: inactive source accrued {added}"
+    mid = [t.clone() for t in ds + cs]
+    _round(w, _inputs(R, T, H, E, K, 58), 1, "degraded", active=[True, True, False], ranks=early)
+    outs = w.dispatch(_inputs(R, T, H, E, K, 59), 0, ranks=early, wait_stats=True)
+    for r in early:
+        assert int(ds[r][2]) == int(mid[r][2]), f"rank {r}: an inactive source accrued wait"
+        assert (ds[r] >= mid[r]).all(), "the stats only ever grow"
+    return "ok"
+
+
+@pytest.mark.parametrize("nic", ["direct", "nic"])
+def test_wait_stats_per_source(sim_pool, nic):
+    pool, path = sim_pool
+    assert pool.run(case_wait_stats, path, nic, timeout_s=240) == ["ok"]

@@ -54,7 +54,7 @@ void register_ep(py::module_& m) {
         [](const LLStatic& s, uint64_t x, uint64_t topk, int num_tokens, int num_topk, int half, bool use_fp8,
            bool round_scale, bool use_ue8m0, uint64_t active, uint64_t recv_x, uint64_t recv_scales,
            uint64_t src_info, uint64_t recv_slot, uint64_t layout_range, uint64_t recv_count, uint64_t cum_stats,
-           uint64_t timeout_ns, int phases, uint64_t stream) {
+           uint64_t timeout_ns, int phases, uint64_t stream, uint64_t wait_stats) {
             LLDispatchCall c;
             c.x = x;
             c.topk = topk;
@@ -74,19 +74,22 @@ void register_ep(py::module_& m) {
             c.cum_stats = cum_stats;
             c.timeout_ns = timeout_ns;
             c.phases = phases;
+            c.wait_stats = wait_stats;
             launch_dispatch(s, c, stream);
         },
         py::arg("static"), py::arg("x"), py::arg("topk"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("half"),
         py::arg("use_fp8"), py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("active"), py::arg("recv_x"),
         py::arg("recv_scales"), py::arg("src_info"), py::arg("recv_slot"), py::arg("layout_range"),
         py::arg("recv_count"), py::arg("cum_stats"), py::arg("timeout_ns"), py::arg("phases"), py::arg("stream"),
-        "Launch the dispatch kernel (phases: 1 send, 2 receive, 3 both).");
+        py::arg("wait_stats") = 0,
+        "Launch the dispatch kernel (phases: 1 send, 2 receive, 3 both; wait_stats: int64 [R] the receive adds "
+        "each source's wait to, in ns, or 0).");
 
     ep.def(
         "combine",
         [](const LLStatic& s, uint64_t x, uint64_t topk, uint64_t weights, int num_tokens, int num_topk, int half,
            uint64_t src_info, uint64_t recv_slot, uint64_t layout_range, uint64_t active, uint64_t out,
-           uint64_t timeout_ns, int phases, uint64_t stream, bool use_logfmt) {
+           uint64_t timeout_ns, int phases, uint64_t stream, bool use_logfmt, uint64_t wait_stats) {
             LLCombineCall c;
             c.x = x;
             c.topk = topk;
@@ -102,13 +105,15 @@ void register_ep(py::module_& m) {
             c.timeout_ns = timeout_ns;
             c.phases = phases;
             c.use_logfmt = use_logfmt ? 1 : 0;
+            c.wait_stats = wait_stats;
             launch_combine(s, c, stream);
         },
         py::arg("static"), py::arg("x"), py::arg("topk"), py::arg("weights"), py::arg("num_tokens"),
         py::arg("num_topk"), py::arg("half"), py::arg("src_info"), py::arg("recv_slot"), py::arg("layout_range"),
         py::arg("active"), py::arg("out"), py::arg("timeout_ns"), py::arg("phases"), py::arg("stream"),
-        py::arg("use_logfmt") = false,
-        "Launch the combine kernel (phases: 1 send, 2 receive, 3 both; use_logfmt: LogFMT-10 payload).");
+        py::arg("use_logfmt") = false, py::arg("wait_stats") = 0,
+        "Launch the combine kernel (phases: 1 send, 2 receive, 3 both; use_logfmt: LogFMT-10 payload; "
+        "wait_stats as for dispatch).");
 
     ep.def("dispatch_smem_bytes", &dispatch_smem_bytes, py::arg("static"));
     ep.def("combine_smem_bytes", &combine_smem_bytes, py::arg("static"));

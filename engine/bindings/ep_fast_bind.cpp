@@ -139,13 +139,14 @@ struct FastLL {
     // -> (recv_x, scales | None, recv_count, src_info, layout_range, handle extras, N, K) or None. The
     // extras are NativeBackend.dispatch's: {"backend": "native", "half", "topk_slot", "buffer"}.
     py::object dispatch(py::handle x_h, py::handle topk_h, py::handle fp8_h, py::handle round_h, py::handle ue8m0_h,
-                        py::handle active_h, py::handle timeout_h, py::handle cum_h) {
+                        py::handle active_h, py::handle timeout_h, py::handle cum_h, py::handle wait_h) {
         if (declines()) return py::none();
         const lc::TensorArg x = meta_of(x_h.ptr()), topk = meta_of(topk_h.ptr()), act = meta_of(active_h.ptr()),
-                            cum = meta_of(cum_h.ptr());
+                            cum = meta_of(cum_h.ptr()), wait = meta_of(wait_h.ptr());
         const int fp8 = flag_of(fp8_h.ptr()), round_scale = flag_of(round_h.ptr()), ue8m0 = flag_of(ue8m0_h.ptr());
         const lc::Timeout timeout = timeout_of(timeout_h.ptr());
-        if (lc::check_dispatch(shape, x, topk, act, cum, fp8, round_scale, ue8m0, 0, 0, timeout) || !lc::aligned16(x))
+        if (lc::check_dispatch(shape, x, topk, act, cum, fp8, round_scale, ue8m0, 0, 0, timeout, wait) ||
+            !lc::aligned16(x))
             return py::none();
         const int64_t n = x.sizes[0], k = topk.sizes[1];
         const int64_t el = shape.E / shape.R, rows = shape.R * shape.T, h = shape.H, r = shape.R;
@@ -193,6 +194,7 @@ struct FastLL {
         c.layout_range = reinterpret_cast<uint64_t>(layout_range.data_ptr());
         c.recv_count = reinterpret_cast<uint64_t>(recv_count.data_ptr());
         c.cum_stats = cum.present ? cum.ptr : 0;
+        c.wait_stats = wait.present ? wait.ptr : 0;
         c.timeout_ns = timeout_ns(timeout);
         c.phases = pyep::ll::kPhaseSend | pyep::ll::kPhaseRecv;
         const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(shape.dev_index).stream();
@@ -220,12 +222,13 @@ struct FastLL {
     // -> out, or None. n, k, half and the three handle tensors come from a handle EpBuffer validated.
     py::object combine(py::handle x_h, py::handle topk_h, py::handle weights_h, py::handle src_info_h,
                        py::handle layout_range_h, py::handle recv_slot_h, int handle_half, int64_t n, int64_t k,
-                       py::handle active_h, py::handle timeout_h, py::handle out_h, py::handle src_h) {
+                       py::handle active_h, py::handle timeout_h, py::handle out_h, py::handle src_h,
+                       py::handle wait_h) {
         if (declines() || (handle_half != 0 && handle_half != 1)) return py::none();
         const lc::TensorArg x = meta_of(x_h.ptr()), topk = meta_of(topk_h.ptr()), w = meta_of(weights_h.ptr()),
-                            out = meta_of(out_h.ptr()), act = meta_of(active_h.ptr());
+                            out = meta_of(out_h.ptr()), act = meta_of(active_h.ptr()), wait = meta_of(wait_h.ptr());
         const lc::Timeout timeout = timeout_of(timeout_h.ptr());
-        if (lc::check_combine(shape, n, k, x, topk, w, out, act, 0, 0, 0, timeout)) return py::none();
+        if (lc::check_combine(shape, n, k, x, topk, w, out, act, 0, 0, 0, timeout, wait)) return py::none();
         // zero_copy: the rows come from the backend's combine buffer (src), x was still checked.
         const lc::TensorArg src = src_h.is_none() ? x : meta_of(src_h.ptr());
         const lc::TensorArg src_info = meta_of(src_info_h.ptr()), lr = meta_of(layout_range_h.ptr()),
@@ -256,6 +259,7 @@ struct FastLL {
         c.layout_range = lr.ptr;
         c.active = active_ptr(act);
         c.out = out_ptr;
+        c.wait_stats = wait.present ? wait.ptr : 0;
         c.timeout_ns = timeout_ns(timeout);
         c.phases = pyep::ll::kPhaseSend | pyep::ll::kPhaseRecv;
         const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(shape.dev_index).stream();
@@ -280,10 +284,11 @@ void register_ep_fast(py::module_& m) {
         .def_readonly("calls", &FastLL::calls)
         .def("dispatch", &FastLL::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("use_fp8"),
              py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("active_ranks"), py::arg("timeout_us"),
-             py::arg("cumulative_local_expert_recv_stats"))
+             py::arg("cumulative_local_expert_recv_stats"), py::arg("dispatch_wait_recv_cost_stats") = py::none())
         .def("combine", &FastLL::combine, py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"),
              py::arg("src_info"), py::arg("layout_range"), py::arg("recv_slot"), py::arg("half"), py::arg("num_tokens"),
-             py::arg("num_topk"), py::arg("active_ranks"), py::arg("timeout_us"), py::arg("out"), py::arg("src"));
+             py::arg("num_topk"), py::arg("active_ranks"), py::arg("timeout_us"), py::arg("out"), py::arg("src"),
+             py::arg("combine_wait_recv_cost_stats") = py::none());
 }
 
 pyep::bindings::Registrar reg("ep_fast", &register_ep_fast);

@@ -72,10 +72,13 @@ inline bool timeout_ok(const Timeout& t) {
 // The kernels move rows with 16-byte vector accesses (NativeBackend._check_aligned).
 inline bool aligned16(const TensorArg& t) { return t.ptr % 16 == 0; }
 
+// validate.check_wait_stats: *_wait_recv_cost_stats, int64 [R].
+inline bool wait_stats_ok(const TensorArg& w, const Shape& s) { return !w.present || tensor_ok(w, kInt64, {s.R}, s); }
+
 // validate.validate_dispatch. nullptr: accepted; else the argument that declines it.
 inline const char* check_dispatch(const Shape& s, const TensorArg& x, const TensorArg& topk, const TensorArg& active,
                                   const TensorArg& cum, int use_fp8, int round_scale, int use_ue8m0, int async_finish,
-                                  int return_recv_hook, const Timeout& timeout) {
+                                  int return_recv_hook, const Timeout& timeout, const TensorArg& wait = TensorArg()) {
     for (int f : {use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook})
         if (f != 0 && f != 1) return "flag";
     if (use_ue8m0 && !round_scale) return "use_ue8m0";
@@ -90,6 +93,7 @@ inline const char* check_dispatch(const Shape& s, const TensorArg& x, const Tens
     if (!tensor_ok(topk, kInt64, {n, k}, s)) return "topk_idx";
     if (active.present && !tensor_ok(active, kInt32, {s.R}, s)) return "active_ranks";
     if (cum.present && !tensor_ok(cum, kInt32, {s.E / s.R}, s)) return "cumulative_local_expert_recv_stats";
+    if (!wait_stats_ok(wait, s)) return "dispatch_wait_recv_cost_stats";
     if (!timeout_ok(timeout)) return "timeout_us";
     return nullptr;
 }
@@ -98,7 +102,8 @@ inline const char* check_dispatch(const Shape& s, const TensorArg& x, const Tens
 // the handle's N and K).
 inline const char* check_combine(const Shape& s, int64_t n, int64_t k, const TensorArg& x, const TensorArg& topk,
                                  const TensorArg& weights, const TensorArg& out, const TensorArg& active,
-                                 int zero_copy, int async_finish, int return_recv_hook, const Timeout& timeout) {
+                                 int zero_copy, int async_finish, int return_recv_hook, const Timeout& timeout,
+                                 const TensorArg& wait = TensorArg()) {
     for (int f : {zero_copy, async_finish, return_recv_hook})
         if (f != 0 && f != 1) return "flag";
     if (async_finish && return_recv_hook) return "async_finish";
@@ -107,6 +112,7 @@ inline const char* check_combine(const Shape& s, int64_t n, int64_t k, const Ten
     if (!tensor_ok(weights, kFloat32, {n, k}, s)) return "topk_weights";
     if (out.present && !tensor_ok(out, kBFloat16, {n, s.H}, s)) return "out";
     if (active.present && !tensor_ok(active, kInt32, {s.R}, s)) return "active_ranks";
+    if (!wait_stats_ok(wait, s)) return "combine_wait_recv_cost_stats";
     if (!timeout_ok(timeout)) return "timeout_us";
     return nullptr;
 }

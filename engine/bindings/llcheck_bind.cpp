@@ -51,36 +51,38 @@ void register_llcheck(py::module_& m) {
         "dispatch",
         [](const std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int>& shape, const Meta& x,
            const Meta& topk, const Meta& active, const Meta& cum, int use_fp8, int round_scale, int use_ue8m0,
-           int async_finish, int return_recv_hook, std::pair<int, int64_t> timeout, bool check_align) {
+           int async_finish, int return_recv_hook, std::pair<int, int64_t> timeout, bool check_align,
+           const Meta& wait) {
             const Shape s = shape_of(shape);
             const TensorArg tx = arg_of(x);
             const char* why = check_dispatch(s, tx, arg_of(topk), arg_of(active), arg_of(cum), use_fp8, round_scale,
                                              use_ue8m0, async_finish, return_recv_hook,
-                                             Timeout{timeout.first, timeout.second});
+                                             Timeout{timeout.first, timeout.second}, arg_of(wait));
             if (!why && check_align && !aligned16(tx)) why = "x alignment";
             return verdict(why);
         },
         py::arg("shape"), py::arg("x"), py::arg("topk"), py::arg("active"), py::arg("cum"), py::arg("use_fp8"),
         py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("async_finish"), py::arg("return_recv_hook"),
-        py::arg("timeout"), py::arg("check_align") = true,
+        py::arg("timeout"), py::arg("check_align") = true, py::arg("wait") = py::none(),
         "None if the fast path accepts the dispatch arguments, else the argument that declines them.");
     c.def(
         "combine",
         [](const std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int>& shape, int64_t n, int64_t k,
            const Meta& x, const Meta& topk, const Meta& weights, const Meta& out, const Meta& active, int zero_copy,
-           int async_finish, int return_recv_hook, std::pair<int, int64_t> timeout, bool check_align) {
+           int async_finish, int return_recv_hook, std::pair<int, int64_t> timeout, bool check_align,
+           const Meta& wait) {
             const Shape s = shape_of(shape);
             const TensorArg tx = arg_of(x), tout = arg_of(out);
             const char* why = check_combine(s, n, k, tx, arg_of(topk), arg_of(weights), tout, arg_of(active),
                                             zero_copy, async_finish, return_recv_hook,
-                                            Timeout{timeout.first, timeout.second});
+                                            Timeout{timeout.first, timeout.second}, arg_of(wait));
             if (!why && check_align && !aligned16(tx)) why = "x alignment";
             if (!why && check_align && tout.present && !aligned16(tout)) why = "out alignment";
             return verdict(why);
         },
         py::arg("shape"), py::arg("n"), py::arg("k"), py::arg("x"), py::arg("topk"), py::arg("weights"),
         py::arg("out"), py::arg("active"), py::arg("zero_copy"), py::arg("async_finish"),
-        py::arg("return_recv_hook"), py::arg("timeout"), py::arg("check_align") = true,
+        py::arg("return_recv_hook"), py::arg("timeout"), py::arg("check_align") = true, py::arg("wait") = py::none(),
         "None if the fast path accepts the combine arguments, else the argument that declines them.");
 }
 

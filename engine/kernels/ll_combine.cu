@@ -10,9 +10,6 @@
 #include <cuda_runtime.h>
 #endif
 
-#include <stdexcept>
-#include <string>
-
 #include "kernels/ll_common.cuh"
 #include "kernels/ll_logfmt.cuh"
 
@@ -48,6 +45,21 @@ __device__ CombineSmem carve_combine(uint8_t* p, int R, int E) {
     m.lf_tbl = reinterpret_cast<float*>(b);
     m.stage = b + 128 * 4;
     return m;
+}
+
+// NIC peers: a warp's staged row (`bytes` at `stage`) goes to `doff` in rank r's buffer as one RDMA WRITE
+// on the QP of local expert e. Every lane's staging stores are made visible system-wide first: the NIC
+// reads them over PCIe.
+__device__ __forceinline__ void post_row(const LLStatic& s, const LLCombineCall& c, int r, int e, const uint8_t* stage,
+                                         uint64_t doff, uint32_t bytes) {
+    __threadfence_system();
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+        const int st = gda::post_rdma_write(peer_qp(s, r, e % s.num_qps_per_peer), (uint64_t)stage, s.lkey,
+                                            remote_addr(s, r) + doff, rkey_of(s, r), bytes, false, c.timeout_ns);
+        if (st != gda::kOk) note_failure(s, r);
+    }
+    __syncwarp();
 }
 
 // LogFMT send (pyep/ep/logfmt.py is the format): one warp per row, rounds of 512 channels, lane l
@@ -134,17 +146,7 @@ __device__ void combine_send_logfmt(const LLStatic& s, const LLCombineCall& c, C
             __syncwarp();
             carry += (uint32_t)round_bytes;
         }
-        if (!store_peer) {
-            __threadfence_system();   // the NIC reads the staged row over PCIe
-            __syncwarp();
-            if (lane == 0) {
-                const int st = gda::post_rdma_write(peer_qp(s, r, e % s.num_qps_per_peer), (uint64_t)dst, s.lkey,
-                                                    remote_addr(s, r) + doff, rkey_of(s, r), meta + carry, false,
-                                                    c.timeout_ns);
-                if (st != gda::kOk) note_failure(s, r);
-            }
-            __syncwarp();
-        }
+        if (!store_peer) post_row(s, c, r, e, dst, doff, meta + carry);
     }
 }
 
@@ -211,15 +213,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
             uint8_t* stage = hb + off_drecv(s, half, r, (uint64_t)(source_slot(sm.srcoff, El, e, r) + i));
             int4* st4 = reinterpret_cast<int4*>(stage);
             for (int j = lane; j < row_int4; j += 32) st_v4(st4 + j, ld_nc_v4(src4 + j));
-            __threadfence_system();   // the NIC reads the staged row over PCIe
-            __syncwarp();
-            if (lane == 0) {
-                const int st = gda::post_rdma_write(peer_qp(s, r, e % s.num_qps_per_peer), (uint64_t)stage, s.lkey,
-                                                    remote_addr(s, r) + doff, rkey_of(s, r), (uint32_t)(2 * H), false,
-                                                    c.timeout_ns);
-                if (st != gda::kOk) note_failure(s, r);
-            }
-            __syncwarp();
+            post_row(s, c, r, e, stage, doff, (uint32_t)(2 * H));
         }
     }
     }   // !use_logfmt
@@ -247,6 +241,25 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrSendDone);
 }
 
+// A reduce item's lanes 0..K-1 hold row t's top-k slots: returns the lane's expert and sets its weight.
+// An id dispatch routed as -1 (out of range, or a repeat of an earlier slot's expert) is -1 here too --
+// nothing was sent for it, and dispatch reports it -- and so is an expert whose owner did not arrive.
+// The warp's first item takes the values it loaded before the wait (pre_v, pre_w).
+__device__ __forceinline__ int slot_expert(const LLCombineCall& c, const CombineSmem& sm, int El, int E, int t,
+                                           bool first, int64_t pre_v, float pre_w, float& my_w) {
+    const int K = c.num_topk, lane = threadIdx.x & 31;
+    const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
+    int64_t my_v = -1;
+    my_w = 0.0f;
+    if (lane < K) {
+        my_v = first ? pre_v : __ldg(topk + t * K + lane);
+        my_w = first ? pre_w : __ldg(reinterpret_cast<const float*>(c.weights) + t * K + lane);
+    }
+    bool bad;
+    const int my_e = checked_expert(topk, t * K + lane, my_v, K, E, 0xffffffffu, t * K, bad);
+    return my_e >= 0 && !sm.ok[my_e / El] ? -1 : my_e;
+}
+
 // LogFMT reduce (pyep/ep/logfmt.py): items (token t, 512-channel chunk); lane l owns channels
 // 16l..16l+15, i.e. unit l & 7 of group 4 * chunk + l / 8. A group's place in the message depends on
 // how many earlier groups were cast: every lane loads meta words of the groups before the chunk's end
@@ -255,45 +268,19 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
 // the BF16 path (k ascending, one multiply and one add per term), rounded to bf16 once.
 constexpr int kLfBatch = 4;   // slots in flight per item (registers: codes/raw words + 16 accumulators)
 
-__device__ __forceinline__ uint32_t lf_ld_u32(const uint8_t* p) {
-#if !defined(PYEP_LL_CPU_SIM)
-    uint32_t v;
-    asm volatile("ld.global.L1::no_allocate.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-#else
-    uint32_t v;
-    __builtin_memcpy(&v, p, 4);
-    return v;
-#endif
-}
-
 __device__ void combine_reduce_logfmt(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm, int64_t first_it,
                                       int64_t items, int col_chunks, int64_t pre_v, float pre_w) {
     const int El = s.num_local_experts, E = s.num_ranks * El, H = s.hidden, K = c.num_topk;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const uint8_t* hb = reinterpret_cast<const uint8_t*>(s.buf);
-    const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
-    const float* weights = reinterpret_cast<const float*>(c.weights);
     const uint32_t meta_bytes = lf_meta_bytes(H);
     for (int64_t it = first_it; it < items; it += (int64_t)gridDim.x * kWarps) {
         const int t = (int)(it / col_chunks);
         const int chunk = (int)(it - (int64_t)t * col_chunks);
         const int g = chunk * 4 + (lane >> 3);          // this lane's group
         const int ng = chunk * 4 + 4;                   // groups whose meta this item needs
-        int64_t my_v = -1;
-        float my_w = 0.0f;
-        if (lane < K) {
-            if (it == first_it) {
-                my_v = pre_v;
-                my_w = pre_w;
-            } else {
-                my_v = __ldg(topk + t * K + lane);
-                my_w = __ldg(weights + t * K + lane);
-            }
-        }
-        bool bad;
-        int my_e = checked_expert(topk, t * K + lane, my_v, K, E, 0xffffffffu, t * K, bad);
-        if (my_e >= 0 && !sm.ok[my_e / El]) my_e = -1;
+        float my_w;
+        const int my_e = slot_expert(c, sm, El, E, t, it == first_it, pre_v, pre_w, my_w);
         float acc[16];
 #pragma unroll
         for (int j = 0; j < 16; ++j) acc[j] = 0.0f;
@@ -312,10 +299,10 @@ __device__ void combine_reduce_logfmt(const LLStatic& s, const LLCombineCall& c,
                 mine[j] = 0;
                 before[j] = 0;
                 if (!use[j]) continue;   // uniform over the warp
-                mine[j] = lf_ld_u32(row[j] + 4 * g);
+                mine[j] = ld_u32(row[j] + 4 * g);
                 for (int b = 0; b < ng; b += 32) {
                     const int gi = b + lane;
-                    const uint32_t mw = gi < ng ? lf_ld_u32(row[j] + 4 * gi) : 0u;
+                    const uint32_t mw = gi < ng ? ld_u32(row[j] + 4 * gi) : 0u;
                     const unsigned m = __ballot_sync(0xffffffffu, gi < ng && lf_cast(mw & 0xffffu, mw >> 16));
                     if (g >= b + 32) before[j] += __popc(m);
                     else if (g >= b) before[j] += __popc(m & ((1u << (g - b)) - 1u));
@@ -329,7 +316,7 @@ __device__ void combine_reduce_logfmt(const LLStatic& s, const LLCombineCall& c,
                 const uint8_t* gp = row[j] + meta_bytes + 256u * (uint32_t)g - 96u * before[j];
                 if (cast) {
 #pragma unroll
-                    for (int q = 0; q < kLfUnitWords; ++q) d[j][q] = lf_ld_u32(gp + 20 * (lane & 7) + 4 * q);
+                    for (int q = 0; q < kLfUnitWords; ++q) d[j][q] = ld_u32(gp + 20 * (lane & 7) + 4 * q);
                 } else {
                     const int4 a = ld_v4(gp + 32 * (lane & 7)), b = ld_v4(gp + 32 * (lane & 7) + 16);
                     d[j][0] = a.x; d[j][1] = a.y; d[j][2] = a.z; d[j][3] = a.w;
@@ -394,7 +381,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
 
     for (int r = tid; r < R; r += blockDim.x) {
         const int* sig = reinterpret_cast<const int*>(hb + off_csig(s, half, r));
-        const int st = resolve_flag(state, active, r, sig, max(1, expect[r]), c.timeout_ns);
+        const int st = resolve_flag(state, active, r, sig, max(1, expect[r]), c.timeout_ns, c.wait_stats);
         // Re-read with acquire: when another block decided, this block still needs its own edge to
         // the data the flag publishes.
         sm.ok[r] = st == kArrived && ld_acquire_sys(sig) != 0;
@@ -408,22 +395,8 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     for (int64_t it = first_it; it < items; it += (int64_t)gridDim.x * kWarps) {
         const int t = (int)(it / col_chunks);
         const int col = (int)(it - (int64_t)t * col_chunks) * 32 + lane;
-        int64_t my_v = -1;
-        float my_w = 0.0f;
-        if (lane < K) {
-            if (it == first_it) {
-                my_v = pre_v;
-                my_w = pre_w;
-            } else {
-                my_v = __ldg(topk + t * K + lane);
-                my_w = __ldg(weights + t * K + lane);
-            }
-        }
-        // Lanes 0..K-1 hold the slots of row t: an id dispatch routed as -1 (out of range, or a repeat
-        // of an earlier slot's expert) is -1 here too -- nothing was sent for it. Dispatch reports it.
-        bool bad;
-        int my_e = checked_expert(topk, t * K + lane, my_v, K, E, 0xffffffffu, t * K, bad);
-        if (my_e >= 0 && !sm.ok[my_e / El]) my_e = -1;
+        float my_w;
+        const int my_e = slot_expert(c, sm, El, E, t, it == first_it, pre_v, pre_w, my_w);
         const bool live = col < cols;
         // k ascending, kReduceBatch loads in flight at a time (all of them for K <= 8): the order of the
         // fp32 additions is fixed, and registers stay low enough for a full block of 512 threads.
@@ -487,13 +460,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine(LLStatic s, LLCom
     }
 }
 
-#if !defined(PYEP_LL_CPU_SIM)
-void check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-#endif
-
 }  // namespace
 
 int combine_smem_bytes(const LLStatic& s) {
@@ -503,29 +469,16 @@ int combine_smem_bytes(const LLStatic& s) {
 }
 
 #if !defined(PYEP_LL_CPU_SIM)
-void check_static(const LLStatic& s);  // ll_runtime.cu
+void check_cuda(cudaError_t e, const char* what);  // ll_runtime.cu
 
 void launch_combine(const LLStatic& s, const LLCombineCall& c, uint64_t stream) {
-    check_static(s);
-    if (c.num_tokens < 0 || c.num_tokens > s.num_max_tokens)
-        throw std::invalid_argument("ll combine: num_tokens " + std::to_string(c.num_tokens) + " outside [0, T]");
-    if (c.num_topk < 1 || c.num_topk > s.max_topk || c.num_topk > kMaxTopk)
-        throw std::invalid_argument("ll combine: num_topk " + std::to_string(c.num_topk) + " outside [1, K_max]");
-    if (c.half != 0 && c.half != 1) throw std::invalid_argument("ll combine: half must be 0 or 1");
-    if (!c.active || !c.layout_range || !c.src_info || !c.recv_slot)
-        throw std::invalid_argument("ll combine: active/handle pointers are null");
-    if ((c.phases & kPhaseSend) && !c.x) throw std::invalid_argument("ll combine: x pointer is null");
-    if ((c.phases & kPhaseRecv) && c.num_tokens > 0 && (!c.topk || !c.weights || !c.out))
-        throw std::invalid_argument("ll combine: topk/weights/out pointers are null");
-    if (!(c.phases & (kPhaseSend | kPhaseRecv))) throw std::invalid_argument("ll combine: no phase");
-    if (c.use_logfmt && s.hidden % kLfRound != 0)
-        throw std::invalid_argument("ll combine: use_logfmt needs hidden % 512 == 0, got " + std::to_string(s.hidden));
+    check_call(s, c);
     const int smem = combine_smem_bytes(s);
     if (smem > 48 * 1024)
-        check(cudaFuncSetAttribute(combine, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+        check_cuda(cudaFuncSetAttribute(combine, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
               "ll combine smem attribute");
     combine<<<s.num_blocks, kThreadsPerBlock, smem, reinterpret_cast<cudaStream_t>(stream)>>>(s, c);
-    check(cudaGetLastError(), "ll combine launch");
+    check_cuda(cudaGetLastError(), "ll combine launch");
 }
 
 #endif  // !PYEP_LL_CPU_SIM

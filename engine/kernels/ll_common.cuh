@@ -134,6 +134,11 @@ __device__ __forceinline__ float ld_f32(const float* p) {
     asm volatile("ld.global.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
     return v;
 }
+__device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) {
+    uint32_t v;
+    asm volatile("ld.global.L1::no_allocate.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
 #else
 #define LL_SPIN_HINT() sim_spin_hint()
 __device__ __forceinline__ uint8_t* dynamic_smem() { return sim_smem(); }
@@ -147,6 +152,11 @@ __device__ __forceinline__ void fence_acq_rel_sys() { __atomic_thread_fence(__AT
 __device__ __forceinline__ void st_relaxed_sys(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 __device__ __forceinline__ float ld_f32(const float* p) {
     float v;
+    __builtin_memcpy(&v, p, 4);
+    return v;
+}
+__device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) {
+    uint32_t v;
     __builtin_memcpy(&v, p, 4);
     return v;
 }
@@ -297,34 +307,44 @@ __device__ __forceinline__ bool arrive_last(int* counter, int* s_flag, bool publ
     return *s_flag != 0;
 }
 
+// WaitStats (ll_launch.h): the block whose CAS decided source r adds what it waited for r (stats: the
+// call's wait_stats, 0 = none). An inactive source was not waited for and gets nothing.
+__device__ __forceinline__ void add_wait(uint64_t stats, int r, int outcome, uint64_t waited_ns) {
+    if (stats != 0 && (outcome == kArrived || outcome == kTimedOut))
+        atomicAdd(reinterpret_cast<unsigned long long*>(stats) + r, (unsigned long long)waited_ns);
+}
+
 // Combine receive: decides whether source rank r's flag reached `expect` in this call, identically
 // for every block: the first block to see it (or to time out, or to find r inactive) records the
 // outcome with a CAS; everyone else adopts it. The timeout runs on %globaltimer (nanoseconds), never
-// clock64. (The dispatch receive, with E_l words per source, uses wait_counts below.)
+// clock64, from the first poll that missed; the decider adds that wait to `stats` (add_wait). (The
+// dispatch receive, with E_l words per source, uses wait_counts below.)
 __device__ __forceinline__ int resolve_flag(int* state, const int* active, int r, const int* flag, int expect,
-                                            uint64_t timeout_ns) {
+                                            uint64_t timeout_ns, uint64_t stats) {
     int st = ld_volatile(state + r);
     if (st != kUndecided) return st;
     int outcome = kArrived;
+    uint64_t start = 0, waited = 0;
     if (ld_volatile(active + r) == 0) {
         outcome = kInactive;
     } else {
-        uint64_t deadline = 0;
         while (ld_acquire_sys(flag) < expect) {
+            if (start == 0) start = gda::now_ns();
             LL_SPIN_HINT();
             st = ld_volatile(state + r);
             if (st != kUndecided) return st;
-            const uint64_t now = gda::now_ns();
-            if (deadline == 0) {
-                deadline = now + timeout_ns;
-            } else if (now > deadline) {
+            waited = gda::now_ns() - start;
+            if (waited > timeout_ns) {
                 outcome = kTimedOut;
                 break;
             }
         }
+        if (start != 0 && outcome == kArrived) waited = gda::now_ns() - start;
     }
     const int prev = atomicCAS(state + r, kUndecided, outcome);
-    return prev == kUndecided ? outcome : prev;
+    if (prev != kUndecided) return prev;
+    add_wait(stats, r, outcome, waited);
+    return outcome;
 }
 
 // The dispatch receive's version of resolve_flag: each source sends E_l count words. Every thread
@@ -336,14 +356,20 @@ __device__ __forceinline__ int resolve_flag(int* state, const int* active, int r
 // return: rows source r sent to local expert le at p = le * R + r, the signal's own index; 0 unless r
 // arrived). Fences: one per block after the polls (acquire for what this block saw, and the release
 // half for blocks that adopt its verdict), and one more only if this block adopted "arrived" for a
-// word it had not seen and had to read it afterwards.
+// word it had not seen and had to read it afterwards. With `stats` (WaitStats), waited [R] (shared)
+// collects, per source, the latest moment a word this block had to wait for was seen, counted from
+// this thread's entry; the deciding block adds it (add_wait).
 enum CountFlag : int { kSeenAll = 0, kUnseen = 1, kLate = 2, kInactiveSrc = 4 };
 
 __device__ __forceinline__ void wait_counts(int* state, const int* active, const int* sig, int num_ranks,
                                             int num_pairs, int max_rows, uint64_t timeout_ns, int* src_state,
-                                            int* flags, int* cnt) {
+                                            int* flags, int* cnt, uint64_t stats, unsigned long long* waited) {
     const int R = num_ranks;
-    for (int r = threadIdx.x; r <= R; r += blockDim.x) flags[r] = 0;
+    const uint64_t entry = stats ? gda::now_ns() : 0;
+    for (int r = threadIdx.x; r <= R; r += blockDim.x) {
+        flags[r] = 0;
+        if (stats && r < R) waited[r] = 0;
+    }
     __syncthreads();
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
         const int r = p % R;
@@ -369,6 +395,7 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
                     break;
                 }
             }
+            if (stats) atomicMax(waited + r, (unsigned long long)(gda::now_ns() - entry));
         }
         cnt[p] = v;
         if (v == 0) atomicOr(flags + r, kUnseen);
@@ -385,6 +412,7 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
             const int outcome = (f & kInactiveSrc) ? kInactive : (f & kUnseen) ? kTimedOut : kArrived;
             const int prev = atomicCAS(state + r, kUndecided, outcome);
             st = prev == kUndecided ? outcome : prev;
+            if (prev == kUndecided) add_wait(stats, r, outcome, stats ? waited[r] : 0);
         }
         src_state[r] = st;
     }
@@ -457,29 +485,9 @@ __device__ __forceinline__ void finish_failures(const LLStatic& s, const int* pe
     }
 }
 
-// ---- FP8 (pyep/ep/fp8.py is the definition) ---------------------------------------------------------
+// ---- bf16 halves of a 32-bit word (little-endian: channel 2i in the low half) ---------------------
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
-__device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
-    amax = fmaxf(amax, 1e-4f);
-    float scale = __fdiv_rn(amax, 448.0f);
-    if (round_scale) {
-        const uint32_t bits = __float_as_uint(scale);
-        uint32_t e = (bits >> 23) & 0xffu;
-        if (bits & 0x7fffffu) e += 1;
-        scale = __uint_as_float(e << 23);
-    }
-    return scale;
-}
-
-__device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d, float inv) {
-    const __nv_fp8x2_storage_t lo =
-        __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, inv), __fmul_rn(b, inv)), __NV_SATFINITE, __NV_E4M3);
-    const __nv_fp8x2_storage_t hi =
-        __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(c, inv), __fmul_rn(d, inv)), __NV_SATFINITE, __NV_E4M3);
-    return (uint32_t)lo | ((uint32_t)hi << 16);
-}
 
 // ---- NIC posting -----------------------------------------------------------------------------------
 __device__ __forceinline__ void note_failure(const LLStatic& s, int r) { atomicExch(ws_fail(s) + r, 1); }

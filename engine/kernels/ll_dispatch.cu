@@ -14,18 +14,37 @@
 #include <cuda_runtime.h>
 #endif
 
-#include <stdexcept>
-#include <string>
-
 #include "kernels/ll_common.cuh"
 
 namespace pyep {
 namespace ll {
 namespace {
 
+// ---- FP8 cast (pyep/ep/fp8.py is the definition) -------------------------------------------------
+__device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
+    amax = fmaxf(amax, 1e-4f);
+    float scale = __fdiv_rn(amax, 448.0f);
+    if (round_scale) {
+        const uint32_t bits = __float_as_uint(scale);
+        uint32_t e = (bits >> 23) & 0xffu;
+        if (bits & 0x7fffffu) e += 1;
+        scale = __uint_as_float(e << 23);
+    }
+    return scale;
+}
+
+__device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d, float inv) {
+    const __nv_fp8x2_storage_t lo =
+        __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, inv), __fmul_rn(b, inv)), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi =
+        __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(c, inv), __fmul_rn(d, inv)), __NV_SATFINITE, __NV_E4M3);
+    return (uint32_t)lo | ((uint32_t)hi << 16);
+}
+
 struct DispatchSmem {
     uint64_t* addr;     // [kMaxTopk] where the message for slot k goes (peer memory, or local staging)
     uint64_t* raddr;    // [kMaxTopk] NIC path: remote address
+    unsigned long long* waited;  // [R] receive: wait_counts' per-source wait (WaitStats)
     float* scale;       // [kMaxGroups]
     int* target;        // [kMaxTopk] expert of slot k, -1 = not sent
     int* rank;          // [kMaxTopk] entries of the same expert before (t, k)
@@ -47,6 +66,7 @@ __device__ DispatchSmem carve_dispatch(uint8_t* p, int R, int E) {
     DispatchSmem m;
     m.addr = reinterpret_cast<uint64_t*>(p); p += 8 * kMaxTopk;
     m.raddr = reinterpret_cast<uint64_t*>(p); p += 8 * kMaxTopk;
+    m.waited = reinterpret_cast<unsigned long long*>(p); p += 8 * R;
     m.scale = reinterpret_cast<float*>(p); p += 4 * kMaxGroups;
     int* q = reinterpret_cast<int*>(p);
     m.target = q; q += kMaxTopk;
@@ -304,7 +324,7 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
     trace_point(s, kTraceDispatch, kTrRecvBegin);
 
     wait_counts(state, active, reinterpret_cast<const int*>(hb + off_dsig(s, half, 0, 0)), R, E, T, c.timeout_ns,
-                sm.src_state, sm.wflags, sm.cnt);
+                sm.src_state, sm.wflags, sm.cnt, c.wait_stats, sm.waited);
     trace_point(s, kTraceDispatch, kTrRecvReady);
     source_offsets(sm.cnt, sm.srcoff, sm.scan, R, El);
     block_exclusive_scan(sm.rowstart, sm.cnt, E, sm.scan);
@@ -402,43 +422,24 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch(LLStatic s, LLDi
     }
 }
 
-#if !defined(PYEP_LL_CPU_SIM)
-void check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-#endif
-
 }  // namespace
 
 int dispatch_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
-    return 16 * kMaxTopk + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + 3 * R + 1 + 5 * E + 3 + scan_scratch_ints(E));
+    return 16 * kMaxTopk + 8 * R + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + 3 * R + 1 + 5 * E + 3 + scan_scratch_ints(E));
 }
 
 #if !defined(PYEP_LL_CPU_SIM)
-void check_static(const LLStatic& s);  // ll_runtime.cu
+void check_cuda(cudaError_t e, const char* what);  // ll_runtime.cu
 
 void launch_dispatch(const LLStatic& s, const LLDispatchCall& c, uint64_t stream) {
-    check_static(s);
-    if (c.num_tokens < 0 || c.num_tokens > s.num_max_tokens)
-        throw std::invalid_argument("ll dispatch: num_tokens " + std::to_string(c.num_tokens) + " outside [0, T]");
-    if (c.num_topk < 1 || c.num_topk > s.max_topk || c.num_topk > kMaxTopk)
-        throw std::invalid_argument("ll dispatch: num_topk " + std::to_string(c.num_topk) + " outside [1, K_max]");
-    if (c.half != 0 && c.half != 1) throw std::invalid_argument("ll dispatch: half must be 0 or 1");
-    if (!c.active) throw std::invalid_argument("ll dispatch: active pointer is null");
-    if ((c.phases & kPhaseSend) && c.num_tokens > 0 && (!c.x || !c.topk))
-        throw std::invalid_argument("ll dispatch: x/topk pointers are null");
-    if ((c.phases & kPhaseRecv) && (!c.recv_x || !c.src_info || !c.recv_slot || !c.layout_range || !c.recv_count ||
-                                    (c.use_fp8 && !c.recv_scales)))
-        throw std::invalid_argument("ll dispatch: an output pointer is null");
-    if (!(c.phases & (kPhaseSend | kPhaseRecv))) throw std::invalid_argument("ll dispatch: no phase");
+    check_call(s, c);
     const int smem = dispatch_smem_bytes(s);
     auto kern = c.use_fp8 ? dispatch<true> : dispatch<false>;
     if (smem > 48 * 1024)
-        check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "ll dispatch smem attribute");
+        check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "ll dispatch smem attribute");
     kern<<<s.num_blocks, kThreadsPerBlock, smem, reinterpret_cast<cudaStream_t>(stream)>>>(s, c);
-    check(cudaGetLastError(), "ll dispatch launch");
+    check_cuda(cudaGetLastError(), "ll dispatch launch");
 }
 
 #endif  // !PYEP_LL_CPU_SIM

@@ -64,6 +64,14 @@ enum TraceKernel : int { kTraceDispatch = 0, kTraceCombine = 1 };
 
 enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2 };
 
+// WaitStats (DeepEP's dispatch/combine_wait_recv_cost_stats): when a call's wait_stats is set, its
+// receive phase adds, per source rank r, the nanoseconds (%globaltimer) it spent waiting for r's
+// signal(s): from the first poll that found them missing until they were all seen, or until r timed
+// out. 0 when they were there at the first poll, and nothing for a source that is inactive. Added
+// once per source and call, by the block whose verdict decided r (ll_common.cuh), as a 64-bit atomic
+// add: the tensor accumulates over calls. DeepEP counts clock64 cycles and sums its per-expert waits;
+// pyep's unit is the nanosecond on every GPU (docs/ll_kernels.md).
+
 struct LLDispatchCall {
     uint64_t x = 0;               // bf16 [N, H]
     uint64_t topk = 0;            // int64 [N, K]
@@ -83,6 +91,7 @@ struct LLDispatchCall {
     uint64_t cum_stats = 0;       // int32 [E_l] or 0
     uint64_t timeout_ns = 0;
     int phases = kPhaseSend | kPhaseRecv;
+    uint64_t wait_stats = 0;      // int64 [R] or 0: receive wait per source, added in ns (WaitStats)
 };
 
 struct LLCombineCall {
@@ -100,8 +109,13 @@ struct LLCombineCall {
     uint64_t timeout_ns = 0;
     int phases = kPhaseSend | kPhaseRecv;
     int use_logfmt = 0;           // LogFMT-10 payload (pyep/ep/logfmt.py); H % 512 == 0
+    uint64_t wait_stats = 0;      // int64 [R] or 0: receive wait per source, added in ns (WaitStats)
 };
 
+// The argument checks of one launch (ll_runtime.cu): std::invalid_argument naming what is wrong.
+void check_static(const LLStatic& s);
+void check_call(const LLStatic& s, const LLDispatchCall& c);
+void check_call(const LLStatic& s, const LLCombineCall& c);
 // Throw std::invalid_argument / std::runtime_error with a message on bad arguments or launch errors.
 void launch_dispatch(const LLStatic& s, const LLDispatchCall& c, uint64_t stream);
 void launch_combine(const LLStatic& s, const LLCombineCall& c, uint64_t stream);

@@ -32,12 +32,54 @@ void check_static(const LLStatic& s) {
     if ((int64_t)s.num_ranks * s.num_max_tokens >= (1ll << 31)) bad("R*T must fit in int32");
 }
 
-#if !defined(PYEP_LL_CPU_SIM)
+// The argument checks of one launch (launch_dispatch / launch_combine run them first; so does the CPU
+// simulator): pointers the phases need, N, K and the buffer half.
 namespace {
 
-void check(cudaError_t e, const std::string& what) {
-    if (e != cudaSuccess) throw std::runtime_error(what + ": " + cudaGetErrorString(e));
+// What both calls share: the buffer, N, K and the half. `what`: "ll dispatch" / "ll combine".
+void check_common(const LLStatic& s, int num_tokens, int num_topk, int half, const std::string& what) {
+    check_static(s);
+    if (num_tokens < 0 || num_tokens > s.num_max_tokens)
+        throw std::invalid_argument(what + ": num_tokens " + std::to_string(num_tokens) + " outside [0, T]");
+    if (num_topk < 1 || num_topk > s.max_topk || num_topk > kMaxTopk)
+        throw std::invalid_argument(what + ": num_topk " + std::to_string(num_topk) + " outside [1, K_max]");
+    if (half != 0 && half != 1) throw std::invalid_argument(what + ": half must be 0 or 1");
 }
+
+}  // namespace
+
+void check_call(const LLStatic& s, const LLDispatchCall& c) {
+    check_common(s, c.num_tokens, c.num_topk, c.half, "ll dispatch");
+    if (!c.active) throw std::invalid_argument("ll dispatch: active pointer is null");
+    if ((c.phases & kPhaseSend) && c.num_tokens > 0 && (!c.x || !c.topk))
+        throw std::invalid_argument("ll dispatch: x/topk pointers are null");
+    if ((c.phases & kPhaseRecv) && (!c.recv_x || !c.src_info || !c.recv_slot || !c.layout_range || !c.recv_count ||
+                                    (c.use_fp8 && !c.recv_scales)))
+        throw std::invalid_argument("ll dispatch: an output pointer is null");
+    if (!(c.phases & (kPhaseSend | kPhaseRecv))) throw std::invalid_argument("ll dispatch: no phase");
+}
+
+void check_call(const LLStatic& s, const LLCombineCall& c) {
+    check_common(s, c.num_tokens, c.num_topk, c.half, "ll combine");
+    if (!c.active || !c.layout_range || !c.src_info || !c.recv_slot)
+        throw std::invalid_argument("ll combine: active/handle pointers are null");
+    if ((c.phases & kPhaseSend) && !c.x) throw std::invalid_argument("ll combine: x pointer is null");
+    if ((c.phases & kPhaseRecv) && c.num_tokens > 0 && (!c.topk || !c.weights || !c.out))
+        throw std::invalid_argument("ll combine: topk/weights/out pointers are null");
+    if (!(c.phases & (kPhaseSend | kPhaseRecv))) throw std::invalid_argument("ll combine: no phase");
+    if (c.use_logfmt && s.hidden % kLfRound != 0)
+        throw std::invalid_argument("ll combine: use_logfmt needs hidden % 512 == 0, got " + std::to_string(s.hidden));
+}
+
+#if !defined(PYEP_LL_CPU_SIM)
+// A CUDA runtime error as std::runtime_error naming the call (the launchers use it too).
+void check_cuda(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+namespace {
+
+void check(cudaError_t e, const std::string& what) { check_cuda(e, what.c_str()); }
 
 }  // namespace
 

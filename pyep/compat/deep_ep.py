@@ -37,10 +37,6 @@ RecvX = Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]]
 Bias = Union[None, "torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]]
 Hook = Optional[Callable[[], None]]
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
-_NO_COST_STATS = ("pyep's kernels do not time their per-source waits (DeepEP accumulates clock64 cycles "
-                  "per source rank inside its receive loop; pyep's receive phase has no such counter), "
-                  "and zeros would mislead a load balancer looking for slow ranks. Pass None; "
-                  "pyep.ep.trace / tools/ll_trace.py time the phases of a call instead")
 
 
 def __getattr__(name: str) -> Any:
@@ -290,15 +286,19 @@ class Buffer:
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False
                              ) -> Tuple[RecvX, "torch.Tensor", Handle, EventOverlap, Hook]:
-        if dispatch_wait_recv_cost_stats is not None:
-            raise NotImplementedError(f"dispatch_wait_recv_cost_stats is not supported: {_NO_COST_STATS}")
+        """DeepEP's low_latency_dispatch. dispatch_wait_recv_cost_stats (int64 [num_ranks], as DeepEP's C++
+        checks it): the receive adds how long it waited for each source rank -- in nanoseconds
+        (%globaltimer) where DeepEP adds clock64 cycles summed over its per-expert waits; slow ranks stand
+        out the same way (docs/compat.md)."""
         buf = self._buffers.get((num_max_dispatch_tokens_per_rank, hidden_of(x), num_experts),
                                 "low_latency_dispatch")
         recv, count, handle, event, hook = buf.dispatch(
             x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
             active_ranks=self._active(buf), async_finish=async_finish, return_recv_hook=return_recv_hook,
-            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
-        keep = (x, topk_idx, recv, count, handle, cumulative_local_expert_recv_stats) if async_finish else None
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
+        keep = ((x, topk_idx, recv, count, handle, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+                if async_finish else None)
         return recv, count, handle, EventOverlap(event, keep), hook
 
     def low_latency_combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor",
@@ -307,13 +307,13 @@ class Buffer:
                             return_recv_hook: bool = False, out: Optional["torch.Tensor"] = None,
                             combine_wait_recv_cost_stats: Optional["torch.Tensor"] = None
                             ) -> Tuple["torch.Tensor", EventOverlap, Hook]:
-        if combine_wait_recv_cost_stats is not None:
-            raise NotImplementedError(f"combine_wait_recv_cost_stats is not supported: {_NO_COST_STATS}")
+        """DeepEP's low_latency_combine; combine_wait_recv_cost_stats as dispatch_wait_recv_cost_stats."""
         buf = self._buffers.for_handle(handle, "low_latency_combine")
         combined, event, hook = buf.combine(x, topk_idx, topk_weights, handle, active_ranks=self._active(buf),
                                             zero_copy=zero_copy, async_finish=async_finish,
-                                            return_recv_hook=return_recv_hook, out=out, use_logfmt=use_logfmt)
-        keep = (x, topk_idx, topk_weights, handle, combined) if async_finish else None
+                                            return_recv_hook=return_recv_hook, out=out, use_logfmt=use_logfmt,
+                                            combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
+        keep = (x, topk_idx, topk_weights, handle, combined, combine_wait_recv_cost_stats) if async_finish else None
         return combined, EventOverlap(event, keep), hook
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> "torch.Tensor":

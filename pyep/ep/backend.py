@@ -43,7 +43,11 @@ Calls (all ranks of the group call dispatch/combine in the same order, like coll
     ``opts.buffer_idx`` (0/1) is the buffer half this call may use; the half of the previous
     dispatch is still in use by its handle (two results may be in flight, three may not).
     The backend adds recv_count into ``opts.cumulative_local_expert_recv_stats`` (int32 [E_l]) when
-    the receive completes (in the hook when ``return_recv_hook``).
+    the receive completes (in the hook when ``return_recv_hook``), and into
+    ``opts.dispatch_wait_recv_cost_stats`` (int64 [R]) the nanoseconds its receive waited for each
+    source rank (0 for a source that was there at once, nothing for an inactive one; DeepEP's
+    statistic, docs/ll_kernels.md). ``CombineOptions.combine_wait_recv_cost_stats``: the same for
+    combine.
 
 ``combine(x, topk_idx, topk_weights, handle, opts) -> CombineResult``
     x: bf16 [E_l, R*T, H] contiguous (ignored when ``opts.zero_copy``: the caller already wrote the
@@ -163,6 +167,7 @@ class DispatchOptions:
     cumulative_local_expert_recv_stats: Optional["torch.Tensor"]  # int32 [E_l] or None
     buffer_idx: int                    # 0 or 1: buffer half of this call (seq & 1)
     seq: int                           # dispatch sequence number of this buffer, starting at 1
+    dispatch_wait_recv_cost_stats: Optional["torch.Tensor"] = None  # int64 [R] or None: ns added per source
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,7 @@ class CombineOptions:
     out: Optional["torch.Tensor"]      # bf16 [N, H] contiguous on backend.device, or None
     use_logfmt: bool = False           # LogFMT-10 payload (pyep.ep.logfmt; H % 512 == 0, checked by
                                        # validate_combine): rows are decoded to fp32 before the reduce
+    combine_wait_recv_cost_stats: Optional["torch.Tensor"] = None   # int64 [R] or None: ns added per source
 
 
 @dataclass

@@ -252,14 +252,15 @@ class EpBuffer:
                  round_scale: bool = False, use_ue8m0: bool = False,
                  active_ranks: Optional["torch.Tensor"] = None, timeout_us: Optional[int] = None,
                  async_finish: bool = False, return_recv_hook: bool = False,
-                 cumulative_local_expert_recv_stats: Optional["torch.Tensor"] = None
+                 cumulative_local_expert_recv_stats: Optional["torch.Tensor"] = None,
+                 dispatch_wait_recv_cost_stats: Optional["torch.Tensor"] = None
                  ) -> Tuple[RecvX, "torch.Tensor", Handle, EventLike, Hook]:
         fast = self._fast_dispatch
         if (fast is not None and async_finish is False and return_recv_hook is False and not self._destroyed
                 and not self._prof._is_profiler_enabled):
             try:
                 res = fast(x, topk_idx, use_fp8, round_scale, use_ue8m0, active_ranks, timeout_us,
-                           cumulative_local_expert_recv_stats)
+                           cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
             except BaseException:
                 self._seq += 1   # the launch failed after the half was consumed, as in the path below
                 raise
@@ -281,7 +282,8 @@ class EpBuffer:
             self._config, self._num_ranks, self._device, x, topk_idx, use_fp8=use_fp8,
             round_scale=round_scale, use_ue8m0=use_ue8m0, active_ranks=active_ranks,
             timeout_us=timeout_us, async_finish=async_finish, return_recv_hook=return_recv_hook,
-            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
         # The half is consumed even if the backend fails half-way: its state is unknown after that.
         self._seq += 1
         seq = self._seq
@@ -289,7 +291,8 @@ class EpBuffer:
                                active_ranks=active_ranks, timeout_us=timeout, async_finish=async_finish,
                                return_recv_hook=return_recv_hook,
                                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                               buffer_idx=seq & 1, seq=seq)
+                               buffer_idx=seq & 1, seq=seq,
+                               dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
         with profiled_range("pyep::dispatch"):
             res = self._backend.dispatch(x, topk_idx, opts)
         if return_recv_hook and res.hook is None:
@@ -308,14 +311,16 @@ class EpBuffer:
     def combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
                 handle: Handle, *, active_ranks: Optional["torch.Tensor"] = None,
                 timeout_us: Optional[int] = None, zero_copy: bool = False, async_finish: bool = False,
-                return_recv_hook: bool = False, out: Optional["torch.Tensor"] = None, use_logfmt: bool = False
+                return_recv_hook: bool = False, out: Optional["torch.Tensor"] = None, use_logfmt: bool = False,
+                combine_wait_recv_cost_stats: Optional["torch.Tensor"] = None
                 ) -> Tuple["torch.Tensor", EventLike, Hook]:
         fast = self._fast_combine
         # use_logfmt takes the Python path (the fast path launches BF16 combines only).
         if (fast is not None and use_logfmt is False and async_finish is False and return_recv_hook is False
                 and (zero_copy is False or zero_copy is True) and not self._destroyed
                 and not self._prof._is_profiler_enabled and self._handle_ok(handle)):
-            res = fast(x, topk_idx, topk_weights, handle, active_ranks, timeout_us, out, zero_copy)
+            res = fast(x, topk_idx, topk_weights, handle, active_ranks, timeout_us, out, zero_copy,
+                       combine_wait_recv_cost_stats)
             if res is not None:
                 event = CompletedEvent(f"combine of dispatch #{handle.seq}")
                 if self._take_error is not None:
@@ -328,10 +333,11 @@ class EpBuffer:
             self._config, self._num_ranks, self._device, x, topk_idx, topk_weights, handle,
             owner=self._owner, epoch=self._epoch, last_seq=self._seq, active_ranks=active_ranks,
             timeout_us=timeout_us, zero_copy=zero_copy, async_finish=async_finish,
-            return_recv_hook=return_recv_hook, out=out, use_logfmt=use_logfmt)
+            return_recv_hook=return_recv_hook, out=out, use_logfmt=use_logfmt,
+            combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
         opts = CombineOptions(active_ranks=active_ranks, timeout_us=timeout, zero_copy=zero_copy,
                               async_finish=async_finish, return_recv_hook=return_recv_hook, out=out,
-                              use_logfmt=bool(use_logfmt))
+                              use_logfmt=bool(use_logfmt), combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
         with profiled_range("pyep::combine"):
             res = self._backend.combine(x, topk_idx, topk_weights, handle, opts)
         if return_recv_hook and res.hook is None:

@@ -192,7 +192,8 @@ class NativeBackend:
 
     def fast_combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
                      handle: "Handle", active_ranks: Optional["torch.Tensor"], timeout_us: Any,
-                     out: Optional["torch.Tensor"], zero_copy: bool) -> Optional["torch.Tensor"]:
+                     out: Optional["torch.Tensor"], zero_copy: bool,
+                     wait_stats: Optional["torch.Tensor"] = None) -> Optional["torch.Tensor"]:
         """combine through the fast path for a handle EpBuffer validated; None: take the Python path."""
         fast = self._fast
         ex = handle.extras
@@ -200,7 +201,8 @@ class NativeBackend:
             return None
         src = self.next_combine_buffer(handle) if zero_copy else None
         return fast.combine(x, topk_idx, topk_weights, handle.src_info, handle.layout_range, ex["topk_slot"],
-                            ex["half"], handle.num_tokens, handle.num_topk, active_ranks, timeout_us, out, src)
+                            ex["half"], handle.num_tokens, handle.num_topk, active_ranks, timeout_us, out, src,
+                            wait_stats)
 
     # The buffer half of the next dispatch and the outstanding async_finish event are shared with the
     # fast path: it must leave a call to the Python path while an event is outstanding (stream order).
@@ -401,6 +403,7 @@ class NativeBackend:
         layout_range = torch.empty((e_l, self.num_ranks), dtype=torch.int64, device=dev)
         active = self._active_ptr(opts.active_ranks)
         cum = opts.cumulative_local_expert_recv_stats
+        waits = opts.dispatch_wait_recv_cost_stats
         timeout_ns = int(opts.timeout_us) * 1000
 
         def launch(phases: int, stream: int) -> None:
@@ -408,10 +411,11 @@ class NativeBackend:
                               opts.round_scale, opts.use_ue8m0, active, recv_x.data_ptr(),
                               scales.data_ptr() if scales is not None else 0, src_info.data_ptr(),
                               recv_slot.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr(),
-                              cum.data_ptr() if cum is not None else 0, timeout_ns, phases, stream)
+                              cum.data_ptr() if cum is not None else 0, timeout_ns, phases, stream,
+                              wait_stats=waits.data_ptr() if waits is not None else 0)
 
         keep = [x, topk_idx, recv_x, scales, recv_count, src_info, recv_slot, layout_range, cum,
-                opts.active_ranks]
+                opts.active_ranks, waits]
         event, hook = self._run_phases(launch, opts.async_finish, opts.return_recv_hook, keep,
                                        "pyep::native::dispatch_recv", f"native dispatch #{opts.seq}",
                                        opts.timeout_us)
@@ -432,16 +436,17 @@ class NativeBackend:
         self._check_aligned("x", src)
         self._check_aligned("out", out)
         active = self._active_ptr(opts.active_ranks)
+        waits = opts.combine_wait_recv_cost_stats
         timeout_ns = int(opts.timeout_us) * 1000
 
         def launch(phases: int, stream: int) -> None:
             self._ep.combine(self._static, src.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), n, k,
                              half, handle.src_info.data_ptr(), recv_slot.data_ptr(),
                              handle.layout_range.data_ptr(), active, out.data_ptr(), timeout_ns, phases, stream,
-                             opts.use_logfmt)
+                             opts.use_logfmt, wait_stats=waits.data_ptr() if waits is not None else 0)
 
         keep = [src, topk_idx, topk_weights, out, handle.src_info, recv_slot, handle.layout_range,
-                opts.active_ranks]
+                opts.active_ranks, waits]
         event, hook = self._run_phases(launch, opts.async_finish, opts.return_recv_hook, keep,
                                        "pyep::native::combine_recv", f"native combine of dispatch #{handle.seq}",
                                        opts.timeout_us)

@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from . import fp8, logfmt
-from ._dist import all_to_all_bounded, barrier_bounded, group_device
+from ._dist import _wait, all_to_all_bounded, barrier_bounded, group_device
 from .backend import (OnceHook, CombineOptions, CombineResult, CompletedEvent, DispatchOptions, DispatchResult,
                       PeerTransport)
 from .config import EpConfig
@@ -59,6 +59,8 @@ class ReferenceBackend:
         self._combine_bufs: List[Optional["torch.Tensor"]] = [None, None]
         self._backend_name = str(dist.get_backend(group))
         self._error: Optional[InvalidExpertIndex] = None
+        # gloo: counts travel peer to peer, so each source's arrival is seen (and timed) on the host.
+        self._p2p_counts = "gloo" in self._backend_name.lower()
 
     def take_error(self) -> Optional[InvalidExpertIndex]:
         """The first bad expert id of a dispatch since the last call (cleared by reading)."""
@@ -81,20 +83,70 @@ class ReferenceBackend:
 
     # ---------------------------------------------------------------- exchange
     def _exchange(self, send: "torch.Tensor", send_counts: "torch.Tensor", width: int,
-                  timeout_us: int, what: str) -> Tuple["torch.Tensor", "torch.Tensor"]:
+                  timeout_us: int, what: str) -> Tuple["torch.Tensor", "torch.Tensor", Optional[List[int]]]:
         """Rows of `send` (uint8 [M, width], grouped by destination rank) go to their ranks; returns
-        (received rows grouped by source rank, int64 counts per source)."""
+        (received rows grouped by source rank, int64 counts per source, ns waited per source or None)."""
         import torch
         recv_counts = torch.empty_like(send_counts)
-        all_to_all_bounded(recv_counts, send_counts, None, None, self.group, timeout_us,
-                           f"{what} (counts all-to-all)")
+        waits: Optional[List[int]] = None
+        if self._p2p_counts:
+            waits = self._counts_timed(recv_counts, send_counts, timeout_us, f"{what} (counts)")
+        else:
+            all_to_all_bounded(recv_counts, send_counts, None, None, self.group, timeout_us,
+                               f"{what} (counts all-to-all)")
         in_splits = send_counts.tolist()
         out_splits = recv_counts.tolist()
         recv = torch.empty((sum(out_splits), width), dtype=torch.uint8, device=self.device)
         # Split sizes count elements of dim 0, so rows of `width` bytes travel as a whole.
         all_to_all_bounded(recv, send, out_splits, in_splits, self.group, timeout_us,
                            f"{what} (data all-to-all)")
-        return recv, recv_counts
+        return recv, recv_counts, waits
+
+    def _counts_timed(self, recv_counts: "torch.Tensor", send_counts: "torch.Tensor", timeout_us: int,
+                      what: str) -> List[int]:
+        """The counts exchange as one message per peer (gloo), received in arrival order (any-source
+        receives), so each source's arrival is seen on the host: the reference's measure of the receive
+        wait the kernels time (*_wait_recv_cost_stats). Source r's wait is the host time from the start
+        of the receive until r's count was taken (about a receive's cost when it was already there)."""
+        import time
+
+        import torch
+        import torch.distributed as dist
+        me, n = self.rank, self.num_ranks
+        recv_counts[me] = send_counts[me]
+        sends = [dist.isend(send_counts[r:r + 1], dist.get_global_rank(self.group, r), group=self.group)
+                 for r in range(n) if r != me]
+        waits, missing = [0] * n, set(range(n)) - {me}
+        got = torch.empty(1, dtype=send_counts.dtype, device=send_counts.device)
+        start = time.monotonic_ns()
+        while missing:
+            work = dist.irecv(got, None, group=self.group)
+            try:
+                _wait(work, max(1, timeout_us - (time.monotonic_ns() - start) // 1000), what, sorted(missing))
+            except TimeoutError as exc:
+                raise TimeoutError(f"{what}: ranks {list(range(n))} did not all take part within {timeout_us} us "
+                                   f"(no counts from ranks {sorted(missing)})") from exc
+            src = dist.get_group_rank(self.group, work._source_rank())
+            waits[src] = time.monotonic_ns() - start
+            recv_counts[src] = got[0]
+            missing.discard(src)
+        for work in sends:
+            _wait(work, timeout_us, what, [])
+        return waits
+
+    def _add_waits(self, stats: Optional["torch.Tensor"], waits: Optional[List[int]],
+                   active: "torch.Tensor") -> None:
+        """Adds the measured per-source waits of active sources to a caller's *_wait_recv_cost_stats."""
+        import torch
+        if stats is not None and waits is not None:
+            stats.add_(torch.tensor(waits, dtype=torch.int64, device=stats.device) * active.to(stats.device))
+
+    def _check_wait_stats(self, stats: Optional["torch.Tensor"], name: str) -> None:
+        if stats is not None and not self._p2p_counts:
+            raise NotImplementedError(
+                f"{name}: the reference backend times per-source waits on gloo groups only (over "
+                f"{self._backend_name} its counts travel in one collective, which has no per-source arrival "
+                f"the host can see); use the native backend, or a gloo group")
 
     def _active(self, active_ranks: Optional["torch.Tensor"]) -> "torch.Tensor":
         import torch
@@ -109,6 +161,7 @@ class ReferenceBackend:
         r_n, e_l, t_max, h = self.num_ranks, self.num_local_experts, cfg.num_max_dispatch_tokens_per_rank, cfg.hidden
         n, k = topk_idx.shape
         active = self._active(opts.active_ranks)
+        self._check_wait_stats(opts.dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
         self._record(topk_idx)
         topk_idx = sanitize_topk(topk_idx, cfg.num_experts)
         with torch.profiler.record_function("pyep::reference::dispatch_send"):
@@ -129,7 +182,7 @@ class ReferenceBackend:
                 parts.append(_bytes(x[tok]))
             send = torch.cat(parts, dim=1)
             counts = torch.bincount(dest, minlength=r_n).to(torch.int64)
-            recv, recv_counts = self._exchange(send, counts, send.shape[1], opts.timeout_us,
+            recv, recv_counts, waits = self._exchange(send, counts, send.shape[1], opts.timeout_us,
                                                f"dispatch #{opts.seq}")
 
         rows = r_n * t_max
@@ -183,6 +236,7 @@ class ReferenceBackend:
                     recv_x[le, row] = body.contiguous().view(torch.bfloat16)
                 if opts.cumulative_local_expert_recv_stats is not None:
                     opts.cumulative_local_expert_recv_stats.add_(recv_count)
+                self._add_waits(opts.dispatch_wait_recv_cost_stats, waits, active)
 
         hook: Optional[Callable[[], None]] = None
         if opts.return_recv_hook:
@@ -203,6 +257,7 @@ class ReferenceBackend:
         r_n, e_l, h = self.num_ranks, self.num_local_experts, cfg.hidden
         n, k = topk_idx.shape
         active = self._active(opts.active_ranks)
+        self._check_wait_stats(opts.combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
         topk_idx = sanitize_topk(topk_idx, cfg.num_experts)   # combine does not report, as the kernel
         src_x = self.next_combine_buffer(handle) if opts.zero_copy else x
         with torch.profiler.record_function("pyep::reference::combine_send"):
@@ -232,7 +287,7 @@ class ReferenceBackend:
                 payload, width = _bytes(src_x[le, row]), 2 * h
             send = torch.cat([_bytes(header), payload], dim=1)
             counts = torch.bincount(src, minlength=r_n).to(torch.int64)
-            recv, recv_counts = self._exchange(send, counts, HEADER_BYTES + width, opts.timeout_us,
+            recv, recv_counts, waits = self._exchange(send, counts, HEADER_BYTES + width, opts.timeout_us,
                                                f"combine of dispatch #{handle.seq}")
         out = opts.out if opts.out is not None else torch.empty((n, h), dtype=torch.bfloat16, device=dev)
         out.zero_()
@@ -260,6 +315,7 @@ class ReferenceBackend:
                     term = topk_weights[:, j:j + 1] * y[:, j].to(torch.float32)
                     acc = torch.where(use[:, j:j + 1], acc + term, acc)
                 out.copy_(acc.to(torch.bfloat16))
+                self._add_waits(opts.combine_wait_recv_cost_stats, waits, active)
 
         hook: Optional[Callable[[], None]] = None
         if opts.return_recv_hook:

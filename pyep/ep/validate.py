@@ -119,10 +119,18 @@ def check_active_ranks(active_ranks: Any, num_ranks: int, device: "torch.device"
     check_tensor("active_ranks", active_ranks, dtype=torch.int32, shape=(num_ranks,), device=device)
 
 
+def check_wait_stats(name: str, stats: Any, num_ranks: int, device: "torch.device") -> None:
+    """*_wait_recv_cost_stats: the caller's int64 [R] that a call adds each source's receive wait to
+    (nanoseconds; docs/ll_kernels.md)."""
+    import torch
+    if stats is not None:
+        check_tensor(name, stats, dtype=torch.int64, shape=(num_ranks,), device=device)
+
+
 def validate_dispatch(cfg: EpConfig, num_ranks: int, device: "torch.device", x: Any, topk_idx: Any, *,
                       use_fp8: Any, round_scale: Any, use_ue8m0: Any, active_ranks: Any,
                       timeout_us: Any, async_finish: Any, return_recv_hook: Any,
-                      cumulative_local_expert_recv_stats: Any) -> int:
+                      cumulative_local_expert_recv_stats: Any, dispatch_wait_recv_cost_stats: Any = None) -> int:
     """Checks a dispatch call; returns the timeout to use (microseconds)."""
     import torch
     t_max, h, e = cfg.num_max_dispatch_tokens_per_rank, cfg.hidden, cfg.num_experts
@@ -152,6 +160,7 @@ def validate_dispatch(cfg: EpConfig, num_ranks: int, device: "torch.device", x: 
     if cumulative_local_expert_recv_stats is not None:
         check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                      dtype=torch.int32, shape=(e // num_ranks,), device=device)
+    check_wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, num_ranks, device)
     timeout = check_timeout("timeout_us", timeout_us, cfg.timeout_us)
     if cfg.check_values == "strict":
         check_topk_values("topk_idx", topk_idx, e)
@@ -183,7 +192,8 @@ def validate_handle(handle: Any, cfg: EpConfig, num_ranks: int, *, owner: str, e
 def validate_combine(cfg: EpConfig, num_ranks: int, device: "torch.device", x: Any, topk_idx: Any,
                      topk_weights: Any, handle: Any, *, owner: str, epoch: int, last_seq: int,
                      active_ranks: Any, timeout_us: Any, zero_copy: Any, async_finish: Any,
-                     return_recv_hook: Any, out: Any, use_logfmt: Any = False) -> Tuple[Handle, int]:
+                     return_recv_hook: Any, out: Any, use_logfmt: Any = False,
+                     combine_wait_recv_cost_stats: Any = None) -> Tuple[Handle, int]:
     """Checks a combine call; returns (handle, timeout in microseconds)."""
     import torch
     for name, flag in (("zero_copy", zero_copy), ("async_finish", async_finish),
@@ -204,6 +214,7 @@ def validate_combine(cfg: EpConfig, num_ranks: int, device: "torch.device", x: A
     if out is not None:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(n, cfg.hidden), device=device)
     check_active_ranks(active_ranks, num_ranks, device)
+    check_wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, num_ranks, device)
     timeout = check_timeout("timeout_us", timeout_us, cfg.timeout_us)
     if cfg.check_values == "strict":
         check_topk_values("topk_idx", topk_idx, cfg.num_experts)

@@ -52,6 +52,7 @@ ll::LLDispatchCall dispatch_from(const py::dict& d) {
     set(d, "recv_scales", c.recv_scales); set(d, "src_info", c.src_info); set(d, "recv_slot", c.recv_slot);
     set(d, "layout_range", c.layout_range); set(d, "recv_count", c.recv_count); set(d, "cum_stats", c.cum_stats);
     set(d, "timeout_ns", c.timeout_ns); set(d, "phases", c.phases);
+    if (d.contains("wait_stats")) set(d, "wait_stats", c.wait_stats);   // int64 [R] or 0, optional
     return c;
 }
 
@@ -62,6 +63,7 @@ ll::LLCombineCall combine_from(const py::dict& d) {
     set(d, "recv_slot", c.recv_slot); set(d, "layout_range", c.layout_range); set(d, "active", c.active);
     set(d, "out", c.out); set(d, "timeout_ns", c.timeout_ns); set(d, "phases", c.phases);
     if (d.contains("use_logfmt")) set(d, "use_logfmt", c.use_logfmt);
+    if (d.contains("wait_stats")) set(d, "wait_stats", c.wait_stats);
     return c;
 }
 
@@ -240,6 +242,7 @@ PYBIND11_MODULE(ll_sim, m) {
         for (size_t i = 0; i < statics.size(); ++i) {
             ss.push_back(static_from(statics[i].cast<py::dict>()));
             cs.push_back(dispatch_from(calls[i].cast<py::dict>()));
+            ll::check_call(ss.back(), cs.back());   // what launch_dispatch checks first
         }
         const int smem = ll::dispatch_smem_bytes(ss.at(0));
         const bool fp8 = cs.at(0).use_fp8 != 0;
@@ -253,6 +256,7 @@ PYBIND11_MODULE(ll_sim, m) {
         for (size_t i = 0; i < statics.size(); ++i) {
             ss.push_back(static_from(statics[i].cast<py::dict>()));
             cs.push_back(combine_from(calls[i].cast<py::dict>()));
+            ll::check_call(ss.back(), cs.back());
         }
         const int smem = ll::combine_smem_bytes(ss.at(0));
         py::gil_scoped_release nogil;

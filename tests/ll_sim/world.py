@@ -81,6 +81,8 @@ class World:
         # The dispatch kernel's error record per rank (pyep.ep.errors; host memory on the GPU too).
         self.errs = [torch.zeros(RECORD_WORDS, dtype=torch.int32) for _ in range(R)]
         self.active = [torch.ones(R, dtype=torch.int32) for _ in range(R)]
+        # Per-source receive wait (ns) each rank's calls add up when a call passes wait_stats=True.
+        self.wait_stats = {k: [torch.zeros(R, dtype=torch.int64) for _ in range(R)] for k in ("dispatch", "combine")}
         nic = {(i, j) for i, j in nic_pairs} | {(j, i) for i, j in nic_pairs}
         if softnic:
             self.nic: Any = SoftNicMesh(R, self.lay.total_bytes, nic, nqp)
@@ -119,24 +121,30 @@ class World:
             self.ws[r].zero_()
             self.active[r].fill_(1)
 
+    def dispatch_outputs(self, use_fp8: bool = False, use_ue8m0: bool = False) -> List[Dict[str, Any]]:
+        """Every rank's dispatch output tensors, filled with sentinels."""
+        rows, g = self.R * self.T, self.H // 128
+        outs = []
+        for r in range(self.R):
+            o = {"recv_x": torch.zeros(self.e_l, rows, self.H if use_fp8 else 2 * self.H, dtype=torch.uint8),
+                 "src_info": torch.full((self.e_l, rows), -7, dtype=torch.int32),
+                 "recv_slot": torch.full((self.e_l, rows), -7, dtype=torch.int32),
+                 "layout_range": torch.zeros(self.e_l, self.R, dtype=torch.int64),
+                 "recv_count": torch.full((self.e_l,), -7, dtype=torch.int32),
+                 "cum": torch.zeros(self.e_l, dtype=torch.int32)}
+            if use_fp8:
+                o["scales"] = (torch.zeros(self.e_l, (g + 3) // 4, rows, dtype=torch.int32) if use_ue8m0 else
+                               torch.zeros(self.e_l, g, rows, dtype=torch.float32))
+            outs.append(o)
+        return outs
+
     def dispatch(self, inputs: Sequence[Any], half: int, use_fp8: bool = False, round_scale: bool = False,
                  use_ue8m0: bool = False, ranks: Optional[Sequence[int]] = None, phases: int = 3,
-                 timeout_ns: int = 20_000_000_000, outs: Optional[List[Dict[str, Any]]] = None):
+                 timeout_ns: int = 20_000_000_000, outs: Optional[List[Dict[str, Any]]] = None,
+                 wait_stats: bool = False):
         ranks = list(range(self.R)) if ranks is None else list(ranks)
-        rows, g = self.R * self.T, self.H // 128
         if outs is None:
-            outs = []
-            for r in range(self.R):
-                o = {"recv_x": torch.zeros(self.e_l, rows, self.H if use_fp8 else 2 * self.H, dtype=torch.uint8),
-                     "src_info": torch.full((self.e_l, rows), -7, dtype=torch.int32),
-                     "recv_slot": torch.full((self.e_l, rows), -7, dtype=torch.int32),
-                     "layout_range": torch.zeros(self.e_l, self.R, dtype=torch.int64),
-                     "recv_count": torch.full((self.e_l,), -7, dtype=torch.int32),
-                     "cum": torch.zeros(self.e_l, dtype=torch.int32)}
-                if use_fp8:
-                    o["scales"] = (torch.zeros(self.e_l, (g + 3) // 4, rows, dtype=torch.int32) if use_ue8m0 else
-                                   torch.zeros(self.e_l, g, rows, dtype=torch.float32))
-                outs.append(o)
+            outs = self.dispatch_outputs(use_fp8, use_ue8m0)
         calls = []
         for r in ranks:
             x, topk, _ = inputs[r]
@@ -147,13 +155,14 @@ class World:
                               recv_x=o["recv_x"].data_ptr(), recv_scales=o["scales"].data_ptr() if use_fp8 else 0,
                               src_info=o["src_info"].data_ptr(), recv_slot=o["recv_slot"].data_ptr(),
                               layout_range=o["layout_range"].data_ptr(), recv_count=o["recv_count"].data_ptr(),
-                              cum_stats=o["cum"].data_ptr(), timeout_ns=timeout_ns, phases=phases))
+                              cum_stats=o["cum"].data_ptr(), timeout_ns=timeout_ns, phases=phases,
+                              wait_stats=self.wait_stats["dispatch"][r].data_ptr() if wait_stats else 0))
         self.sim.dispatch([self.statics[r] for r in ranks], calls)
         return outs
 
     def combine(self, ys: Sequence[Any], inputs: Sequence[Any], douts: Sequence[Dict[str, Any]], half: int,
                 ranks: Optional[Sequence[int]] = None, phases: int = 3, timeout_ns: int = 20_000_000_000,
-                use_logfmt: bool = False):
+                use_logfmt: bool = False, wait_stats: bool = False):
         ranks = list(range(self.R)) if ranks is None else list(ranks)
         outs = [torch.full((inputs[r][0].shape[0], self.H), float("nan"), dtype=torch.bfloat16) for r in range(self.R)]
         calls = []
@@ -164,7 +173,8 @@ class World:
                               num_topk=topk.shape[1], half=half, src_info=d["src_info"].data_ptr(),
                               recv_slot=d["recv_slot"].data_ptr(), layout_range=d["layout_range"].data_ptr(),
                               active=self.active[r].data_ptr(), out=outs[r].data_ptr(), timeout_ns=timeout_ns,
-                              phases=phases, use_logfmt=int(use_logfmt)))
+                              phases=phases, use_logfmt=int(use_logfmt),
+                              wait_stats=self.wait_stats["combine"][r].data_ptr() if wait_stats else 0))
         self.sim.combine([self.statics[r] for r in ranks], calls)
         return outs
 

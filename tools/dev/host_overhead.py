@@ -25,6 +25,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from tools.dev.ranks import rank_inputs, run_ranks  # noqa: E402 - after the path set-up above
+
 GOAL_US = 20.0
 
 
@@ -161,25 +163,14 @@ def _verify(bufs: List[Any], x: Any, topk: Any, w: Any, y: Any) -> List[str]:
     return problems or ["fast and Python paths agree"]
 
 
-def _rank_main(rank: int, args: argparse.Namespace, port: int, results: Any) -> None:
+def _rank_main(rank: int, dev: Any, args: argparse.Namespace) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
     from pyep.ep import EpBuffer
     from pyep.ep.native import FAST_ENV
-    ngpu = torch.cuda.device_count()
-    if ngpu == 0:
-        raise SystemExit("host_overhead: no CUDA device")
-    dev = torch.device("cuda", rank % ngpu)
-    torch.cuda.set_device(dev)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
-    topk = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(dev)
-    w = torch.rand(T, K, generator=gen).to(dev)
-    e_l = E // args.ranks
-    y = torch.randn(e_l, args.ranks * T, H, generator=gen).to(torch.bfloat16).to(dev)
+    x, topk, w, y = rank_inputs(rank, args.ranks, dev, T, H, E, K)
     out: Dict[str, Any] = {"rank": rank, "device": torch.cuda.get_device_name(dev), "paths": {}}
     bufs = {}
     for path, fast in (("C++ fast path", "1"), ("Python path (PYEP_LL_FAST=0)", "0")):
@@ -205,8 +196,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, results: Any) -> 
             out["paths"][path] = res
         finally:
             buf.destroy()
-    results.put(out)
-    dist.destroy_process_group()
+    return out
 
 
 def _table(outs: List[Dict[str, Any]], args: argparse.Namespace) -> str:
@@ -242,30 +232,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.ranks < 1 or args.experts % args.ranks or args.iters < 1 or args.window < 1:
         ap.error("need ranks >= 1 dividing experts, iters >= 1, window >= 1")
-    import socket
-
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args, port, results)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    outs: List[Dict[str, Any]] = []
-    deadline = time.monotonic() + 900
-    while len(outs) < args.ranks and time.monotonic() < deadline:
-        try:
-            outs.append(results.get(timeout=5))
-        except Exception:  # noqa: BLE001 - queue.Empty: check the processes are alive
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=60)
-    if len(outs) < args.ranks:
-        print(f"host_overhead: {args.ranks - len(outs)} rank(s) gave no result "
-              f"(exit codes {[p.exitcode for p in procs]})", file=sys.stderr)
+    outs = run_ranks("host_overhead", _rank_main, args, args.ranks, timeout_s=900)
+    if outs is None:
         return 1
     print(_table(outs, args))
     for o in outs:

@@ -7,82 +7,107 @@ output against BF16's, and the combine kernel time of both (kineto: device time 
 
 Works on one GPU: --ranks N starts N processes on a gloo group, GPU = rank % GPUs (ranks may share one).
 Expert outputs are randn * --scale (DeepEP's LogFMT perf case uses 0.1: most groups under 1, so cast).
-Errors are over the output elements with |out_bf16| > 1e-3 * max |out_bf16|; calc_diff is DeepEP's
-test metric (1 - cosine-like similarity of x + 1 and y + 1).
+Errors are over the output elements with |out_bf16| > 1e-3 * max |out_bf16| (error_stats: finite
+pairs only; NaN / inf are counted and make the exit status 2); calc_diff is DeepEP's test metric
+(1 - cosine-like similarity of x + 1 and y + 1). Every combine follows its own dispatch.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import socket
 import sys
-import time
-from typing import Any, Dict, List
+from typing import Any, Dict, Optional
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from tools.dev.ranks import rank_inputs, run_ranks  # noqa: E402 - after the path set-up above
 
-def _kernel_us(buf: Any, y: Any, topk: Any, w: Any, handle: Any, use_logfmt: bool, iters: int) -> float:
-    """Mean device time of the combine kernel over `iters` combines (kineto)."""
+
+def error_stats(ref: Any, got: Any, rel_floor: float = 1e-3) -> Dict[str, Any]:
+    """LogFMT's output `got` against BF16's `ref` (same shape): the relative error over the elements with
+    |ref| > rel_floor * max |ref| (finite pairs only), DeepEP's calc_diff over the finite pairs, and the
+    counts behind both: `compared` elements (0 when the reference is all zero or empty: the errors are
+    then None, not a crash), `nonfinite` pairs (NaN / inf in either output, left out and reported)."""
+    import torch
+    a, b = ref.detach().double(), got.detach().double()
+    if a.shape != b.shape:
+        raise ValueError(f"error_stats: shapes differ, {list(a.shape)} vs {list(b.shape)}")
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    out: Dict[str, Any] = {"elements": a.numel(), "nonfinite": int((~finite).sum()), "compared": 0,
+                           "max_rel": None, "mean_rel": None, "calc_diff": None}
+    fa, fb = a[finite], b[finite]
+    if fa.numel() == 0:
+        return out
+    keep = fa.abs() > rel_floor * fa.abs().max()
+    out["compared"] = int(keep.sum())
+    if out["compared"]:
+        rel = (fb - fa).abs()[keep] / fa.abs()[keep]
+        out["max_rel"], out["mean_rel"] = float(rel.max()), float(rel.mean())
+    xa, xb = fa + 1, fb + 1
+    out["calc_diff"] = float(1 - 2 * (xa * xb).sum() / (xa * xa + xb * xb).sum())
+    return out
+
+
+def _combine(buf: Any, x: Any, topk: Any, w: Any, y: Any, use_logfmt: bool) -> Any:
+    """One dispatch + combine pair. A combine always follows its own dispatch: repeated combines on one
+    handle reuse one buffer half, and a fast peer's next combine could then land in rows this rank is
+    still reducing (the comparison and the timing would both be unsound)."""
+    _r, _c, handle, _e, _h = buf.dispatch(x, topk)
+    out, _, _ = buf.combine(y, topk, w, handle, use_logfmt=use_logfmt)
+    return out
+
+
+def _kernel_us(buf: Any, x: Any, topk: Any, w: Any, y: Any, use_logfmt: bool, iters: int) -> float:
+    """Mean device time of the combine kernel over `iters` dispatch + combine pairs (kineto)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            buf.combine(y, topk, w, handle, use_logfmt=use_logfmt)
+            _combine(buf, x, topk, w, y, use_logfmt)
         torch.cuda.synchronize()
-    times = [e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-             for e in prof.key_averages() if "pyep::ll::" in e.key and "::combine" in e.key]
-    calls = [e.count for e in prof.key_averages() if "pyep::ll::" in e.key and "::combine" in e.key]
-    return sum(times) / max(1, sum(calls))
+    mine = [e for e in prof.key_averages() if "pyep::ll::" in e.key and "::combine" in e.key]
+    total = sum(getattr(e, "device_time_total", None) or e.cuda_time_total for e in mine)
+    calls = sum(e.count for e in mine)
+    if calls == 0:
+        raise RuntimeError(f"logfmt_bench: no 'pyep::ll::...::combine' kernel in the profile: "
+                           f"{sorted({e.key for e in prof.key_averages()})[:20]}")
+    return total / calls
 
 
-def _rank_main(rank: int, args: argparse.Namespace, port: int, results: Any) -> None:
+def _rank_main(rank: int, dev: Any, args: argparse.Namespace) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
     from pyep.ep import EpBuffer
-    ngpu = torch.cuda.device_count()
-    if ngpu == 0:
-        raise SystemExit("logfmt_bench: no CUDA device")
-    dev = torch.device("cuda", rank % ngpu)
-    torch.cuda.set_device(dev)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
-    topk = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(dev)
-    w = torch.rand(T, K, generator=gen).to(dev)
-    e_l = E // args.ranks
-    y = (torch.randn(e_l, args.ranks * T, H, generator=gen) * args.scale).to(torch.bfloat16).to(dev)
+    x, topk, w, y = rank_inputs(rank, args.ranks, dev, T, H, E, K, y_scale=args.scale)
     buf = EpBuffer(None, num_max_dispatch_tokens_per_rank=T, hidden=H, num_experts=E, max_topk=K, backend="native")
     out: Dict[str, Any] = {"rank": rank, "device": torch.cuda.get_device_name(dev)}
     try:
-        _r, _c, handle, _e, _h = buf.dispatch(x, topk)
         for lf in (False, True):     # warm-up
             for _ in range(3):
-                buf.combine(y, topk, w, handle, use_logfmt=lf)
+                _combine(buf, x, topk, w, y, lf)
+        outs = {}
+        for lf in (False, True):
+            torch.cuda.synchronize()
+            dist.barrier()
+            outs[lf] = _combine(buf, x, topk, w, y, lf)
         torch.cuda.synchronize()
-        bf, _, _ = buf.combine(y, topk, w, handle)
-        lf, _, _ = buf.combine(y, topk, w, handle, use_logfmt=True)
-        torch.cuda.synchronize()
-        a, b = bf.double(), lf.double()
-        keep = a.abs() > 1e-3 * a.abs().max()
-        rel = ((b - a).abs() / a.abs())[keep]
-        xa, xb = a + 1, b + 1
-        out["calc_diff"] = float(1 - 2 * (xa * xb).sum() / (xa * xa + xb * xb).sum())
-        out["max_rel"], out["mean_rel"] = float(rel.max()), float(rel.mean())
-        out["nan"] = int(torch.isnan(lf).sum())
+        out.update(error_stats(outs[False], outs[True]))
         for name, flag in (("bf16_us", False), ("logfmt_us", True)):
             dist.barrier()
-            out[name] = _kernel_us(buf, y, topk, w, handle, flag, args.iters)
+            out[name] = _kernel_us(buf, x, topk, w, y, flag, args.iters)
         dist.barrier()
     finally:
         buf.destroy()
-    results.put(out)
-    dist.destroy_process_group()
+    return out
+
+
+def _pct(v: Optional[float]) -> str:
+    return "n/a" if v is None else f"{v:.4%}"
 
 
 def main() -> int:
@@ -98,38 +123,25 @@ def main() -> int:
     args = ap.parse_args()
     if args.ranks < 1 or args.experts % args.ranks or args.hidden % 512:
         ap.error("need ranks >= 1 dividing experts, hidden % 512 == 0")
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args, port, results)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    outs: List[Dict[str, Any]] = []
-    deadline = time.monotonic() + 600
-    while len(outs) < args.ranks and time.monotonic() < deadline:
-        try:
-            outs.append(results.get(timeout=5))
-        except Exception:  # noqa: BLE001 - queue.Empty: check the processes are alive
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=60)
-    if len(outs) < args.ranks:
-        print(f"logfmt_bench: {args.ranks - len(outs)} rank(s) gave no result "
-              f"(exit codes {[p.exitcode for p in procs]})", file=sys.stderr)
+    outs = run_ranks("logfmt_bench", _rank_main, args, args.ranks, timeout_s=600)
+    if outs is None:
         return 1
     print(f"T={args.tokens} H={args.hidden} E={args.experts} K={args.topk} ranks={args.ranks} "
           f"y=randn*{args.scale} on {outs[0]['device']}")
-    print("rank  combine bf16 us  combine logfmt us  logfmt/bf16  max rel err  mean rel err  calc_diff  nan")
-    for o in sorted(outs, key=lambda o: o["rank"]):
+    print("rank  combine bf16 us  combine logfmt us  logfmt/bf16  max rel err  mean rel err  calc_diff  compared"
+          "  nonfinite")
+    for o in outs:
+        cd = "n/a" if o["calc_diff"] is None else f"{o['calc_diff']:.2e}"
         print(f"{o['rank']:>4}  {o['bf16_us']:>15.1f}  {o['logfmt_us']:>17.1f}  {o['logfmt_us'] / o['bf16_us']:>11.2f}"
-              f"  {o['max_rel']:>11.4%}  {o['mean_rel']:>12.4%}  {o['calc_diff']:>9.2e}  {o['nan']:>3}")
+              f"  {_pct(o['max_rel']):>11}  {_pct(o['mean_rel']):>12}  {cd:>9}  {o['compared']:>8}  {o['nonfinite']:>9}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"config": vars(args), "ranks": outs}, fh, indent=1)
+    bad = [o["rank"] for o in outs if o["nonfinite"] or not o["compared"]]
+    if bad:
+        print(f"logfmt_bench: rank(s) {bad}: non-finite outputs or nothing to compare (see the table)",
+              file=sys.stderr)
+        return 2
     return 0
 
 
