@@ -199,10 +199,7 @@ class Membership:
             ann = decode_announcement(raw, r, self.world, self.fingerprint, self.backend.name, newest,
                                       self.admitted[r])
         except BadAnnouncement as exc:
-            msg = f"rank {self.rank} refused: {exc}"
-            log.error("%s", msg)
-            self.rejected.append(msg)
-            self.store.set(self.k("reject", r, g), msg.encode())
+            self._refuse(r, g, exc)
             return
         old = self._pending.get(r)
         if old is not None and old.generation >= g:
@@ -211,9 +208,20 @@ class Membership:
                     self.rank, r, g)
         self._pending[r] = _Pending(r, g, ann)
 
+    def _refuse(self, r: int, g: int, exc: Exception) -> None:
+        msg = f"rank {self.rank} refused: {exc}"
+        log.error("%s", msg)
+        self.rejected.append(msg)
+        self.store.set(self.k("reject", r, g), msg.encode())
+
     def _advance(self, p: _Pending, next_call: int, lead: int) -> None:
         if p.stage == "announced":
-            blob = self.backend.prepare_peer(p.rank, p.announcement.payload)
+            try:
+                blob = self.backend.prepare_peer(p.rank, p.announcement.payload)
+            except BadAnnouncement as exc:
+                self._refuse(p.rank, p.generation, exc)
+                del self._pending[p.rank]
+                return
             self.store.set(self.k("blob", p.rank, p.generation, self.rank), blob)
             p.stage = "rebuilt"
         if p.stage == "rebuilt" and self.backend.prepare_done(p.rank):
