@@ -194,6 +194,7 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
     first = admit_call or res.get("joined_at")
     res["calls_after_join"] = (stop - first + 1) if first is not None and stop is not None else 0
     res["times_ms"] = [round(t * 1e3, 3) for t in times]
+    res["final_active"] = [int(v) for v in active.tolist()]
     buf.destroy()
     return res
 

@@ -145,6 +145,12 @@ def run_drill(ns: argparse.Namespace, index: int, phase: str, echo: bool = False
         limit = ns.timeout_us / 1e3 + ns.slack_ms
         if any("death_call_ms" not in s for s in survivors):
             raise RuntimeError("a survivor never marked the killed rank")
+        wrong = {s["rank"]: s["marked"] for s in survivors if s["marked"] != [victim]}
+        if wrong:
+            raise RuntimeError(f"survivors marked ranks other than the killed one: {wrong}")
+        partial = {s["rank"]: s["final_active"] for s in out.ranks if 0 in s["final_active"]}
+        if partial:
+            raise RuntimeError(f"ranks still marked inactive at the end: {partial}")
         if out.detect_ms > limit:
             raise RuntimeError(f"the call that found rank {victim} dead took {out.detect_ms:.1f} ms > "
                                f"timeout + {ns.slack_ms:g} ms = {limit:.1f} ms")

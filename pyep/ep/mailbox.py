@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pyep.ep.mailbox")
 POLL_S = 0.0005
+HEARTBEAT_S = 0.05      # a waiting rank refreshes its alive key this often
 
 
 class StoreMailbox:
@@ -30,6 +31,12 @@ class StoreMailbox:
 
     def _key(self, dst: int, tag: str, src: int, gen: int) -> str:
         return self.c.key("mail", dst, tag, f"{src}.{gen}")
+
+    def _beating(self, src: int) -> bool:
+        key = self.c.key("alive", src)
+        if not self.store.check([key]):
+            return False
+        return time.time() - float(bytes(self.store.get(key)).decode()) < 4 * HEARTBEAT_S
 
     def forget(self, rank: int) -> None:
         """Nothing to release per peer (mail of an older generation is simply never read)."""
@@ -55,15 +62,29 @@ class StoreMailbox:
         got = {self.rank: mine}
         waiting = {src: self._key(self.rank, tag, src, self.generations[src])
                    for src in range(self.world) if src != self.rank and on[src]}
-        deadline = time.monotonic() + timeout_us / 1e6
+        start = time.monotonic()
+        deadline = start + timeout_us / 1e6
+        extended = False
+        beat = 0.0
         delay = POLL_S / 4
         while waiting:
+            now = time.monotonic()
+            if now - beat > HEARTBEAT_S:
+                beat = now
+                self.store.set(self.c.key("alive", self.rank), repr(time.time()).encode())
+            if now > deadline and not extended:
+                # A late source may be alive and itself waiting out the timeout on a dead third rank
+                # (it saw less of the dead rank's last messages than we did): marking it would drop a
+                # healthy rank. Wait once more, for the sources that are still beating.
+                extended = True
+                if any(self._beating(src) for src in waiting):
+                    deadline = now + timeout_us / 1e6
             for src, key in list(waiting.items()):
                 if self.store.check([key]):
                     got[src] = bytes(self.store.get(key))
                     self.store.delete_key(key)
                     del waiting[src]
-            if not waiting or time.monotonic() > deadline:
+            if not waiting or (time.monotonic() > deadline and extended):
                 break
             time.sleep(delay)
             delay = min(POLL_S * 8, delay * 2)
