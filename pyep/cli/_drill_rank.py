@@ -145,7 +145,14 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
             break
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {rank}: no rejoin within {a['wall_s']} s (at call {call})")
+        snap = _links(buf, native, victim) if (native and buf._member is not None and buf._member._pending) else None
         admitted = buf.admit_pending(active)
+        if snap is not None:
+            after_links = _links(buf, native, victim)
+            res.setdefault("link_checks", 0)
+            res["link_checks"] += 1
+            if after_links != snap:
+                res["others_changed"] = {"before": snap, "after": after_links}
         if True:
             if admitted and stop is None:
                 admit_call = call
@@ -197,6 +204,16 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
     res["final_active"] = [int(v) for v in active.tolist()]
     buf.destroy()
     return res
+
+
+def _links(buf: Any, native: bool, victim: int) -> Any:
+    """The links to every peer but the victim: QP numbers, their state and softnic counters (settled:
+    the softnic executes posted WQEs asynchronously). A rejoin must leave them as they are."""
+    import torch
+    torch.cuda.synchronize()
+    time.sleep(0.05)
+    state = buf.backend.link_state()
+    return {r: v for r, v in state.items() if r != victim}
 
 
 def _dispatch_view(buf: Any, handle: Any, world: int, after: List[bool]) -> List[bool]:

@@ -148,6 +148,9 @@ def run_drill(ns: argparse.Namespace, index: int, phase: str, echo: bool = False
         wrong = {s["rank"]: s["marked"] for s in survivors if s["marked"] != [victim]}
         if wrong:
             raise RuntimeError(f"survivors marked ranks other than the killed one: {wrong}")
+        changed = {s["rank"]: s["others_changed"] for s in survivors if "others_changed" in s}
+        if changed:
+            raise RuntimeError(f"a rejoin changed the links to other peers: {changed}")
         partial = {s["rank"]: s["final_active"] for s in out.ranks if 0 in s["final_active"]}
         if partial:
             raise RuntimeError(f"ranks still marked inactive at the end: {partial}")
