@@ -13,7 +13,6 @@ Membership keys (announcements, generations) are pyep.ep.membership's.
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
@@ -167,7 +166,3 @@ def as_control(x: Any) -> ControlPlane:
     if isinstance(x, (GroupControl, StoreControl)):
         return x
     return GroupControl(x)
-
-
-def _td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)

@@ -97,5 +97,5 @@ class StoreMailbox:
         lens = [len(got.get(src, b"")) // row if row else 0 for src in range(self.world)]
         body = b"".join(got.get(src, b"") for src in range(self.world))
         recv = (torch.frombuffer(bytearray(body), dtype=torch.uint8).view(-1, row) if body
-                else torch.empty((0, row), dtype=torch.uint8))
-        return recv, torch.tensor(lens, dtype=torch.int64), sorted(waiting)
+                else torch.empty((0, row), dtype=torch.uint8, device="cpu"))
+        return recv, torch.tensor(lens, dtype=torch.int64, device="cpu"), sorted(waiting)
