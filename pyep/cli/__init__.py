@@ -17,6 +17,7 @@ COMMANDS = {
     "launch": "pyep.cli.launch",
     "nic": "pyep.cli.nic",
     "doctor": "pyep.cli.doctor",
+    "drill": "pyep.cli.drill",
 }
 
 

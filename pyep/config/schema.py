@@ -80,6 +80,22 @@ class SlurmConfig:
     workdir: Optional[str] = None
 
 
+RestartPolicy = Literal["none", "rank"]
+
+
+@dataclass
+class RestartConfig:
+    """What happens when a rank fails. "none": the whole job is torn down (torchrun's way). "rank"
+    (local launcher): the launcher starts each rank itself, hosts the job's TCPStore (ranks reach it at
+    PYEP_STORE_ADDR / PYEP_STORE_PORT, and torch's env:// rendezvous uses it as torchrun's agent store),
+    and restarts only the failed rank, at most max_restarts times per rank, after delay_s; a
+    store-based EpBuffer re-admits it (docs/elastic.md). Each failure, restart and rejoin is a line on
+    the console and a record in the run directory's events.jsonl."""
+    policy: RestartPolicy = "none"
+    max_restarts: int = 3
+    delay_s: float = 0.0
+
+
 @dataclass
 class LauncherConfig:
     """How ranks are started. In YAML `launcher: ssh` is short for `launcher: {kind: ssh}`."""
@@ -87,6 +103,7 @@ class LauncherConfig:
     timeout_s: float = 7200.0         # whole-job limit; the job is torn down when it passes
     grace_s: float = 15.0             # SIGTERM -> SIGKILL delay during teardown
     run_root: str = "runs"
+    restart: RestartConfig = field(default_factory=RestartConfig)
     ssh: SshConfig = field(default_factory=SshConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 

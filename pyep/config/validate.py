@@ -181,6 +181,14 @@ def _check_launcher(cfg: ClusterConfig, all_local: bool, facts: HostFacts, bad) 
         bad(("launcher", "grace_s"), f"grace_s must be in (0, 600], got {la.grace_s}")
     if not la.run_root or _bad_text(la.run_root):
         bad(("launcher", "run_root"), "run_root must be a non-empty path")
+    rs = la.restart
+    if rs.policy == "rank" and la.kind != "local":
+        bad(("launcher", "restart", "policy"), f"restart policy 'rank' needs the local launcher (got {la.kind!r}): "
+                                                "the launcher must start and watch each rank itself")
+    if not 0 <= rs.max_restarts <= 1000:
+        bad(("launcher", "restart", "max_restarts"), f"max_restarts must be in [0, 1000], got {rs.max_restarts}")
+    if not 0 <= rs.delay_s <= 3600:
+        bad(("launcher", "restart", "delay_s"), f"delay_s must be in [0, 3600], got {rs.delay_s}")
     ssh = la.ssh
     if ssh.user is not None and not USER_RE.fullmatch(ssh.user):
         bad(("launcher", "ssh", "user"), f"{ssh.user!r} is not a valid user name")

@@ -16,10 +16,11 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
 
-from ._dist import all_reduce_min_bounded, group_device, resolve_group
+from .control import ControlPlane, make_control
 from .backend import (CombineOptions, profiled_range, CompletedEvent, DispatchOptions, EpBackend, EventLike,
                       PeerTransport)
 from .config import DEFAULT_TIMEOUT_US, MAX_TOPK, EpConfig
+from .membership import DEFAULT_LEAD_CALLS, Membership, MembershipError, Rejoin, buffer_fingerprint
 from .errors import InvalidExpertIndex
 from .config import size_hint as _size_hint
 from .handle import Handle
@@ -48,27 +49,35 @@ def _native_unavailable_reason(config: EpConfig) -> Optional[str]:
     return check(config) if check is not None else None
 
 
-def _make_backend(group: "dist.ProcessGroup", config: EpConfig) -> EpBackend:
-    import torch
+def _make_backend(control: ControlPlane, config: EpConfig, joining: bool) -> EpBackend:
     from .reference import ReferenceBackend
     if config.backend == "reference":
-        return ReferenceBackend(group, config)
+        return ReferenceBackend(control, config)
     reason = _native_unavailable_reason(config)
     if config.backend == "native":
         if reason is not None:
             from .backend import BackendUnavailable
             raise BackendUnavailable(f"backend='native' cannot run here: {reason}")
         from .native import NativeBackend
-        return NativeBackend(group, config)
-    # "auto": every rank must pick the same backend, so agree on the local answers first.
-    flag = torch.tensor([0 if reason else 1], dtype=torch.int32, device=group_device(group))
-    all_reduce_min_bounded(flag, group, config.timeout_us, "EpBuffer backend selection")
-    if int(flag.item()) == 1:
+        return NativeBackend(control, config)
+    # "auto": every rank must pick the same backend, so agree on the local answers first. A restarted
+    # rank (store-based buffers) takes what the survivors agreed on.
+    if joining:
+        use_native = control.shared_value("backend", lambda: b"", 10.0) == b"native"
+    else:
+        use_native = control.all_min(0 if reason else 1, config.timeout_us / 1e6 + 10.0,
+                                     "EpBuffer backend selection") == 1
+        if control.kind == "store":
+            control.shared_value("backend", lambda: b"native" if use_native else b"reference", 10.0)
+    if use_native:
+        if reason is not None:
+            from .backend import BackendUnavailable
+            raise BackendUnavailable(f"the other ranks run the native backend, this process cannot: {reason}")
         from .native import NativeBackend
-        return NativeBackend(group, config)
+        return NativeBackend(control, config)
     log.info("EpBuffer: using the reference backend (%s)",
              reason or "another rank cannot run the native backend")
-    return ReferenceBackend(group, config)
+    return ReferenceBackend(control, config)
 
 
 class CheckedEvent:
@@ -127,34 +136,49 @@ class EpBuffer:
                  transport: str = "auto", timeout_us: int = DEFAULT_TIMEOUT_US, backend: str = "auto",
                  num_qps_per_peer: Optional[int] = None, allow_nvlink: bool = True,
                  num_buffer_bytes: Optional[int] = None, max_topk: int = MAX_TOPK,
-                 ranks_per_node: Optional[int] = None, check_values: Union[bool, str] = True) -> None:
+                 ranks_per_node: Optional[int] = None, check_values: Union[bool, str] = True,
+                 store: Any = None, rank: Optional[int] = None, world_size: Optional[int] = None,
+                 store_prefix: str = "pyep/ep", rejoin_lead_calls: int = DEFAULT_LEAD_CALLS) -> None:
         config = EpConfig(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=hidden,
                           num_experts=num_experts, max_topk=max_topk, transport=transport,
                           allow_nvlink=allow_nvlink, device_name=device_name, timeout_us=timeout_us,
                           num_qps_per_peer=num_qps_per_peer, num_buffer_bytes=num_buffer_bytes,
                           ranks_per_node=ranks_per_node, backend=backend, check_values=check_values)
-        self._init(group, config)
+        self._init(make_control(group, store, rank, world_size, store_prefix), config, rejoin_lead_calls)
 
     @classmethod
-    def from_config(cls, config: EpConfig, group: Optional["dist.ProcessGroup"] = None) -> "EpBuffer":
+    def from_config(cls, config: EpConfig, group: Optional["dist.ProcessGroup"] = None, *, store: Any = None,
+                    rank: Optional[int] = None, world_size: Optional[int] = None, store_prefix: str = "pyep/ep",
+                    rejoin_lead_calls: int = DEFAULT_LEAD_CALLS) -> "EpBuffer":
         if not isinstance(config, EpConfig):
             raise TypeError(f"config must be an EpConfig, got {type(config).__name__}")
         self = cls.__new__(cls)
-        self._init(group, config)
+        self._init(make_control(group, store, rank, world_size, store_prefix), config, rejoin_lead_calls)
         return self
 
-    def _init(self, group: Optional["dist.ProcessGroup"], config: EpConfig) -> None:
-        import torch.distributed as dist
+    def _init(self, control: ControlPlane, config: EpConfig, lead_calls: int) -> None:
         self._destroyed = True   # until the backend exists, nothing may be called
-        self._group = resolve_group(group)
-        self._num_ranks = dist.get_world_size(self._group)
-        self._rank = dist.get_rank(self._group)
+        self._control = control
+        self._group = control.group
+        self._num_ranks = control.world_size
+        self._rank = control.rank
         config.check_group_size(self._num_ranks)
         self._config = config
         self._owner = uuid.uuid4().hex
         self._epoch = 0
         self._seq = 0
-        self._backend = _make_backend(self._group, config)
+        # Store-based buffers have a membership (pyep.ep.membership, docs/elastic.md): a process whose
+        # rank already had one is a restarted rank and joins the running job instead of setting up.
+        self._member: Optional[Membership] = None
+        if control.kind == "store":
+            if isinstance(lead_calls, bool) or not isinstance(lead_calls, int) or lead_calls < 0:
+                raise ValueError(f"rejoin_lead_calls must be an int >= 0, got {lead_calls!r}")
+            self._member = Membership(control, buffer_fingerprint(config, self._num_ranks),
+                                      max(60.0, 3 * config.timeout_us / 1e6), lead_calls)
+            control.joining = self._member.joining
+        self._backend = _make_backend(control, config, self._member is not None and self._member.joining)
+        if self._member is not None:
+            self._member.attach(self._backend)
         # Backends that check values on the device report through take_error() (no device sync).
         take = getattr(self._backend, "take_error", None)
         self._take_error: Optional[Callable[[], Optional[InvalidExpertIndex]]] = (
@@ -162,6 +186,9 @@ class EpBuffer:
         self._device = self._backend.device
         self._init_fast(config)
         self._destroyed = False
+        if self._member is not None and self._member.joining:
+            self._fast_dispatch = self._fast_combine = None   # until join(): see _check_alive
+            self._member.announce()
         # `pyep qp dump` on a running job: PYEP_QP_DUMP_SIGNAL / PYEP_QP_DUMP_TRIGGER (none by default).
         from ..transport.qp_dump import install_dump_triggers
         self._qp_dump = install_dump_triggers(self, self._rank) if hasattr(self._backend, "qp_contexts") else None
@@ -231,6 +258,10 @@ class EpBuffer:
     def _check_alive(self, what: str) -> None:
         if self._destroyed:
             raise RuntimeError(f"EpBuffer.{what}() called after destroy()")
+        if self._member is not None and self._member.joining and what not in ("join", "update_ep_member"):
+            raise MembershipError(f"EpBuffer.{what}(): rank {self._rank} restarted (generation "
+                                  f"{self._member.generation}) and is not admitted yet: call join() or "
+                                  f"update_ep_member() first")
 
     def _raise_pending(self) -> None:
         """Raise (and clear) the value error the device recorded in an earlier dispatch, if it is
@@ -366,11 +397,96 @@ class EpBuffer:
 
     # ------------------------------------------------------------------ membership / lifetime
     def update_ep_member(self, active_ranks: Optional["torch.Tensor"] = None) -> None:
-        """Collective: re-admit restarted ranks (rebuild their connections). Older handles go stale."""
+        """Collective: re-admit restarted ranks. On a group, every connection is rebuilt. On a store
+        (docs/elastic.md), every live rank calls it: a restarted rank joins, and each survivor waits
+        (bounded) for the ranks it expects back -- those 1 in active_ranks but marked dead in its own
+        view, or all it marked dead when active_ranks is None -- and rebuilds only their links. Older
+        handles go stale."""
         self._check_alive("update_ep_member")
         check_active_ranks(active_ranks, self._num_ranks, self._device)
-        self._backend.update_ep_member(active_ranks)
+        member = self._member
+        if member is None:
+            self._backend.update_ep_member(active_ranks)
+        elif member.joining:
+            self.join()
+        else:
+            expect = self._backend.inactive_ranks()
+            if active_ranks is not None:
+                want = active_ranks.tolist()
+                expect = [r for r in expect if want[r]]
+            self._admit_blocking(expect, active_ranks)
         self._epoch += 1
+
+    def _admit_blocking(self, expect: List[int], active_ranks: Optional["torch.Tensor"]) -> None:
+        import time
+        member = self._member
+        assert member is not None
+        deadline = time.monotonic() + member.timeout_s
+        left = set(expect)
+        while left:
+            member.poll(self._seq + 1, lead_calls=0)
+            for r in member.due(self._seq + 1):
+                member.activate(r, self._seq + 1, active_ranks)
+                left.discard(r)
+            if left and time.monotonic() > deadline:
+                from .control import ControlTimeout
+                raise ControlTimeout(f"rank {self._rank} update_ep_member: waiting for restarted ranks to announce "
+                                     f"themselves", sorted(left), member.timeout_s)
+            if left:
+                time.sleep(0.002)
+
+    @property
+    def generation(self) -> int:
+        """This process's membership generation (store-based buffers: 1 for a first process, +1 per
+        restart of the rank); 0 for a buffer on a process group."""
+        return self._member.generation if self._member is not None else 0
+
+    @property
+    def joining(self) -> bool:
+        """A restarted rank that has not been admitted yet (call join())."""
+        return self._member is not None and self._member.joining
+
+    @property
+    def next_call(self) -> int:
+        """The sequence number the next dispatch carries (the same on every member)."""
+        return self._seq + 1
+
+    def join(self, timeout_s: Optional[float] = None) -> int:
+        """A restarted rank: wait (bounded) until the survivors admit it, and return the number of the
+        call its next dispatch is (every member's next dispatch carries the same number)."""
+        member = self._member
+        if member is None or not member.joining:
+            raise MembershipError("join() is for a restarted rank of a store-based EpBuffer")
+        at = member.join(member.timeout_s if timeout_s is None else float(timeout_s))
+        self._seq = at - 1
+        self._epoch += 1
+        self._init_fast(self._config)
+        return at
+
+    def poll_rejoin(self) -> List[Rejoin]:
+        """Non-blocking (one store round trip when nothing is pending): learn of restarted ranks,
+        rebuild only the links to them, and report each one's stage and the call it joins at.
+        Survivors call it (or admit_pending()) before every dispatch while a rejoin is pending."""
+        self._check_alive("poll_rejoin")
+        if self._member is None:
+            return []
+        return self._member.poll(self._seq + 1)
+
+    def admit_pending(self, active_ranks: Optional["torch.Tensor"] = None) -> List[int]:
+        """poll_rejoin(), then admit every restarted rank whose agreed call is the next one: its entry in
+        this buffer's own mask (and in `active_ranks`, when the caller keeps one) becomes 1. Returns the
+        ranks admitted now. Call it between steps, before each dispatch, on every survivor."""
+        self._check_alive("admit_pending")
+        member = self._member
+        if member is None:
+            return []
+        if active_ranks is not None:
+            check_active_ranks(active_ranks, self._num_ranks, self._device)
+        member.poll(self._seq + 1)
+        due = member.due(self._seq + 1)
+        for r in due:
+            member.activate(r, self._seq + 1, active_ranks)
+        return due
 
     def clean(self) -> None:
         """Reset the communication buffers (collective where the backend needs it). Older handles go

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from ._dist import barrier_bounded
+from .control import as_control
+from .native_member import NativeMembership
 from .backend import (OnceHook, profiled_range, BackendUnavailable, CombineOptions, CombineResult, DispatchOptions, DispatchResult,
                       PeerTransport)
 from .config import EpConfig
@@ -26,7 +27,6 @@ from .trace import ENV_VAR as TRACE_ENV
 
 if TYPE_CHECKING:
     import torch
-    import torch.distributed as dist
 
     from .handle import Handle
 
@@ -49,7 +49,7 @@ SOFTNIC_RESERVED_SMS = 4
 FAST_ENV = "PYEP_LL_FAST"
 
 
-class NativeBackend:
+class NativeBackend(NativeMembership):
     name = "native"
 
     @staticmethod
@@ -66,16 +66,16 @@ class NativeBackend:
             return str(exc)
         return None
 
-    def __init__(self, group: "dist.ProcessGroup", config: EpConfig) -> None:
+    def __init__(self, comm: Any, config: EpConfig) -> None:
         import torch
-        import torch.distributed as dist
         self._ep = _engine_ep()                      # BackendUnavailable before any collective
         if not torch.cuda.is_available():
             raise BackendUnavailable("no CUDA device is available")
-        self.group = group
+        self.control = as_control(comm)              # a ProcessGroup or a store (pyep.ep.control)
+        self.group = self.control.group
         self.config = config
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
+        self.rank = self.control.rank
+        self.num_ranks = self.control.world_size
         config.check_group_size(self.num_ranks)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._destroyed = False
@@ -108,13 +108,15 @@ class NativeBackend:
             self._ep.memset_async(self._buf, 0, self.buffer_bytes, torch.cuda.current_stream().cuda_stream)
             torch.cuda.current_stream().synchronize()
             from ..transport.setup import PeerSet
-            self._peers = PeerSet(group, config, self._ep, self.rank, r_n, self.device.index, self._buf,
+            self._peers = PeerSet(self.control, config, self._ep, self.rank, r_n, self.device.index, self._buf,
                                   self.buffer_bytes, self._setup_timeout_s)
-            self._peers.connect()
-            self._static = self._build_static()
-            self._fast = self._make_fast()
-            barrier_bounded(group, _ctl_device(group), int(self._setup_timeout_s * 1e6),
-                            "native EP buffer setup (every rank mapped its peers)")
+            if getattr(self.control, "joining", False):
+                self._prepare_join()                 # a restarted rank: pyep.ep.native_member
+            else:
+                self._peers.connect()
+                self._static = self._build_static()
+                self._fast = self._make_fast()
+                self.control.barrier(self._setup_timeout_s, "native EP buffer setup (every rank mapped its peers)")
         except BaseException:
             self._release()
             raise
@@ -256,7 +258,6 @@ class NativeBackend:
         import socket
 
         import torch
-        import torch.distributed as dist
         sms = int(self._ep.num_sms(self.device.index))
         env = os.environ.get("PYEP_LL_NUM_BLOCKS")
         if env:
@@ -265,8 +266,7 @@ class NativeBackend:
                 raise ValueError(f"PYEP_LL_NUM_BLOCKS={env} must be in 1..{sms} (SMs of {self.device})")
             return n
         me = (socket.gethostname(), str(torch.cuda.get_device_properties(self.device).uuid))
-        everyone: List[Any] = [None] * self.num_ranks
-        dist.all_gather_object(everyone, me, group=self.group)
+        everyone = self._peers.gpu_identities(me)
         sharing = sum(1 for x in everyone if tuple(x) == me)
         if sharing > 1:
             log.info("rank %d: %d ranks share %s: %d of %d SMs each", self.rank, sharing, self.device,
@@ -496,16 +496,14 @@ class NativeBackend:
             self._active.copy_(active_ranks)
         else:
             self._active.fill_(1)
-        barrier_bounded(self.group, _ctl_device(self.group), int(self._setup_timeout_s * 1e6),
-                        "native update_ep_member (every rank cleared its buffer)")
+        self.control.barrier(self._setup_timeout_s, "native update_ep_member (every rank cleared its buffer)")
 
     def clean(self) -> None:
         import torch
         self._check_alive("clean")
         torch.cuda.synchronize(self.device)
         self._zero_state()
-        barrier_bounded(self.group, _ctl_device(self.group), int(self._setup_timeout_s * 1e6),
-                        "native clean (every rank cleared its buffer)")
+        self.control.barrier(self._setup_timeout_s, "native clean (every rank cleared its buffer)")
 
     def qp_contexts(self) -> List[Any]:
         """The live QP device contexts of the NIC links, for pyep.transport.qp_dump (`pyep qp dump`)."""
@@ -584,7 +582,3 @@ def _map_error_record(ep: Any) -> "tuple[int, Any]":
     view = np.ctypeslib.as_array((ctypes.c_int32 * words).from_address(ptr))
     return ptr, view
 
-
-def _ctl_device(group: "dist.ProcessGroup") -> "torch.device":
-    from ._dist import group_device
-    return group_device(group)

@@ -16,13 +16,14 @@ next call, event.wait(), the hook): this oracle checks on the host, but reports 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from . import fp8, logfmt
 from ._dist import _wait, all_to_all_bounded, barrier_bounded, group_device
 from .backend import (OnceHook, CombineOptions, CombineResult, CompletedEvent, DispatchOptions, DispatchResult,
                       PeerTransport)
 from .config import EpConfig
+from .mailbox import StoreMailbox
 from .errors import ERR_EXPERT_DUPLICATE, ERR_EXPERT_RANGE, InvalidExpertIndex, make_error
 from .validate import find_bad_entry, sanitize_topk
 
@@ -48,17 +49,30 @@ def _bytes(t: "torch.Tensor") -> "torch.Tensor":
 class ReferenceBackend:
     name = "reference"
 
-    def __init__(self, group: "dist.ProcessGroup", config: EpConfig) -> None:
+    def __init__(self, comm: Any, config: EpConfig) -> None:
+        import torch
         import torch.distributed as dist
-        self.group = group
+
+        from .control import as_control
+        self.control = as_control(comm)
+        self.group = self.control.group
         self.config = config
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
+        self.rank = self.control.rank
+        self.num_ranks = self.control.world_size
         self.num_local_experts = config.num_local_experts(self.num_ranks)
-        self.device = group_device(group)
         self._combine_bufs: List[Optional["torch.Tensor"]] = [None, None]
-        self._backend_name = str(dist.get_backend(group))
         self._error: Optional[InvalidExpertIndex] = None
+        if self.group is not None:
+            self.device = group_device(self.group)
+            self._backend_name = str(dist.get_backend(self.group))
+            self._mail: Optional[StoreMailbox] = None
+        else:
+            # Store-based buffer: messages are store keys, a source that is late is marked inactive
+            # (as the native kernels do), so survivors of a dead rank keep going.
+            self.device = torch.device("cpu")
+            self._backend_name = "store"
+            self._mail = StoreMailbox(self.control)
+        self._mask = torch.ones(self.num_ranks, dtype=torch.bool, device=self.device)
         # gloo: counts travel peer to peer, so each source's arrival is seen (and timed) on the host.
         self._p2p_counts = "gloo" in self._backend_name.lower()
 
@@ -83,10 +97,18 @@ class ReferenceBackend:
 
     # ---------------------------------------------------------------- exchange
     def _exchange(self, send: "torch.Tensor", send_counts: "torch.Tensor", width: int,
-                  timeout_us: int, what: str) -> Tuple["torch.Tensor", "torch.Tensor", Optional[List[int]]]:
+                  timeout_us: int, what: str, tag: str, active: "torch.Tensor",
+                  marks: Optional["torch.Tensor"]) -> Tuple["torch.Tensor", "torch.Tensor", Optional[List[int]]]:
         """Rows of `send` (uint8 [M, width], grouped by destination rank) go to their ranks; returns
-        (received rows grouped by source rank, int64 counts per source, ns waited per source or None)."""
+        (received rows grouped by source rank, int64 counts per source, ns waited per source or None).
+        On a store, a source that does not answer within timeout_us is marked in `active`, `marks` (the
+        caller's active_ranks) and this backend's own mask, and counts as having sent nothing."""
         import torch
+        if self._mail is not None:
+            recv, counts, late = self._mail.exchange(send, send_counts, width, timeout_us, what, tag, active, marks)
+            for src in late:
+                self._mask[src] = False
+            return recv, counts, None
         recv_counts = torch.empty_like(send_counts)
         waits: Optional[List[int]] = None
         if self._p2p_counts:
@@ -143,16 +165,17 @@ class ReferenceBackend:
 
     def _check_wait_stats(self, stats: Optional["torch.Tensor"], name: str) -> None:
         if stats is not None and not self._p2p_counts:
-            raise NotImplementedError(
-                f"{name}: the reference backend times per-source waits on gloo groups only (over "
-                f"{self._backend_name} its counts travel in one collective, which has no per-source arrival "
-                f"the host can see); use the native backend, or a gloo group")
+            how = ("a store-based buffer polls its mailbox keys, which the host does not time per source"
+                   if self._mail is not None else
+                   f"over {self._backend_name} its counts travel in one collective, which has no per-source "
+                   f"arrival the host can see")
+            raise NotImplementedError(f"{name}: the reference backend times per-source waits on gloo groups only "
+                                      f"({how}); use the native backend, or a gloo group")
 
     def _active(self, active_ranks: Optional["torch.Tensor"]) -> "torch.Tensor":
-        import torch
         if active_ranks is None:
-            return torch.ones(self.num_ranks, dtype=torch.bool, device=self.device)
-        return active_ranks != 0
+            return self._mask.clone()
+        return (active_ranks != 0) & self._mask
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x: "torch.Tensor", topk_idx: "torch.Tensor", opts: DispatchOptions) -> DispatchResult:
@@ -183,7 +206,8 @@ class ReferenceBackend:
             send = torch.cat(parts, dim=1)
             counts = torch.bincount(dest, minlength=r_n).to(torch.int64)
             recv, recv_counts, waits = self._exchange(send, counts, send.shape[1], opts.timeout_us,
-                                               f"dispatch #{opts.seq}")
+                                                      f"dispatch #{opts.seq}", f"d{opts.seq}", active,
+                                                      opts.active_ranks)
 
         rows = r_n * t_max
         groups = h // fp8.GROUP
@@ -288,7 +312,8 @@ class ReferenceBackend:
             send = torch.cat([_bytes(header), payload], dim=1)
             counts = torch.bincount(src, minlength=r_n).to(torch.int64)
             recv, recv_counts, waits = self._exchange(send, counts, HEADER_BYTES + width, opts.timeout_us,
-                                               f"combine of dispatch #{handle.seq}")
+                                                      f"combine of dispatch #{handle.seq}", f"c{handle.seq}", active,
+                                                      opts.active_ranks)
         out = opts.out if opts.out is not None else torch.empty((n, h), dtype=torch.bfloat16, device=dev)
         out.zero_()
 
@@ -338,7 +363,39 @@ class ReferenceBackend:
 
     def update_ep_member(self, active_ranks: Optional["torch.Tensor"]) -> None:
         # Nothing per peer to rebuild; the barrier keeps the call collective like the native one.
-        barrier_bounded(self.group, self.device, self.config.timeout_us, "reference update_ep_member")
+        if self.group is not None:
+            barrier_bounded(self.group, self.device, self.config.timeout_us, "reference update_ep_member")
+        self._mask.fill_(True) if active_ranks is None else self._mask.copy_(active_ranks != 0)
+
+    # ---------------------------------------------------------------- membership (store-based buffers)
+    def member_payload(self) -> bytes:
+        return b""
+
+    def prepare_peer(self, rank: int, payload: bytes) -> bytes:
+        if self._mail is not None:
+            self._mail.forget(rank)     # mail of the dead process is never read
+        return b""
+
+    def prepare_done(self, rank: int) -> bool:
+        return True
+
+    def inactive_ranks(self) -> List[int]:
+        return [r for r, on in enumerate(self._mask.tolist()) if not on]
+
+    def next_half(self, next_call: int, at: int) -> int:
+        return 0                        # the store mailbox has no buffer halves
+
+    def activate_peer(self, rank: int, active: Optional["torch.Tensor"]) -> None:
+        self._mask[rank] = True
+        if active is not None:
+            active[rank] = 1
+
+    def join(self, blobs: Dict[int, bytes], half: int) -> None:
+        return None
+
+    def set_generations(self, generations: List[int]) -> None:
+        if self._mail is not None:
+            self._mail.generations = generations
 
     def clean(self) -> None:
         for buf in self._combine_bufs:
@@ -346,9 +403,11 @@ class ReferenceBackend:
                 buf.zero_()
 
     def transport_table(self) -> List[PeerTransport]:
-        detail = f"{self._backend_name} all_to_all"
-        return [PeerTransport(r, "local" if r == self.rank else "reference",
-                              "torch copy" if r == self.rank else detail) for r in range(self.num_ranks)]
+        detail = f"{self._backend_name} all_to_all" if self._mail is None else "store mailbox"
+        mask = self._mask.tolist()
+        return [PeerTransport(r, "local" if r == self.rank else ("reference" if mask[r] else "inactive"),
+                              "torch copy" if r == self.rank else (detail if mask[r] else "timed out"))
+                for r in range(self.num_ranks)]
 
     def destroy(self) -> None:
         self._combine_bufs = [None, None]

@@ -171,6 +171,9 @@ def build_plan(cfg: ClusterConfig, run_dir_rel: str, facts: HostFacts,
     plan = LaunchPlan(cfg, run_dir, remote_run_dir, port)
     nproc = ranks_per_node(cfg)
     static = cfg.rendezvous.endpoint is None
+    if kind == "local" and cfg.launcher.restart.policy == "rank":
+        _per_rank_commands(plan, cfg, facts, parent, run_dir, port, nproc)
+        return plan
     for i, node in enumerate(cfg.nodes):
         first = i * nproc if static else None
         if kind == "local":
@@ -192,6 +195,29 @@ def build_plan(cfg: ClusterConfig, run_dir_rel: str, facts: HostFacts,
         plan.commands.append(NodeCommand(i, node.host, ssh_argv(cfg, node.host, cmd), env, facts.cwd, True,
                                          nproc, first))
     return plan
+
+
+STORE_ADDR = "127.0.0.1"
+
+
+def _per_rank_commands(plan: LaunchPlan, cfg: ClusterConfig, facts: HostFacts, parent: Dict[str, str], run_dir: str,
+                       port: int, nproc: int) -> None:
+    """launcher.restart.policy = "rank": one command per rank, started (and restarted) by the launcher,
+    which hosts the job's TCPStore on `port` (torch's env:// rendezvous connects to it as to torchrun's
+    agent store; a store-based EpBuffer uses it for its membership)."""
+    world = nproc * len(cfg.nodes)
+    kind, target, args = workload_target(cfg)
+    argv = [sys.executable, "-m", "pyep.launch.rank", "--grace", f"{cfg.launcher.grace_s:g}", kind, target, *args]
+    for i, node in enumerate(cfg.nodes):
+        base = node_env(cfg, i, run_dir, True, parent)
+        _loopback_gloo(base, parent)
+        _same_pyep(base, parent)
+        for j in range(nproc):
+            rank = i * nproc + j
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(j), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
+                       GROUP_RANK=str(i), MASTER_ADDR=STORE_ADDR, MASTER_PORT=str(port), PYEP_STORE_ADDR=STORE_ADDR,
+                       PYEP_STORE_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", PYEP_RESTART_COUNT="0")
+            plan.commands.append(NodeCommand(rank, node.host, list(argv), env, facts.cwd, False, 1, rank))
 
 
 def collect_argv(cfg: ClusterConfig, host: str, remote_run_dir: str) -> List[str]:

@@ -4,6 +4,7 @@
     launch.json      the exact commands, per node
     logs/            rank-NNNNN.log per rank (written by the ranks), node-I-HOST.log per node
     summary.json     exit codes, durations, result files
+    events.jsonl     failures, restarts and rejoins of single ranks (launcher.restart.policy: rank)
     *.json, *.png …  whatever the workload wrote into $PYEP_RUN_DIR
     nodes/HOST/      copies of remote nodes' run directories (ssh with collect_results)
 """
@@ -20,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..config import ClusterConfig, dump_config
 
 RESULT_SUFFIXES = (".json", ".png", ".svg", ".pdf", ".csv", ".txt", ".md", ".html")
-_OWN_FILES = {"config.yaml", "launch.json", "summary.json"}
+_OWN_FILES = {"config.yaml", "launch.json", "summary.json", "events.jsonl"}
 
 
 def run_dir_name(name: str, now: Optional[float] = None) -> str:
@@ -62,6 +63,12 @@ def result_files(run_dir: str) -> List[Tuple[str, int]]:
                 continue
             found.append((rel, os.path.getsize(os.path.join(dirpath, fn))))
     return found
+
+
+def append_event(run_dir: str, event: Dict[str, Any]) -> None:
+    """One line of events.jsonl: failures, restarts and rejoins of single ranks (launcher.restart)."""
+    with open(os.path.join(run_dir, "events.jsonl"), "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(dict(event, time=round(time.time(), 3))) + "\n")
 
 
 def write_summary(run_dir: str, summary: Dict[str, Any]) -> None:

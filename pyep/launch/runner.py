@@ -14,7 +14,7 @@ from ..config import ClusterConfig, HostFacts
 from . import rundir, slurm
 from .display import LaunchDisplay, rank_rows, render_summary
 from .plan import LaunchPlan, build_plan, collect_argv
-from .supervisor import SuperviseResult, Supervisor
+from .supervisor import RestartPolicy, SuperviseResult, Supervisor
 
 log = logging.getLogger("pyep.launch")
 
@@ -67,10 +67,23 @@ def run_plan(plan: LaunchPlan, console: Console, opts: LaunchOptions) -> Supervi
              for c in plan.commands]
     console.print(f"pyep launch: {_describe(cfg, plan.commands[0].nproc)}; run directory {plan.run_dir}",
                   markup=False, highlight=False)
+    restart = None
+    store = None
+    if cfg.launcher.restart.policy == "rank":
+        # The job's store lives here, not in a rank: it must outlive any single rank.
+        import datetime
+
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", plan.master_port, plan.total_ranks, is_master=True,
+                              wait_for_workers=False, timeout=datetime.timedelta(seconds=cfg.launcher.timeout_s))
+        restart = RestartPolicy(cfg.launcher.restart.max_restarts, cfg.launcher.restart.delay_s, plan.run_dir)
+        console.print(f"pyep launch: single-rank restarts (at most {restart.max_restarts} per rank); job store on "
+                      f"127.0.0.1:{plan.master_port}", markup=False, highlight=False)
     with LaunchDisplay(console, hosts, quiet=opts.quiet) as display:
         sup = Supervisor(plan.commands, display, timeout_s=cfg.launcher.timeout_s, grace_s=cfg.launcher.grace_s,
-                         log_dir=os.path.join(plan.run_dir, "logs"))
+                         log_dir=os.path.join(plan.run_dir, "logs"), restart=restart)
         result = sup.run()
+    del store
     if cfg.launcher.kind == "ssh" and cfg.launcher.ssh.collect_results:
         _collect(plan, console)
     static = cfg.rendezvous.endpoint is None
@@ -82,6 +95,7 @@ def run_plan(plan: LaunchPlan, console: Console, opts: LaunchOptions) -> Supervi
         "nodes": [dataclasses.asdict(n) for n in result.nodes],
         "ranks": [dataclasses.asdict(r) for r in rows],
         "results": [{"file": f, "bytes": b} for f, b in results],
+        "events": sup.events,
     })
     return result
 

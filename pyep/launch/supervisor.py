@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -27,6 +28,16 @@ log = logging.getLogger("pyep.launch")
 _POLL_S = 0.1
 _DRAIN_S = 3.0          # after all nodes exited: how long to wait for their last output
 _KILL_WAIT_S = 5.0      # after SIGKILL: how long to wait for the kernel to reap
+# The line pyep.ep.membership logs when a restarted rank has been re-admitted.
+_REJOIN_RE = re.compile(r"rank (\d+): admitted \(generation (\d+)\)")
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """launcher.restart with policy "rank": commands are single ranks, restarted one at a time."""
+    max_restarts: int
+    delay_s: float
+    run_dir: Optional[str] = None
 
 
 class OutputSink(Protocol):
@@ -55,7 +66,8 @@ class SuperviseResult:
 
 class Supervisor:
     def __init__(self, commands: List[NodeCommand], sink: OutputSink, *, timeout_s: float, grace_s: float,
-                 log_dir: Optional[str] = None, base_env: Optional[Dict[str, str]] = None):
+                 log_dir: Optional[str] = None, base_env: Optional[Dict[str, str]] = None,
+                 restart: Optional[RestartPolicy] = None):
         self.commands = commands
         self.sink = sink
         self.timeout_s = timeout_s
@@ -69,12 +81,17 @@ class Supervisor:
         self._readers: List[threading.Thread] = []
         self._logs: List[Optional[TextIO]] = [None] * len(commands)
         self._start = 0.0
+        self.restart = restart
+        self.restarts: Dict[int, int] = {}
+        self.events: List[Dict[str, object]] = []
 
     # -- process handling -------------------------------------------------------------------------
     def _spawn(self, i: int, cmd: NodeCommand) -> None:
         env = dict(self.base_env)
         if not cmd.remote:
             env.update(cmd.env)
+        if i in self.restarts:
+            env["PYEP_RESTART_COUNT"] = str(self.restarts[i])
         proc = subprocess.Popen(cmd.argv, cwd=cmd.cwd, env=env, start_new_session=True,
                                 stdin=subprocess.PIPE if cmd.remote else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -186,6 +203,10 @@ class Supervisor:
         parsed = parse_rank_line(text)
         if parsed is not None:
             rank, rest = parsed
+            m = _REJOIN_RE.search(rest) if self.restart is not None else None
+            if m is not None:
+                self._event("rejoin", int(m.group(1)), generation=int(m.group(2)))
+                self.sink.on_status(f"rank {m.group(1)} rejoined the job (generation {m.group(2)})")
             prog = parse_progress(rest)
             if prog is not None:
                 self.sink.on_progress(i, rank, prog)
@@ -195,6 +216,38 @@ class Supervisor:
                 self.ranks[ex.rank] = ex
                 return
         self.sink.on_line(i, text)
+
+    # -- single-rank restarts (launcher.restart.policy = "rank") -------------------------------------
+    def _event(self, kind: str, rank: int, **extra: object) -> None:
+        ev: Dict[str, object] = {"event": kind, "rank": rank, **extra}
+        self.events.append(ev)
+        if self.restart is not None and self.restart.run_dir:
+            from .rundir import append_event
+            append_event(self.restart.run_dir, ev)
+
+    def _try_restart(self, i: int) -> bool:
+        """Restart failed command i (one rank) if the policy allows; False: tear the job down."""
+        pol = self.restart
+        rc = self.outcomes[i].returncode
+        rank = self.commands[i].first_rank if self.commands[i].first_rank is not None else i
+        done = self.restarts.get(i, 0)
+        self._event("failure", rank, returncode=rc, restarts_so_far=done)
+        if pol is None or done >= pol.max_restarts:
+            if pol is not None:
+                self.sink.on_status(f"rank {rank} failed (status {rc}) and used all {pol.max_restarts} restarts")
+            return False
+        self.restarts[i] = done + 1
+        self.sink.on_status(f"rank {rank} failed (status {rc}); restarting it alone "
+                            f"(restart {done + 1} of {pol.max_restarts})")
+        log.warning("pyep launch: rank %d failed (status %s); restart %d of %d", rank, rc, done + 1, pol.max_restarts)
+        if pol.delay_s:
+            end = time.monotonic() + pol.delay_s
+            while time.monotonic() < end:
+                self._pump(min(_POLL_S, max(0.0, end - time.monotonic())))
+        self.outcomes[i].returncode = None
+        self._spawn(i, self.commands[i])
+        self._event("restart", rank, restart=done + 1, pid=self.procs[i].pid if self.procs[i] else None)
+        return True
 
     # -- main loop --------------------------------------------------------------------------------
     def run(self) -> SuperviseResult:
@@ -207,6 +260,8 @@ class Supervisor:
             while True:
                 self._pump(_POLL_S)
                 failed = self._reap()
+                if failed is not None and self.restart is not None and self._try_restart(failed):
+                    continue
                 if failed is not None:
                     rc = self.outcomes[failed].returncode
                     reason = f"node {failed} ({self.commands[failed].host}) exited with status {rc}"

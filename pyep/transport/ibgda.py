@@ -13,13 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from typing import TYPE_CHECKING, Any, Dict, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
-from .base import PeerLink, RankInfo, Transport, all_gather_bytes
+from .base import PeerLink, RankInfo, Transport
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
     from ..ep.config import EpConfig
 
 log = logging.getLogger("pyep.transport.ibgda")
@@ -71,12 +69,12 @@ def _register(kind: str, prov: Any, addr: int, length: int) -> Tuple[int, int, i
 class NicTransport(Transport):
     """The NIC path over pyep.transport.connect (validated exchange, PSNs, per-QP UDP ports)."""
 
-    def __init__(self, kind: str, group: "dist.ProcessGroup", config: "EpConfig", rank: int, num_ranks: int,
+    def __init__(self, kind: str, control: Any, config: "EpConfig", rank: int, num_ranks: int,
                  buffer_addr: int, buffer_bytes: int, timeout_s: float) -> None:
         if kind not in ("ibgda", "emulated"):
             raise ValueError(f"NicTransport kind must be 'ibgda' or 'emulated', got {kind!r}")
         self.kind = kind
-        self.group = group
+        self.control = control           # pyep.ep.control: a process group or a store
         self.config = config
         self.rank = rank
         self.num_ranks = num_ranks
@@ -97,10 +95,10 @@ class NicTransport(Transport):
         from .connect_info import Region
         fabric = 0
         if self.kind == "emulated":
-            # All softnics of the job share rank 0's random fabric id.
-            mine = (secrets.randbits(62) + 1) if self.rank == 0 else 0
-            ids = all_gather_bytes(self.group, mine.to_bytes(8, "little"), self.timeout_s, "softnic fabric id")
-            fabric = int.from_bytes(ids[0][:8], "little")
+            # All softnics of the job share one random fabric id (a restarted rank reads the job's).
+            raw = self.control.shared_value("softnic_fabric_id", lambda: (secrets.randbits(62) + 1).to_bytes(8, "little"),
+                                            self.timeout_s)
+            fabric = int.from_bytes(raw[:8], "little")
         self._prov, self._placement = _open_provider(self.kind, self.rank + 1, fabric, self.config.device_name,
                                                      torch.cuda.current_device())
         addr, lkey, rkey = _register(self.kind, self._prov, self.buffer_addr, self.buffer_bytes)
@@ -109,33 +107,70 @@ class NicTransport(Transport):
 
     def connect(self, peers: Sequence[int], infos: Sequence[RankInfo]) -> Dict[int, PeerLink]:
         """Collective over the group (every rank calls it when this kind appears anywhere in the plan)."""
-        from .._native import engine
-        from .connect import ConnectConfig, Connections
         if self.rank in peers:
             raise ValueError("the NIC transport does not connect a rank to itself")
+        self._connections()
+        blobs = self.control.all_gather_bytes(self._conn.local_info().to_bytes(), self.timeout_s,
+                                              f"{self.kind} connect exchange")
+        self._conn.connect(blobs)
+        return {r: self._link(r) for r in peers}
+
+    def _connections(self) -> Any:
+        from .connect import ConnectConfig, Connections
         self._open()
         if self._conn is None:
             cfg = ConnectConfig(qps_per_peer=self.nqp, log_sq=LOG_SQ, placement=self._placement)
             self._conn = Connections(self._prov, self.rank, self.num_ranks, cfg, regions=[self._region])
-        blobs = all_gather_bytes(self.group, self._conn.local_info().to_bytes(), self.timeout_s,
-                                 f"{self.kind} connect exchange")
-        remote = self._conn.connect(blobs)
-        links: Dict[int, PeerLink] = {}
-        for r in peers:
-            region = remote[r].region(REGION)
-            ctxs = []
-            for q in self._conn.qps(r):
-                qp, cq = q.qp, q.cq
-                # cq_ci=-1 reads the consumer index from the CQ doorbell record, which only host memory
-                # allows (softnic rings); a DevX CQ may live in GPU memory, and connect() always creates
-                # fresh CQs, whose consumer index is 0.
-                host = engine().HostQp(qp["qpn"], qp["log_sq"], qp["sq"], qp["dbrec"], qp["bf"], qp["bf_size"],
-                                       cq["cqes"], cq["dbrec"], cq["log_size"], -1 if self.kind == "emulated" else 0)
-                ctxs.append(bytes(host.context_bytes()))
-            detail = (f"softnic node {remote[r].node_id}" if self.kind == "emulated" else self.config.device_name)
-            links[r] = PeerLink(rank=r, kind=self.kind, detail=f"{detail}, {self.nqp} QPs", remote_addr=region.addr,
-                                rkey=region.rkey, qp_contexts=ctxs, flag_expect=self.nqp)
-        return links
+        return self._conn
+
+    def _link(self, r: int) -> PeerLink:
+        """The kernels' view of our connected QPs towards r (device contexts, the peer's region)."""
+        from .._native import engine
+        info = self._conn.remote[r]
+        region = info.region(REGION)
+        ctxs = []
+        for q in self._conn.qps(r):
+            qp, cq = q.qp, q.cq
+            # cq_ci=-1 reads the consumer index from the CQ doorbell record, which only host memory
+            # allows (softnic rings); a DevX CQ may live in GPU memory, and connect() always creates
+            # fresh CQs, whose consumer index is 0.
+            host = engine().HostQp(qp["qpn"], qp["log_sq"], qp["sq"], qp["dbrec"], qp["bf"], qp["bf_size"],
+                                   cq["cqes"], cq["dbrec"], cq["log_size"], -1 if self.kind == "emulated" else 0)
+            ctxs.append(bytes(host.context_bytes()))
+        detail = (f"softnic node {info.node_id}" if self.kind == "emulated" else self.config.device_name)
+        return PeerLink(rank=r, kind=self.kind, detail=f"{detail}, {self.nqp} QPs", remote_addr=region.addr,
+                        rkey=region.rkey, qp_contexts=ctxs, flag_expect=self.nqp)
+
+    # --- elastic membership (pyep.ep.membership): only the QPs towards one rank change
+    def open_join(self) -> bytes:
+        """A restarted rank: register, create fresh QPs towards every peer; our connect blob."""
+        return self._connections().local_info().to_bytes()
+
+    def connect_peer(self, r: int, blob: bytes) -> PeerLink:
+        """A restarted rank: take our QPs towards survivor r to RTS with its new QPs."""
+        self._conn.connect_peer(r, blob)
+        return self._link(r)
+
+    def rebuild_peer(self, r: int, blob: bytes) -> Tuple[PeerLink, bytes]:
+        """A survivor: new QPs towards restarted rank r only (the old ones are destroyed; other peers'
+        QPs, their state and their counters stay), connected to r's new ones. Returns the link and our
+        new connect blob (it lists the new QPNs towards r)."""
+        self._conn.validate(r, blob)          # a bad blob changes nothing
+        self._conn.rebuild_peer(r)
+        self._conn.connect_peer(r, blob)
+        return self._link(r), self._conn.local_info().to_bytes()
+
+    def qp_state(self, r: int) -> List[Dict[str, Any]]:
+        """QP numbers and, on the softnic, each QP's counters (executed WQEs, bytes, doorbells, ...)."""
+        out = []
+        for q in self._conn.qps(r):
+            entry: Dict[str, Any] = {"qpn": q.qp["qpn"], "remote_qpn": q.remote_qpn}
+            if self.kind == "emulated":
+                st = self._prov.qp_stats(q.qp["qpn"])
+                entry.update(wqes=st.wqes, bytes=st.bytes, atomics=st.atomics, doorbells=st.doorbells,
+                             consumer_index=st.consumer_index, state=int(st.state))
+            out.append(entry)
+        return out
 
     def disconnect(self, peers: Sequence[int]) -> None:
         # Every QP goes (a rejoin rebuilds the whole mesh collectively); the MR stays registered.

@@ -3,18 +3,17 @@ each transport kind, and keep the per-peer links (the tables the kernels read)."
 from __future__ import annotations
 
 import base64
+import dataclasses
+import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from .base import (KINDS, PeerLink, RankInfo, Transport, all_gather_bytes, host_name, node_ids,
-                   plan_transports)
+from .base import KINDS, PeerLink, RankInfo, Transport, host_name, node_ids, plan_transports
 from .local import LocalTransport
 from .nvlink import NvlinkTransport
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
     from ..ep.config import EpConfig
 
 log = logging.getLogger("pyep.transport")
@@ -24,9 +23,10 @@ NIC_KINDS = ("ibgda", "emulated")
 class PeerSet:
     """The links of one EP buffer to every rank of its group (itself included)."""
 
-    def __init__(self, group: "dist.ProcessGroup", config: "EpConfig", ep: Any, rank: int, num_ranks: int,
+    def __init__(self, control: Any, config: "EpConfig", ep: Any, rank: int, num_ranks: int,
                  device_index: int, buffer_addr: int, buffer_bytes: int, setup_timeout_s: float) -> None:
-        self.group = group
+        from ..ep.control import as_control
+        self.control = as_control(control)   # pyep.ep.control: a ProcessGroup is wrapped, or a store
         self.config = config
         self._ep = ep
         self.rank = rank
@@ -51,7 +51,7 @@ class PeerSet:
                         generation=self.generation, nic=detect_nic(self.config.device_name), p2p=p2p)
 
     def _gather(self, info: RankInfo, what: str) -> List[RankInfo]:
-        raw = all_gather_bytes(self.group, info.encode(), self.timeout_s, what)
+        raw = self.control.all_gather_bytes(info.encode(), self.timeout_s, what)
         return [RankInfo.decode(b, r) for r, b in enumerate(raw)]
 
     def _p2p_row(self, infos: List[RankInfo]) -> List[int]:
@@ -87,6 +87,104 @@ class PeerSet:
         self.links = [links[r] for r in range(self.num_ranks)]
         log.info("rank %d transports: %s", self.rank,
                  ", ".join(f"{link.rank}:{link.kind}" for link in self.links))
+        self._publish_info()
+
+    # ------------------------------------------------------------------ store-based membership
+    def _publish_info(self) -> None:
+        """Store-based buffers keep each member's latest RankInfo in the store: a restarted rank reads
+        the survivors' from there (they never set up again)."""
+        if self.control.kind == "store":
+            self.control.store.set(self.control.key("member", "info", self.rank), self.infos[self.rank].encode())
+
+    def gpu_identities(self, me: Tuple[str, str]) -> List[Any]:
+        """(host, GPU uuid) of every rank: how many ranks share our GPU decides the kernels' grid."""
+        mine = json.dumps(list(me)).encode()
+        if self.control.kind != "store":
+            raw = self.control.all_gather_bytes(mine, self.timeout_s, "GPU identities")
+        else:
+            from ..ep.control import store_wait
+            c = self.control
+            c.store.set(c.key("member", "gpu", self.rank), mine)
+            keys = [c.key("member", "gpu", r) for r in range(self.num_ranks)]
+            store_wait(c.store, keys, list(range(self.num_ranks)), self.timeout_s, "GPU identities")
+            raw = [bytes(c.store.get(k)) for k in keys]
+        return [tuple(json.loads(b.decode())) for b in raw]
+
+    def prepare_join(self) -> bytes:
+        """A restarted rank: our description, the plan from the survivors' stored descriptions, fresh
+        QPs towards everyone (INIT). Returns the announcement payload."""
+        from ..ep.control import store_wait
+        c = self.control
+        keys = [c.key("member", "info", r) for r in range(self.num_ranks)]
+        others = [r for r in range(self.num_ranks) if r != self.rank]
+        store_wait(c.store, [keys[r] for r in others], others, self.timeout_s, "survivors' transport descriptions")
+        stored = {r: RankInfo.decode(bytes(c.store.get(keys[r])), r) for r in others}
+        first = self._my_info([])
+        infos = [first if r == self.rank else stored[r] for r in range(self.num_ranks)]
+        mine = self._my_info(self._p2p_row(infos))
+        infos[self.rank] = mine
+        nodes = node_ids([i.host for i in infos], self.config.ranks_per_node)
+        self.infos = [dataclasses.replace(i, node=n) for i, n in zip(infos, nodes)]
+        self.plan = plan_transports(self.config.transport, self.config.allow_nvlink, nodes,
+                                    [i.p2p for i in self.infos], [i.nic for i in self.infos])
+        nic = b""
+        for kind in NIC_KINDS:
+            if any(k == kind for k in self.plan[self.rank]):
+                nic = self._transport(kind).open_join()
+        return json.dumps({"info": base64.b64encode(self.infos[self.rank].encode()).decode(),
+                           "nic": base64.b64encode(nic).decode()}).encode()
+
+    def finish_join(self, blobs: Dict[int, bytes]) -> None:
+        """A restarted rank, admitted: connect to every survivor with what it published for us."""
+        links: Dict[int, PeerLink] = dict(self._transport("local").connect([self.rank], self.infos))
+        for r in range(self.num_ranks):
+            if r == self.rank:
+                continue
+            kind = self.plan[self.rank][r]
+            if kind == "nvlink":
+                links.update(self._transport(kind).connect([r], self.infos))
+            else:
+                nic = base64.b64decode(json.loads(blobs[r].decode())["nic"])
+                links[r] = self._transport(kind).connect_peer(r, nic)
+        self.links = [links[r] for r in range(self.num_ranks)]
+        self._publish_info()
+
+    def rebuild_peer(self, rank: int, payload: bytes) -> bytes:
+        """A survivor: rebuild only the link to restarted `rank` (a new IPC mapping of its new buffer,
+        or new QPs connected to its new ones). Returns what we publish for it."""
+        from ..ep.membership import BadAnnouncement
+        try:
+            doc = json.loads(payload.decode())
+            info = RankInfo.decode(base64.b64decode(doc["info"]), rank)
+            nic = base64.b64decode(doc["nic"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise BadAnnouncement(f"rejoin announcement of rank {rank}: malformed transport data ({exc})") from None
+        old = self.infos[rank]
+        if (info.host, info.pci_bus_id.lower()) != (old.host, old.pci_bus_id.lower()):
+            raise BadAnnouncement(f"rejoin announcement of rank {rank}: it came back on {info.host} GPU "
+                                  f"{info.pci_bus_id}, it was on {old.host} GPU {old.pci_bus_id}; a rejoin keeps "
+                                  f"the placement (the transport plan of the others depends on it)")
+        self.infos[rank] = dataclasses.replace(info, node=old.node, p2p=old.p2p)
+        kind = self.plan[self.rank][rank]
+        out = b""
+        if kind == "nvlink":
+            t = self._transport(kind)
+            t.disconnect([rank])
+            self.links[rank] = t.connect([rank], self.infos)[rank]
+        elif kind in NIC_KINDS:
+            self.links[rank], out = self._transport(kind).rebuild_peer(rank, nic)
+        return json.dumps({"nic": base64.b64encode(out).decode()}).encode()
+
+    def link_state(self) -> Dict[int, Any]:
+        """Per peer: kind, store address, and for NIC links each QP's number and softnic counters."""
+        state: Dict[int, Any] = {}
+        for link in self.links:
+            entry: Dict[str, Any] = {"kind": link.kind, "store_base": link.store_base, "rkey": link.rkey}
+            t = self._transports.get(link.kind)
+            if link.kind in NIC_KINDS and t is not None:
+                entry["qps"] = t.qp_state(link.rank)
+            state[link.rank] = entry
+        return state
 
     def _transport(self, kind: str) -> Transport:
         t = self._transports.get(kind)
@@ -97,7 +195,7 @@ class PeerSet:
                 t = NvlinkTransport(self._ep, self.rank)
             elif kind in NIC_KINDS:
                 from .ibgda import NicTransport
-                t = NicTransport(kind, self.group, self.config, self.rank, self.num_ranks,
+                t = NicTransport(kind, self.control, self.config, self.rank, self.num_ranks,
                                  self.buffer_addr, self.buffer_bytes, self.timeout_s)
             else:
                 raise ValueError(f"unknown transport kind {kind!r}")

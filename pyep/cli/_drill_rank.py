@@ -1,0 +1,250 @@
+"""One rank of `pyep drill` (python -m pyep.cli._drill_rank JSON): a store-based EpBuffer serving loop
+that checks every call against the reference definition, survives a killed peer, and -- as the
+restarted process of a killed rank -- joins the running job.
+
+Every call c uses inputs derived from (seed, c, rank), so each rank rebuilds every sender's tokens and
+checks its dispatch output (counts, src_info, rows) and its combine output bit for bit against what
+the reference backend defines, given who was active in that call (the rank's own active_ranks after
+the phase). The victim kills itself (SIGKILL) in the middle of dispatch, of combine, or between calls.
+Results are one JSON line on stdout: `PYEP_DRILL_RESULT {...}`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Dict, List, Sequence, Tuple
+
+RESULT_TAG = "PYEP_DRILL_RESULT "
+
+
+def _inputs(seed: int, call: int, rank: int, n: int, h: int, e: int, k: int) -> Tuple[Any, Any, Any]:
+    import torch
+    g = torch.Generator().manual_seed(seed * 1_000_003 + call * 7919 + rank)
+    x = (torch.randn(n, h, generator=g) * 2).to(torch.bfloat16)
+    idx = torch.rand(n, e, generator=g).argsort(dim=1)[:, :k].to(torch.int64).contiguous()
+    idx[torch.rand(n, k, generator=g) < 0.15] = -1
+    w = torch.rand(n, k, generator=g, dtype=torch.float32)
+    return x, idx, w
+
+
+def _expert(recv: Any, e_offset: int) -> Any:
+    import torch
+    factor = 1.0 + (torch.arange(recv.shape[0], dtype=torch.float32, device=recv.device) + e_offset) / 16.0
+    return (recv.float() * factor.view(-1, 1, 1)).to(torch.bfloat16)
+
+
+def _check_dispatch(a: Dict[str, Any], call: int, rank: int, world: int, active: Sequence[bool], recv: Any,
+                    cnt: Any, handle: Any) -> None:
+    import torch
+    e_l = a["E"] // world
+    ins = [_inputs(a["seed"], call, r, a["T"], a["H"], a["E"], a["K"]) for r in range(world)]
+    cnt, src, recv = cnt.cpu(), handle.src_info.cpu(), recv.cpu()
+    for le in range(e_l):
+        ge = rank * e_l + le
+        toks, rows = [], []
+        for r in range(world):
+            if not active[r]:
+                continue
+            x, idx, _ = ins[r]
+            t = (idx == ge).any(dim=1).nonzero().reshape(-1)
+            toks.append(t)
+            rows.append(x[t])
+        t = torch.cat(toks) if toks else torch.empty(0, dtype=torch.int64)
+        n = int(t.numel())
+        if int(cnt[le]) != n:
+            raise AssertionError(f"call {call} rank {rank}: recv_count[{le}] = {int(cnt[le])}, expected {n} "
+                                 f"(active {list(active)})")
+        if not torch.equal(src[le, :n].to(torch.int64), t):
+            raise AssertionError(f"call {call} rank {rank}: src_info of local expert {le} differs")
+        if n and not torch.equal(recv[le, :n].view(torch.int16), torch.cat(rows).view(torch.int16)):
+            raise AssertionError(f"call {call} rank {rank}: received rows of local expert {le} differ")
+
+
+def _expected_combine(a: Dict[str, Any], call: int, rank: int, world: int, active: Sequence[bool]) -> Any:
+    import torch
+    e_l = a["E"] // world
+    x, idx, w = _inputs(a["seed"], call, rank, a["T"], a["H"], a["E"], a["K"])
+    acc = torch.zeros(x.shape[0], a["H"], dtype=torch.float32)
+    owner_on = torch.tensor([bool(active[int(v) // e_l]) if v >= 0 else False for v in idx.reshape(-1).tolist()],
+                            dtype=torch.bool).view(idx.shape)
+    for k in range(idx.shape[1]):     # k ascending, multiply then add in fp32: the reference's order
+        e = idx[:, k]
+        y = (x.float() * (1.0 + e.clamp_min(0).float() / 16.0).view(-1, 1)).to(torch.bfloat16).float()
+        acc = torch.where(owner_on[:, k].view(-1, 1), acc + w[:, k:k + 1] * y, acc)
+    return acc.to(torch.bfloat16)
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm_reference_kill(buf: Any) -> None:
+    """Reference backend: die after the first message of the next exchange is in the store, i.e. in the
+    middle of the exchange (some peers have our data, the others never get it)."""
+    mail = getattr(buf.backend, "_mail", None)
+    if mail is None:
+        raise RuntimeError("the reference drill needs a store-based buffer")
+    store = mail.store
+
+    class _Dying:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def set(self, key: str, value: Any) -> None:
+            store.set(key, value)
+            _die()
+    mail.store = _Dying()
+
+
+def run(a: Dict[str, Any]) -> Dict[str, Any]:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from pyep.ep import EpBuffer
+    rank, world = int(a["rank"]), int(a["world"])
+    native = a["backend"] == "native"
+    if native:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    store = dist.TCPStore(a["host"], int(a["port"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
+    t0 = time.monotonic()
+    buf = EpBuffer(store=store, rank=rank, world_size=world, store_prefix=a["prefix"], backend=a["backend"],
+                   transport=a["transport"], num_max_dispatch_tokens_per_rank=a["T"], hidden=a["H"],
+                   num_experts=a["E"], max_topk=a["K"], timeout_us=a["timeout_us"], check_values=False,
+                   rejoin_lead_calls=a["lead"])
+    dev = buf.device
+    res: Dict[str, Any] = {"rank": rank, "generation": buf.generation, "setup_s": time.monotonic() - t0}
+    active = torch.ones(world, dtype=torch.int32, device=dev)
+    if buf.joining:
+        active.fill_(1)
+        tj = time.monotonic()
+        res["joined_at"] = buf.join(a["join_timeout_s"])
+        res["join_s"] = time.monotonic() - tj
+        stop = res["joined_at"] + a["rounds_after"]
+    else:
+        stop = None
+    victim, kill_call, phase = a["victim"], a["kill_call"], a["phase"]
+    times: List[float] = []
+    death_call = admit_call = None
+    deadline = time.monotonic() + a["wall_s"]
+    e_off = rank * (a["E"] // world)
+
+    def sync() -> None:
+        if native:
+            torch.cuda.synchronize()
+
+    while True:
+        call = buf.next_call
+        if stop is not None and call > stop:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no rejoin within {a['wall_s']} s (at call {call})")
+        pending = list(buf._member._pending.values()) if (native and buf._member is not None) else []
+        # Counters only where every survivor waits anyway (the handshake at call #A): a pause before a
+        # call elsewhere would let peers time out on us.
+        full = any(p.at == call for p in pending)
+        snap = _links(buf, victim, full) if pending else None
+        admitted = buf.admit_pending(active)
+        if snap is not None:
+            after_links = _links(buf, victim, full)
+            res.setdefault("link_checks", 0)
+            res["link_checks"] += 1
+            if after_links != snap:
+                res["others_changed"] = {"before": snap, "after": after_links}
+        if True:
+            if admitted and stop is None:
+                admit_call = call
+                stop = call + a["rounds_after"]
+                res["admitted_at"] = call
+                res["admit_time"] = time.time()
+        mine = rank == victim and buf.generation == 1 and call == kill_call
+        if mine and phase == "between":
+            _die()
+        x, idx, w = (t.to(dev) for t in _inputs(a["seed"], call, rank, a["T"], a["H"], a["E"], a["K"]))
+        before = active.tolist()
+        sync()
+        ts = time.monotonic()
+        if mine and phase == "dispatch" and not native:
+            _arm_reference_kill(buf)
+        recv, cnt, handle, _, _ = buf.dispatch(x, idx, use_fp8=False, active_ranks=active, timeout_us=a["timeout_us"])
+        if mine and phase == "dispatch":
+            _die()                                   # native: the kernel is in flight
+        if mine and phase == "combine" and not native:
+            _arm_reference_kill(buf)
+        y = _expert(recv, e_off)
+        out, _, _ = buf.combine(y, idx, w, handle, active_ranks=active, timeout_us=a["timeout_us"])
+        if mine and phase == "combine":
+            _die()
+        sync()
+        dt = time.monotonic() - ts
+        times.append(dt)
+        after = active.tolist()
+        if before != after and death_call is None:
+            death_call = call
+            res["death_call"] = call
+            res["death_call_ms"] = dt * 1e3
+            res["detect_time"] = time.time()
+            res["marked"] = [r for r in range(world) if before[r] and not after[r]]
+        # Who counted as active in this call: the mask after it (a source marked during the call sent
+        # nothing that was used, an owner marked during combine contributes nothing).
+        on = [bool(v) for v in after]
+        _check_dispatch(a, call, rank, world, on if on == before else _dispatch_view(buf, handle, world, on),
+                        recv, cnt, handle)
+        want = _expected_combine(a, call, rank, world, on)
+        if not torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)):
+            raise AssertionError(f"call {call} rank {rank}: combine differs from the reference (active {on})")
+        if stop is None and victim < 0 and call >= a["rounds_after"]:
+            stop = call
+    res["calls"] = len(times)
+    first = admit_call or res.get("joined_at")
+    res["calls_after_join"] = (stop - first + 1) if first is not None and stop is not None else 0
+    res["times_ms"] = [round(t * 1e3, 3) for t in times]
+    res["final_active"] = [int(v) for v in active.tolist()]
+    buf.destroy()
+    return res
+
+
+COUNTERS = ("wqes", "bytes", "atomics", "doorbells", "consumer_index")
+
+
+def _links(buf: Any, victim: int, counters: bool) -> Any:
+    """The links to every peer but the victim: addresses, keys, QP numbers and state, and with
+    `counters` the softnic's per-QP counters (settled first: the softnic executes posted WQEs
+    asynchronously). A rejoin must leave them as they are."""
+    import torch
+    if counters:
+        torch.cuda.synchronize()
+        time.sleep(0.05)
+    state = buf.backend.link_state()
+    if not counters:
+        for v in state.values():
+            for q in v.get("qps", []):
+                for c in COUNTERS:
+                    q.pop(c, None)
+    return {r: v for r, v in state.items() if r != victim}
+
+
+def _dispatch_view(buf: Any, handle: Any, world: int, after: List[bool]) -> List[bool]:
+    """The mask a dispatch that marked a rank used: the layout says which sources it counted."""
+    counted = handle.layout_range.cpu() & 0xFFFFFFFF
+    sent = (counted.sum(0) > 0).tolist()
+    return [after[r] or bool(sent[r]) for r in range(world)]
+
+
+def main(argv: List[str]) -> int:
+    a = json.loads(argv[0])
+    import logging
+    logging.basicConfig(level=logging.WARNING, format=f"rank {a['rank']} %(levelname)s %(name)s: %(message)s")
+    res = run(a)
+    print(RESULT_TAG + json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,228 @@
+"""`pyep drill`: the elastic-membership drill. Hosts a TCPStore, starts `--world` ranks of a store-based
+EpBuffer serving loop (pyep.cli._drill_rank), SIGKILLs one of them in the middle of dispatch, of
+combine or between calls, restarts that one process, and checks:
+
+- the survivors finish the call that finds the rank dead within timeout + slack, with outputs equal to
+  the reference definition for the ranks that were active;
+- the restarted process joins (generation 2) and every rank then runs `--rounds-after` calls, each
+  bit-equal to the reference;
+- survivors' per-call time after the rejoin stays near the healthy one (reported; --max-slowdown).
+
+One line per drill and a summary (drills passed, hangs, detection / rejoin / per-call times); exit
+status 0 only if every drill passed. --json FILE writes every drill's numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+PHASES = ("dispatch", "combine", "between")
+
+
+@dataclass
+class DrillOutcome:
+    index: int
+    phase: str
+    ok: bool
+    hang: bool = False
+    why: str = ""
+    detect_ms: float = 0.0          # the survivors' call that found the victim dead (max over survivors)
+    rejoin_s: float = 0.0           # restart spawned -> admitted
+    healthy_ms: float = 0.0         # survivors' median call before the kill
+    after_ms: float = 0.0           # survivors' median call after the rejoin
+    joined_at: int = 0
+    rounds_checked: int = 0
+    ranks: List[Dict[str, Any]] = field(default_factory=list)
+
+
+def _rank_args(ns: argparse.Namespace, rank: int, port: int, prefix: str, phase: str) -> Dict[str, Any]:
+    return {"rank": rank, "world": ns.world, "host": "127.0.0.1", "port": port, "prefix": prefix,
+            "backend": ns.backend, "transport": ns.transport, "T": ns.tokens, "H": ns.hidden, "E": ns.experts,
+            "K": ns.topk, "timeout_us": ns.timeout_us, "lead": ns.lead_calls, "seed": ns.seed,
+            "victim": ns.victim if ns.victim >= 0 else ns.world - 1, "kill_call": ns.kill_call, "phase": phase,
+            "rounds_after": ns.rounds_after, "join_timeout_s": ns.join_timeout_s, "wall_s": ns.drill_timeout_s}
+
+
+def _spawn(args: Dict[str, Any]) -> subprocess.Popen:
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    return subprocess.Popen([sys.executable, "-u", "-m", "pyep.cli._drill_rank", json.dumps(args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+class _Reader:
+    def __init__(self, proc: subprocess.Popen, tag: str, echo: bool) -> None:
+        self.lines: List[str] = []
+        self.result: Optional[Dict[str, Any]] = None
+        self._t = threading.Thread(target=self._run, args=(proc, tag, echo), daemon=True)
+        self._t.start()
+
+    def _run(self, proc: subprocess.Popen, tag: str, echo: bool) -> None:
+        from ._drill_rank import RESULT_TAG
+        assert proc.stdout is not None
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            if line.startswith(RESULT_TAG):
+                self.result = json.loads(line[len(RESULT_TAG):])
+                continue
+            self.lines.append(line)
+            if echo:
+                print(f"  [{tag}] {line}", flush=True)
+
+    def join(self) -> None:
+        self._t.join(5.0)
+
+
+def run_drill(ns: argparse.Namespace, index: int, phase: str, echo: bool = False) -> DrillOutcome:
+    import torch.distributed as dist
+    out = DrillOutcome(index, phase, ok=False)
+    store = dist.TCPStore("127.0.0.1", 0, ns.world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    prefix = f"pyep/drill/{os.getpid()}/{index}"
+    victim = ns.victim if ns.victim >= 0 else ns.world - 1
+    procs: Dict[str, subprocess.Popen] = {}
+    readers: Dict[str, _Reader] = {}
+    for r in range(ns.world):
+        tag = f"rank {r}"
+        procs[tag] = _spawn(_rank_args(ns, r, store.port, prefix, phase))
+        readers[tag] = _Reader(procs[tag], tag, echo)
+    deadline = time.monotonic() + ns.drill_timeout_s
+    restart_time = 0.0
+    try:
+        while time.monotonic() < deadline:
+            alive = [t for t, p in procs.items() if p.poll() is None]
+            dead_victim = procs[f"rank {victim}"].poll()
+            if dead_victim is not None and "restart" not in procs:
+                if dead_victim != -9:
+                    raise RuntimeError(f"rank {victim} exited with {dead_victim} before it was killed: "
+                                       + " | ".join(readers[f"rank {victim}"].lines[-5:]))
+                print(f"pyep drill #{index}: rank {victim} killed ({phase}); restarting it", flush=True)
+                restart_time = time.time()
+                procs["restart"] = _spawn(_rank_args(ns, victim, store.port, prefix, phase))
+                readers["restart"] = _Reader(procs["restart"], f"rank {victim}'", echo)
+                continue
+            failed = [t for t, p in procs.items() if t != f"rank {victim}" and p.poll() not in (None, 0)]
+            if failed:
+                t = failed[0]
+                raise RuntimeError(f"{t} exited with {procs[t].poll()}: " + " | ".join(readers[t].lines[-8:]))
+            if not alive:
+                break
+            time.sleep(0.05)
+        else:
+            out.hang = True
+            raise RuntimeError(f"drill did not finish within {ns.drill_timeout_s} s")
+        for r in readers.values():
+            r.join()
+        res = {t: r.result for t, r in readers.items() if t != f"rank {victim}"}
+        missing = [t for t, v in res.items() if v is None]
+        if missing:
+            raise RuntimeError(f"no result from {missing}")
+        out.ranks = [v for v in res.values() if v is not None]
+        survivors = [v for t, v in res.items() if t not in ("restart",) and v is not None]
+        newcomer = res["restart"]
+        assert newcomer is not None
+        if newcomer["generation"] != 2:
+            raise RuntimeError(f"the restarted rank has generation {newcomer['generation']}, expected 2")
+        out.joined_at = int(newcomer["joined_at"])
+        out.rounds_checked = int(newcomer["calls_after_join"])
+        out.detect_ms = max(float(s.get("death_call_ms", 0.0)) for s in survivors)
+        out.rejoin_s = max(float(s["admit_time"]) for s in survivors) - restart_time
+        kill = ns.kill_call
+        healthy = [t for s in survivors for t in s["times_ms"][1:kill - 1]]
+        after = [t for s in survivors for t in s["times_ms"][-max(1, out.rounds_checked - 1):]]
+        out.healthy_ms = statistics.median(healthy) if healthy else 0.0
+        out.after_ms = statistics.median(after) if after else 0.0
+        limit = ns.timeout_us / 1e3 + ns.slack_ms
+        if any("death_call_ms" not in s for s in survivors):
+            raise RuntimeError("a survivor never marked the killed rank")
+        wrong = {s["rank"]: s["marked"] for s in survivors if s["marked"] != [victim]}
+        if wrong:
+            raise RuntimeError(f"survivors marked ranks other than the killed one: {wrong}")
+        changed = {s["rank"]: s["others_changed"] for s in survivors if "others_changed" in s}
+        if changed:
+            raise RuntimeError(f"a rejoin changed the links to other peers: {changed}")
+        partial = {s["rank"]: s["final_active"] for s in out.ranks if 0 in s["final_active"]}
+        if partial:
+            raise RuntimeError(f"ranks still marked inactive at the end: {partial}")
+        if out.detect_ms > limit:
+            raise RuntimeError(f"the call that found rank {victim} dead took {out.detect_ms:.1f} ms > "
+                               f"timeout + {ns.slack_ms:g} ms = {limit:.1f} ms")
+        if out.healthy_ms and out.after_ms > ns.max_slowdown * out.healthy_ms + 0.5:
+            raise RuntimeError(f"per-call time after the rejoin {out.after_ms:.3f} ms vs {out.healthy_ms:.3f} ms "
+                               f"before (> x{ns.max_slowdown:g})")
+        out.ok = True
+    except Exception as exc:  # noqa: BLE001 - reported per drill
+        out.why = str(exc)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return out
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("drill", help="kill a rank mid-call, restart it, check survivors and rejoin",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=["native", "reference"], default="native")
+    p.add_argument("--transport", default="nvlink", help="native: nvlink, emulated, ... (reference: ignored)")
+    p.add_argument("--world", type=int, default=2, help="ranks (they may share a GPU)")
+    p.add_argument("--drills", type=int, default=3, help="drills, cycling through --phases")
+    p.add_argument("--phases", default=",".join(PHASES))
+    p.add_argument("--victim", type=int, default=-1, help="rank to kill (default: the last)")
+    p.add_argument("--kill-call", type=int, default=6)
+    p.add_argument("--timeout-us", type=int, default=50_000)
+    p.add_argument("--slack-ms", type=float, default=50.0, help="detection bound: timeout + this")
+    p.add_argument("--max-slowdown", type=float, default=1.5, help="per-call time after / before the kill")
+    p.add_argument("--rounds-after", type=int, default=1000, help="calls checked after the rejoin")
+    p.add_argument("--lead-calls", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=0, help="default: 4 per rank")
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--join-timeout-s", type=float, default=120.0)
+    p.add_argument("--drill-timeout-s", type=float, default=600.0)
+    p.add_argument("--echo", action="store_true", help="print the ranks' output")
+    p.add_argument("--json", default=None, help="write every drill's numbers here")
+    p.set_defaults(func=_main)
+
+
+def _main(ns: argparse.Namespace) -> int:
+    from . import CliError
+    phases = [x.strip() for x in ns.phases.split(",") if x.strip()]
+    if not phases or any(x not in PHASES for x in phases):
+        raise CliError(f"--phases must name some of {', '.join(PHASES)}")
+    if ns.world < 2:
+        raise CliError("--world must be >= 2")
+    if ns.experts == 0:
+        ns.experts = 4 * ns.world
+    if ns.kill_call < 3:
+        raise CliError("--kill-call must be >= 3 (the first calls give the healthy time)")
+    outcomes = []
+    for i in range(ns.drills):
+        o = run_drill(ns, i, phases[i % len(phases)], ns.echo)
+        outcomes.append(o)
+        status = "PASS" if o.ok else ("HANG" if o.hang else "FAIL")
+        print(f"pyep drill #{i} {o.phase:8s} {status}: detect {o.detect_ms:.2f} ms (timeout {ns.timeout_us / 1e3:g} ms), "
+              f"rejoin {o.rejoin_s:.2f} s at call {o.joined_at}, {o.rounds_checked} calls checked after, per call "
+              f"{o.healthy_ms:.3f} ms before / {o.after_ms:.3f} ms after" + (f" -- {o.why}" if o.why else ""),
+              flush=True)
+    passed = sum(o.ok for o in outcomes)
+    hangs = sum(o.hang for o in outcomes)
+    print(f"pyep drill: {passed}/{len(outcomes)} drills passed, {hangs} hangs ({ns.backend}, {ns.transport}, "
+          f"{ns.world} ranks)", flush=True)
+    if ns.json:
+        with open(ns.json, "w", encoding="utf-8") as fh:
+            json.dump({"args": vars(ns) | {"func": None}, "drills": [asdict(o) for o in outcomes]}, fh, indent=1)
+    return 0 if passed == len(outcomes) else 1

@@ -1,0 +1,101 @@
+"""The reference backend's data path on a store-based EpBuffer: one store key per (call, source,
+destination) instead of an all-to-all over a process group, so a dead rank cannot hang the others.
+
+Key: <prefix>/mail/<dst>/<call tag>/<src>.<generation of src>. A receiver waits for the keys of every
+active source until the call's deadline; a source whose key is missing then is marked inactive (the
+caller's active_ranks, and the backend's own mask), exactly as the native kernels mark a peer that
+timed out, and counts as having sent nothing. The generation in the key keeps mail of a dead process
+from being read as its restarted successor's. A receiver deletes what it read.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("pyep.ep.mailbox")
+POLL_S = 0.0005
+HEARTBEAT_S = 0.05      # a waiting rank refreshes its alive key this often
+
+
+class StoreMailbox:
+    def __init__(self, control: Any) -> None:
+        self.c = control
+        self.store = control.store
+        self.rank = control.rank
+        self.world = control.world_size
+        self.generations: List[int] = [1] * self.world   # set by the membership (shared list)
+
+    def _key(self, dst: int, tag: str, src: int, gen: int) -> str:
+        return self.c.key("mail", dst, tag, f"{src}.{gen}")
+
+    def _beating(self, src: int) -> bool:
+        key = self.c.key("alive", src)
+        if not self.store.check([key]):
+            return False
+        return time.time() - float(bytes(self.store.get(key)).decode()) < 4 * HEARTBEAT_S
+
+    def forget(self, rank: int) -> None:
+        """Nothing to release per peer (mail of an older generation is simply never read)."""
+        return None
+
+    def exchange(self, send: "torch.Tensor", send_counts: "torch.Tensor", width: int, timeout_us: int, what: str,
+                 tag: str, active: "torch.Tensor", marks: Optional["torch.Tensor"]
+                 ) -> Tuple["torch.Tensor", "torch.Tensor", List[int]]:
+        import torch
+        counts = [int(c) for c in send_counts.tolist()]
+        on = [bool(a) for a in active.tolist()]
+        raw = send.contiguous().numpy().tobytes()
+        row = width
+        at = 0
+        mine = b""
+        for dst, n in enumerate(counts):
+            part = raw[at * row:(at + n) * row]
+            at += n
+            if dst == self.rank:
+                mine = part
+            elif on[dst]:
+                self.store.set(self._key(dst, tag, self.rank, self.generations[self.rank]), part)
+        got = {self.rank: mine}
+        waiting = {src: self._key(self.rank, tag, src, self.generations[src])
+                   for src in range(self.world) if src != self.rank and on[src]}
+        start = time.monotonic()
+        deadline = start + timeout_us / 1e6
+        extended = False
+        beat = 0.0
+        delay = POLL_S / 4
+        while waiting:
+            now = time.monotonic()
+            if now - beat > HEARTBEAT_S:
+                beat = now
+                self.store.set(self.c.key("alive", self.rank), repr(time.time()).encode())
+            if now > deadline and not extended:
+                # A late source may be alive and itself waiting out the timeout on a dead third rank
+                # (it saw less of the dead rank's last messages than we did): marking it would drop a
+                # healthy rank. Wait once more, for the sources that are still beating.
+                extended = True
+                if any(self._beating(src) for src in waiting):
+                    deadline = now + timeout_us / 1e6
+            for src, key in list(waiting.items()):
+                if self.store.check([key]):
+                    got[src] = bytes(self.store.get(key))
+                    self.store.delete_key(key)
+                    del waiting[src]
+            if not waiting or (time.monotonic() > deadline and extended):
+                break
+            time.sleep(delay)
+            delay = min(POLL_S * 8, delay * 2)
+        for src in waiting:      # late: treated as dead from now on, like the kernels' timeout
+            log.warning("rank %d: %s: rank %d did not answer within %d us; marked inactive", self.rank, what, src,
+                        timeout_us)
+            active[src] = False
+            if marks is not None:
+                marks[src] = 0
+        lens = [len(got.get(src, b"")) // row if row else 0 for src in range(self.world)]
+        body = b"".join(got.get(src, b"") for src in range(self.world))
+        recv = (torch.frombuffer(bytearray(body), dtype=torch.uint8).view(-1, row) if body
+                else torch.empty((0, row), dtype=torch.uint8, device="cpu"))
+        return recv, torch.tensor(lens, dtype=torch.int64, device="cpu"), sorted(waiting)

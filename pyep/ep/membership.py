@@ -1,0 +1,309 @@
+"""Elastic membership of a store-based EpBuffer: a killed rank is survived, restarted and re-admitted,
+and only the links to it are rebuilt (docs/elastic.md is the protocol; this is its implementation).
+
+Keys (under the buffer's store prefix):
+    gen/<r>                 counter: the membership generation of rank r (1 = first process, each
+                            restarted process of r adds 1 when it creates its buffer)
+    ann/<r>/<g>             rank r's announcement for generation g (Announcement, validated by peers)
+    anncount, annidx/<i>    announcements in order: i-th one is "r:g" (one counter read per poll)
+    reject/<r>/<g>          why a survivor refused the announcement (the newcomer raises it)
+    blob/<r>/<g>/<s>        survivor s's connect data for the newcomer (its new QPs towards r, ...)
+    prepared/<r>/<g>        counter: survivors whose links to r are rebuilt and whose stale signals
+                            from r are cleared
+    at/<r>/<g>              "A:H": the newcomer's first dispatch is call #A, on buffer half H
+    act/<r>/<g>/<s>         survivor s is at call #A with r active and its stream drained
+    ready/<r>/<g>           the newcomer saw every act key; its first dispatch follows
+
+Every wait is bounded and names the ranks it waited for; survivors never block on a newcomer except
+for the bounded handshake at call #A.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from .control import ControlTimeout, StoreControl, store_wait
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("pyep.ep.membership")
+FORMAT = "pyep-member/1"
+MAX_ANNOUNCEMENT = 1 << 20
+DEFAULT_LEAD_CALLS = 8
+
+
+class MembershipError(RuntimeError):
+    """The membership protocol cannot go on (wrong call order, a survivor missed call #A, ...)."""
+
+
+class BadAnnouncement(MembershipError, ValueError):
+    """A rejoin announcement that is malformed or does not fit this job."""
+
+
+class StaleAnnouncement(BadAnnouncement):
+    """An announcement of a generation that is not the rank's newest (or was already admitted)."""
+
+
+@dataclass(frozen=True)
+class Announcement:
+    rank: int
+    world_size: int
+    generation: int
+    fingerprint: str           # the buffer's shape, transport and backend: must equal the survivors'
+    backend: str
+    payload: bytes             # backend-specific connect data (native: RankInfo + NIC endpoint)
+
+    def encode(self) -> bytes:
+        return json.dumps({"format": FORMAT, "rank": self.rank, "world_size": self.world_size,
+                           "generation": self.generation, "fingerprint": self.fingerprint,
+                           "backend": self.backend, "payload": base64.b64encode(self.payload).decode()},
+                          separators=(",", ":")).encode()
+
+
+def buffer_fingerprint(config: Any, num_ranks: int) -> str:
+    """What must be equal between a restarted rank's buffer and the survivors' (shape, transport)."""
+    return (f"{config.describe_shape(num_ranks)} transport={config.transport} nvlink={config.allow_nvlink} "
+            f"qps={config.num_qps_per_peer} rpn={config.ranks_per_node} bytes={config.num_buffer_bytes}")
+
+
+def decode_announcement(raw: Any, expect_rank: int, world_size: int, fingerprint: str, backend: str,
+                        newest_generation: int, admitted_generation: int) -> Announcement:
+    """Parse and check an announcement that arrived as rank `expect_rank`'s. Raises BadAnnouncement
+    (malformed, another job's shape) or StaleAnnouncement (not the newest generation, or one that is
+    already a member) with a message naming the rank and the field."""
+    who = f"rejoin announcement of rank {expect_rank}"
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_ANNOUNCEMENT:
+        raise BadAnnouncement(f"{who}: not a byte string of at most {MAX_ANNOUNCEMENT} bytes")
+    try:
+        doc = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadAnnouncement(f"{who}: not a pyep membership document ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise BadAnnouncement(f"{who}: field 'format' is {doc.get('format') if isinstance(doc, dict) else doc!r}, "
+                              f"expected {FORMAT!r}")
+    for name in ("rank", "world_size", "generation"):
+        v = doc.get(name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise BadAnnouncement(f"{who}: field {name!r} must be an integer, got {v!r}")
+    for name in ("fingerprint", "backend", "payload"):
+        if not isinstance(doc.get(name), str):
+            raise BadAnnouncement(f"{who}: field {name!r} must be a string")
+    if doc["rank"] != expect_rank:
+        raise BadAnnouncement(f"{who}: field 'rank' is {doc['rank']}: the key belongs to rank {expect_rank}")
+    if doc["world_size"] != world_size:
+        raise BadAnnouncement(f"{who}: field 'world_size' is {doc['world_size']}, this job has {world_size}")
+    if doc["backend"] != backend:
+        raise BadAnnouncement(f"{who}: backend {doc['backend']!r}, the survivors run {backend!r}")
+    if doc["fingerprint"] != fingerprint:
+        raise BadAnnouncement(f"{who}: buffer {doc['fingerprint']!r} differs from the survivors' {fingerprint!r}")
+    gen = doc["generation"]
+    if gen <= admitted_generation:
+        raise StaleAnnouncement(f"{who}: generation {gen} is already a member (admitted generation "
+                                f"{admitted_generation}); a restarted process announces a newer one")
+    if gen != newest_generation:
+        raise StaleAnnouncement(f"{who}: generation {gen} is stale: the newest process of rank {expect_rank} "
+                                f"has generation {newest_generation}")
+    try:
+        payload = base64.b64decode(doc["payload"].encode(), validate=True)
+    except ValueError:
+        raise BadAnnouncement(f"{who}: field 'payload' is not base64") from None
+    return Announcement(expect_rank, world_size, gen, doc["fingerprint"], doc["backend"], payload)
+
+
+@dataclass
+class _Pending:
+    """A newcomer this survivor knows about."""
+    rank: int
+    generation: int
+    announcement: Announcement
+    stage: str = "announced"        # announced -> rebuilt -> counted -> (admitted)
+    at: Optional[int] = None        # call #A
+    half: Optional[int] = None
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """What poll_rejoin() reports about one newcomer."""
+    rank: int
+    generation: int
+    stage: str
+    at_call: Optional[int]
+
+
+class Membership:
+    """The membership protocol of one store-based EpBuffer (both the survivor and the newcomer side).
+    `backend` provides member_payload(), prepare_peer(r, payload) -> bytes, prepare_done(r) -> bool,
+    activate_peer(r, active), join(blobs, half) and next_half(seq_next) (docs/elastic.md)."""
+
+    def __init__(self, control: StoreControl, fingerprint: str, timeout_s: float,
+                 lead_calls: int = DEFAULT_LEAD_CALLS) -> None:
+        self.c = control
+        self.store = control.store
+        self.backend: Any = None
+        self.fingerprint = fingerprint
+        self.timeout_s = timeout_s
+        self.lead_calls = lead_calls
+        self.rank, self.world = control.rank, control.world_size
+        self.generation = int(self.store.add(control.key("gen", self.rank), 1))
+        self.admitted: List[int] = [1] * self.world
+        self.admitted[self.rank] = self.generation
+        self._seen = 0
+        self._pending: Dict[int, _Pending] = {}
+        self.rejected: List[str] = []
+
+        self._joined = self.generation == 1
+
+    def attach(self, backend: Any) -> None:
+        self.backend = backend
+        setter = getattr(backend, "set_generations", None)
+        if setter is not None:
+            setter(self.admitted)       # the same list: the mailbox keys follow admissions
+
+    @property
+    def joining(self) -> bool:
+        return not self._joined
+
+    def k(self, *parts: Any) -> str:
+        return self.c.key(*parts)
+
+    # ------------------------------------------------------------------ survivor side
+    def poll(self, next_call: int, lead_calls: Optional[int] = None) -> List[Rejoin]:
+        """Non-blocking: read new announcements, rebuild links for them, count this survivor as
+        prepared when its stale-signal clear has completed, and learn call #A. One store round trip
+        when nothing is going on."""
+        count = int(self.store.add(self.k("anncount"), 0))
+        while self._seen < count:
+            idx = self.k("annidx", self._seen + 1)
+            if not self.store.check([idx]):
+                break                                    # the newcomer is still writing it
+            self._seen += 1
+            r, g = (int(x) for x in bytes(self.store.get(idx)).decode().split(":"))
+            self._consider(r, g)
+        lead = self.lead_calls if lead_calls is None else lead_calls
+        for p in list(self._pending.values()):
+            self._advance(p, next_call, lead)
+        return [Rejoin(p.rank, p.generation, p.stage, p.at) for p in self._pending.values()]
+
+    def _consider(self, r: int, g: int) -> None:
+        if r == self.rank or not 0 <= r < self.world:
+            return
+        newest = int(self.store.add(self.k("gen", r), 0))
+        try:
+            raw = bytes(self.store.get(self.k("ann", r, g)))
+            ann = decode_announcement(raw, r, self.world, self.fingerprint, self.backend.name, newest,
+                                      self.admitted[r])
+        except BadAnnouncement as exc:
+            self._refuse(r, g, exc)
+            return
+        old = self._pending.get(r)
+        if old is not None and old.generation >= g:
+            return
+        log.warning("rank %d: rank %d announced generation %d (rejoin); rebuilding only its links",
+                    self.rank, r, g)
+        self._pending[r] = _Pending(r, g, ann)
+
+    def _refuse(self, r: int, g: int, exc: Exception) -> None:
+        msg = f"rank {self.rank} refused: {exc}"
+        log.error("%s", msg)
+        self.rejected.append(msg)
+        self.store.set(self.k("reject", r, g), msg.encode())
+
+    def _advance(self, p: _Pending, next_call: int, lead: int) -> None:
+        if p.stage == "announced":
+            try:
+                blob = self.backend.prepare_peer(p.rank, p.announcement.payload)
+            except BadAnnouncement as exc:
+                self._refuse(p.rank, p.generation, exc)
+                del self._pending[p.rank]
+                return
+            self.store.set(self.k("blob", p.rank, p.generation, self.rank), blob)
+            p.stage = "rebuilt"
+        if p.stage == "rebuilt" and self.backend.prepare_done(p.rank):
+            n = int(self.store.add(self.k("prepared", p.rank, p.generation), 1))
+            p.stage = "counted"
+            if n == self.world - 1:
+                # The last survivor to get ready picks call #A far enough ahead that every survivor,
+                # polling once per call, learns it before it gets there.
+                at = next_call + lead
+                half = self.backend.next_half(next_call, at)
+                self.store.set(self.k("at", p.rank, p.generation), f"{at}:{half}".encode())
+        if p.stage == "counted" and p.at is None:
+            key = self.k("at", p.rank, p.generation)
+            if self.store.check([key]):
+                a, h = bytes(self.store.get(key)).decode().split(":")
+                p.at, p.half = int(a), int(h)
+
+    def due(self, next_call: int) -> List[int]:
+        """Ranks whose call #A is the next call (activate them now); raises when one was missed."""
+        out = []
+        for p in self._pending.values():
+            if p.at is None:
+                continue
+            if p.at < next_call:
+                raise MembershipError(f"rank {self.rank}: rank {p.rank} (generation {p.generation}) was to join at "
+                                      f"call #{p.at}, but this buffer is already at call #{next_call}: poll_rejoin() / "
+                                      f"admit_pending() must run before every dispatch while a rejoin is pending")
+            if p.at == next_call:
+                out.append(p.rank)
+        return out
+
+    def activate(self, r: int, next_call: int, active: Optional["torch.Tensor"]) -> None:
+        """At call #A: the backend drains its stream and marks r active; then the handshake."""
+        p = self._pending[r]
+        expect = self.backend.next_half(next_call, next_call)
+        if p.half is not None and expect is not None and expect != p.half:
+            raise MembershipError(f"rank {self.rank}: at call #{next_call} this buffer uses half {expect}, the "
+                                  f"agreed half is {p.half}: the survivors' call sequences differ")
+        self.backend.activate_peer(r, active)
+        self.store.set(self.k("act", r, p.generation, self.rank), b"1")
+        store_wait(self.store, [self.k("ready", r, p.generation)], [r], self.timeout_s,
+                   f"rank {self.rank} admitting rank {r} (generation {p.generation}) at call #{next_call}")
+        self.admitted[r] = p.generation
+        del self._pending[r]
+        log.warning("rank %d: rank %d (generation %d) admitted at call #%d", self.rank, r, p.generation, next_call)
+
+    # ------------------------------------------------------------------ newcomer side
+    def announce(self) -> None:
+        ann = Announcement(self.rank, self.world, self.generation, self.fingerprint, self.backend.name,
+                           self.backend.member_payload())
+        self.store.set(self.k("ann", self.rank, self.generation), ann.encode())
+        i = int(self.store.add(self.k("anncount"), 1))
+        self.store.set(self.k("annidx", i), f"{self.rank}:{self.generation}".encode())
+        log.warning("rank %d: announced generation %d (rejoin), waiting to be admitted", self.rank, self.generation)
+
+    def join(self, timeout_s: float) -> int:
+        """Wait (bounded) until the survivors admit us; returns call #A, the number our next dispatch
+        carries. Raises the survivors' refusal, or ControlTimeout naming the survivors that are late."""
+        r, g = self.rank, self.generation
+        others = [s for s in range(self.world) if s != r]
+        deadline = time.monotonic() + timeout_s
+        at_key = self.k("at", r, g)
+        while not self.store.check([at_key]):
+            rej = self.k("reject", r, g)
+            if self.store.check([rej]):
+                raise BadAnnouncement(bytes(self.store.get(rej)).decode())
+            if time.monotonic() > deadline:
+                done = [s for s in others if self.store.check([self.k("blob", r, g, s)])]
+                raise ControlTimeout(f"rank {r} (generation {g}) waiting to be admitted (no survivor may be "
+                                     f"polling: poll_rejoin() / admit_pending() / update_ep_member())",
+                                     [s for s in others if s not in done], timeout_s)
+            time.sleep(0.005)
+        a, h = bytes(self.store.get(at_key)).decode().split(":")
+        at, half = int(a), int(h)
+        blobs = {s: bytes(self.store.get(self.k("blob", r, g, s))) for s in others}
+        for s in others:
+            self.admitted[s] = int(self.store.add(self.k("gen", s), 0))
+        self.backend.join(blobs, half)
+        left = max(1.0, deadline - time.monotonic())
+        store_wait(self.store, [self.k("act", r, g, s) for s in others], others, left,
+                   f"rank {r} (generation {g}) waiting for the survivors to reach call #{at}")
+        self.store.set(self.k("ready", r, g), b"1")
+        self._joined = True
+        log.warning("rank %d: admitted (generation %d); first call #%d on half %d", r, g, at, half)
+        return at

@@ -1,0 +1,258 @@
+"""Elastic membership on CPU (issue 12): the store-based control plane (bootstrap, bounded waits that
+name the missing ranks, a peer killed mid-exchange), membership generations, announcements that are
+malformed or stale (rejected with a clear error), and whole drills with the reference backend in which
+a real process is SIGKILLed in the middle of dispatch, of combine and between calls, restarted, and
+re-admitted while the survivors keep going (pyep drill)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import threading
+from typing import Any, Callable, List
+
+import pytest
+
+from pyep.ep.control import ControlTimeout, StoreControl
+from pyep.ep.membership import (Announcement, BadAnnouncement, StaleAnnouncement, buffer_fingerprint,
+                                decode_announcement)
+
+
+def _master() -> Any:
+    import torch.distributed as dist
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=30))
+
+
+def _client(port: int) -> Any:
+    import torch.distributed as dist
+    return dist.TCPStore("127.0.0.1", port, 1, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=30))
+
+
+def _threads(world: int, fn: Callable[[int], Any], timeout_s: float = 60.0) -> List[Any]:
+    out: List[Any] = [None] * world
+    errs: List[BaseException] = []
+
+    def body(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errs.append(exc)
+    ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in ts), "a rank thread hung"
+    if errs:
+        raise errs[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------- control plane
+def test_store_all_gather_and_shared_value() -> None:
+    master = _master()
+
+    def rank(r: int) -> Any:
+        c = StoreControl(_client(master.port), r, 3, "t/gather")
+        got = c.all_gather_bytes(f"rank{r}".encode(), 10.0, "test round")
+        again = c.all_gather_bytes(bytes([r]) * r, 10.0, "second round")
+        low = c.all_min(10 - r, 10.0, "min")
+        shared = c.shared_value("x", lambda: f"made by {r}".encode(), 10.0)
+        return got, again, low, shared
+
+    res = _threads(3, rank)
+    for got, again, low, shared in res:
+        assert got == [b"rank0", b"rank1", b"rank2"]
+        assert again == [b"", b"\x01", b"\x02\x02"]
+        assert low == 8
+        assert shared == res[0][3]          # one maker, everyone (later callers too) sees its value
+    late = StoreControl(_client(master.port), 1, 3, "t/gather").shared_value("x", lambda: b"late", 1.0)
+    assert late == res[0][3]
+
+
+def test_store_wait_names_the_missing_ranks() -> None:
+    master = _master()
+
+    def rank(r: int) -> Any:
+        c = StoreControl(_client(master.port), r, 4, "t/missing")
+        with pytest.raises(ControlTimeout) as info:
+            c.all_gather_bytes(b"x", 0.5, "setup round")
+        return info.value
+
+    # Ranks 1 and 3 never come.
+    errs = _threads(2, lambda i: rank([0, 2][i]))
+    for e in errs:
+        assert e.missing == [1, 3] and "setup round" in str(e) and "[1, 3]" in str(e)
+
+
+def test_store_control_rejects_bad_arguments() -> None:
+    master = _master()
+    with pytest.raises(ValueError, match="outside a world"):
+        StoreControl(master, 3, 3)
+    with pytest.raises(TypeError, match="Store"):
+        StoreControl(object(), 0, 1)
+    from pyep.ep import EpBuffer
+    with pytest.raises(ValueError, match="rank= and world_size="):
+        EpBuffer(store=master, backend="reference", hidden=128, num_experts=4)
+
+
+def _killed_mid_exchange(port: int) -> None:
+    """A rank that publishes its part of round 1, and is SIGKILLed before round 2."""
+    c = StoreControl(_client(port), 2, 3, "t/kill")
+    c.all_gather_bytes(b"first", 20.0, "round one")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_peer_killed_mid_exchange_is_named() -> None:
+    master = _master()
+    proc = mp.get_context("spawn").Process(target=_killed_mid_exchange, args=(master.port,), daemon=True)
+    proc.start()
+
+    def rank(r: int) -> Any:
+        c = StoreControl(_client(master.port), r, 3, "t/kill")
+        assert c.all_gather_bytes(b"first", 60.0, "round one")[2] == b"first"
+        with pytest.raises(ControlTimeout) as info:
+            c.all_gather_bytes(b"second", 1.0, "round two")
+        return info.value.missing
+
+    assert _threads(2, rank, 120.0) == [[2], [2]]
+    proc.join(10.0)
+    assert proc.exitcode == -signal.SIGKILL
+
+
+# ---------------------------------------------------------------------------------------- EpBuffer on a store
+SHAPE = dict(num_max_dispatch_tokens_per_rank=8, hidden=128, num_experts=6, max_topk=3)
+
+
+def _drill_args(**kw: Any) -> dict:
+    a = {"T": 8, "H": 128, "E": 6, "K": 3, "seed": 3}
+    a.update(kw)
+    return a
+
+
+def test_store_bootstrap_reference_matches_definition() -> None:
+    import torch
+
+    from pyep.cli._drill_rank import _check_dispatch, _expected_combine, _expert, _inputs
+    from pyep.ep import EpBuffer
+    master = _master()
+    a = _drill_args()
+
+    def rank(r: int) -> Any:
+        buf = EpBuffer(store=_client(master.port), rank=r, world_size=3, store_prefix="t/boot", backend="reference",
+                       timeout_us=20_000_000, **SHAPE)
+        assert buf.generation == 1 and not buf.joining and buf.backend_name == "reference"
+        assert [p.kind for p in buf.transport_table()].count("reference") == 2
+        for call in (1, 2, 3):
+            assert buf.next_call == call
+            x, idx, w = _inputs(a["seed"], call, r, 8, 128, 6, 3)
+            recv, cnt, handle, _, _ = buf.dispatch(x, idx, use_fp8=False)
+            _check_dispatch(a, call, r, 3, [True] * 3, recv, cnt, handle)
+            out, _, _ = buf.combine(_expert(recv, r * 2), idx, w, handle)
+            assert torch.equal(out.view(torch.int16), _expected_combine(a, call, r, 3, [True] * 3).view(torch.int16))
+        assert buf.poll_rejoin() == [] and buf.admit_pending() == []
+        buf.destroy()
+        return True
+
+    assert _threads(3, rank, 120.0) == [True] * 3
+
+
+def test_generations_and_stale_or_malformed_announcements() -> None:
+    """A second process of a rank gets generation 2 and joins; a forged announcement of an older
+    generation, and a malformed one, are refused with errors that say why."""
+    from pyep.ep import EpBuffer
+    master = _master()
+    kw = dict(backend="reference", timeout_us=5_000_000, store_prefix="t/gen", rejoin_lead_calls=0, **SHAPE)
+    bufs = _threads(2, lambda r: EpBuffer(store=_client(master.port), rank=r, world_size=2, **kw))
+    store = _client(master.port)
+    key = "t/gen"
+    # A malformed announcement under rank 1's name, generation 2 (what a corrupted or foreign writer
+    # would leave): survivors refuse it and write the reason where the announcer reads it.
+    assert int(store.add(f"{key}/gen/1", 1)) == 2
+    store.set(f"{key}/ann/1/2", b"{not json")
+    i = int(store.add(f"{key}/anncount", 1))
+    store.set(f"{key}/annidx/{i}", b"1:2")
+    assert bufs[0].poll_rejoin() == []
+    assert "not a pyep membership document" in bytes(store.get(f"{key}/reject/1/2")).decode()
+    # The real restarted process: generation 3 (the counter moved on), admitted through join().
+    newcomer: List[Any] = []
+
+    def restart() -> None:
+        b = EpBuffer(store=_client(master.port), rank=1, world_size=2, **kw)
+        assert b.generation == 3 and b.joining
+        with pytest.raises(RuntimeError, match="not admitted yet"):
+            b.dispatch(None, None)  # type: ignore[arg-type]
+        newcomer.append((b, b.join(30.0)))
+    t = threading.Thread(target=restart, daemon=True)
+    t.start()
+    admitted: List[int] = []
+    import time
+    deadline = time.monotonic() + 60
+    while not admitted and time.monotonic() < deadline:
+        admitted = bufs[0].admit_pending()
+        time.sleep(0.01)
+    t.join(30)
+    assert admitted == [1] and newcomer and newcomer[0][1] == bufs[0].next_call
+    # Now a stale announcement: generation 2 again (a late message of a dead process).
+    fp = buffer_fingerprint(bufs[0].config, 2)
+    stale = Announcement(1, 2, 2, fp, "reference", b"").encode()
+    store.set(f"{key}/ann/1/2", stale)
+    i = int(store.add(f"{key}/anncount", 1))
+    store.set(f"{key}/annidx/{i}", b"1:2")
+    bufs[0].poll_rejoin()
+    assert "generation 2 is already a member" in bytes(store.get(f"{key}/reject/1/2")).decode() or \
+        "stale" in bytes(store.get(f"{key}/reject/1/2")).decode()
+    for b in (bufs[0], newcomer[0][0]):
+        b.destroy()
+    bufs[1].destroy()
+
+
+def test_decode_announcement_errors() -> None:
+    fp = "T=8, H=128"
+    good = Announcement(2, 4, 3, fp, "native", b"\x01\x02")
+    assert decode_announcement(good.encode(), 2, 4, fp, "native", 3, 1) == good
+    cases = [
+        (b"\xff\xfe", 2, 4, fp, 3, 1, BadAnnouncement, "not a pyep membership document"),
+        (good.encode(), 1, 4, fp, 3, 1, BadAnnouncement, "belongs to rank 1"),
+        (good.encode(), 2, 8, fp, 3, 1, BadAnnouncement, "this job has 8"),
+        (good.encode(), 2, 4, "T=16", 3, 1, BadAnnouncement, "differs from the survivors'"),
+        (good.encode(), 2, 4, fp, 4, 1, StaleAnnouncement, "newest process of rank 2 has generation 4"),
+        (good.encode(), 2, 4, fp, 3, 3, StaleAnnouncement, "already a member"),
+        (good.encode().replace(b'"generation":3', b'"generation":"3"'), 2, 4, fp, 3, 1, BadAnnouncement,
+         "'generation' must be an integer"),
+        (good.encode().replace(b"pyep-member/1", b"other/1"), 2, 4, fp, 3, 1, BadAnnouncement, "format"),
+    ]
+    for raw, rank, world, f, newest, admitted, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            decode_announcement(raw, rank, world, f, "native", newest, admitted)
+    with pytest.raises(BadAnnouncement, match="backend"):
+        decode_announcement(good.encode(), 2, 4, fp, "reference", 3, 1)
+
+
+# ---------------------------------------------------------------------------------------- drills
+def _drill_ns(**kw: Any) -> argparse.Namespace:
+    ns = argparse.Namespace(backend="reference", transport="auto", world=3, drills=1, phases="dispatch", victim=-1,
+                            kill_call=4, timeout_us=1_500_000, slack_ms=4000.0, max_slowdown=100.0, rounds_after=6,
+                            lead_calls=4, tokens=8, hidden=128, experts=6, topk=3, seed=5, join_timeout_s=120.0,
+                            drill_timeout_s=240.0, echo=False, json=None)
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+@pytest.mark.parametrize("phase", ["dispatch", "combine", "between"])
+def test_drill_kill_restart_rejoin_reference(phase: str) -> None:
+    """A real rank process is SIGKILLed (mid-exchange for dispatch / combine), the survivors mark it
+    within the timeout and keep computing the right outputs, the restarted process (generation 2) is
+    admitted while they run, and every call after is equal to the reference definition on every rank."""
+    from pyep.cli.drill import run_drill
+    out = run_drill(_drill_ns(), 0, phase)
+    assert out.ok, out.why
+    assert out.joined_at > 4 and out.rounds_checked == 7
+    assert 1500.0 * 0.9 <= out.detect_ms <= 1500.0 + 4000.0
+    survivors = [r for r in out.ranks if r["generation"] == 1]
+    assert len(survivors) == 2 and all(r["marked"] == [2] for r in survivors)
