@@ -123,8 +123,11 @@ def test_reference_over_nccl_says_why() -> None:
     from pyep.ep.backend import DispatchOptions
     from pyep.ep.reference import ReferenceBackend
     ref = ReferenceBackend.__new__(ReferenceBackend)
-    ref._p2p_counts, ref._backend_name = False, "nccl"
-    with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats.*native backend.*gloo"):
+    ref._p2p_counts, ref._backend_name, ref._mail = False, "nccl", None
+    with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats.*nccl.*native backend.*gloo"):
         ref._check_wait_stats(torch.zeros(2, dtype=torch.int64), "dispatch_wait_recv_cost_stats")
+    ref._backend_name, ref._mail = "store", object()     # a store-based buffer (pyep/ep/mailbox.py)
+    with pytest.raises(NotImplementedError, match="combine_wait_recv_cost_stats.*store-based.*native backend"):
+        ref._check_wait_stats(torch.zeros(2, dtype=torch.int64), "combine_wait_recv_cost_stats")
     ref._check_wait_stats(None, "dispatch_wait_recv_cost_stats")   # not asked: nothing to refuse
     assert "dispatch_wait_recv_cost_stats" in DispatchOptions.__dataclass_fields__
