@@ -3,8 +3,9 @@ over gloo). Each rank drives a native NormalBuffer on its GPU beside a reference
 CPU (the same gloo group, the same inputs) and compares everything both return, bit for bit."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ep_native_cases import setup_device
 
@@ -188,20 +189,31 @@ def correctness(shape_args: Tuple[int, int, int, int], cases: str) -> None:
         torch.cuda.synchronize()
 
 
+@contextmanager
+def rank_buffers(shape_args: Tuple[int, int, int, int]) -> Iterator[Tuple[int, int, Shape, Any, Any]]:
+    """One case's (rank, world, shape, native buffer, reference buffer); both destroyed afterwards."""
+    import torch
+    import torch.distributed as dist
+    setup_device()
+    s = Shape(*shape_args)
+    nat, ref = new_buffers(s)
+    try:
+        yield dist.get_rank(), dist.get_world_size(), s, nat, ref
+    finally:
+        nat.destroy()
+        ref.destroy()
+        torch.cuda.synchronize()
+
+
 def mixed_rows(shape_args: Tuple[int, int, int, int], rounds: int) -> None:
     """Calls of different row kinds back to back with no host wait between them (num_worst_tokens): an
     FP8 dispatch, a combine without weights, a cached BF16 dispatch, a combine with weights. A peer that
     finished one call starts writing the next while this rank may still read the last one, so the
     rings of one call must never overlap another call's (docs/normal_mode.md, "Rings never move")."""
     import torch
-    import torch.distributed as dist
     from pyep.ep import fp8
-    setup_device()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    s = Shape(*shape_args)
-    worst = s.N * world
-    nat, ref = new_buffers(s)
-    try:
+    with rank_buffers(shape_args) as (rank, world, s, nat, ref):
+        worst = s.N * world
         got = []
         inputs = [make_inputs(300 + i, rank, s, "hot" if i % 2 else "random", world) for i in range(rounds)]
         for x, t, w in inputs:        # everything queued first: the ranks drift apart freely
@@ -231,10 +243,6 @@ def mixed_rows(shape_args: Tuple[int, int, int, int], rounds: int) -> None:
             c1 = ref.combine(expert(w16[0], rank), w8[4], topk_weights=w8[2])
             same(f"{tag} combine with weights", g_c1, c1[0])
             same(f"{tag} combined weights", g_w1, c1[1])
-    finally:
-        nat.destroy()
-        ref.destroy()
-        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------- drills
