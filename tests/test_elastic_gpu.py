@@ -48,8 +48,11 @@ def test_drills_kill_restart_rejoin(transport: str) -> None:
     outs = []
     for i in range(ns.drills):
         o = run_drill(ns, i, phases[i % len(phases)])
-        log.warning("drill %d %s %s: detect %.2f ms, rejoin %.2f s, %.3f ms/call before, %.3f after %s", i, o.phase,
-                    "PASS" if o.ok else "FAIL", o.detect_ms, o.rejoin_s, o.healthy_ms, o.after_ms, o.why)
+        log.warning("drill %d %s %s: detect %.2f ms (device dispatch/combine %s), rejoin %.2f s, %.3f ms/call "
+                    "before, %.3f after (newcomer %.3f; device %s -> %s; iteration %.3f -> %.3f, newcomer %.3f) %s",
+                    i, o.phase, "PASS" if o.ok else "FAIL", o.detect_ms, o.death_split_ms, o.rejoin_s, o.healthy_ms,
+                    o.after_ms, o.newcomer_ms, o.split_before_ms, o.split_after_ms, o.loop_before_ms,
+                    o.loop_after_ms, o.newcomer_loop_ms, o.why)
         outs.append(o)
     failed = [(o.index, o.phase, o.why) for o in outs if not o.ok]
     assert not failed, f"{len(failed)}/{len(outs)} drills failed ({sum(o.hang for o in outs)} hangs): {failed}"

@@ -256,3 +256,21 @@ def test_drill_kill_restart_rejoin_reference(phase: str) -> None:
     assert 1500.0 * 0.9 <= out.detect_ms <= 1500.0 + 4000.0
     survivors = [r for r in out.ranks if r["generation"] == 1]
     assert len(survivors) == 2 and all(r["marked"] == [2] for r in survivors)
+
+
+def test_drill_call_a_survives_a_pause_after_admission() -> None:
+    """Every member must leave call #A with everyone active (the restarted rank active on the
+    survivors, the survivors active on it) even when the survivors start call #A well over a timeout
+    after the handshake released the newcomer (host work between steps; the newcomer's cold first
+    launches on GPUs). Call #A waits REJOIN_CALL_TIMEOUT_US on every member; without that, the newcomer
+    marks the late survivors in call #A and they mark it back in the combine (seen on GPUs: `ranks still
+    marked inactive at the end`). The reference's heartbeat does not cover it: a pausing rank is not
+    waiting, so it does not beat."""
+    from pyep.cli.drill import run_drill
+    from pyep.ep.membership import REJOIN_CALL_TIMEOUT_US
+    timeout_us, pause_ms = 300_000, 1200.0
+    assert 2 * timeout_us / 1e3 < pause_ms < REJOIN_CALL_TIMEOUT_US / 1e3 - 500
+    out = run_drill(_drill_ns(world=2, experts=4, timeout_us=timeout_us, phases="between", rounds_after=4,
+                              pause_after_admit_ms=pause_ms), 0, "between")
+    assert out.ok, out.why
+    assert all(r["final_active"] == [1, 1] for r in out.ranks), [r["final_active"] for r in out.ranks]

@@ -236,3 +236,67 @@ def test_private_memory_and_dead_peer() -> None:
         # the killed peer could not unlink its segments
         for path in glob.glob(f"/dev/shm/pyep-sn-{fabric:016x}-*"):
             os.unlink(path)
+
+
+def test_restarted_peer_under_the_same_node_id() -> None:
+    """A peer process SIGKILLed while our QP still has a WQE for it (stalled, retrying), then a new
+    process of the same node id (elastic rejoin on the softnic): new QPs reach the new process at once,
+    the old QP keeps failing towards the dead one, and a peer found dead is not re-probed on every pass."""
+    fabric = new_fabric_id()
+    ctx = mp.get_context("spawn")
+
+    def start() -> Any:
+        parent_end, child_end = ctx.Pipe()
+        proc = ctx.Process(target=_peer_main, args=(fabric, child_end))
+        proc.start()
+        assert parent_end.poll(60), "peer process did not send its connect blob within 60 s"
+        return proc, parent_end, parse_connect_blob(parent_end.recv(), fabric)
+
+    procs = []
+    try:
+        with SoftNic(SoftNicConfig(node_id=0, fabric_id=fabric)) as nic:
+            src = nic.alloc_host(4096)
+            mr = nic.reg_mr(src)
+            src.numpy()[:64] = bytearray(range(64))
+
+            def link(conn: Any, peer: Any, attr: Any) -> Any:
+                cqs = [nic.create_cq(3) for _ in range(2)]
+                qps = [nic.create_qp(cq, 3) for cq in cqs]
+                for qp, rq in zip(qps, peer.qpns):
+                    nic.connect(qp, 1, rq, attr)
+                conn.send(nic.connect_blob(qps))
+                assert conn.poll(30) and conn.recv() == "ready"
+                return [nic.host_qp(qp, cq) for qp, cq in zip(qps, cqs)], qps
+
+            proc, conn, peer = start()
+            procs.append(proc)
+            old, old_qps = link(conn, peer, ConnectAttr(ack_timeout=16, retry_cnt=7))   # ~2 s of retries
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(timeout=10)
+            time.sleep(0.1)
+            shared = peer.mrs[0]
+            assert old[0].post_rdma_write(src.addr, mr.lkey, shared.addr, shared.rkey, 8, signaled=True) == \
+                PostStatus.OK
+            time.sleep(0.2)                                  # the old QP stalls on the dead node
+            assert nic.qp_stats(old_qps[0]).wqes == 0
+            proc, conn, peer = start()                       # the same node id, a new process
+            procs.append(proc)
+            new, _ = link(conn, peer, ConnectAttr(ack_timeout=10, retry_cnt=1))
+            shared = peer.mrs[0]
+            t0 = time.monotonic()
+            assert new[0].post_rdma_write(src.addr, mr.lkey, shared.addr, shared.rkey, 64, signaled=True) == \
+                PostStatus.OK
+            assert new[0].quiet(timeout_s=10) == PostStatus.OK
+            assert time.monotonic() - t0 < 1.0
+            conn.send(64)
+            assert conn.poll(10) and conn.recv() == bytes(range(64))
+            # The old QP was connected to the dead process's QP: the new one does not accept it.
+            assert old[0].quiet(timeout_s=10) == PostStatus.ERR_QP
+            nic.events(log_them=False)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+        for path in glob.glob(f"/dev/shm/pyep-sn-{fabric:016x}-*"):
+            os.unlink(path)

@@ -381,6 +381,7 @@ void SoftNicProvider::destroy_qp(uint32_t qpn) {
     CtlLock lock(m);
     QpObj& q = m.qp(qpn);
     m.release_qp_cuda(q);
+    m.close_retired_ipc();   // a control call: the engine thread leaves these to us
     m.clean_cq(q);
     m.free_control(q.sq);
     m.free_control(q.db);

@@ -347,7 +347,7 @@ Verdict run(Impl& m, QpObj& q, const uint8_t* wqe, const Work& w, const Span& ta
 
 }  // namespace
 
-PeerView* Impl::peer(uint64_t node, uint64_t now) {
+PeerView* Impl::peer(uint64_t node, uint64_t now, bool control) {
     auto& slot = peers[node];
     if (!slot) {
         slot = std::make_unique<PeerView>();
@@ -360,30 +360,44 @@ PeerView* Impl::peer(uint64_t node, uint64_t now) {
         p.alive = true;
         return &p;
     }
-    if (p.base && now - p.checked_ns < kPeerRecheckNs) return &p;
+    if (control) close_retired_ipc();
+    // Dead peers too: a QP whose head WQE targets a dead node asks on every pass, and a probe maps and
+    // unmaps the node's table (a killed softnic never unlinks it), which interrupts every thread of
+    // this process (TLB shootdowns) while the survivors' kernels run.
+    if (!control && p.checked_ns && now - p.checked_ns < kPeerRecheckNs) return &p;
     p.checked_ns = now;
-    if (!p.table) {
-        auto seg = ShmSegment::open(table_segment_name(fabric_id, node));
-        if (!seg || !check_table(seg->base(), seg->size(), fabric_id, node).empty()) {
-            p.alive = false;
-            return &p;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+        if (!p.table) {
+            auto seg = ShmSegment::open(table_segment_name(fabric_id, node));
+            if (!seg || !check_table(seg->base(), seg->size(), fabric_id, node).empty()) {
+                p.alive = false;
+                return &p;
+            }
+            p.table = std::move(seg);
+            p.base = p.table->base();
         }
-        p.table = std::move(seg);
-        p.base = p.table->base();
-    }
-    const auto* h = static_cast<const SegHeader*>(p.base);
-    p.pid = __atomic_load_n(&h->pid, __ATOMIC_ACQUIRE);
-    p.alive = __atomic_load_n(&h->alive, __ATOMIC_ACQUIRE) && process_alive(p.pid);
-    if (!p.alive) {
-        // A softnic that comes back under this node id creates a new segment: forget the old one.
-        for (auto& [handle, base] : p.ipc)
-            if (cuda) cuda->close_ipc(base);
+        const auto* h = static_cast<const SegHeader*>(p.base);
+        p.pid = __atomic_load_n(&h->pid, __ATOMIC_ACQUIRE);
+        p.alive = __atomic_load_n(&h->alive, __ATOMIC_ACQUIRE) && process_alive(p.pid);
+        if (p.alive) return &p;
+        // The owner is gone. A softnic that comes back under this node id creates a new segment under
+        // the same name: forget the old one and look once more (a restarted peer is reachable at once,
+        // and prepare_peer_cuda opens its memory up front). Its IPC mappings are closed by a control
+        // call, never here on the engine thread (see retired_ipc).
+        for (auto& [handle, base] : p.ipc) retired_ipc.push_back(base);
         p.ipc.clear();
         p.buffers.clear();
         p.table.reset();
         p.base = nullptr;
+        if (control) close_retired_ipc();
     }
     return &p;
+}
+
+void Impl::close_retired_ipc() {
+    for (void* base : retired_ipc)
+        if (cuda) cuda->close_ipc(base);
+    retired_ipc.clear();
 }
 
 void Impl::drop_peers_cache() {
@@ -391,6 +405,7 @@ void Impl::drop_peers_cache() {
         for (auto& [handle, base] : p->ipc)
             if (cuda) cuda->close_ipc(base);
     peers.clear();
+    close_retired_ipc();
 }
 
 Step Impl::execute(QpObj& q, const uint8_t* wqe, uint64_t now) {
@@ -437,8 +452,10 @@ void Impl::prepare_qp_cuda(QpObj& q) {
 }
 
 void Impl::prepare_peer_cuda(uint64_t node) {
+    // A control probe first, in every build: a QP just connected to a restarted node must not see the
+    // dead predecessor the engine cached (it re-probes only every kPeerRecheckNs).
+    PeerView* p = peer(node, gda::now_ns(), true);
     if (!cuda) return;
-    PeerView* p = peer(node, gda::now_ns());
     if (!p->alive || !p->base || p->pid == (int32_t)getpid()) return;
     const auto* ph = static_cast<const SegHeader*>(p->base);
     for (uint32_t i = 0; i < ph->max_mrs; ++i) {

@@ -152,6 +152,9 @@ struct nic::SoftNicProvider::Impl {
     softnic::DropRule drops[softnic::kMaxDropRules] = {};
     std::map<uint64_t, uint64_t> peer_delay_ns;
     std::unordered_map<uint64_t, std::unique_ptr<softnic::PeerView>> peers;
+    // IPC mappings of peers found dead by the engine thread, closed by the next control call
+    // (cudaIpcCloseMemHandle may wait for running kernels, like the calls prepare_peer_cuda makes).
+    std::vector<void*> retired_ipc;
     std::deque<std::string> events;
     std::vector<int> peer_access;          // devices this softnic's device has peer access to
 
@@ -176,7 +179,10 @@ struct nic::SoftNicProvider::Impl {
     softnic::Step execute(softnic::QpObj& q, const uint8_t* wqe, uint64_t now);
     softnic::Step fail(softnic::QpObj& q, softnic::Completion c, uint8_t syndrome, uint8_t vendor,
                        const std::string& why);
-    softnic::PeerView* peer(uint64_t node, uint64_t now);
+    // `control`: a control call asking (probe now, and close what the engine retired); the engine
+    // thread re-probes a peer, live or dead, at most every kPeerRecheckNs.
+    softnic::PeerView* peer(uint64_t node, uint64_t now, bool control = false);
+    void close_retired_ipc();
     void drop_peers_cache();
     // CUDA setup done from control calls, never lazily from the engine thread: cudaHostAlloc,
     // cudaIpcOpenMemHandle and peer enabling can wait for running kernels, and the kernels that are

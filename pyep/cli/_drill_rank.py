@@ -131,6 +131,10 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
         stop = None
     victim, kill_call, phase = a["victim"], a["kill_call"], a["phase"]
     times: List[float] = []
+    loops: List[float] = []
+    split: List[Tuple[float, float]] = []
+    last_ts = None
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if native else []
     death_call = admit_call = None
     deadline = time.monotonic() + a["wall_s"]
     e_off = rank * (a["E"] // world)
@@ -152,7 +156,9 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
         snap = _links(buf, victim, full) if pending else None
         admitted = buf.admit_pending(active)
         if snap is not None:
-            after_links = _links(buf, victim, full)
+            # No settling now: the handshake has released the newcomer, so a pause here would delay
+            # call #A for everyone; and nothing was posted since the settled snapshot above.
+            after_links = _links(buf, victim, full, settle=False)
             res.setdefault("link_checks", 0)
             res["link_checks"] += 1
             if after_links != snap:
@@ -163,6 +169,10 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
                 stop = call + a["rounds_after"]
                 res["admitted_at"] = call
                 res["admit_time"] = time.time()
+                if a.get("pause_after_admit_ms"):
+                    # Host work between the admission and call #A (a model's layers before the first
+                    # MoE layer): call #A's rejoin timeout must cover it (docs/elastic.md).
+                    time.sleep(a["pause_after_admit_ms"] / 1e3)
         mine = rank == victim and buf.generation == 1 and call == kill_call
         if mine and phase == "between":
             _die()
@@ -170,25 +180,41 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
         before = active.tolist()
         sync()
         ts = time.monotonic()
+        if last_ts is not None:
+            loops.append(ts - last_ts)     # the whole iteration: checks, store poll, the call
+        last_ts = ts
+        if native:
+            ev[0].record()
         if mine and phase == "dispatch" and not native:
             _arm_reference_kill(buf)
         recv, cnt, handle, _, _ = buf.dispatch(x, idx, use_fp8=False, active_ranks=active, timeout_us=a["timeout_us"])
         if mine and phase == "dispatch":
             _die()                                   # native: the kernel is in flight
+        if native:
+            ev[1].record()
         if mine and phase == "combine" and not native:
             _arm_reference_kill(buf)
         y = _expert(recv, e_off)
+        if native:
+            ev[2].record()
         out, _, _ = buf.combine(y, idx, w, handle, active_ranks=active, timeout_us=a["timeout_us"])
         if mine and phase == "combine":
             _die()
+        if native:
+            ev[3].record()
         sync()
         dt = time.monotonic() - ts
         times.append(dt)
+        if native:
+            # Device time of the dispatch and of the combine (CUDA events): which one a slow call waits in.
+            split.append((ev[0].elapsed_time(ev[1]), ev[2].elapsed_time(ev[3])))
         after = active.tolist()
         if before != after and death_call is None:
             death_call = call
             res["death_call"] = call
             res["death_call_ms"] = dt * 1e3
+            if split:
+                res["death_split_ms"] = [round(v, 3) for v in split[-1]]
             res["detect_time"] = time.time()
             res["marked"] = [r for r in range(world) if before[r] and not after[r]]
         # Who counted as active in this call: the mask after it (a source marked during the call sent
@@ -205,6 +231,11 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
     first = admit_call or res.get("joined_at")
     res["calls_after_join"] = (stop - first + 1) if first is not None and stop is not None else 0
     res["times_ms"] = [round(t * 1e3, 3) for t in times]
+    res["loop_ms"] = [round(t * 1e3, 3) for t in loops]
+    res["split_ms"] = [[round(d, 3), round(c, 3)] for d, c in split]
+    events = getattr(getattr(buf.backend, "_peers", None), "provider", lambda: None)()
+    if events is not None and hasattr(events, "events"):
+        res["softnic_events"] = list(events.events())[-20:]   # errors / overruns the softnic noticed
     res["final_active"] = [int(v) for v in active.tolist()]
     buf.destroy()
     return res
@@ -213,12 +244,12 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
 COUNTERS = ("wqes", "bytes", "atomics", "doorbells", "consumer_index")
 
 
-def _links(buf: Any, victim: int, counters: bool) -> Any:
+def _links(buf: Any, victim: int, counters: bool, settle: bool = True) -> Any:
     """The links to every peer but the victim: addresses, keys, QP numbers and state, and with
-    `counters` the softnic's per-QP counters (settled first: the softnic executes posted WQEs
-    asynchronously). A rejoin must leave them as they are."""
+    `counters` the softnic's per-QP counters (settled first when `settle`: the softnic executes posted
+    WQEs asynchronously). A rejoin must leave them as they are."""
     import torch
-    if counters:
+    if counters and settle:
         torch.cuda.synchronize()
         time.sleep(0.05)
     state = buf.backend.link_state()

@@ -39,6 +39,13 @@ class DrillOutcome:
     rejoin_s: float = 0.0           # restart spawned -> admitted
     healthy_ms: float = 0.0         # survivors' median call before the kill
     after_ms: float = 0.0           # survivors' median call after the rejoin
+    newcomer_ms: float = 0.0        # the restarted rank's median call after its first
+    loop_before_ms: float = 0.0     # survivors' median iteration (checks, store poll, call) before the kill
+    loop_after_ms: float = 0.0      # ... after the rejoin
+    newcomer_loop_ms: float = 0.0   # the restarted rank's median iteration
+    split_before_ms: List[float] = field(default_factory=list)   # survivors' median device ms: dispatch, combine
+    split_after_ms: List[float] = field(default_factory=list)
+    death_split_ms: List[List[float]] = field(default_factory=list)  # each survivor's death call: dispatch, combine
     joined_at: int = 0
     rounds_checked: int = 0
     ranks: List[Dict[str, Any]] = field(default_factory=list)
@@ -49,7 +56,8 @@ def _rank_args(ns: argparse.Namespace, rank: int, port: int, prefix: str, phase:
             "backend": ns.backend, "transport": ns.transport, "T": ns.tokens, "H": ns.hidden, "E": ns.experts,
             "K": ns.topk, "timeout_us": ns.timeout_us, "lead": ns.lead_calls, "seed": ns.seed,
             "victim": ns.victim if ns.victim >= 0 else ns.world - 1, "kill_call": ns.kill_call, "phase": phase,
-            "rounds_after": ns.rounds_after, "join_timeout_s": ns.join_timeout_s, "wall_s": ns.drill_timeout_s}
+            "rounds_after": ns.rounds_after, "join_timeout_s": ns.join_timeout_s, "wall_s": ns.drill_timeout_s,
+            "pause_after_admit_ms": getattr(ns, "pause_after_admit_ms", 0.0)}
 
 
 def _spawn(args: Dict[str, Any]) -> subprocess.Popen:
@@ -142,6 +150,7 @@ def run_drill(ns: argparse.Namespace, index: int, phase: str, echo: bool = False
         after = [t for s in survivors for t in s["times_ms"][-max(1, out.rounds_checked - 1):]]
         out.healthy_ms = statistics.median(healthy) if healthy else 0.0
         out.after_ms = statistics.median(after) if after else 0.0
+        _diagnostics(out, survivors, newcomer, kill)
         limit = ns.timeout_us / 1e3 + ns.slack_ms
         if any("death_call_ms" not in s for s in survivors):
             raise RuntimeError("a survivor never marked the killed rank")
@@ -159,7 +168,10 @@ def run_drill(ns: argparse.Namespace, index: int, phase: str, echo: bool = False
                                f"timeout + {ns.slack_ms:g} ms = {limit:.1f} ms")
         if out.healthy_ms and out.after_ms > ns.max_slowdown * out.healthy_ms + 0.5:
             raise RuntimeError(f"per-call time after the rejoin {out.after_ms:.3f} ms vs {out.healthy_ms:.3f} ms "
-                               f"before (> x{ns.max_slowdown:g})")
+                               f"before (> x{ns.max_slowdown:g}); device ms (dispatch, combine) "
+                               f"{out.split_before_ms} before, {out.split_after_ms} after; iteration "
+                               f"{out.loop_before_ms:.3f} ms before, {out.loop_after_ms:.3f} after, newcomer "
+                               f"{out.newcomer_loop_ms:.3f} (its call {out.newcomer_ms:.3f} ms)")
         out.ok = True
     except Exception as exc:  # noqa: BLE001 - reported per drill
         out.why = str(exc)
@@ -169,6 +181,24 @@ def run_drill(ns: argparse.Namespace, index: int, phase: str, echo: bool = False
                 p.kill()
                 p.wait(10)
     return out
+
+
+def _median(xs: List[float]) -> float:
+    return round(statistics.median(xs), 3) if xs else 0.0
+
+
+def _diagnostics(out: DrillOutcome, survivors: List[Dict[str, Any]], newcomer: Dict[str, Any], kill: int) -> None:
+    """Where the time goes (reported with every drill, used in the failure messages): whole iterations
+    against the call, the device time of dispatch and combine (native), and the restarted rank's own."""
+    n_after = max(1, out.rounds_checked - 1)
+    out.newcomer_ms = _median(newcomer["times_ms"][1:])
+    out.newcomer_loop_ms = _median(newcomer.get("loop_ms", [])[1:])
+    out.loop_before_ms = _median([t for s in survivors for t in s.get("loop_ms", [])[1:kill - 2]])
+    out.loop_after_ms = _median([t for s in survivors for t in s.get("loop_ms", [])[-n_after:]])
+    for name, pick in (("split_before_ms", lambda sp: sp[1:kill - 1]), ("split_after_ms", lambda sp: sp[-n_after:])):
+        rows = [row for s in survivors for row in pick(s.get("split_ms", []))]
+        setattr(out, name, [_median([r[0] for r in rows]), _median([r[1] for r in rows])] if rows else [])
+    out.death_split_ms = [s["death_split_ms"] for s in survivors if "death_split_ms" in s]
 
 
 def add_parser(sub: Any) -> None:
@@ -193,6 +223,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--join-timeout-s", type=float, default=120.0)
     p.add_argument("--drill-timeout-s", type=float, default=600.0)
+    p.add_argument("--pause-after-admit-ms", type=float, default=0.0,
+                   help="survivors pause this long between admitting the restarted rank and its first call")
     p.add_argument("--echo", action="store_true", help="print the ranks' output")
     p.add_argument("--json", default=None, help="write every drill's numbers here")
     p.set_defaults(func=_main)
@@ -216,8 +248,9 @@ def _main(ns: argparse.Namespace) -> int:
         status = "PASS" if o.ok else ("HANG" if o.hang else "FAIL")
         print(f"pyep drill #{i} {o.phase:8s} {status}: detect {o.detect_ms:.2f} ms (timeout {ns.timeout_us / 1e3:g} ms), "
               f"rejoin {o.rejoin_s:.2f} s at call {o.joined_at}, {o.rounds_checked} calls checked after, per call "
-              f"{o.healthy_ms:.3f} ms before / {o.after_ms:.3f} ms after" + (f" -- {o.why}" if o.why else ""),
-              flush=True)
+              f"{o.healthy_ms:.3f} ms before / {o.after_ms:.3f} ms after (newcomer {o.newcomer_ms:.3f}; device "
+              f"dispatch/combine {o.split_before_ms} -> {o.split_after_ms}, death call {o.death_split_ms})"
+              + (f" -- {o.why}" if o.why else ""), flush=True)
     passed = sum(o.ok for o in outcomes)
     hangs = sum(o.hang for o in outcomes)
     print(f"pyep drill: {passed}/{len(outcomes)} drills passed, {hangs} hangs ({ns.backend}, {ns.transport}, "

@@ -20,7 +20,8 @@ from .control import ControlPlane, make_control
 from .backend import (CombineOptions, profiled_range, CompletedEvent, DispatchOptions, EpBackend, EventLike,
                       PeerTransport)
 from .config import DEFAULT_TIMEOUT_US, MAX_TOPK, EpConfig
-from .membership import DEFAULT_LEAD_CALLS, Membership, MembershipError, Rejoin, buffer_fingerprint
+from .membership import (DEFAULT_LEAD_CALLS, REJOIN_CALL_TIMEOUT_US, Membership, MembershipError, Rejoin,
+                         buffer_fingerprint)
 from .errors import InvalidExpertIndex
 from .config import size_hint as _size_hint
 from .handle import Handle
@@ -167,6 +168,7 @@ class EpBuffer:
         self._owner = uuid.uuid4().hex
         self._epoch = 0
         self._seq = 0
+        self._grace_seq = 0      # call #A of the latest rejoin: its dispatch and combine wait longer
         # Store-based buffers have a membership (pyep.ep.membership, docs/elastic.md): a process whose
         # rank already had one is a restarted rank and joins the running job instead of setting up.
         self._member: Optional[Membership] = None
@@ -286,6 +288,8 @@ class EpBuffer:
                  cumulative_local_expert_recv_stats: Optional["torch.Tensor"] = None,
                  dispatch_wait_recv_cost_stats: Optional["torch.Tensor"] = None
                  ) -> Tuple[RecvX, "torch.Tensor", Handle, EventLike, Hook]:
+        if self._grace_seq == self._seq + 1:
+            timeout_us = self._rejoin_timeout(timeout_us)
         fast = self._fast_dispatch
         if (fast is not None and async_finish is False and return_recv_hook is False and not self._destroyed
                 and not self._prof._is_profiler_enabled):
@@ -345,6 +349,8 @@ class EpBuffer:
                 return_recv_hook: bool = False, out: Optional["torch.Tensor"] = None, use_logfmt: bool = False,
                 combine_wait_recv_cost_stats: Optional["torch.Tensor"] = None
                 ) -> Tuple["torch.Tensor", EventLike, Hook]:
+        if self._grace_seq and getattr(handle, "seq", None) == self._grace_seq:
+            timeout_us = self._rejoin_timeout(timeout_us)
         fast = self._fast_combine
         # use_logfmt takes the Python path (the fast path launches BF16 combines only).
         if (fast is not None and use_logfmt is False and async_finish is False and return_recv_hook is False
@@ -377,6 +383,19 @@ class EpBuffer:
                                     else CompletedEvent(f"combine of dispatch #{handle.seq}"),
                                     res.hook if return_recv_hook else None)
         return res.out, event, hook
+
+    def _rejoin_timeout(self, timeout_us: Any) -> Any:
+        """The timeout of call #A, the first call after a rejoin (docs/elastic.md, "Call #A"): at least
+        REJOIN_CALL_TIMEOUT_US on every member. The handshake releases the members through the store, so
+        they start call #A up to a store poll apart, and the newcomer's first launches are cold (module
+        loading, first allocations); neither is the per-call skew the caller's timeout is chosen for.
+        After #A every member is in step again (each call waits for the others' data). A bad value is
+        left alone for validation to reject."""
+        if timeout_us is None:
+            return max(int(self._config.timeout_us), REJOIN_CALL_TIMEOUT_US)
+        if isinstance(timeout_us, bool) or not isinstance(timeout_us, int) or timeout_us <= 0:
+            return timeout_us
+        return max(timeout_us, REJOIN_CALL_TIMEOUT_US)
 
     def _handle_ok(self, handle: Any) -> bool:
         """validate_handle's verdict without raising: a bad handle takes the Python path, which raises
@@ -427,6 +446,7 @@ class EpBuffer:
             member.poll(self._seq + 1, lead_calls=0)
             for r in member.due(self._seq + 1):
                 member.activate(r, self._seq + 1, active_ranks)
+                self._grace_seq = self._seq + 1
                 left.discard(r)
             if left and time.monotonic() > deadline:
                 from .control import ControlTimeout
@@ -459,6 +479,7 @@ class EpBuffer:
             raise MembershipError("join() is for a restarted rank of a store-based EpBuffer")
         at = member.join(member.timeout_s if timeout_s is None else float(timeout_s))
         self._seq = at - 1
+        self._grace_seq = at
         self._epoch += 1
         self._init_fast(self._config)
         return at
@@ -486,6 +507,7 @@ class EpBuffer:
         due = member.due(self._seq + 1)
         for r in due:
             member.activate(r, self._seq + 1, active_ranks)
+            self._grace_seq = self._seq + 1
         return due
 
     def clean(self) -> None:

@@ -33,13 +33,15 @@ class ControlTimeout(TimeoutError):
         super().__init__(f"{what}: ranks {self.missing} did not answer within {timeout_s:g} s")
 
 
-def store_wait(store: Any, keys: Sequence[str], owners: Sequence[int], timeout_s: float, what: str) -> None:
+def store_wait(store: Any, keys: Sequence[str], owners: Sequence[int], timeout_s: float, what: str,
+               max_poll_s: float = POLL_S * 8) -> None:
     """Wait until every key exists (bounded); on timeout raise ControlTimeout naming the owners of the
     missing keys. Polls with check() rather than one blocking wait(): a blocking wait cannot say which
-    keys were missing, and it holds the store's client connection."""
+    keys were missing, and it holds the store's client connection. The poll interval backs off up to
+    `max_poll_s` (the membership handshake keeps it short: it is how late a rank sees the release)."""
     deadline = time.monotonic() + timeout_s
     pending = list(zip(keys, owners))
-    delay = POLL_S / 4
+    delay = min(POLL_S / 4, max_poll_s)
     while True:
         pending = [(k, o) for k, o in pending if not store.check([k])]
         if not pending:
@@ -47,7 +49,7 @@ def store_wait(store: Any, keys: Sequence[str], owners: Sequence[int], timeout_s
         if time.monotonic() > deadline:
             raise ControlTimeout(what, sorted({o for _, o in pending}), timeout_s)
         time.sleep(delay)
-        delay = min(POLL_S * 8, delay * 2)
+        delay = min(max_poll_s, delay * 2)
 
 
 class GroupControl:

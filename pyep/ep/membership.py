@@ -35,6 +35,11 @@ log = logging.getLogger("pyep.ep.membership")
 FORMAT = "pyep-member/1"
 MAX_ANNOUNCEMENT = 1 << 20
 DEFAULT_LEAD_CALLS = 8
+# Call #A (the newcomer's first call) waits at least this long on every member (EpBuffer._rejoin_timeout).
+REJOIN_CALL_TIMEOUT_US = 2_000_000
+# The handshake at call #A polls the store this often, without backing off: it releases the members, and
+# how far apart they see the release is how far apart they start call #A.
+HANDSHAKE_POLL_S = 0.0005
 
 
 class MembershipError(RuntimeError):
@@ -263,7 +268,8 @@ class Membership:
         self.backend.activate_peer(r, active)
         self.store.set(self.k("act", r, p.generation, self.rank), b"1")
         store_wait(self.store, [self.k("ready", r, p.generation)], [r], self.timeout_s,
-                   f"rank {self.rank} admitting rank {r} (generation {p.generation}) at call #{next_call}")
+                   f"rank {self.rank} admitting rank {r} (generation {p.generation}) at call #{next_call}",
+                   max_poll_s=HANDSHAKE_POLL_S)
         self.admitted[r] = p.generation
         del self._pending[r]
         log.warning("rank %d: rank %d (generation %d) admitted at call #%d", self.rank, r, p.generation, next_call)
@@ -302,7 +308,8 @@ class Membership:
         self.backend.join(blobs, half)
         left = max(1.0, deadline - time.monotonic())
         store_wait(self.store, [self.k("act", r, g, s) for s in others], others, left,
-                   f"rank {r} (generation {g}) waiting for the survivors to reach call #{at}")
+                   f"rank {r} (generation {g}) waiting for the survivors to reach call #{at}",
+                   max_poll_s=HANDSHAKE_POLL_S)
         self.store.set(self.k("ready", r, g), b"1")
         self._joined = True
         log.warning("rank %d: admitted (generation %d); first call #%d on half %d", r, g, at, half)
