@@ -135,11 +135,6 @@ class OnceHook:
         if fn is not None:
             fn()
 
-    @property
-    def done(self) -> bool:
-        """The receive half was launched."""
-        return self._fn is None
-
 
 class CompletedEvent:
     """An event for work that already finished when the call returned (reference backend, or a

@@ -199,15 +199,12 @@ class NativeBackend(NativeMembership):
         """combine through the fast path for a handle EpBuffer validated; None: take the Python path."""
         fast = self._fast
         ex = handle.extras
-        if fast is None or ex.get("buffer") != self._buf or ex.get("backend") != "native" or ex.get("combined"):
-            return None                  # a handle combined again settles first (_settle_repeated_combine)
+        if fast is None or ex.get("buffer") != self._buf or ex.get("backend") != "native":
+            return None
         src = self.next_combine_buffer(handle) if zero_copy else None
-        out = fast.combine(x, topk_idx, topk_weights, handle.src_info, handle.layout_range, ex["topk_slot"],
-                           ex["half"], handle.num_tokens, handle.num_topk, active_ranks, timeout_us, out, src,
-                           wait_stats)
-        if out is not None:
-            ex["combined"] = 1
-        return out
+        return fast.combine(x, topk_idx, topk_weights, handle.src_info, handle.layout_range, ex["topk_slot"],
+                            ex["half"], handle.num_tokens, handle.num_topk, active_ranks, timeout_us, out, src,
+                            wait_stats)
 
     # The buffer half of the next dispatch and the outstanding async_finish event are shared with the
     # fast path: it must leave a call to the Python path while an event is outstanding (stream order).
@@ -432,7 +429,6 @@ class NativeBackend(NativeMembership):
         import torch
         self._check_alive("combine")
         half, recv_slot = self._handle_parts(handle)
-        self._settle_repeated_combine(handle)
         n, k = int(topk_idx.shape[0]), int(topk_idx.shape[1])
         src = self.next_combine_buffer(handle) if opts.zero_copy else x
         out = opts.out if opts.out is not None else torch.empty((n, self.layout.hidden), dtype=torch.bfloat16,
@@ -454,32 +450,7 @@ class NativeBackend(NativeMembership):
         event, hook = self._run_phases(launch, opts.async_finish, opts.return_recv_hook, keep,
                                        "pyep::native::combine_recv", f"native combine of dispatch #{handle.seq}",
                                        opts.timeout_us)
-        handle.extras["combined"] = handle.extras.get("combined", 0) + 1
-        handle.extras["combine_hook"] = hook
         return CombineResult(out=out, event=event, hook=hook)
-
-    def _settle_repeated_combine(self, handle: "Handle") -> None:
-        """A combine uses its dispatch's buffer half: its receive slots and flags, and on the NIC path the
-        dispatch's receive slots as staging. A handle combined again reuses them, and nothing in the
-        kernels orders that reuse (the two-call rule of docs/ll_kernels.md covers calls that alternate
-        halves): a fast peer's next combine could land on rows this rank still reduces, and a restaged
-        row could overwrite one the NIC has not read yet. So a handle's second and later combines first
-        let every rank finish the previous one: device synchronise, then a bounded barrier. A handle's
-        first combine -- one per dispatch, as serving loops run -- never waits here."""
-        import torch
-        ex = handle.extras
-        if not ex.get("combined"):
-            return
-        hook = ex.get("combine_hook")
-        if hook is not None and not hook.done:
-            raise ValueError(f"dispatch #{handle.seq}'s handle is combined again, but its previous combine's "
-                             f"receive hook was not called: call that hook first")
-        if torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"dispatch #{handle.seq}'s handle is combined again inside a CUDA graph capture; a "
-                             f"repeated combine waits for every rank first: capture one combine per dispatch")
-        torch.cuda.synchronize(self.device)
-        self.control.barrier(self._setup_timeout_s, f"combine #{int(ex['combined']) + 1} of dispatch #{handle.seq}'s "
-                                                    f"handle (every rank finished the previous one)")
 
     def _handle_parts(self, handle: "Handle") -> "tuple[int, torch.Tensor]":
         ex = handle.extras
