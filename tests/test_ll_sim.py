@@ -432,7 +432,9 @@ def case_wait_stats(path: str, nic: str) -> str:
             assert got[2] > 2 * max(got[0], got[1]), f"{kind} rank {r}: {got} (rank 2 must dominate)"
             assert min(got) >= 0, f"{kind} rank {r}: {got}"
         got = st[2].tolist()
-        assert got[0] == 0 and got[1] == 0, f"{kind} rank 2 found ranks 0, 1 there at its first poll: {got}"
+        # Ranks 0 and 1 had `delay` to send, so rank 2's first poll normally finds them (adds exactly 0);
+        # on a loaded CI machine their threads may still be sending: bound it, do not demand 0.
+        assert max(got[0], got[1]) < ns // 4, f"{kind} rank 2 waited for ranks 0, 1 that started {delay} s earlier: {got}"
         assert 0 <= got[2] < ns, f"{kind} rank 2 waiting for itself: {got}"
     before = [t.clone() for t in ds + cs]
 
