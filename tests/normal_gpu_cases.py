@@ -42,11 +42,13 @@ def make_inputs(seed: int, rank: int, s: Shape, routing: str, world: int):
     return x, topk, w
 
 
-def new_buffers(s: Shape) -> Tuple[Any, Any]:
+def new_buffers(s: Shape, **kw: Any) -> Tuple[Any, Any]:
+    """Native and reference buffers over the world; kw (ranks_per_node=, transport=) for virtual nodes."""
     import torch.distributed as dist
     from pyep.ep.normal import NormalBuffer
-    nat = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="native")
-    ref = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="reference")
+    nat = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="native", **kw)
+    ref = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="reference",
+                       **{k: v for k, v in kw.items() if k == "ranks_per_node"})
     assert nat.backend_name == "native" and ref.backend_name == "reference"
     return nat, ref
 
@@ -125,16 +127,17 @@ def run_case(nat: Any, ref: Any, s: Shape, seed: int, routing: str, *, use_fp8: 
     gt, gw = _on("cuda", t, w)
     lay_n = nat.get_dispatch_layout(gt, s.E)
     lay_r = ref.get_dispatch_layout(t, s.E)
-    for i, name in ((0, "num_tokens_per_rank"), (2, "num_tokens_per_expert"), (3, "is_token_in_rank")):
+    for i, name in ((0, "num_tokens_per_rank"), (1, "num_tokens_per_rdma_rank"), (2, "num_tokens_per_expert"),
+                    (3, "is_token_in_rank")):
         same(f"{tag} layout {name}", lay_n[i], lay_r[i])
     kw: Dict[str, Any] = dict(expert_alignment=alignment, num_worst_tokens=worst, config=config)
     extra: Dict[str, Any] = dict(async_finish=True, previous_event=NormalBuffer.capture()) if asynchronous else {}
-    got = nat.dispatch(gx, num_tokens_per_rank=lay_n[0], is_token_in_rank=lay_n[3], num_tokens_per_expert=lay_n[2],
-                       topk_idx=gt, topk_weights=gw, **kw, **extra)
+    got = nat.dispatch(gx, num_tokens_per_rank=lay_n[0], num_tokens_per_rdma_rank=lay_n[1], is_token_in_rank=lay_n[3],
+                       num_tokens_per_expert=lay_n[2], topk_idx=gt, topk_weights=gw, **kw, **extra)
     if asynchronous:
         got[5].current_stream_wait()
-    want = ref.dispatch(xin, num_tokens_per_rank=lay_r[0], is_token_in_rank=lay_r[3], num_tokens_per_expert=lay_r[2],
-                        topk_idx=t, topk_weights=w, **kw)
+    want = ref.dispatch(xin, num_tokens_per_rank=lay_r[0], num_tokens_per_rdma_rank=lay_r[1], is_token_in_rank=lay_r[3],
+                        num_tokens_per_expert=lay_r[2], topk_idx=t, topk_weights=w, **kw)
     torch.cuda.synchronize()
     compare_dispatch(tag, got, want)
     if worst:

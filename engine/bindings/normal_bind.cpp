@@ -37,6 +37,7 @@ void register_normal(py::module_& m) {
     n.attr("MAX_CHANNELS") = kMaxChannels;
     n.attr("MAX_RANKS") = kMaxRanks;
     n.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
+    n.attr("NOTIFY_EXTRA") = kNotifyExtra;
     n.attr("DISPATCH_THREADS") = kDispatchThreads;
     n.attr("COMBINE_THREADS") = kCombineThreads;
     n.def("dispatch_row_bytes", &dispatch_row_bytes, py::arg("hidden"), py::arg("fp8"), py::arg("num_topk"));
@@ -63,7 +64,8 @@ void register_normal(py::module_& m) {
         [](const NormalStatic& s, uint64_t topk, int num_topk, uint64_t per_expert, uint64_t in_rank, int num_tokens,
            int num_experts,
            int num_channels, int expert_alignment, int num_worst_tokens, uint64_t rank_prefix,
-           uint64_t channel_prefix, uint64_t recv_channel_prefix, uint64_t send_head, uint64_t stream) {
+           uint64_t channel_prefix, uint64_t recv_channel_prefix, uint64_t send_head, uint64_t extra,
+           uint64_t extra_out, int extra_ints, uint64_t stream) {
             NotifyArgs a;
             a.topk = topk;
             a.num_topk = num_topk;
@@ -78,6 +80,9 @@ void register_normal(py::module_& m) {
             a.channel_prefix_matrix = channel_prefix;
             a.recv_channel_prefix_matrix = recv_channel_prefix;
             a.send_head = send_head;
+            a.extra = extra;
+            a.extra_out = extra_out;
+            a.extra_ints = extra_ints;
             launch_notify(s, a, stream);
         },
         "Routing per channel and the count exchange of a (non-cached) dispatch");
@@ -89,7 +94,7 @@ void register_normal(py::module_& m) {
            int num_tokens, int hidden, int num_topk, int num_local_experts, bool fp8, int num_channels,
            int ring_tokens, int chunk_tokens, int num_out_rows, int num_worst_tokens, bool use_tma, uint64_t recv_x,
            uint64_t recv_x_scales, uint64_t recv_topk_idx, uint64_t recv_topk_weights, uint64_t recv_src_idx,
-           uint64_t stream) {
+           uint64_t src_idx, uint64_t row_map, uint64_t stream) {
             DispatchArgs a;
             a.x = x;
             a.x_scales = x_scales;
@@ -115,6 +120,8 @@ void register_normal(py::module_& m) {
             a.recv_topk_idx = recv_topk_idx;
             a.recv_topk_weights = recv_topk_weights;
             a.recv_src_idx = recv_src_idx;
+            a.src_idx = src_idx;
+            a.row_map = row_map;
             launch_dispatch(s, a, stream);
         },
         "Launch the dispatch kernel");
@@ -124,7 +131,7 @@ void register_normal(py::module_& m) {
         [](const NormalStatic& s, uint64_t x, uint64_t topk_weights, uint64_t bias0, uint64_t bias1,
            uint64_t send_head, uint64_t rank_prefix, uint64_t channel_prefix, uint64_t recv_channel_prefix,
            int num_tokens, int hidden, int num_topk, int num_channels, int ring_tokens, int chunk_tokens,
-           uint64_t out, uint64_t out_weights, uint64_t stream) {
+           uint64_t out, uint64_t out_weights, uint64_t row_map, uint64_t stream) {
             CombineArgs a;
             a.x = x;
             a.topk_weights = topk_weights;
@@ -142,6 +149,7 @@ void register_normal(py::module_& m) {
             a.chunk_tokens = chunk_tokens;
             a.out = out;
             a.out_weights = out_weights;
+            a.row_map = row_map;
             launch_combine(s, a, stream);
         },
         "Launch the combine kernel");

@@ -12,6 +12,133 @@ using namespace pyep::normal;
 
 namespace {
 
+// The staged path's kernels (normal_internode.cu): arguments by keyword, pointers as ints.
+void register_staged(py::module_& n) {
+    py::class_<InterStatic>(n, "InterStatic")
+        .def(py::init<>())
+        .def_readwrite("rank", &InterStatic::rank)
+        .def_readwrite("num_ranks", &InterStatic::num_ranks)
+        .def_readwrite("node", &InterStatic::node)
+        .def_readwrite("num_nodes", &InterStatic::num_nodes)
+        .def_readwrite("ranks_per_node", &InterStatic::ranks_per_node)
+        .def_readwrite("err", &InterStatic::err)
+        .def_readwrite("workspace", &InterStatic::workspace);
+    n.def(
+        "relay_row",
+        [](int hidden, bool fp8, int k, int p, bool full) {
+            const RelayRow r(hidden, fp8, k, p, full);
+            py::dict d;
+            d["payload"] = r.payload;
+            d["scales"] = r.scales;
+            d["ids"] = r.ids;
+            d["weights"] = r.weights;
+            d["src"] = r.src;
+            d["in_rank"] = r.in_rank;
+            d["bytes"] = r.bytes;
+            return d;
+        },
+        py::arg("hidden"), py::arg("fp8"), py::arg("num_topk"), py::arg("ranks_per_node"), py::arg("full"),
+        "byte offsets of the fields of a relayed dispatch row");
+    n.def(
+        "layout",
+        [](const InterStatic& s, uint64_t topk, int num_tokens, int num_topk, int num_experts, uint64_t per_rank,
+           uint64_t per_expert, uint64_t per_node, uint64_t in_rank, uint64_t stream) {
+            InterLayoutArgs a;
+            a.topk = topk;
+            a.num_tokens = num_tokens;
+            a.num_topk = num_topk;
+            a.num_experts = num_experts;
+            a.per_rank = per_rank;
+            a.per_expert = per_expert;
+            a.per_node = per_node;
+            a.in_rank = in_rank;
+            launch_inter_layout(s, a, stream);
+        },
+        "get_dispatch_layout for ranks of several nodes");
+    n.def(
+        "route",
+        [](const InterStatic& s, uint64_t topk, int num_topk, int num_experts, uint64_t in_rank, int num_tokens,
+           int num_channels, uint64_t send_head, uint64_t channel_prefix, uint64_t node_head, uint64_t node_counts,
+           uint64_t meta, uint64_t meta_own, int meta_ints, uint64_t stream) {
+            InterRouteArgs a;
+            a.topk = topk;
+            a.num_topk = num_topk;
+            a.num_experts = num_experts;
+            a.in_rank = in_rank;
+            a.num_tokens = num_tokens;
+            a.num_channels = num_channels;
+            a.send_head = send_head;
+            a.channel_prefix = channel_prefix;
+            a.node_head = node_head;
+            a.node_counts = node_counts;
+            a.meta = meta;
+            a.meta_own = meta_own;
+            a.meta_ints = meta_ints;
+            launch_inter_route(s, a, stream);
+        },
+        "send_head, channel prefix, node streams and the count record of a staged dispatch");
+    n.def(
+        "offsets",
+        [](const InterStatic& s, uint64_t node_counts, uint64_t recv_counts, uint64_t f_offsets, uint64_t s_offsets,
+           uint64_t stream) {
+            InterOffsetsArgs a;
+            a.node_counts = node_counts;
+            a.recv_counts = recv_counts;
+            a.f_offsets = f_offsets;
+            a.s_offsets = s_offsets;
+            launch_inter_offsets(s, a, stream);
+        },
+        "run offsets of the forwarded and relayed rows");
+    n.def(
+        "pack",
+        [](const InterStatic& s, uint64_t x, uint64_t x_scales, uint64_t topk_idx, uint64_t topk_weights,
+           uint64_t in_rank, uint64_t node_head, int num_tokens, int hidden, int num_topk, bool fp8, bool full,
+           uint64_t f_offsets, uint64_t s_offsets, uint64_t forward, int f_capacity, uint64_t send, uint64_t stream) {
+            InterPackArgs a;
+            a.x = x;
+            a.x_scales = x_scales;
+            a.topk_idx = topk_idx;
+            a.topk_weights = topk_weights;
+            a.in_rank = in_rank;
+            a.node_head = node_head;
+            a.num_tokens = num_tokens;
+            a.hidden = hidden;
+            a.num_topk = num_topk;
+            a.fp8 = fp8;
+            a.full = full;
+            a.f_offsets = f_offsets;
+            a.s_offsets = s_offsets;
+            a.forward = forward;
+            a.f_capacity = f_capacity;
+            a.send = send;
+            launch_inter_pack(s, a, stream);
+        },
+        "relay rows of a staged dispatch");
+    n.def(
+        "reduce",
+        [](const InterStatic& s, uint64_t node_head, uint64_t f_offsets, uint64_t s_offsets, uint64_t own,
+           uint64_t own_weights, uint64_t recv, int row_bytes, uint64_t bias0, uint64_t bias1, int num_tokens,
+           int hidden, int num_topk, uint64_t out, uint64_t out_weights, uint64_t stream) {
+            InterReduceArgs a;
+            a.node_head = node_head;
+            a.f_offsets = f_offsets;
+            a.s_offsets = s_offsets;
+            a.own = own;
+            a.own_weights = own_weights;
+            a.recv = recv;
+            a.row_bytes = row_bytes;
+            a.bias0 = bias0;
+            a.bias1 = bias1;
+            a.num_tokens = num_tokens;
+            a.hidden = hidden;
+            a.num_topk = num_topk;
+            a.out = out;
+            a.out_weights = out_weights;
+            launch_inter_reduce(s, a, stream);
+        },
+        "the final combine sum at the source: bias, then every node's partial in node order");
+}
+
 void register_relay(py::module_& m) {
     auto n = m.def_submodule("relay", "Normal-mode RDMA relay between the ranks of one column (pyep.ep.normal.internode)");
     py::class_<RelayStatic>(n, "RelayStatic")
@@ -59,7 +186,7 @@ void register_relay(py::module_& m) {
     n.def(
         "relay",
         [](const RelayStatic& s, int phase, uint64_t src, uint64_t send_offsets, uint64_t dst, uint64_t recv_offsets,
-           int row_bytes, int ring_tokens, int chunk_tokens, uint64_t stream) {
+           int row_bytes, int ring_tokens, int chunk_tokens, int dst_capacity, uint64_t stream) {
             RelayArgs a;
             a.phase = phase;
             a.src = src;
@@ -69,9 +196,11 @@ void register_relay(py::module_& m) {
             a.row_bytes = row_bytes;
             a.ring_tokens = ring_tokens;
             a.chunk_tokens = chunk_tokens;
+            a.dst_capacity = dst_capacity;
             launch_relay(s, a, stream);
         },
         "move rows to / from the column peers through the bounded RDMA rings");
+    register_staged(n);
 }
 
 pyep::bindings::Registrar reg("relay", &register_relay);

@@ -17,6 +17,12 @@ namespace {
 // sender may run at most ring_tokens - round rows ahead of the receiver's head (see combine_send).
 __device__ __forceinline__ int reduce_round(int ring_tokens) { return min(kCombineWarps, ring_tokens / 2); }
 
+// Row i of the dispatch's (source, token) order in x: across nodes the rows sit in the contract's order
+// and row_map says where (normal_internode.md); within one node the orders are the same.
+__device__ __forceinline__ int64_t x_row(const CombineArgs& a, int i) {
+    return a.row_map ? reinterpret_cast<const int*>(a.row_map)[i] : i;
+}
+
 // Group g (barrier 1 + g) sends to peer d != me; own rows are read in place by combine_recv.
 __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const CombineRow& row, int c, int g,
                              int d, int wi, int W, int lane) {
@@ -48,10 +54,10 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
         if (group_sync_or(g, W, failed)) return;
         for (int j = wi; j < n; j += W) {
             const int i = sent + j;
+            const int64_t r = x_row(a, start + i);
             uint8_t* dst = ring + slot_offset(s, i, Q);
-            warp_copy(dst, x + (uint64_t)(start + i) * row.payload, row.payload, lane);
-            if (lane < K)
-                reinterpret_cast<float*>(dst + row.weights)[lane] = weights ? weights[(int64_t)(start + i) * K + lane] : 0.f;
+            warp_copy(dst, x + (uint64_t)r * row.payload, row.payload, lane);
+            if (lane < K) reinterpret_cast<float*>(dst + row.weights)[lane] = weights ? weights[r * K + lane] : 0.f;
         }
         group_sync(g, W);
         sent += n;
@@ -145,7 +151,7 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
                     const int p = __shfl_sync(0xffffffffu, pos, d);
                     if (p < 0) continue;
                     if (d == me) {
-                        const int r = self_row0 + p;
+                        const int64_t r = x_row(a, self_row0 + p);
                         rows[nsrc] = reinterpret_cast<const uint8_t*>(a.x) + (uint64_t)r * row.payload;
                         wrow[nsrc] = a.topk_weights ? reinterpret_cast<const float*>(a.topk_weights) + (int64_t)r * K : nullptr;
                     } else {

@@ -19,6 +19,11 @@ namespace {
 constexpr int kTmaSmemData = kDispatchWarps * kTmaStages * kTmaStageBytes;
 constexpr int kTmaSmemBytes = kTmaSmemData + kDispatchWarps * kTmaStages * 8;
 
+// The source index a row reports: the token's own index, or across nodes the forwarded row's.
+__device__ __forceinline__ int source_index(const DispatchArgs& a, int tok) {
+    return a.src_idx ? reinterpret_cast<const int*>(a.src_idx)[tok] : tok;
+}
+
 struct Group {
     int g, wi, W, lane;
     __device__ bool leader() const { return wi == 0 && lane == 0; }
@@ -94,7 +99,7 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
                         reinterpret_cast<int*>(dst + row.ids)[G.lane] = topk ? (int)topk[(int64_t)tok * K + G.lane] : -1;
                         reinterpret_cast<float*>(dst + row.weights)[G.lane] = weights ? weights[(int64_t)tok * K + G.lane] : 0.f;
                     }
-                    if (G.lane == 0) reinterpret_cast<int*>(dst + row.src)[0] = tok;
+                    if (G.lane == 0) reinterpret_cast<int*>(dst + row.src)[0] = source_index(a, tok);
                 }
             }
         }
@@ -116,6 +121,7 @@ __device__ __forceinline__ void emit_row(const DispatchArgs& a, const DispatchRo
                                          const uint8_t* payload, const float* scales, Id id, Weight weight,
                                          int src_token, int lo, int lane) {
     const int K = a.num_topk, El = a.num_local_experts, groups = a.hidden / 128;
+    if (a.row_map) out = reinterpret_cast<const int*>(a.row_map)[out];   // a permutation of the real rows
     uint8_t* dst = reinterpret_cast<uint8_t*>(a.recv_x) + (uint64_t)out * row.payload;
     if (a.use_tma) tma_copy(tma, dst, payload, row.payload, lane);
     else warp_copy(dst, payload, row.payload, lane);
@@ -160,7 +166,8 @@ __device__ void dispatch_self(const NormalStatic& s, const DispatchArgs& a, cons
             const int tok = wbase + bit;
             emit_row(a, row, tma, out, x + (uint64_t)tok * row.payload, scales + (int64_t)tok * groups,
                      [&](int k) { return topk ? topk[(int64_t)tok * K + k] : (int64_t)-1; },
-                     [&](int k) { return weights ? weights[(int64_t)tok * K + k] : 0.f; }, tok, lo, G.lane);
+                     [&](int k) { return weights ? weights[(int64_t)tok * K + k] : 0.f; }, source_index(a, tok), lo,
+                     G.lane);
         }
         pos += __popc(mask);
     }

@@ -7,6 +7,8 @@
 
 #include <stdint.h>
 
+#include "mlx5gda/portable.h"
+
 namespace pyep {
 namespace normal {
 
@@ -45,7 +47,8 @@ struct RelayCountsArgs {
     int seq = 0;                  // call number (from 1)
     uint64_t send_counts = 0;     // device int32[M]: rows for node m (this node's entry ignored)
     uint64_t recv_counts = 0;     // out device int32[M + 1]: rows from node m; [M] = sum
-    uint64_t host_counts = 0;     // pinned int32[2 + M]: [seq when ready, total, per node], or 0
+    uint64_t host_counts = 0;     // pinned int32[2 + 2M]: [seq when ready, total, rows from node m [M],
+                                  // send_counts [M] (this node's entry too)], or 0
 };
 
 struct RelayArgs {
@@ -57,7 +60,86 @@ struct RelayArgs {
     int row_bytes = 0;            // multiple of 16
     int ring_tokens = 0;          // Q: slots of a ring (Q * row_bytes <= ring_bytes)
     int chunk_tokens = 0;         // rows per RDMA write + tail update (<= Q)
+    int dst_capacity = 0;         // rows of dst (> 0: rows beyond it are received but not stored)
 };
+
+// ---- the staged path's own kernels (normal_internode.cu) ---------------------------------------------
+// A relayed dispatch row (node m's forwarder receives one per token with a rank on node m):
+// [payload H*elem][FP8 scales, align16][top-k ids int64 x K][weights fp32 x K][source token int32]
+// [is_token_in_rank of node m's P ranks, bytes], 16-byte aligned. A cached dispatch relays the
+// payload and scales only (full = 0: K, source and ranks are in the handle).
+PYEP_HD uint32_t align_16(uint32_t v) { return (v + 15u) / 16u * 16u; }
+struct RelayRow {
+    uint32_t payload, scales, ids, weights, src, in_rank, bytes;
+    PYEP_HD RelayRow(int hidden, int fp8, int k, int p, int full) {
+        payload = fp8 ? hidden : 2 * hidden;
+        scales = payload;
+        ids = align_16(payload + (fp8 ? 4u * (hidden / 128) : 0u));
+        weights = ids + (full ? 8u * k : 0u);
+        src = weights + (full ? 4u * k : 0u);
+        in_rank = src + (full ? 4u : 0u);
+        bytes = align_16(in_rank + (full ? (uint32_t)p : 0u));
+    }
+};
+
+// What every staged-path kernel needs to know about the group.
+struct InterStatic {
+    int rank = 0, num_ranks = 0;  // global rank, R = M * P
+    int node = 0, num_nodes = 0, ranks_per_node = 0;
+    uint64_t err = 0, workspace = 0;   // the node buffer's error record and claim (normal_common.cuh)
+};
+
+struct InterLayoutArgs {
+    uint64_t topk = 0;            // int64 [N, K]
+    int num_tokens = 0, num_topk = 0, num_experts = 0;
+    uint64_t per_rank = 0, per_expert = 0, per_node = 0, in_rank = 0;   // out int32 [R], [E], [M], bool [N, R]
+};
+
+struct InterRouteArgs {
+    uint64_t topk = 0;            // int64 [N, K] or 0: ids outside [-1, E) are recorded
+    int num_topk = 0, num_experts = 0;
+    uint64_t in_rank = 0;         // bool [N, R]
+    int num_tokens = 0, num_channels = 0;
+    uint64_t send_head = 0;       // out int32 [N, R]: position in the (channel, -> d) stream
+    uint64_t channel_prefix = 0;  // out int32 [R, C]: inclusive prefix over channels
+    uint64_t node_head = 0;       // out int32 [N, M]: position in the column stream to node m, or -1
+    uint64_t node_counts = 0;     // out int32 [M]: tokens with a rank on node m
+    uint64_t meta = 0;            // out int32 [M][meta_ints]: [N, rows for rank d [R]] in every row
+    uint64_t meta_own = 0;        // out int32 [meta_ints]: the same record (this node's row of the gather)
+    int meta_ints = 0;
+};
+
+struct InterOffsetsArgs {
+    uint64_t node_counts = 0;     // int32 [M] (this rank's)
+    uint64_t recv_counts = 0;     // int32 [M + 1] (relay counts: rows from node m's column peer)
+    uint64_t f_offsets = 0;       // out int32 [M + 1]: forwarded rows by source node (own node's too)
+    uint64_t s_offsets = 0;       // out int32 [M + 1]: relayed rows by destination node (own node's run empty)
+};
+
+struct InterPackArgs {
+    uint64_t x = 0, x_scales = 0, topk_idx = 0, topk_weights = 0, in_rank = 0, node_head = 0;
+    int num_tokens = 0, hidden = 0, num_topk = 0, fp8 = 0, full = 1;
+    uint64_t f_offsets = 0, s_offsets = 0;   // int32 [M + 1]
+    uint64_t forward = 0;         // uint8 [f_capacity, row]: this node's own run goes here
+    int f_capacity = 0;
+    uint64_t send = 0;            // uint8 [., row]: runs for the other nodes
+};
+
+struct InterReduceArgs {
+    uint64_t node_head = 0, f_offsets = 0, s_offsets = 0;
+    uint64_t own = 0, own_weights = 0;   // bf16 [F, H], fp32 [F, K]: this node's partials (forwarder rows)
+    uint64_t recv = 0;            // uint8 [., row]: partials from the other nodes, [bf16 H][fp32 K] rows
+    int row_bytes = 0;
+    uint64_t bias0 = 0, bias1 = 0;
+    int num_tokens = 0, hidden = 0, num_topk = 0;
+    uint64_t out = 0, out_weights = 0;
+};
+
+void launch_inter_layout(const InterStatic& s, const InterLayoutArgs& a, uint64_t stream);
+void launch_inter_route(const InterStatic& s, const InterRouteArgs& a, uint64_t stream);
+void launch_inter_offsets(const InterStatic& s, const InterOffsetsArgs& a, uint64_t stream);
+void launch_inter_pack(const InterStatic& s, const InterPackArgs& a, uint64_t stream);
+void launch_inter_reduce(const InterStatic& s, const InterReduceArgs& a, uint64_t stream);
 
 void launch_relay_counts(const RelayStatic& s, const RelayCountsArgs& a, uint64_t stream);
 void launch_relay(const RelayStatic& s, const RelayArgs& a, uint64_t stream);

@@ -114,7 +114,10 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
             const int c = (fail || i == s.node) ? 0 : got[i];
             rc[i] = c;
             total += c;
-            if (host) host[2 + i] = c;
+            if (host) {
+                host[2 + i] = c;
+                host[2 + M + i] = reinterpret_cast<const int*>(a.send_counts)[i];
+            }
         }
         rc[M] = total;
         if (host) {
@@ -133,10 +136,11 @@ __device__ bool block_wait(const int* ctr, uint32_t target, uint64_t timeout_ns,
 }
 
 // Copy `rows` rows of row_bytes between (possibly wrapping) ring slots and a dense array; one warp per row.
+// Only the first `keep` rows are copied (a receiver past its output's capacity still consumes the rest).
 __device__ void copy_rows(uint8_t* dst, const uint8_t* src, int rows, int row_bytes, bool dst_ring, bool src_ring,
-                          uint32_t ring_first, int Q) {
+                          uint32_t ring_first, int Q, int keep = 1 << 30) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int j = warp; j < rows; j += kRelayWarps) {
+    for (int j = warp; j < min(rows, keep); j += kRelayWarps) {
         const uint64_t slot = (ring_first + (uint32_t)j) % (uint32_t)Q;
         uint8_t* d = dst + (dst_ring ? slot : (uint64_t)j) * row_bytes;
         const uint8_t* sp = src + (src_ring ? slot : (uint64_t)j) * row_bytes;
@@ -222,7 +226,11 @@ __device__ void relay_recv(const RelayStatic& s, const RelayArgs& a, int m) {
         __syncthreads();
         const int k = avail;
         // Ring reads are .cg (normal_common.cuh warp_copy): the NIC rewrites slots this SM may have cached.
-        copy_rows(out + (uint64_t)done * a.row_bytes, ring, k, a.row_bytes, false, true, rx + (uint32_t)done, a.ring_tokens);
+        // Rows past dst_capacity (a count beyond num_worst_tokens' bound, recorded by the caller's
+        // kernels) are consumed but dropped, so the counters of both ends stay equal.
+        const int keep = a.dst_capacity > 0 ? max(0, a.dst_capacity - (off[m] + done)) : k;
+        copy_rows(out + (uint64_t)done * a.row_bytes, ring, k, a.row_bytes, false, true, rx + (uint32_t)done, a.ring_tokens,
+                  keep);
         __syncthreads();   // every read of these slots done before the head frees them
         if (threadIdx.x == 0) {
             const int st = gda::post_masked_fa32(qp, head, rkey(s, m), (uint32_t)k, fetch, s.lkey, false, s.timeout_ns);

@@ -14,6 +14,9 @@ constexpr int kMaxChannels = 64;        // layout.py / config.py MAX_CHANNELS
 constexpr int kMaxRanks = 8;            // config.py MAX_RANKS: one NVLink domain
 constexpr int kMaxTopk = 16;
 constexpr int kMaxLocalExperts = 1024;
+// Notify slot fields: [kMaxRanks] rows per rank, [kMaxChannels] per channel, [kMaxLocalExperts] per
+// expert, then the extra words of an internode call (layout.py NOTIFY_INTS is this offset).
+constexpr int kNotifyExtra = kMaxRanks + kMaxChannels + kMaxLocalExperts;
 // Block sizes. Dispatch: 24 warps (copies need many stores in flight; 80 registers a thread suffice).
 // Combine: 16 warps, so that a reduce may keep 8 loads per lane in flight in 128 registers.
 constexpr int kDispatchThreads = 768;
@@ -70,6 +73,10 @@ struct NotifyArgs {
     uint64_t channel_prefix_matrix = 0;   // out int32 [R, C]
     uint64_t recv_channel_prefix_matrix = 0;  // out int32 [R, C]
     uint64_t send_head = 0;               // out int32 [N, R]
+    // Across nodes (normal_internode.md): `extra_ints` ints of `extra` go to every peer's slot, and
+    // extra_out [R][extra_ints] receives what every source sent (0: none).
+    uint64_t extra = 0, extra_out = 0;
+    int extra_ints = 0;
 };
 
 struct DispatchArgs {
@@ -86,6 +93,10 @@ struct DispatchArgs {
     int num_worst_tokens = 0;             // > 0: pad rows past the real count (topk -1, weights 0, src -1)
     int use_tma = 1;                      // receiver's local row copies by bulk copy (1) or by warp loads/stores (0)
     uint64_t recv_x = 0, recv_x_scales = 0, recv_topk_idx = 0, recv_topk_weights = 0, recv_src_idx = 0;
+    // Across nodes the tokens are a forwarder's rows (normal_internode.md): src_idx (int32 [N] or 0) is
+    // the index each row reports as its source token (0: the row's own index), row_map (int32 [rows] or
+    // 0) the final output row of each row in this kernel's (source, token) order (0: identity).
+    uint64_t src_idx = 0, row_map = 0;
 };
 
 struct CombineArgs {
@@ -98,6 +109,7 @@ struct CombineArgs {
     int num_channels = 0, ring_tokens = 0, chunk_tokens = 0;
     uint64_t out = 0;                     // bf16 [N, H]
     uint64_t out_weights = 0;             // fp32 [N, K] or 0
+    uint64_t row_map = 0;                 // int32 [rows] or 0: where row i of the dispatch order sits in x
 };
 
 // Bytes of one ring slot for a call (payload, FP8 scales, top-k ids and weights, source index).

@@ -3,6 +3,7 @@
 // also fills the prefix matrices of the handle and the host-visible received-row counts.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -119,6 +120,11 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
         else v = per_expert[d * El + (j - kMaxRanks - kMaxChannels)];
         words(peer_buf(s, d), s.off_notify)[(parity * R + me) * NI + j] = v;
     }
+    // Extra words, the same for every peer, after the largest per-expert field (normal_internode.md).
+    const int* extra = reinterpret_cast<const int*>(a.extra);
+    for (int i = threadIdx.x; i < R * a.extra_ints; i += blockDim.x)
+        words(peer_buf(s, i / a.extra_ints), s.off_notify)[(parity * R + me) * NI + kNotifyExtra + i % a.extra_ints] =
+            extra[i % a.extra_ints];
     __syncthreads();
     if (threadIdx.x < R) {
         const int d = threadIdx.x;
@@ -155,6 +161,9 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
             row += aborted ? 0 : slots[j * NI + kMaxRanks + c];
         }
     }
+    int* extra_out = reinterpret_cast<int*>(a.extra_out);
+    for (int i = threadIdx.x; i < R * a.extra_ints; i += blockDim.x)
+        extra_out[i] = aborted ? 0 : slots[(i / a.extra_ints) * NI + kNotifyExtra + i % a.extra_ints];
     // Host-visible counts only for a call whose host waits for them (num_worst_tokens == 0): a
     // worst-case-sized call never writes there, so it cannot overwrite the counts of a later call.
     const bool host_waits = a.num_worst_tokens == 0;
@@ -218,7 +227,8 @@ void launch_notify(const NormalStatic& s, const NotifyArgs& a, uint64_t stream) 
     if (a.num_experts % s.num_ranks || a.num_experts / s.num_ranks > kMaxLocalExperts)
         throw std::invalid_argument("num_experts must be a multiple of num_ranks with at most 1024 per rank");
     if (a.expert_alignment < 1) throw std::invalid_argument("expert_alignment must be >= 1");
-    if ((int)s.notify_ints < kMaxRanks + kMaxChannels + kMaxLocalExperts) throw std::invalid_argument("notify slot too small");
+    if ((int)s.notify_ints < kNotifyExtra + std::max(a.extra_ints, 0) || a.extra_ints < 0 || (a.extra_ints && (!a.extra || !a.extra_out)))
+        throw std::invalid_argument("notify slot too small for the extra words, or extra pointers missing");
     auto st = reinterpret_cast<cudaStream_t>(stream);
     normal_route_kernel<<<a.num_channels, 32 * s.num_ranks, 0, st>>>(s, a);
     check(cudaGetLastError(), "normal route launch");

@@ -320,8 +320,9 @@ class PhaseTimer:
         counts, handle = r["counts"], r["handle"]
 
         def eager() -> Any:
-            n_rank, _, n_exp, in_rank, _ = b.get_dispatch_layout(i.topk_idx, i.num_experts)
-            recv, _idx, w, _cnt, h, _ev = b.dispatch(i.x_fp8, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+            n_rank, n_rdma, n_exp, in_rank, _ = b.get_dispatch_layout(i.topk_idx, i.num_experts)
+            recv, _idx, w, _cnt, h, _ev = b.dispatch(i.x_fp8, num_tokens_per_rank=n_rank,
+                                                      num_tokens_per_rdma_rank=n_rdma, is_token_in_rank=in_rank,
                                                       num_tokens_per_expert=n_exp, topk_idx=i.topk_idx,
                                                       topk_weights=i.topk_weights)
             return b.combine(r["expert_out"], h, topk_weights=w)

@@ -249,7 +249,8 @@ def run_guard(buf: Any, inp: GuardInputs, rank: int, sync: Any) -> Tuple[CheckRe
     problems += [p for p in (diff("layout num_tokens_per_rank", n_tok, want_rank),
                              diff("layout num_tokens_per_expert", n_exp, want_exp),
                              diff("layout is_token_in_rank", in_rank, want_in)) if p]
-    counts = dict(num_tokens_per_rank=n_tok, is_token_in_rank=in_rank, num_tokens_per_expert=n_exp)
+    counts = dict(num_tokens_per_rank=n_tok, num_tokens_per_rdma_rank=lay[1], is_token_in_rank=in_rank,
+                  num_tokens_per_expert=n_exp)
     out = buf.dispatch(inp.x, topk_idx=inp.topk_idx, topk_weights=inp.topk_weights, **counts)
     sync.device_wait("guard: BF16 dispatch")
     handle = out[4]

@@ -56,14 +56,14 @@ def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> Nor
         if reason is not None:
             from ..backend import BackendUnavailable
             raise BackendUnavailable(f"NormalBuffer(backend='native') cannot run here: {reason}")
-        from .native import NormalNativeBackend
-        return NormalNativeBackend(group, **kwargs)
+        from .native import make_native
+        return make_native(group, **kwargs)
     # "auto": every rank must pick the same backend, so agree on the local answers first.
     flag = torch.tensor([0 if reason else 1], dtype=torch.int32, device=group_device(group))
     all_reduce_min_bounded(flag, group, kwargs["timeout_us"], "NormalBuffer backend selection")
     if int(flag.item()) == 1:
-        from .native import NormalNativeBackend
-        return NormalNativeBackend(group, **kwargs)
+        from .native import make_native
+        return make_native(group, **kwargs)
     log.info("NormalBuffer: using the reference backend (%s)", reason or "another rank cannot run the native one")
     return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes)
 
@@ -301,7 +301,8 @@ class NormalBuffer:
             is_token_in_rank=in_rank, send_head=res.send_head, owner=self._owner, epoch=self._epoch,
             num_channels=config.num_channels(), num_tokens=int(args.x.shape[0]),
             num_recv_tokens=res.num_recv_tokens, num_worst_tokens=num_worst_tokens, hidden=args.hidden,
-            num_topk=args.num_topk, ranks_per_node=self._nodes.ranks_per_node if self._nodes.internode else 0)
+            num_topk=args.num_topk, ranks_per_node=self._nodes.ranks_per_node if self._nodes.internode else 0,
+            internode=res.internode)
         return (recv, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
                 new_handle, event)
 

@@ -74,7 +74,7 @@ unknown state: the buffer then refuses calls until ``clean()``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Protocol, Tuple, runtime_checkable
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Tuple, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -134,6 +134,8 @@ class DispatchResult:
     send_head: "torch.Tensor"
     num_recv_tokens: int                      # real received rows; -1 when unknown on the host
                                               # (num_worst_tokens > 0 without a host wait)
+    internode: Any = None                     # backend state a cached dispatch / combine needs (native
+                                              # internode: internode_order.StagedState), kept in the handle
 
 
 @dataclass(frozen=True)

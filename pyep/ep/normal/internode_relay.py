@@ -117,7 +117,7 @@ class Relay:
         self._buf = 0
         self._peers: Any = None
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
-        self._host = torch.zeros(2 + m_n, dtype=torch.int32, device="cpu", pin_memory=True)
+        self._host = torch.zeros(2 + 2 * m_n, dtype=torch.int32, device="cpu", pin_memory=True)
         self._ws = torch.zeros(8, dtype=torch.int32, device=self.device)
         try:
             self._buf = int(self._ep.device_alloc(self._bytes))
@@ -175,9 +175,20 @@ class Relay:
         import torch
         self.check_errors()
         recv = torch.zeros(self.nodes.num_nodes + 1, dtype=torch.int32, device=self.device)
-        self._host[0] = 0
-        self._r.counts(self.static, seq, send_counts.data_ptr(), recv.data_ptr(), self._host.data_ptr(),
+        self.counts_async(seq, send_counts, recv, host=True)
+        return self.wait_counts(seq)[0]
+
+    def counts_async(self, seq: int, send_counts: "torch.Tensor", recv: "torch.Tensor", host: bool) -> None:
+        """Launch the count exchange: recv (int32 [M + 1] on the device) gets the rows from every node
+        and their sum; with host=True the pinned words too (wait_counts reads them)."""
+        if host:
+            self._host[0] = 0
+        self._r.counts(self.static, seq, send_counts.data_ptr(), recv.data_ptr(), self._host.data_ptr() if host else 0,
                        raw_current_stream(self.device))
+
+    def wait_counts(self, seq: int) -> "tuple[List[int], List[int]]":
+        """(rows from every node, this rank's send_counts) of counts_async(seq, host=True): a bounded
+        host wait (the kernel gives up on a silent peer by itself and still answers)."""
         host = self._host.numpy()
         deadline = time.monotonic() + 2 * self.timeout_us / 1e6 + 10.0
         while abs(int(host[0])) != seq:
@@ -187,7 +198,8 @@ class Relay:
             time.sleep(20e-6)
         if int(host[0]) < 0:
             self.check_errors()
-        return [int(v) for v in host[2:2 + self.nodes.num_nodes]]
+        m = self.nodes.num_nodes
+        return [int(v) for v in host[2:2 + m]], [int(v) for v in host[2 + m:2 + 2 * m]]
 
     def relay(self, phase: int, src: "torch.Tensor", send_counts: List[int], recv_counts: List[int],
               ring_tokens: int, chunk_tokens: int) -> "torch.Tensor":
@@ -205,10 +217,38 @@ class Relay:
         roffs = torch.tensor([0] + _cumsum(recv_counts), dtype=torch.int32, device="cpu")
         dst = torch.empty((sum(recv_counts), row_bytes), dtype=torch.uint8, device=self.device)
         offs_d, roffs_d = offs.to(self.device), roffs.to(self.device)
-        self._r.relay(self.static, phase, src.data_ptr(), offs_d.data_ptr(), dst.data_ptr(), roffs_d.data_ptr(),
-                      row_bytes, q, chunk, raw_current_stream(self.device))
+        self.relay_into(phase, src, offs_d, dst, roffs_d, ring_tokens, chunk_tokens)
         self._keep = (src, offs_d, roffs_d)   # alive until the next call (stream order)
         return dst
+
+    def relay_into(self, phase: int, src: "torch.Tensor", send_offsets: "torch.Tensor", dst: "torch.Tensor",
+                   recv_offsets: "torch.Tensor", ring_tokens: int, chunk_tokens: int, capacity: int = 0) -> None:
+        """relay() with the runs given by device offsets (int32 [M + 1]; this node's runs are skipped,
+        whatever their size) into a caller's dst; capacity > 0: rows of dst, rows beyond it are
+        received and dropped. No host work besides the launch."""
+        row_bytes = int(src.shape[1])
+        if row_bytes % 16 or int(dst.shape[1]) != row_bytes:
+            raise ValueError(f"relay rows must be a multiple of 16 bytes and alike on both ends, got {row_bytes} "
+                             f"and {int(dst.shape[1])}")
+        q = min(ring_tokens, self.layout.ring_bytes // row_bytes)
+        if q < 1:
+            raise ValueError(f"a relay row of {row_bytes} bytes does not fit the ring of {self.layout.ring_bytes}")
+        chunk = max(1, min(chunk_tokens, q))
+        self._r.relay(self.static, phase, src.data_ptr(), send_offsets.data_ptr(), dst.data_ptr(),
+                      recv_offsets.data_ptr(), row_bytes, q, chunk, capacity, raw_current_stream(self.device))
+
+    def clean(self, group_barrier: Any) -> None:
+        """Collective over the column (group_barrier waits for every rank): zero the counters, count
+        records and the error record, so no counter of an interrupted call survives."""
+        import torch
+        torch.cuda.synchronize(self.device)
+        group_barrier()
+        self._ep.memset_async(self._buf, 0, self.layout.off_send, torch.cuda.current_stream().cuda_stream)
+        torch.cuda.current_stream().synchronize()
+        self._err.zero_()
+        self._ws.zero_()
+        self._host.zero_()
+        group_barrier()
 
     def check_errors(self) -> None:
         words = [int(v) for v in self._err.numpy()[:4]]

@@ -33,17 +33,23 @@ def slot_bytes(hidden: int, num_topk: int = MAX_TOPK) -> int:
     return _align(2 * hidden + 8 * num_topk + 4, RING_ALIGN)
 
 
-def control_words(num_ranks: int) -> dict:
+def notify_ints(extra: int = 0) -> int:
+    """Ints of one notify slot: the counts, then `extra` words (an internode call's count records,
+    normal_internode.md), 4-int aligned."""
+    return NOTIFY_INTS + _align(extra, 4)
+
+
+def control_words(num_ranks: int, extra: int = 0) -> dict:
     """Word offsets (int32 units) of the control arrays."""
     n = MAX_CHANNELS * num_ranks
     off = {"tail": 0, "head": n, "tx_pos": 2 * n, "rx_pos": 3 * n, "notify_flag": 4 * n}
     off["notify"] = 4 * n + 2 * num_ranks
-    off["end"] = off["notify"] + 2 * num_ranks * NOTIFY_INTS
+    off["end"] = off["notify"] + 2 * num_ranks * notify_ints(extra)
     return off
 
 
-def ring_offset(num_ranks: int) -> int:
-    return _align(4 * control_words(num_ranks)["end"], RING_ALIGN)
+def ring_offset(num_ranks: int, extra: int = 0) -> int:
+    return _align(4 * control_words(num_ranks, extra)["end"], RING_ALIGN)
 
 
 def ring_bytes(num_ranks: int, num_channels: int, ring_tokens: int, row_bytes: int) -> int:

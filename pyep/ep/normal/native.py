@@ -42,6 +42,15 @@ def _engine() -> Any:
     return mod
 
 
+def make_native(group: "dist.ProcessGroup", **kwargs: Any) -> Any:
+    """The native backend for the group: the staged internode one when it spans nodes."""
+    nodes = kwargs.get("nodes")
+    if nodes is not None and nodes.internode:
+        from .native_internode import NormalInternodeBackend
+        return NormalInternodeBackend(group, **kwargs)
+    return NormalNativeBackend(group, **kwargs)
+
+
 class NormalNativeBackend:
     name = "native"
 
@@ -50,8 +59,8 @@ class NormalNativeBackend:
                            **_: Any) -> Optional[str]:
         """Local check (no communication, no allocation): None if this process can run the backend."""
         if nodes is not None and nodes.internode:
-            return (f"the group spans {nodes.num_nodes} nodes and the native internode kernels are not "
-                    f"available in this build")
+            from .native_internode import NormalInternodeBackend
+            return NormalInternodeBackend.unavailable_reason(group, transport=transport, nodes=nodes)
         try:
             import torch
             import torch.distributed as dist
@@ -72,7 +81,7 @@ class NormalNativeBackend:
 
     def __init__(self, group: "dist.ProcessGroup", *, num_nvl_bytes: Optional[int], hidden: int, transport: str,
                  timeout_us: int, num_sms: int, nodes: Optional[NodeLayout] = None,
-                 num_rdma_bytes: Optional[int] = None) -> None:
+                 num_rdma_bytes: Optional[int] = None, notify_extra: int = 0) -> None:
         import torch
         import torch.distributed as dist
         reason = NormalNativeBackend.unavailable_reason(group, transport=transport, nodes=nodes)
@@ -93,11 +102,14 @@ class NormalNativeBackend:
         self.hidden = hidden
         self.timeout_us = timeout_us
         r_n = self.num_ranks
+        self._extra = notify_extra   # notify words an internode call adds (native_internode.py)
+        self.global_ranks: Optional[List[int]] = None   # set by an internode buffer: its ranks of this node
         default_bytes = layout.buffer_bytes(r_n, max(num_sms, 2) // 2, Config().num_max_nvl_chunked_recv_tokens, hidden)
+        default_bytes += layout.ring_offset(r_n, notify_extra) - layout.ring_offset(r_n)
         self._bytes = int(num_nvl_bytes) if num_nvl_bytes else default_bytes
-        if self._bytes <= layout.ring_offset(r_n):
+        if self._bytes <= layout.ring_offset(r_n, notify_extra):
             raise ValueError(f"num_nvl_bytes={num_nvl_bytes} does not even hold the control area "
-                             f"({layout.ring_offset(r_n)} bytes); NormalBuffer.size_hint() says what a shape needs")
+                             f"({layout.ring_offset(r_n, notify_extra)} bytes); NormalBuffer.size_hint() says what a shape needs")
         self._setup_timeout_s = max(SETUP_TIMEOUT_FLOOR_S, 3 * timeout_us / 1e6)
         self._buf = 0
         self._peers: Any = None
@@ -140,17 +152,17 @@ class NormalNativeBackend:
         log.debug("rank %d: normal-mode buffer of %d bytes", self.rank, self._bytes)
 
     def _make_static(self) -> Any:
-        words = layout.control_words(self.num_ranks)
+        words = layout.control_words(self.num_ranks, self._extra)
         s = self._n.NormalStatic()
         s.rank, s.num_ranks = self.rank, self.num_ranks
         s.buf = self._buf
         s.peer_base = self._peer_base.data_ptr()
-        s.ring_off = layout.ring_offset(self.num_ranks)
+        s.ring_off = layout.ring_offset(self.num_ranks, self._extra)
         s.ring_capacity = self._bytes - s.ring_off
         s.slot_bytes = layout.slot_bytes(self.hidden)
         s.off_tail, s.off_head, s.off_tx, s.off_rx = words["tail"], words["head"], words["tx_pos"], words["rx_pos"]
         s.off_flag, s.off_notify = words["notify_flag"], words["notify"]
-        s.notify_ints = layout.NOTIFY_INTS
+        s.notify_ints = layout.notify_ints(self._extra)
         s.err = self._err.data_ptr()
         s.host_counts = self._host.data_ptr()
         s.workspace = self._ws.data_ptr()
@@ -171,6 +183,8 @@ class NormalNativeBackend:
         self._ep.memset_async(self._ws.data_ptr() + 16, 0, 4, raw_current_stream(self.device))
         if isinstance(exc, PeerTimeout):
             self._broken = True
+            if self.global_ranks is not None:   # a node of an internode buffer: name the group's rank
+                exc = PeerTimeout(self.global_ranks[exc.peer], exc.phase, exc.channel, exc.timeout_us)
         if exc is not None:
             raise exc
 
@@ -251,7 +265,7 @@ class NormalNativeBackend:
             self._n.notify(self._static, call.topk_idx.data_ptr() if call.topk_idx is not None and n else 0, k,
                            call.num_tokens_per_expert.data_ptr(), in_rank.data_ptr(), n, e_n, c_n,
                            call.expert_alignment, call.num_worst_tokens, rpm.data_ptr(), cpm.data_ptr(),
-                           rcp.data_ptr(), send_head.data_ptr(), stream)
+                           rcp.data_ptr(), send_head.data_ptr(), 0, 0, 0, stream)
             if call.num_worst_tokens > 0:
                 rows, real = call.num_worst_tokens, -1
                 counts = []
@@ -284,7 +298,7 @@ class NormalNativeBackend:
                          rcp.data_ptr(), n, h, k, (call.num_experts // r_n) if call.num_experts else 0, fp8, c_n,
                          cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, rows,
                          call.num_worst_tokens, self._use_tma, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w),
-                         0 if cached else recv_src.data_ptr(), stream)
+                         0 if cached else recv_src.data_ptr(), 0, 0, stream)
         return DispatchResult(recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=recv_idx,
                               recv_topk_weights=recv_w, num_recv_tokens_per_expert_list=None if cached else counts,
                               rank_prefix_matrix=rpm, channel_prefix_matrix=cpm, recv_channel_prefix_matrix=rcp,
@@ -308,8 +322,59 @@ class NormalNativeBackend:
                         hd.send_head.data_ptr(), hd.rank_prefix_matrix.data_ptr(), hd.channel_prefix_matrix.data_ptr(),
                         hd.recv_channel_prefix_matrix.data_ptr(), n, h, k, hd.num_channels,
                         cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, out.data_ptr(),
-                        ptr(out_w), raw_current_stream(self.device))
+                        ptr(out_w), 0, raw_current_stream(self.device))
         return CombineResult(out, out_w)
+
+    # ------------------------------------------------------------------ for native_internode.py
+    # The staged internode path runs these kernels on a node's forwarded rows (docs/normal_internode.md).
+    def static_error_words(self) -> "tuple[int, int]":
+        """(pinned error record, device claim word block): other kernels of the buffer record there."""
+        return self._err.data_ptr(), self._ws.data_ptr()
+
+    def note_num_experts(self, num_experts: int) -> None:
+        self._last_num_experts = num_experts
+
+    def settle_ring_depth(self, ring_tokens: int, what: str) -> None:
+        self._settle_ring_depth(ring_tokens, what)
+
+    def notify(self, n: int, per_expert: int, in_rank: int, num_experts: int, num_channels: int, alignment: int,
+               num_worst_tokens: int, rpm: "torch.Tensor", cpm: "torch.Tensor", rcp: "torch.Tensor",
+               send_head: "torch.Tensor", extra: int, extra_out: int, extra_ints: int) -> int:
+        """Routing and count exchange of n rows (no id check: the caller checked them); returns the rows
+        this rank receives (a bounded host wait), or num_worst_tokens without waiting."""
+        self._notify_seq += 1
+        if num_worst_tokens == 0:
+            self._host_np[0] = 0
+        self._n.notify(self._static, 0, 0, per_expert, in_rank, n, num_experts, num_channels, alignment,
+                       num_worst_tokens, rpm.data_ptr(), cpm.data_ptr(), rcp.data_ptr(), send_head.data_ptr(), extra,
+                       extra_out, extra_ints, raw_current_stream(self.device))
+        if num_worst_tokens > 0:
+            return num_worst_tokens
+        self._wait_counts(self._notify_seq)
+        if self._err_np[0] == ERR_PEER_TIMEOUT:
+            self.check_errors()
+        return int(self._host_np[1])
+
+    def launch_dispatch(self, x: "torch.Tensor", scales: Any, topk: Any, weights: Any, in_rank: "torch.Tensor",
+                        rpm: "torch.Tensor", cpm: "torch.Tensor", rcp: "torch.Tensor", n: int, h: int, k: int,
+                        local_experts: int, fp8: bool, cfg: Config, rows: int, num_worst_tokens: int,
+                        recv_x: "torch.Tensor", recv_scales: Any, recv_idx: Any, recv_w: Any, recv_src: Any,
+                        src_idx: Any, row_map: Any) -> None:
+        ptr = (lambda t: t.data_ptr() if t is not None else 0)
+        self._n.dispatch(self._static, x.data_ptr(), ptr(scales), ptr(topk), ptr(weights), in_rank.data_ptr(),
+                         rpm.data_ptr(), cpm.data_ptr(), rcp.data_ptr(), n, h, k, local_experts, fp8,
+                         cfg.num_channels(), cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens,
+                         rows, num_worst_tokens, self._use_tma, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx),
+                         ptr(recv_w), ptr(recv_src), ptr(src_idx), ptr(row_map), raw_current_stream(self.device))
+
+    def launch_combine(self, x: "torch.Tensor", weights: Any, send_head: "torch.Tensor", rpm: "torch.Tensor",
+                       cpm: "torch.Tensor", rcp: "torch.Tensor", n: int, h: int, k: int, num_channels: int, cfg: Config,
+                       out: "torch.Tensor", out_w: Any, row_map: Any) -> None:
+        ptr = (lambda t: t.data_ptr() if t is not None else 0)
+        self._n.combine(self._static, x.data_ptr(), ptr(weights), 0, 0, send_head.data_ptr(), rpm.data_ptr(),
+                        cpm.data_ptr(), rcp.data_ptr(), n, h, k, num_channels, cfg.num_max_nvl_chunked_recv_tokens,
+                        cfg.num_max_nvl_chunked_send_tokens, out.data_ptr(), ptr(out_w), ptr(row_map),
+                        raw_current_stream(self.device))
 
     # ------------------------------------------------------------------ the rest
     def clean(self) -> None:
@@ -319,7 +384,8 @@ class NormalNativeBackend:
         torch.cuda.synchronize(self.device)
         what = "normal-mode clean"
         barrier_bounded(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
-        self._ep.memset_async(self._buf, 0, layout.ring_offset(self.num_ranks), torch.cuda.current_stream().cuda_stream)
+        self._ep.memset_async(self._buf, 0, layout.ring_offset(self.num_ranks, self._extra),
+                              torch.cuda.current_stream().cuda_stream)
         torch.cuda.current_stream().synchronize()
         self._err.zero_()
         self._host.zero_()

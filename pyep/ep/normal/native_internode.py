@@ -1,0 +1,367 @@
+"""The native normal mode across nodes: the staged route of docs/normal_internode.md on the kernels.
+
+Dispatch: inter_route (send_head, channel prefix, node streams, this rank's count record) -> relay
+counts (RDMA: rows per column peer) -> relay of the count records (RDMA, one row per column peer) ->
+inter_pack (a token's row once per node that needs it; the own node's run straight into F) -> relay
+of the rows (RDMA) -> the node's intranode notify (its slots also carry the M records this rank holds,
+so every rank ends up with every source's record) -> the intranode dispatch of the forwarded rows F,
+each row written at its place in the contract's order (row_map) with its source token index.
+Combine: the intranode combine of the node (its output is the per-node BF16 partial of
+contract.combine_order), relay of the partials back to the source (RDMA), inter_reduce there.
+
+Host waits: two per non-cached dispatch without num_worst_tokens (the relay's counts, to size F; the
+notify's, to size the outputs); none with num_worst_tokens (F and the outputs are sized by bounds,
+rows beyond them are dropped and WorstTokensExceeded is recorded) and none for cached dispatch and
+combine. Every device wait is bounded (the relay's and the intranode kernels'); errors are recorded
+and raised at the next call or event wait.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+from .._dist import barrier_bounded, group_device
+from ..backend import BackendUnavailable
+from ..streams import raw_current_stream
+from . import internode_order as order
+from .config import Config
+from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
+from .errors import BufferBroken, PeerTimeout
+from .internode_relay import Relay, RelayError
+from .native import NormalNativeBackend
+from .topology import NodeLayout
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+log = logging.getLogger("pyep.ep.normal.internode")
+PHASE_COUNTS, PHASE_DISPATCH, PHASE_COMBINE = 3, 4, 5
+NODE_SIZES = (1, 2, 4, 8)
+MAX_NODES = 32
+
+
+def relay_transport(transport: str) -> str:
+    """The column's transport: the softnic for emulated ones and under virtual nodes, else the NIC."""
+    from ...transport.base import VIRTUAL_NODE_ENV
+    if transport in ("emulated", "emulated-internode"):
+        return "emulated"
+    if transport == "auto" and os.environ.get(VIRTUAL_NODE_ENV):
+        return "emulated"
+    return "ibgda"
+
+
+def _align16(v: int) -> int:
+    return (v + 15) // 16 * 16
+
+
+class NormalInternodeBackend:
+    name = "native"
+
+    @staticmethod
+    def unavailable_reason(group: "dist.ProcessGroup", *, transport: str = "auto", nodes: Optional[NodeLayout] = None,
+                           **_: Any) -> Optional[str]:
+        """Local check (no communication, no allocation): None if this process can run the backend."""
+        import torch
+        if nodes is None or not nodes.internode:
+            return "the group is one node (the intranode backend runs it)"
+        if nodes.ranks_per_node not in NODE_SIZES or nodes.num_nodes > MAX_NODES:
+            return (f"the native internode mode runs {NODE_SIZES} ranks per node on up to {MAX_NODES} nodes, not "
+                    f"{nodes.num_nodes} x {nodes.ranks_per_node}")
+        if transport not in ("auto", "emulated", "emulated-internode", "ibgda"):
+            return f"the native internode mode runs over a NIC or the softnic, not transport {transport!r}"
+        if not torch.cuda.is_available():
+            return "no CUDA device is available"
+        from ..._native import load
+        mod = load()
+        if mod is None or not getattr(mod, "has_cuda", False) or not hasattr(getattr(mod, "relay", None), "route"):
+            return "pyep._engine has no internode kernels (a host-only build)"
+        return None
+
+    def __init__(self, group: "dist.ProcessGroup", *, num_nvl_bytes: Optional[int], hidden: int, transport: str,
+                 timeout_us: int, num_sms: int, nodes: Optional[NodeLayout] = None,
+                 num_rdma_bytes: Optional[int] = None) -> None:
+        import torch
+        import torch.distributed as dist
+        reason = NormalInternodeBackend.unavailable_reason(group, transport=transport, nodes=nodes)
+        if reason is not None:
+            raise BackendUnavailable(reason)
+        assert nodes is not None
+        from ..._native import load
+        self._r = load().relay
+        self.group, self.nodes = group, nodes
+        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        self.hidden, self.timeout_us = hidden, timeout_us
+        p, m_n, r_n = nodes.ranks_per_node, nodes.num_nodes, self.num_ranks
+        self.node_index = nodes.node(self.rank)
+        self.max_experts = max(1024, 32 * r_n)
+        self.meta_ints = order.meta_ints(r_n, self.max_experts)
+        self._setup_s = max(120.0, 3 * timeout_us / 1e6)
+        # Every rank creates every node group in the same order (new_group is collective).
+        node_groups = [dist.new_group(list(nodes.ranks(n))) for n in range(m_n)]
+        self.node: Optional[NormalNativeBackend] = None
+        self.relay: Optional[Relay] = None
+        self._broken = False
+        self._seq = 0
+        try:
+            self.node = NormalNativeBackend(node_groups[self.node_index], num_nvl_bytes=num_nvl_bytes, hidden=hidden,
+                                            transport="auto", timeout_us=timeout_us, num_sms=num_sms,
+                                            notify_extra=m_n * self.meta_ints)
+            self.node.global_ranks = list(nodes.ranks(self.node_index))
+            self.device = self.node.device
+            row = self._r.relay_row(hidden, False, 16, p, True)["bytes"]
+            ring = int(num_rdma_bytes) // (2 * m_n) if num_rdma_bytes else Config().num_max_rdma_chunked_recv_tokens * row
+            self.relay = Relay(group, nodes, ring_bytes=max(ring, 8 * self.meta_ints),   # two count records transport=relay_transport(transport),
+                               timeout_us=timeout_us, setup_timeout_s=self._setup_s)
+            s = self._r.InterStatic()
+            s.rank, s.num_ranks, s.node, s.num_nodes, s.ranks_per_node = self.rank, r_n, self.node_index, m_n, p
+            s.err, s.workspace = self.node.static_error_words()
+            self._static = s
+            self._steps = torch.arange(m_n + 1, dtype=torch.int32, device=self.device)   # one row per column peer
+            self._zeros: Dict[int, "torch.Tensor"] = {}
+            barrier_bounded(group, group_device(group), int(self._setup_s * 1e6), "normal internode buffer setup")
+        except BaseException:
+            self._release()
+            raise
+        log.debug("rank %d: internode normal buffer, %d nodes x %d ranks", self.rank, m_n, p)
+
+    # ------------------------------------------------------------------ errors
+    def check_errors(self) -> None:
+        if self._broken:
+            raise BufferBroken("a peer timed out or an RDMA queue failed in an earlier call of this buffer: call "
+                               "clean() on every live rank before using it again")
+        assert self.node is not None and self.relay is not None
+        try:
+            self.node.check_errors()   # names the group's ranks (global_ranks)
+            self.relay.check_errors()
+        except (PeerTimeout, RelayError, BufferBroken):
+            self._broken = True
+            raise
+
+    # ------------------------------------------------------------------ helpers
+    def _zero(self, n: int) -> "torch.Tensor":
+        import torch
+        if n not in self._zeros:
+            self._zeros[n] = torch.zeros(max(n, 1), dtype=torch.int32, device=self.device)
+        return self._zeros[n]
+
+    def _rdma(self, cfg: Config) -> Tuple[int, int]:
+        return cfg.num_max_rdma_chunked_recv_tokens, cfg.num_max_rdma_chunked_send_tokens
+
+    # ------------------------------------------------------------------ calls
+    def get_dispatch_layout(self, topk_idx: "torch.Tensor", num_experts: int) -> LayoutResult:
+        import torch
+        n, k = topk_idx.shape
+        dev, r_n = self.device, self.num_ranks
+        per_rank = torch.empty(r_n, dtype=torch.int32, device=dev)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        per_node = torch.empty(self.nodes.num_nodes, dtype=torch.int32, device=dev)
+        in_rank = torch.empty((n, r_n), dtype=torch.bool, device=dev)
+        self.node.note_num_experts(num_experts)
+        self._r.layout(self._static, topk_idx.data_ptr(), n, k, num_experts, per_rank.data_ptr(), per_expert.data_ptr(),
+                       per_node.data_ptr(), in_rank.data_ptr(), raw_current_stream(dev))
+        return LayoutResult(per_rank, per_expert, in_rank, per_node)
+
+    def dispatch(self, call: DispatchCall) -> DispatchResult:
+        self.node.settle_ring_depth(call.config.num_max_nvl_chunked_recv_tokens, "normal internode dispatch")
+        try:
+            return self._cached_dispatch(call) if call.handle is not None else self._dispatch(call)
+        except (PeerTimeout, RelayError):   # raised by a host wait of this call: the rings are void
+            self._broken = True
+            raise
+
+    def _dispatch(self, call: DispatchCall) -> DispatchResult:
+        import torch
+        dev, r_n, me = self.device, self.num_ranks, self.rank
+        p, m_n, node = self.nodes.ranks_per_node, self.nodes.num_nodes, self.node_index
+        i32, u8 = torch.int32, torch.uint8
+        cfg, c_n = call.config, call.config.num_channels()
+        n, h = call.x.shape
+        fp8 = call.x_scales is not None
+        k = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
+        e_n, nwt = call.num_experts, call.num_worst_tokens
+        e_l = e_n // r_n
+        if e_n > self.max_experts:
+            raise ValueError(f"the internode buffer counts up to {self.max_experts} experts, got {e_n}")
+        self.node.note_num_experts(e_n)
+        stream = raw_current_stream(dev)
+        mi = self.meta_ints
+        ptr = (lambda t: t.data_ptr() if t is not None else 0)
+        in_rank = call.is_token_in_rank
+        send_head = torch.empty((n, r_n), dtype=i32, device=dev)
+        cpm = torch.empty((r_n, c_n), dtype=i32, device=dev)
+        node_head = torch.empty((n, m_n), dtype=i32, device=dev)
+        node_counts = torch.empty(m_n, dtype=i32, device=dev)
+        meta = torch.empty((m_n, mi), dtype=i32, device=dev)
+        meta_col = torch.empty((m_n, mi), dtype=i32, device=dev)
+        self._r.route(self._static, ptr(call.topk_idx) if n else 0, k, e_n, in_rank.data_ptr(), n, c_n,
+                      send_head.data_ptr(), cpm.data_ptr(), node_head.data_ptr(), node_counts.data_ptr(),
+                      meta.data_ptr(), meta_col[node].data_ptr(), mi, stream)
+        per_expert = call.num_tokens_per_expert.to(i32)
+        meta[:, 1 + r_n:1 + r_n + e_n] = per_expert            # the record's tokens per expert
+        meta_col[node, 1 + r_n:1 + r_n + e_n] = per_expert
+        # Counts to the column peers (RDMA), then every source's record one hop (RDMA) ...
+        self._seq += 1
+        recv = torch.empty(m_n + 1, dtype=i32, device=dev)
+        host = nwt == 0
+        self.relay.counts_async(self._seq, node_counts, recv, host)
+        q_r, chunk_r = self._rdma(cfg)
+        self.relay.relay_into(PHASE_COUNTS, meta.view(u8), self._steps, meta_col.view(u8), self._steps, q_r, 1)
+        f_off = torch.empty(m_n + 1, dtype=i32, device=dev)
+        s_off = torch.empty(m_n + 1, dtype=i32, device=dev)
+        self._r.offsets(self._static, node_counts.data_ptr(), recv.data_ptr(), f_off.data_ptr(), s_off.data_ptr(), stream)
+        if host:
+            from_nodes, to_nodes = self.relay.wait_counts(self._seq)
+            f_rows = sum(from_nodes) + to_nodes[node]
+            s_rows = sum(to_nodes) - to_nodes[node]
+        else:
+            f_rows, s_rows = p * nwt, n * (m_n - 1)
+        # ... the rows (RDMA) into F, the forwarded rows of this node by source node.
+        rr = self._r.relay_row(h, fp8, k, p, True)
+        fwd = torch.empty((f_rows, rr["bytes"]), dtype=u8, device=dev)
+        send = torch.empty((s_rows, rr["bytes"]), dtype=u8, device=dev)
+        self._r.pack(self._static, call.x.data_ptr(), ptr(call.x_scales), ptr(call.topk_idx), ptr(call.topk_weights),
+                     in_rank.data_ptr(), node_head.data_ptr(), n, h, k, fp8, True, f_off.data_ptr(), s_off.data_ptr(),
+                     fwd.data_ptr(), f_rows, send.data_ptr(), stream)
+        self.relay.relay_into(PHASE_DISPATCH, send, s_off, fwd, f_off, q_r, chunk_r, capacity=f_rows)
+        x_f = order.unpack(fwd, 0, rr["payload"], call.x.dtype)
+        scales_f = order.unpack(fwd, rr["scales"], 4 * (h // 128), torch.float32) if fp8 else None
+        ids_f = order.unpack(fwd, rr["ids"], 8 * k, torch.int64, k) if k else None
+        w_f = order.unpack(fwd, rr["weights"], 4 * k, torch.float32, k) if k and call.topk_weights is not None else None
+        src_f = order.unpack(fwd, rr["src"], 4, torch.int32, None).reshape(f_rows)
+        in_f = fwd[:, rr["in_rank"]:rr["in_rank"] + p] != 0
+        if not host:   # rows past the real count hold no token (F is a bound here)
+            in_f &= (torch.arange(f_rows, device=dev, dtype=i32) < f_off[m_n]).reshape(-1, 1)
+        ids_node = order.node_local_ids(ids_f, node, p, e_l) if ids_f is not None else None
+        # The node's notify: node-level prefix matrices and counts, and every rank's records.
+        nd = self.node
+        rpm_f = torch.empty((p, p), dtype=i32, device=dev)
+        cpm_f = torch.empty((p, c_n), dtype=i32, device=dev)
+        rcp_f = torch.empty((p, c_n), dtype=i32, device=dev)
+        sh_f = torch.empty((f_rows, p), dtype=i32, device=dev)
+        gathered = torch.empty((p, m_n * mi), dtype=i32, device=dev)
+        rows = nd.notify(f_rows, self._zero(p * e_l).data_ptr(), in_f.data_ptr(), p * e_l, c_n, call.expert_alignment,
+                         nwt, rpm_f, cpm_f, rcp_f, sh_f, meta_col.data_ptr(), gathered.data_ptr(), m_n * mi)
+        records = order.records_by_source(gathered, m_n, p, mi)
+        rmap = order.row_map(records, me, m_n, p, rows)
+        recv_x = torch.empty((rows, h), dtype=call.x.dtype, device=dev)
+        recv_scales = torch.empty((rows, h // 128), dtype=torch.float32, device=dev) if fp8 else None
+        recv_idx = torch.empty((rows, k), dtype=torch.int64, device=dev) if k else None
+        recv_w = torch.empty((rows, k), dtype=torch.float32, device=dev) if k and call.topk_weights is not None else None
+        recv_src = torch.empty(rows, dtype=i32, device=dev)
+        nd.launch_dispatch(x_f, scales_f, ids_node, w_f, in_f, rpm_f, cpm_f, rcp_f, f_rows, h, k, e_l, fp8, cfg, rows,
+                           nwt, recv_x, recv_scales, recv_idx, recv_w, recv_src, src_f, rmap)
+        rpm = order.rank_prefix(records, r_n)
+        rcp = order.recv_channel_prefix(records, rpm, me, recv_src, c_n)
+        counts: List[int] = order.expert_counts(records, me, r_n, e_n, call.expert_alignment) if host else []
+        state = order.StagedState(node_head=node_head, f_offsets=f_off, s_offsets=s_off, forward_rows=f_rows,
+                                  send_rows=s_rows, node_rank_prefix=rpm_f, node_channel_prefix=cpm_f,
+                                  node_recv_channel_prefix=rcp_f, node_send_head=sh_f, node_in_rank=in_f, row_map=rmap)
+        return DispatchResult(recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=recv_idx, recv_topk_weights=recv_w,
+                              num_recv_tokens_per_expert_list=counts, rank_prefix_matrix=rpm, channel_prefix_matrix=cpm,
+                              recv_channel_prefix_matrix=rcp, recv_src_idx=recv_src, send_head=send_head,
+                              num_recv_tokens=rows if host else -1, internode=state)
+
+    def _cached_dispatch(self, call: DispatchCall) -> DispatchResult:
+        import torch
+        hd = call.handle
+        st: order.StagedState = hd.internode
+        if st is None:
+            raise ValueError("this handle was not made by the native internode path of this buffer")
+        dev, p = self.device, self.nodes.ranks_per_node
+        n, h = call.x.shape
+        fp8 = call.x_scales is not None
+        cfg = call.config
+        rr = self._r.relay_row(h, fp8, 0, p, False)
+        fwd = torch.empty((st.forward_rows, rr["bytes"]), dtype=torch.uint8, device=dev)
+        send = torch.empty((st.send_rows, rr["bytes"]), dtype=torch.uint8, device=dev)
+        self._r.pack(self._static, call.x.data_ptr(), call.x_scales.data_ptr() if fp8 else 0, 0, 0, 0,
+                     st.node_head.data_ptr(), n, h, 0, fp8, False, st.f_offsets.data_ptr(), st.s_offsets.data_ptr(),
+                     fwd.data_ptr(), st.forward_rows, send.data_ptr(), raw_current_stream(dev))
+        q_r, chunk_r = self._rdma(cfg)
+        self.relay.relay_into(PHASE_DISPATCH, send, st.s_offsets, fwd, st.f_offsets, q_r, chunk_r,
+                              capacity=st.forward_rows)
+        x_f = order.unpack(fwd, 0, rr["payload"], call.x.dtype)
+        scales_f = order.unpack(fwd, rr["scales"], 4 * (h // 128), torch.float32) if fp8 else None
+        rows = hd.num_recv_rows
+        recv_x = torch.empty((rows, h), dtype=call.x.dtype, device=dev)
+        recv_scales = torch.empty((rows, h // 128), dtype=torch.float32, device=dev) if fp8 else None
+        self.node.launch_dispatch(x_f, scales_f, None, None, st.node_in_rank, st.node_rank_prefix,
+                                  st.node_channel_prefix, st.node_recv_channel_prefix, st.forward_rows, h, 0, 0, fp8,
+                                  cfg, rows, hd.num_worst_tokens, recv_x, recv_scales, None, None, None, None, st.row_map)
+        return DispatchResult(recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=None, recv_topk_weights=None,
+                              num_recv_tokens_per_expert_list=None, rank_prefix_matrix=hd.rank_prefix_matrix,
+                              channel_prefix_matrix=hd.channel_prefix_matrix,
+                              recv_channel_prefix_matrix=hd.recv_channel_prefix_matrix, recv_src_idx=hd.recv_src_idx,
+                              send_head=hd.send_head, num_recv_tokens=hd.num_recv_tokens, internode=st)
+
+    def combine(self, call: CombineCall) -> CombineResult:
+        import torch
+        hd, cfg = call.handle, call.config
+        st: order.StagedState = hd.internode
+        if st is None:
+            raise ValueError("this handle was not made by the native internode path of this buffer")
+        if hd.num_channels != cfg.num_channels():
+            raise ValueError(f"the handle was made with {hd.num_channels} channels, this config has "
+                             f"{cfg.num_channels()}: pass a config with num_sms={2 * hd.num_channels}")
+        self.node.settle_ring_depth(cfg.num_max_nvl_chunked_recv_tokens, "normal internode combine")
+        dev = self.device
+        n, h = hd.num_tokens, int(call.x.shape[1])
+        k = int(call.topk_weights.shape[1]) if call.topk_weights is not None else 0
+        f_rows = st.forward_rows
+        # The node's partials (contract.combine_order's part_n) for every forwarded row ...
+        part = torch.empty((f_rows, h), dtype=torch.bfloat16, device=dev)
+        part_w = torch.empty((f_rows, k), dtype=torch.float32, device=dev) if k else None
+        self.node.launch_combine(call.x, call.topk_weights, st.node_send_head, st.node_rank_prefix,
+                                 st.node_channel_prefix, st.node_recv_channel_prefix, f_rows, h, k, hd.num_channels,
+                                 cfg, part, part_w, st.row_map)
+        # ... back to their sources (RDMA) as [bf16 H][fp32 K] rows ...
+        width = _align16(2 * h + 4 * k)
+        rows = torch.zeros((f_rows, width), dtype=torch.uint8, device=dev)
+        rows[:, :2 * h] = part.view(torch.uint8)
+        if k:
+            rows[:, 2 * h:2 * h + 4 * k] = part_w.view(torch.uint8)
+        back = torch.empty((st.send_rows, width), dtype=torch.uint8, device=dev)
+        q_r, chunk_r = self._rdma(cfg)
+        self.relay.relay_into(PHASE_COMBINE, rows, st.f_offsets, back, st.s_offsets, q_r, chunk_r,
+                              capacity=st.send_rows)
+        # ... and the sum in node order at the source.
+        out = torch.empty((n, h), dtype=torch.bfloat16, device=dev)
+        out_w = torch.empty((n, k), dtype=torch.float32, device=dev) if k else None
+        b0, b1 = call.bias
+        ptr = (lambda t: t.data_ptr() if t is not None else 0)
+        self._r.reduce(self._static, st.node_head.data_ptr(), st.f_offsets.data_ptr(), st.s_offsets.data_ptr(),
+                       part.data_ptr(), ptr(part_w), back.data_ptr(), width, ptr(b0), ptr(b1), n, h, k, out.data_ptr(),
+                       ptr(out_w), raw_current_stream(dev))
+        return CombineResult(out, out_w)
+
+    # ------------------------------------------------------------------ the rest
+    def clean(self) -> None:
+        """Collective: the node's channels and the column's relay counters start over."""
+        assert self.node is not None and self.relay is not None
+        self.node.clean()
+        bound = int(self._setup_s * 1e6)
+        self.relay.clean(lambda: barrier_bounded(self.group, group_device(self.group), bound, "normal internode clean"))
+        self._seq = 0
+        self._broken = False
+
+    def buffer_bytes(self) -> int:
+        return (self.node.buffer_bytes() if self.node else 0) + (self.relay._bytes if self.relay else 0)
+
+    def raw_buffer(self) -> "tuple[int, int]":
+        return self.node.raw_buffer()
+
+    def transport_table(self) -> List[Any]:
+        return self.node.transport_table()
+
+    def _release(self) -> None:
+        if self.relay is not None:
+            self.relay.destroy()
+            self.relay = None
+        if self.node is not None:
+            self.node.destroy()
+            self.node = None
+
+    def destroy(self) -> None:
+        self._release()
