@@ -17,7 +17,7 @@ import pytest
 from multiproc import usable_gpus
 
 pytestmark = pytest.mark.gpu
-NGPU = usable_gpus("normal internode")
+NGPU = usable_gpus("relay")   # the internode kernels live in pyep._engine.relay
 requires_gpus = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU and the CUDA build of pyep._engine")
 SHAPE = (67, 256, 16, 4)      # N (odd), H, E, K
 TIMEOUT_US = 3_000_000
