@@ -112,8 +112,10 @@ class NormalInternodeBackend:
             self.device = self.node.device
             row = self._r.relay_row(hidden, False, 16, p, True)["bytes"]
             ring = int(num_rdma_bytes) // (2 * m_n) if num_rdma_bytes else Config().num_max_rdma_chunked_recv_tokens * row
-            self.relay = Relay(group, nodes, ring_bytes=max(ring, 8 * self.meta_ints),   # two count records transport=relay_transport(transport),
-                               timeout_us=timeout_us, setup_timeout_s=self._setup_s)
+            # The ring also holds the count records of two calls in flight.
+            self.relay = Relay(group, nodes, ring_bytes=max(ring, 8 * self.meta_ints),
+                               transport=relay_transport(transport), timeout_us=timeout_us,
+                               setup_timeout_s=self._setup_s)
             s = self._r.InterStatic()
             s.rank, s.num_ranks, s.node, s.num_nodes, s.ranks_per_node = self.rank, r_n, self.node_index, m_n, p
             s.err, s.workspace = self.node.static_error_words()
