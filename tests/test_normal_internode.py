@@ -154,3 +154,20 @@ def test_combine_order() -> None:
     assert combine_order(4, 4) == [[0, 1, 2, 3]]
     assert combine_order(4, 2) == [[0, 1], [2, 3]]
     assert combine_order(3, 1) == [[0], [1], [2]]
+
+
+def test_relay_drains_only_on_the_softnic_with_lazy_loading() -> None:
+    """GPU run 1 of the native path: every count exchange ended in "quiet timeout" because the host,
+    after launching the spinning relay kernel, launched kernels not yet loaded (lazy loading holds
+    the context lock while the device drains, so the softnic's progress thread could not queue the
+    copy the kernel waited for). The relay must wait for its kernels exactly in that configuration."""
+    from pyep.ep.normal.internode_relay import drain_after_launch
+    for transport in ("emulated", "emulated-internode"):
+        assert drain_after_launch(transport, None)          # torch's default: LAZY
+        assert drain_after_launch(transport, "LAZY")
+        assert drain_after_launch(transport, " lazy ")
+        assert not drain_after_launch(transport, "EAGER")
+        assert not drain_after_launch(transport, "eager")
+    for transport in ("ibgda", "auto"):                     # a real NIC needs no host thread
+        assert not drain_after_launch(transport, None)
+        assert not drain_after_launch(transport, "LAZY")

@@ -14,6 +14,7 @@ sizing). Counters are absolute and never reset except by clean().
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional
@@ -69,6 +70,22 @@ def nic_transport(transport: str) -> str:
     return "emulated" if transport in ("emulated", "emulated-internode") else "ibgda"
 
 
+def drain_after_launch(transport: str, module_loading: Optional[str]) -> bool:
+    """Whether the host must wait for each relay kernel before it issues more CUDA work.
+
+    On the softnic a relay kernel spins until the softnic's progress thread -- a host thread of this
+    process -- has queued its cudaMemcpyAsync / atomic kernel. With CUDA's lazy module loading (the
+    default; torch sets CUDA_MODULE_LOADING=LAZY when it is unset) the first launch of any kernel not
+    yet loaded (ours, torch's, the caller's) loads it under the primary context's lock and waits there
+    for the device to drain: the progress thread's next CUDA call blocks on that lock, the spinning
+    relay kernel never sees its completion, and both wait until the relay's timeout ("quiet timeout",
+    PeerTimeout). A real NIC needs no host thread, and with CUDA_MODULE_LOADING=EAGER nothing is
+    loaded at launch time: then no wait is needed."""
+    if nic_transport(transport) != "emulated":
+        return False
+    return (module_loading or "LAZY").strip().upper() != "EAGER"
+
+
 class RelayError(NormalModeError):
     """A relay QP failed (error CQE or a send queue that stopped completing), naming the peer."""
 
@@ -107,6 +124,10 @@ class Relay:
         self.nodes = nodes
         self.timeout_us = timeout_us
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self._drain = drain_after_launch(transport, os.environ.get("CUDA_MODULE_LOADING"))
+        if self._drain:
+            log.info("relay on the softnic with lazy CUDA module loading: every relay launch is waited for "
+                     "on the host (set CUDA_MODULE_LOADING=EAGER to keep the calls asynchronous)")
         # Every rank creates every column group in the same order (new_group is collective).
         cols = [dist.new_group([m * nodes.ranks_per_node + l for m in range(nodes.num_nodes)])
                 for l in range(nodes.ranks_per_node)]
@@ -185,6 +206,7 @@ class Relay:
             self._host[0] = 0
         self._r.counts(self.static, seq, send_counts.data_ptr(), recv.data_ptr(), self._host.data_ptr() if host else 0,
                        raw_current_stream(self.device))
+        self._settle()
 
     def wait_counts(self, seq: int) -> "tuple[List[int], List[int]]":
         """(rows from every node, this rank's send_counts) of counts_async(seq, host=True): a bounded
@@ -236,6 +258,15 @@ class Relay:
         chunk = max(1, min(chunk_tokens, q))
         self._r.relay(self.static, phase, src.data_ptr(), send_offsets.data_ptr(), dst.data_ptr(),
                       recv_offsets.data_ptr(), row_bytes, q, chunk, capacity, raw_current_stream(self.device))
+        self._settle()
+
+    def _settle(self) -> None:
+        """drain_after_launch: no CUDA call of this thread may load a module while a relay kernel
+        spins on the softnic. A stream synchronize takes no lock the progress thread needs, and it is
+        bounded: every wait inside the relay kernels (and the kernels before them) has its timeout."""
+        if self._drain:
+            import torch
+            torch.cuda.current_stream(self.device).synchronize()
 
     def clean(self, group_barrier: Any) -> None:
         """Collective over the column (group_barrier waits for every rank): zero the counters, count
