@@ -274,3 +274,21 @@ def test_drill_call_a_survives_a_pause_after_admission() -> None:
                               pause_after_admit_ms=pause_ms), 0, "between")
     assert out.ok, out.why
     assert all(r["final_active"] == [1, 1] for r in out.ranks), [r["final_active"] for r in out.ranks]
+
+
+def test_drill_newcomer_late_after_call_a_stays_admitted() -> None:
+    """The restarted process pauses well over a timeout after its first call (#A): its cold host code
+    (first copies to the host, first CPU operators) on the GPU drill. Without the grace window the
+    survivor marks it in dispatch #A+1 (its data is late), sends it no combine rows nor flag, and the
+    newcomer marks the survivor back in that combine: the masks end split, {0: [1, 0], 1: [0, 1]}, as in
+    the second GPU drill (nvlink, kills in combine and between calls). Calls #A .. #A +
+    REJOIN_GRACE_CALLS - 1 wait at least REJOIN_CALL_TIMEOUT_US on every member."""
+    from pyep.cli.drill import run_drill
+    from pyep.ep.membership import REJOIN_CALL_TIMEOUT_US, REJOIN_GRACE_CALLS
+    timeout_us, pause_ms = 300_000, 1200.0
+    assert 2 * timeout_us / 1e3 < pause_ms < REJOIN_CALL_TIMEOUT_US / 1e3 - 500 and REJOIN_GRACE_CALLS >= 2
+    out = run_drill(_drill_ns(world=2, experts=4, timeout_us=timeout_us, phases="between", rounds_after=4,
+                              newcomer_pause_ms=pause_ms), 0, "between")
+    assert out.ok, out.why
+    assert all(r["final_active"] == [1, 1] for r in out.ranks), [r["final_active"] for r in out.ranks]
+    assert not out.later_marks, out.later_marks

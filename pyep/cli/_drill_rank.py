@@ -173,6 +173,10 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
                     # Host work between the admission and call #A (a model's layers before the first
                     # MoE layer): call #A's rejoin timeout must cover it (docs/elastic.md).
                     time.sleep(a["pause_after_admit_ms"] / 1e3)
+        if buf.generation > 1 and call == res.get("joined_at", -1) + 1 and a.get("newcomer_pause_ms"):
+            # The restarted process's cold host code after its first call (first copies to the host,
+            # first CPU operators): the grace window after call #A must cover it (docs/elastic.md).
+            time.sleep(a["newcomer_pause_ms"] / 1e3)
         mine = rank == victim and buf.generation == 1 and call == kill_call
         if mine and phase == "between":
             _die()
@@ -187,6 +191,7 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
             ev[0].record()
         if mine and phase == "dispatch" and not native:
             _arm_reference_kill(buf)
+        t_launch = [time.monotonic()]
         recv, cnt, handle, _, _ = buf.dispatch(x, idx, use_fp8=False, active_ranks=active, timeout_us=a["timeout_us"])
         if mine and phase == "dispatch":
             _die()                                   # native: the kernel is in flight
@@ -194,22 +199,25 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
             ev[1].record()
         if mine and phase == "combine" and not native:
             _arm_reference_kill(buf)
+        t_launch.append(time.monotonic())
         y = _expert(recv, e_off)
         if native:
             ev[2].record()
         out, _, _ = buf.combine(y, idx, w, handle, active_ranks=active, timeout_us=a["timeout_us"])
+        t_launch.append(time.monotonic())
         if mine and phase == "combine":
             _die()
         if native:
             ev[3].record()
         sync()
+        t_launch.append(time.monotonic())
         dt = time.monotonic() - ts
         times.append(dt)
         if native:
             # Device time of the dispatch and of the combine (CUDA events): which one a slow call waits in.
             split.append((ev[0].elapsed_time(ev[1]), ev[2].elapsed_time(ev[3])))
         after = active.tolist()
-        if before != after and death_call is None:
+        if before != after and death_call is None and buf.generation == 1:
             death_call = call
             res["death_call"] = call
             res["death_call_ms"] = dt * 1e3
@@ -217,7 +225,15 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
                 res["death_split_ms"] = [round(v, 3) for v in split[-1]]
             res["detect_time"] = time.time()
             res["marked"] = [r for r in range(world) if before[r] and not after[r]]
-        # Who counted as active in this call: the mask after it (a source marked during the call sent
+            # Host ms of the call: dispatch binding call, _expert + combine binding call, the final
+            # synchronize (a blocked launch, e.g. on a softnic control lock, shows in the first two).
+            res["death_host_ms"] = [round((b - a_) * 1e3, 3) for a_, b in zip(t_launch, t_launch[1:])]
+        elif before != after:
+            # Any later mark (after a rejoin: who marked whom, in which call, and how long it took).
+            res.setdefault("later_marks", []).append(
+                {"call": call, "marked": [r for r in range(world) if before[r] and not after[r]],
+                 "ms": round(dt * 1e3, 3), "split_ms": [round(v, 3) for v in split[-1]] if split else [],
+                 "loop_ms": round(loops[-1] * 1e3, 3) if loops else 0.0})        # Who counted as active in this call: the mask after it (a source marked during the call sent
         # nothing that was used, an owner marked during combine contributes nothing).
         on = [bool(v) for v in after]
         _check_dispatch(a, call, rank, world, on if on == before else _dispatch_view(buf, handle, world, on),

@@ -46,6 +46,8 @@ class DrillOutcome:
     split_before_ms: List[float] = field(default_factory=list)   # survivors' median device ms: dispatch, combine
     split_after_ms: List[float] = field(default_factory=list)
     death_split_ms: List[List[float]] = field(default_factory=list)  # each survivor's death call: dispatch, combine
+    death_host_ms: List[List[float]] = field(default_factory=list)   # ... host: dispatch call, combine call, sync
+    later_marks: Dict[str, Any] = field(default_factory=dict)         # rank (' = restarted) -> later marks
     joined_at: int = 0
     rounds_checked: int = 0
     ranks: List[Dict[str, Any]] = field(default_factory=list)
@@ -57,7 +59,8 @@ def _rank_args(ns: argparse.Namespace, rank: int, port: int, prefix: str, phase:
             "K": ns.topk, "timeout_us": ns.timeout_us, "lead": ns.lead_calls, "seed": ns.seed,
             "victim": ns.victim if ns.victim >= 0 else ns.world - 1, "kill_call": ns.kill_call, "phase": phase,
             "rounds_after": ns.rounds_after, "join_timeout_s": ns.join_timeout_s, "wall_s": ns.drill_timeout_s,
-            "pause_after_admit_ms": getattr(ns, "pause_after_admit_ms", 0.0)}
+            "pause_after_admit_ms": getattr(ns, "pause_after_admit_ms", 0.0),
+            "newcomer_pause_ms": getattr(ns, "newcomer_pause_ms", 0.0)}
 
 
 def _spawn(args: Dict[str, Any]) -> subprocess.Popen:
@@ -162,10 +165,13 @@ def run_drill(ns: argparse.Namespace, index: int, phase: str, echo: bool = False
             raise RuntimeError(f"a rejoin changed the links to other peers: {changed}")
         partial = {s["rank"]: s["final_active"] for s in out.ranks if 0 in s["final_active"]}
         if partial:
-            raise RuntimeError(f"ranks still marked inactive at the end: {partial}")
+            raise RuntimeError(f"ranks still marked inactive at the end: {partial}; marks after the death call "
+                               f"(rank: call, marked, call ms, device split, iteration ms): {out.later_marks}")
         if out.detect_ms > limit:
             raise RuntimeError(f"the call that found rank {victim} dead took {out.detect_ms:.1f} ms > "
-                               f"timeout + {ns.slack_ms:g} ms = {limit:.1f} ms")
+                               f"timeout + {ns.slack_ms:g} ms = {limit:.1f} ms (device dispatch/combine "
+                               f"{out.death_split_ms}; host dispatch call / expert+combine call / sync "
+                               f"{out.death_host_ms})")
         if out.healthy_ms and out.after_ms > ns.max_slowdown * out.healthy_ms + 0.5:
             raise RuntimeError(f"per-call time after the rejoin {out.after_ms:.3f} ms vs {out.healthy_ms:.3f} ms "
                                f"before (> x{ns.max_slowdown:g}); device ms (dispatch, combine) "
@@ -199,6 +205,9 @@ def _diagnostics(out: DrillOutcome, survivors: List[Dict[str, Any]], newcomer: D
         rows = [row for s in survivors for row in pick(s.get("split_ms", []))]
         setattr(out, name, [_median([r[0] for r in rows]), _median([r[1] for r in rows])] if rows else [])
     out.death_split_ms = [s["death_split_ms"] for s in survivors if "death_split_ms" in s]
+    out.death_host_ms = [s["death_host_ms"] for s in survivors if "death_host_ms" in s]
+    out.later_marks = {(str(s["rank"]) if s["generation"] == 1 else f"{s['rank']}'"): s["later_marks"]
+                       for s in [*survivors, newcomer] if s.get("later_marks")}
 
 
 def add_parser(sub: Any) -> None:
@@ -225,6 +234,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--drill-timeout-s", type=float, default=600.0)
     p.add_argument("--pause-after-admit-ms", type=float, default=0.0,
                    help="survivors pause this long between admitting the restarted rank and its first call")
+    p.add_argument("--newcomer-pause-ms", type=float, default=0.0,
+                   help="the restarted rank pauses this long after its first call (cold host code)")
     p.add_argument("--echo", action="store_true", help="print the ranks' output")
     p.add_argument("--json", default=None, help="write every drill's numbers here")
     p.set_defaults(func=_main)

@@ -20,8 +20,8 @@ from .control import ControlPlane, make_control
 from .backend import (CombineOptions, profiled_range, CompletedEvent, DispatchOptions, EpBackend, EventLike,
                       PeerTransport)
 from .config import DEFAULT_TIMEOUT_US, MAX_TOPK, EpConfig
-from .membership import (DEFAULT_LEAD_CALLS, REJOIN_CALL_TIMEOUT_US, Membership, MembershipError, Rejoin,
-                         buffer_fingerprint)
+from .membership import (DEFAULT_LEAD_CALLS, REJOIN_CALL_TIMEOUT_US, REJOIN_GRACE_CALLS, Membership,
+                         MembershipError, Rejoin, buffer_fingerprint)
 from .errors import InvalidExpertIndex
 from .config import size_hint as _size_hint
 from .handle import Handle
@@ -168,7 +168,7 @@ class EpBuffer:
         self._owner = uuid.uuid4().hex
         self._epoch = 0
         self._seq = 0
-        self._grace_seq = 0      # call #A of the latest rejoin: its dispatch and combine wait longer
+        self._grace_seq = 0      # call #A of the latest rejoin: it and the grace window after it wait longer
         # Store-based buffers have a membership (pyep.ep.membership, docs/elastic.md): a process whose
         # rank already had one is a restarted rank and joins the running job instead of setting up.
         self._member: Optional[Membership] = None
@@ -288,7 +288,7 @@ class EpBuffer:
                  cumulative_local_expert_recv_stats: Optional["torch.Tensor"] = None,
                  dispatch_wait_recv_cost_stats: Optional["torch.Tensor"] = None
                  ) -> Tuple[RecvX, "torch.Tensor", Handle, EventLike, Hook]:
-        if self._grace_seq == self._seq + 1:
+        if self._in_grace(self._seq + 1):
             timeout_us = self._rejoin_timeout(timeout_us)
         fast = self._fast_dispatch
         if (fast is not None and async_finish is False and return_recv_hook is False and not self._destroyed
@@ -349,7 +349,7 @@ class EpBuffer:
                 return_recv_hook: bool = False, out: Optional["torch.Tensor"] = None, use_logfmt: bool = False,
                 combine_wait_recv_cost_stats: Optional["torch.Tensor"] = None
                 ) -> Tuple["torch.Tensor", EventLike, Hook]:
-        if self._grace_seq and getattr(handle, "seq", None) == self._grace_seq:
+        if self._in_grace(getattr(handle, "seq", None)):
             timeout_us = self._rejoin_timeout(timeout_us)
         fast = self._fast_combine
         # use_logfmt takes the Python path (the fast path launches BF16 combines only).
@@ -383,6 +383,12 @@ class EpBuffer:
                                     else CompletedEvent(f"combine of dispatch #{handle.seq}"),
                                     res.hook if return_recv_hook else None)
         return res.out, event, hook
+
+    def _in_grace(self, seq: Any) -> bool:
+        """Whether call `seq` is in the grace window of the latest rejoin: #A .. #A + REJOIN_GRACE_CALLS - 1
+        (docs/elastic.md, "The grace window")."""
+        a = self._grace_seq
+        return bool(a) and isinstance(seq, int) and a <= seq < a + REJOIN_GRACE_CALLS
 
     def _rejoin_timeout(self, timeout_us: Any) -> Any:
         """The timeout of call #A, the first call after a rejoin (docs/elastic.md, "Call #A"): at least

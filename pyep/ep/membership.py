@@ -37,6 +37,11 @@ MAX_ANNOUNCEMENT = 1 << 20
 DEFAULT_LEAD_CALLS = 8
 # Call #A (the newcomer's first call) waits at least this long on every member (EpBuffer._rejoin_timeout).
 REJOIN_CALL_TIMEOUT_US = 2_000_000
+# ... and so do the calls after it, up to #A + REJOIN_GRACE_CALLS - 1 (docs/elastic.md, "The grace
+# window"): the newcomer's first iterations run cold host code (first device-to-host copies, first
+# uses of CPU operators and allocators), so it can start one of them more than a timeout after the
+# survivors, who would mark it, and it would mark them back in the combine.
+REJOIN_GRACE_CALLS = 16
 # The handshake at call #A polls the store this often, without backing off: it releases the members, and
 # how far apart they see the release is how far apart they start call #A.
 HANDSHAKE_POLL_S = 0.0005
