@@ -198,11 +198,6 @@ struct FastLL {
         c.timeout_ns = timeout_ns(timeout);
         c.phases = pyep::ll::kPhaseSend | pyep::ll::kPhaseRecv;
         const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(shape.dev_index).stream();
-        // A captured combine may be replayed on the same handle: it waits for the acknowledgements
-        // like a repeated one (ll_ack.cuh; they are normally there already: one poll per destination).
-        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-        c.repeat = repeat || (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
-                              capture != cudaStreamCaptureStatusNone) ? 1 : 0;
         pyep::ll::launch_dispatch(s, c, reinterpret_cast<uint64_t>(stream));
         ++calls;
         if (fp8) scales = py::cast(scales_t);
@@ -271,8 +266,8 @@ struct FastLL {
         // A captured combine may be replayed on the same handle: it waits for the acknowledgements
         // like a repeated one (ll_ack.cuh; they are normally there already: one poll per destination).
         cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-        c.repeat = repeat || (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
-                              capture != cudaStreamCaptureStatusNone) ? 1 : 0;
+        c.repeat = (repeat || (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+                               capture != cudaStreamCaptureStatusNone)) ? 1 : 0;
         pyep::ll::launch_combine(s, c, reinterpret_cast<uint64_t>(stream));
         ++calls;
         return result;
