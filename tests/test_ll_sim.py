@@ -3,8 +3,8 @@ per GPU thread (tests/ll_sim), several ranks in one process, peers connected by 
 NVLink/local path) or through qp.h queue pairs executed by a simulated NIC (the IBGDA path). Checked
 against a brute-force oracle and pyep.ep.fp8: slot assignment, packed layout, headers, FP8 bits in all
 scale modes, combine sums, both buffer halves, split send/receive launches, the timeout marking a
-silent rank, a rejoin, and the device-side check of expert ids (the error record, bad entries routed
-as -1). Each case runs in a worker process with a hard timeout (a kernel bug that
+silent rank, a rejoin, the device-side check of expert ids (the error record, bad entries routed
+as -1), and a handle combined again (the per-peer acknowledgements of ll_ack.cuh). Each case runs in a worker process with a hard timeout (a kernel bug that
 deadlocks a barrier must fail the test, not hang CI)."""
 from __future__ import annotations
 
