@@ -214,6 +214,7 @@ def correctness(shape_args: Tuple[int, int, int, int], transport: str, ranks_per
     for seed, n, routing, kw in chosen:
         run_case(nat, ref, shape, seed, n, routing, **kw)
     two_in_flight(nat, ref, shape)
+    repeated_combine(nat, ref, shape)
     nat.destroy()
     ref.destroy()
     torch.cuda.synchronize()
@@ -241,6 +242,44 @@ def two_in_flight(nat: Any, ref: Any, shape: Shape) -> None:
         y = expert_fn(wnt[0], wnt[1], rank * nat.num_local_experts)
         compare_combine(f"rank {rank} in-flight #{i}", outs[i], ref.combine(y, t, w, wnt[2])[0])
     torch.cuda.synchronize()
+
+
+def repeated_combine(nat: Any, ref: Any, shape: Shape, times: int = 6) -> None:
+    """One handle combined several times, queued with no host wait in between (DeepEP's own test combines
+    a handle twice, its benchmarks many times): a fast peer's next combine must not land on rows this rank
+    is still reducing, nor restage a NIC row before the NIC read it. The second and later combines wait
+    on the device for every destination's acknowledgement (ll_ack.cuh; docs/ll_kernels.md). Combine #3
+    goes through the receive hook, and a combine with that hook uncalled is refused on every rank."""
+    import torch
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    x, t, w = make_inputs(23, rank, shape, shape.T, "uniform")
+    g = nat.dispatch(x.cuda(), t.cuda(), use_fp8=False)
+    want = ref.dispatch(x, t, use_fp8=False)
+    e_off = rank * nat.num_local_experts
+    outs = []
+    for j in range(times):
+        y = expert_fn(g[0], g[1], e_off) * 2.0 ** (j % 4)   # exact: both sides scale the same bits
+        zc = j % 3 == 2
+        if zc:
+            nat.get_next_combine_buffer(g[2]).copy_(y)
+        if j == 3:
+            out, _, hook = nat.combine(y, t.cuda(), w.cuda(), g[2], return_recv_hook=True)
+            try:
+                nat.combine(y, t.cuda(), w.cuda(), g[2])
+            except ValueError as exc:
+                assert "hook" in str(exc), exc
+            else:
+                raise AssertionError(f"rank {rank}: a combine with the previous combine's hook uncalled ran")
+            hook()
+            outs.append(out)
+        else:
+            outs.append(nat.combine(y, t.cuda(), w.cuda(), g[2], zero_copy=zc)[0])
+    torch.cuda.synchronize()
+    check_no_timeouts(f"rank {rank} repeated combine", nat)
+    for j, out in enumerate(outs):
+        y = expert_fn(want[0], want[1], e_off) * 2.0 ** (j % 4)
+        compare_combine(f"rank {rank} repeated combine #{j}", out, ref.combine(y, t, w, want[2])[0])
 
 
 def device_value_checks(transport: str) -> Dict[str, Any]:

@@ -20,6 +20,7 @@ def regions(lay: LLLayout):
         b = lay.half_base(h)
         out += [(f"dsig{h}", b + lay.off_dsig, b + lay.off_dsig + 4 * lay.num_local_experts * lay.num_ranks),
                 (f"csig{h}", b + lay.off_csig, b + lay.off_csig + 4 * lay.num_ranks),
+                (f"cack{h}", b + lay.off_cack, b + lay.off_cack + 4 * lay.num_ranks),
                 (f"drecv{h}", b + lay.off_drecv, b + lay.off_drecv + lay.num_ranks * lay.slots_per_src * lay.msg_bytes),
                 (f"crecv{h}", b + lay.off_crecv, b + lay.off_crecv + lay.num_max_tokens * lay.max_topk * lay.msg_bytes)]
     out.append(("fetch", lay.off_fetch, lay.off_fetch + FETCH_BYTES))
@@ -93,7 +94,8 @@ def test_offsets_match_formulas():
     assert lay.crecv_offset(0, 3, 1) == lay.off_crecv + (3 * 2 + 1) * lay.msg_bytes
     with pytest.raises(ValueError):
         lay.half_base(2)
-    assert ws_words(8) == 16 + 40
+    assert lay.cack_offset(1, 1) == lay.half_bytes + lay.off_cack + 4
+    assert ws_words(8) == 16 + 72
 
 
 @pytest.mark.parametrize("bad,exc", [((128, 100, 8, 2), ValueError), ((128, 128, 9, 2), ValueError),

@@ -39,6 +39,7 @@ void register_ep(py::module_& m) {
         .def_readwrite("half_bytes", &LLStatic::half_bytes)
         .def_readwrite("off_dsig", &LLStatic::off_dsig)
         .def_readwrite("off_csig", &LLStatic::off_csig)
+        .def_readwrite("off_cack", &LLStatic::off_cack)
         .def_readwrite("off_drecv", &LLStatic::off_drecv)
         .def_readwrite("off_crecv", &LLStatic::off_crecv)
         .def_readwrite("msg_bytes", &LLStatic::msg_bytes)
@@ -89,7 +90,7 @@ void register_ep(py::module_& m) {
         "combine",
         [](const LLStatic& s, uint64_t x, uint64_t topk, uint64_t weights, int num_tokens, int num_topk, int half,
            uint64_t src_info, uint64_t recv_slot, uint64_t layout_range, uint64_t active, uint64_t out,
-           uint64_t timeout_ns, int phases, uint64_t stream, bool use_logfmt, uint64_t wait_stats) {
+           uint64_t timeout_ns, int phases, uint64_t stream, bool use_logfmt, uint64_t wait_stats, bool repeat) {
             LLCombineCall c;
             c.x = x;
             c.topk = topk;
@@ -106,14 +107,16 @@ void register_ep(py::module_& m) {
             c.phases = phases;
             c.use_logfmt = use_logfmt ? 1 : 0;
             c.wait_stats = wait_stats;
+            c.repeat = repeat ? 1 : 0;
             launch_combine(s, c, stream);
         },
         py::arg("static"), py::arg("x"), py::arg("topk"), py::arg("weights"), py::arg("num_tokens"),
         py::arg("num_topk"), py::arg("half"), py::arg("src_info"), py::arg("recv_slot"), py::arg("layout_range"),
         py::arg("active"), py::arg("out"), py::arg("timeout_ns"), py::arg("phases"), py::arg("stream"),
-        py::arg("use_logfmt") = false, py::arg("wait_stats") = 0,
+        py::arg("use_logfmt") = false, py::arg("wait_stats") = 0, py::arg("repeat") = false,
         "Launch the combine kernel (phases: 1 send, 2 receive, 3 both; use_logfmt: LogFMT-10 payload; "
-        "wait_stats as for dispatch).");
+        "wait_stats as for dispatch; repeat: the handle was combined before, so every destination's "
+        "acknowledgement of our earlier combines on this half is awaited first).");
 
     ep.def("dispatch_smem_bytes", &dispatch_smem_bytes, py::arg("static"));
     ep.def("combine_smem_bytes", &combine_smem_bytes, py::arg("static"));

@@ -223,7 +223,7 @@ struct FastLL {
     py::object combine(py::handle x_h, py::handle topk_h, py::handle weights_h, py::handle src_info_h,
                        py::handle layout_range_h, py::handle recv_slot_h, int handle_half, int64_t n, int64_t k,
                        py::handle active_h, py::handle timeout_h, py::handle out_h, py::handle src_h,
-                       py::handle wait_h) {
+                       py::handle wait_h, bool repeat) {
         if (declines() || (handle_half != 0 && handle_half != 1)) return py::none();
         const lc::TensorArg x = meta_of(x_h.ptr()), topk = meta_of(topk_h.ptr()), w = meta_of(weights_h.ptr()),
                             out = meta_of(out_h.ptr()), act = meta_of(active_h.ptr()), wait = meta_of(wait_h.ptr());
@@ -263,6 +263,11 @@ struct FastLL {
         c.timeout_ns = timeout_ns(timeout);
         c.phases = pyep::ll::kPhaseSend | pyep::ll::kPhaseRecv;
         const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(shape.dev_index).stream();
+        // A captured combine may be replayed on the same handle: it waits for the acknowledgements
+        // like a repeated one (ll_ack.cuh; they are normally there already: one poll per destination).
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        c.repeat = (repeat || (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+                               capture != cudaStreamCaptureStatusNone)) ? 1 : 0;
         pyep::ll::launch_combine(s, c, reinterpret_cast<uint64_t>(stream));
         ++calls;
         return result;
@@ -288,7 +293,7 @@ void register_ep_fast(py::module_& m) {
         .def("combine", &FastLL::combine, py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"),
              py::arg("src_info"), py::arg("layout_range"), py::arg("recv_slot"), py::arg("half"), py::arg("num_tokens"),
              py::arg("num_topk"), py::arg("active_ranks"), py::arg("timeout_us"), py::arg("out"), py::arg("src"),
-             py::arg("combine_wait_recv_cost_stats") = py::none());
+             py::arg("combine_wait_recv_cost_stats") = py::none(), py::arg("repeat") = false);
 }
 
 pyep::bindings::Registrar reg("ep_fast", &register_ep_fast);

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 #endif
 
+#include "kernels/ll_ack.cuh"
 #include "kernels/ll_common.cuh"
 #include "kernels/ll_logfmt.cuh"
 
@@ -168,6 +169,9 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     source_offsets(sm.cnt, sm.srcoff, sm.scan, R, El);
     block_exclusive_scan(sm.rowstart, sm.cnt, E, sm.scan);
     const int total = sm.rowstart[E];
+    // A handle combined again: no row before each destination acknowledged our earlier combines on
+    // this half (ll_ack.cuh). After the routing scans, so they overlap the wait.
+    if (c.repeat) wait_acks(s, c, sm.active);
     trace_point(s, kTraceCombine, kTrSendRouted);
 
     const int RT = R * T;
@@ -236,6 +240,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         }
         __syncthreads();
         finish_failures(s, sm.active, active);
+        finish_acks(s, c, sm.active, active);
         if (tid == 0) *ws_counter(s, half, kCombineSendDone) = 0;
     }
     trace_point(s, kTraceCombine, kTrSendDone);
@@ -444,6 +449,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
         for (int r = tid; r < R; r += blockDim.x) sig[r] = 0;
         finish_decisions(state, active, R);
         if (tid == 0) *ws_counter(s, half, kCombineRecvDone) = 0;
+        send_acks(s, c, sm.ok);
     }
     trace_point(s, kTraceCombine, kTrRecvDone);
 }

@@ -328,7 +328,8 @@ __device__ __forceinline__ int resolve_flag(int* state, const int* active, int r
     if (ld_volatile(active + r) == 0) {
         outcome = kInactive;
     } else {
-        while (ld_acquire_sys(flag) < expect) {
+        // Modulo 2^32 (a counter may wrap: ll_ack.cuh); for the 0..num_qps flags a plain compare.
+        while ((int)((uint32_t)ld_acquire_sys(flag) - (uint32_t)expect) < 0) {
             if (start == 0) start = gda::now_ns();
             LL_SPIN_HINT();
             st = ld_volatile(state + r);

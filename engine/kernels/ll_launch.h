@@ -34,6 +34,7 @@ struct LLStatic {
     uint64_t half_bytes = 0;
     uint64_t off_dsig = 0;
     uint64_t off_csig = 0;
+    uint64_t off_cack = 0;        // per half: int32 [R] combine acknowledgements (ll_ack.cuh)
     uint64_t off_drecv = 0;
     uint64_t off_crecv = 0;
     uint64_t msg_bytes = 0;
@@ -110,6 +111,8 @@ struct LLCombineCall {
     int phases = kPhaseSend | kPhaseRecv;
     int use_logfmt = 0;           // LogFMT-10 payload (pyep/ep/logfmt.py); H % 512 == 0
     uint64_t wait_stats = 0;      // int64 [R] or 0: receive wait per source, added in ns (WaitStats)
+    int repeat = 0;               // the handle was combined before: wait for every destination's
+                                  // acknowledgement of our earlier combines on this half (ll_ack.cuh)
 };
 
 // The argument checks of one launch (ll_runtime.cu): std::invalid_argument naming what is wrong.

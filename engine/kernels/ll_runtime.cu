@@ -28,6 +28,8 @@ void check_static(const LLStatic& s) {
     const uint32_t tail = lf_meta_bytes(s.hidden) > (uint32_t)kHeaderBytes ? lf_meta_bytes(s.hidden) : (uint32_t)kHeaderBytes;
     if (s.msg_bytes != (uint64_t)((tail + 2 * s.hidden + kMsgAlign - 1) / kMsgAlign * kMsgAlign))
         bad("msg_bytes does not match the hidden size (layout.py: 2H + max(16, LogFMT meta) rounded up to 128)");
+    if (s.off_cack % 4 || s.off_cack < s.off_csig + 4ull * s.num_ranks || s.off_cack + 4ull * s.num_ranks > s.off_drecv)
+        bad("off_cack must follow the combine flags inside the signal area (layout.py)");
     if ((s.half_bytes | s.off_drecv | s.off_crecv | s.msg_bytes) % kMsgAlign) bad("layout offsets must be 128-byte aligned");
     if ((int64_t)s.num_ranks * s.num_max_tokens >= (1ll << 31)) bad("R*T must fit in int32");
 }

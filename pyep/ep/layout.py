@@ -5,7 +5,10 @@ buffer from its own layout). Two halves, one per in-flight call (the dispatch of
 use half s & 1). Each half holds
 
     signals   dispatch counts int32 [E_l][R] (from source rank r for local expert e, sent as -count-1
-              so that 0 means "not arrived"), combine flags int32 [R] (one per source rank)
+              so that 0 means "not arrived"), combine flags int32 [R] (one per source rank), and
+              combine acknowledgements cack int32 [R]: cack[s] counts the combines of this rank on
+              this half that rank s has finished reducing (s adds 1 after its reduce; never cleared
+              by a call, zeroed with the other signal words)
     drecv     dispatch receive area [R source ranks][S slots] of M-byte messages. A sender orders the
               messages it sends to one rank by (local expert, token, k), so the messages of expert e
               from rank r are contiguous. S = T * min(K_max, E_l): a rank sends at most T*K entries,
@@ -25,6 +28,14 @@ On the NIC path the same memory doubles as staging: a dispatch message for (t, k
 sender's own crecv slot (t, k) -- only the expert owner that will receive it writes that slot later,
 and only after it has received the message -- and a combine row is staged in the drecv slot its input
 arrived in, which its token owner overwrites only in a later call, after this combine's flag.
+
+A handle combined again (docs/ll_kernels.md): calls that alternate halves are ordered by the two-call
+rule, but a second combine of one handle reuses the half with no call in between. The workspace keeps
+csent[h][r], the combines this rank sent to r on half h (the last send block adds 1 per active
+destination); a combine flagged `repeat` (the host's count of combines per handle) first waits until
+r's cack[h][me] in its own buffer reaches csent[h][r] as it was when the call began: r has finished
+reducing every earlier combine of ours on that half, so its receive rows and flags are free, and on the
+NIC path our staged rows were read (r saw their flag, which travels after them on the same QP).
 """
 from __future__ import annotations
 
@@ -37,7 +48,9 @@ SIGNAL_ALIGN = 256
 REGION_ALIGN = 4096
 FETCH_BYTES = 256   # scratch where NIC atomics deposit the fetched old value (never read)
 # int32 words of the per-rank (not remotely written) workspace: 4 done-counters per half, padded,
-# then per half a decision word per source rank for dispatch and for combine, then send-failure flags.
+# then per half a decision word per source rank for dispatch and for combine, then send-failure flags,
+# then per half the combines sent to each rank (csent) and the decision word of a repeated combine's
+# wait for each destination's acknowledgement (ll_ack.cuh).
 WS_HEADER_WORDS = 16
 
 
@@ -65,6 +78,7 @@ class LLLayout:
     slots_per_src: int           # S
     off_dsig: int                # offsets inside a half
     off_csig: int
+    off_cack: int
     off_drecv: int
     off_crecv: int
     half_bytes: int
@@ -82,6 +96,10 @@ class LLLayout:
 
     def csig_offset(self, half: int, src: int) -> int:
         return self.half_base(half) + self.off_csig + 4 * src
+
+    def cack_offset(self, half: int, src: int) -> int:
+        """The word rank `src` adds 1 to when it finished reducing a combine of ours on `half`."""
+        return self.half_base(half) + self.off_cack + 4 * src
 
     def drecv_offset(self, half: int, src: int, slot: int) -> int:
         return self.half_base(half) + self.off_drecv + (src * self.slots_per_src + slot) * self.msg_bytes
@@ -126,8 +144,16 @@ def header_offset(hidden: int, fp8: bool) -> int:
 
 
 def ws_words(num_ranks: int) -> int:
-    """int32 words of the local workspace (done counters, per-source decisions, failure flags)."""
-    return WS_HEADER_WORDS + 5 * num_ranks
+    """int32 words of the local workspace (done counters, per-source decisions, failure flags, combines
+    sent per half and destination, repeated-combine decisions)."""
+    return WS_HEADER_WORDS + 9 * num_ranks
+
+
+def ws_csent_index(num_ranks: int, half: int, rank: int) -> int:
+    """Index of csent[half][rank] in the workspace (ll_common.cuh: ws_csent)."""
+    if half not in (0, 1) or not 0 <= rank < num_ranks:
+        raise ValueError(f"csent[{half}][{rank}] outside [2][{num_ranks}]")
+    return WS_HEADER_WORDS + 5 * num_ranks + half * num_ranks + rank
 
 
 def ll_buffer_layout(T: int, H: int, E: int, R: int, K_max: int = 16) -> LLLayout:
@@ -149,14 +175,15 @@ def ll_buffer_layout(T: int, H: int, E: int, R: int, K_max: int = 16) -> LLLayou
     slots = T * min(K_max, e_l)
     off_dsig = 0
     off_csig = _align(off_dsig + 4 * e_l * R, SIGNAL_ALIGN)
-    off_drecv = _align(off_csig + 4 * R, REGION_ALIGN)
+    off_cack = _align(off_csig + 4 * R, SIGNAL_ALIGN)
+    off_drecv = _align(off_cack + 4 * R, REGION_ALIGN)
     off_crecv = _align(off_drecv + R * slots * msg, REGION_ALIGN)
     half = _align(off_crecv + T * K_max * msg, REGION_ALIGN)
     off_fetch = 2 * half
     total = _align(off_fetch + FETCH_BYTES, REGION_ALIGN)
     return LLLayout(num_max_tokens=T, hidden=H, num_experts=E, num_ranks=R, max_topk=K_max,
                     num_local_experts=e_l, msg_bytes=msg, slots_per_src=slots, off_dsig=off_dsig,
-                    off_csig=off_csig, off_drecv=off_drecv, off_crecv=off_crecv, half_bytes=half,
+                    off_csig=off_csig, off_cack=off_cack, off_drecv=off_drecv, off_crecv=off_crecv, half_bytes=half,
                     off_fetch=off_fetch, total_bytes=total)
 
 

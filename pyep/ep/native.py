@@ -46,6 +46,11 @@ def _engine_ep() -> Any:
 
 
 SOFTNIC_RESERVED_SMS = 4
+# Handle extras the combine keeps: how often the handle was combined (a second combine waits for the
+# peers' acknowledgements of the earlier ones: docs/ll_kernels.md, "A handle combined again"), and
+# whether the last combine's receive hook is still uncalled.
+COMBINED = "combined"
+RECV_PENDING = "combine_recv_pending"
 FAST_ENV = "PYEP_LL_FAST"
 
 
@@ -160,6 +165,7 @@ class NativeBackend(NativeMembership):
         s.fetch_addr = self._buf + lay.off_fetch
         s.workspace = self._ws.data_ptr()
         s.half_bytes, s.off_dsig, s.off_csig = lay.half_bytes, lay.off_dsig, lay.off_csig
+        s.off_cack = lay.off_cack
         s.off_drecv, s.off_crecv = lay.off_drecv, lay.off_crecv
         s.msg_bytes, s.slots_per_src = lay.msg_bytes, lay.slots_per_src
         s.num_blocks = self._grid_size()
@@ -199,12 +205,17 @@ class NativeBackend(NativeMembership):
         """combine through the fast path for a handle EpBuffer validated; None: take the Python path."""
         fast = self._fast
         ex = handle.extras
-        if fast is None or ex.get("buffer") != self._buf or ex.get("backend") != "native":
-            return None
+        if (fast is None or ex.get("buffer") != self._buf or ex.get("backend") != "native"
+                or ex.get(RECV_PENDING)):
+            return None                  # a pending receive hook: the Python path raises
         src = self.next_combine_buffer(handle) if zero_copy else None
-        return fast.combine(x, topk_idx, topk_weights, handle.src_info, handle.layout_range, ex["topk_slot"],
-                            ex["half"], handle.num_tokens, handle.num_topk, active_ranks, timeout_us, out, src,
-                            wait_stats)
+        combined = ex.get(COMBINED, 0)
+        res = fast.combine(x, topk_idx, topk_weights, handle.src_info, handle.layout_range, ex["topk_slot"],
+                           ex["half"], handle.num_tokens, handle.num_topk, active_ranks, timeout_us, out, src,
+                           wait_stats, combined > 0)
+        if res is not None:
+            ex[COMBINED] = combined + 1
+        return res
 
     # The buffer half of the next dispatch and the outstanding async_finish event are shared with the
     # fast path: it must leave a call to the Python path while an event is outstanding (stream order).
@@ -429,6 +440,16 @@ class NativeBackend(NativeMembership):
         import torch
         self._check_alive("combine")
         half, recv_slot = self._handle_parts(handle)
+        ex = handle.extras
+        if ex.get(RECV_PENDING):
+            # Its peers' acknowledgements of that combine come from their receive halves, which they
+            # run when they call their hooks: this combine would wait for them and time out.
+            raise ValueError(f"dispatch #{handle.seq}'s handle is combined again, but its previous combine's "
+                             f"receive hook was not called: call that hook first")
+        combined = int(ex.get(COMBINED, 0))
+        # A handle combined before, or a combine a CUDA graph may replay: wait on the device for every
+        # destination's acknowledgement of our earlier combines on this half (docs/ll_kernels.md).
+        repeat = combined > 0 or torch.cuda.is_current_stream_capturing()
         n, k = int(topk_idx.shape[0]), int(topk_idx.shape[1])
         src = self.next_combine_buffer(handle) if opts.zero_copy else x
         out = opts.out if opts.out is not None else torch.empty((n, self.layout.hidden), dtype=torch.bfloat16,
@@ -443,13 +464,18 @@ class NativeBackend(NativeMembership):
             self._ep.combine(self._static, src.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), n, k,
                              half, handle.src_info.data_ptr(), recv_slot.data_ptr(),
                              handle.layout_range.data_ptr(), active, out.data_ptr(), timeout_ns, phases, stream,
-                             opts.use_logfmt, wait_stats=waits.data_ptr() if waits is not None else 0)
+                             opts.use_logfmt, wait_stats=waits.data_ptr() if waits is not None else 0,
+                             repeat=repeat)
+            if phases == PHASE_RECV:
+                ex[RECV_PENDING] = False
 
         keep = [src, topk_idx, topk_weights, out, handle.src_info, recv_slot, handle.layout_range,
                 opts.active_ranks, waits]
         event, hook = self._run_phases(launch, opts.async_finish, opts.return_recv_hook, keep,
                                        "pyep::native::combine_recv", f"native combine of dispatch #{handle.seq}",
                                        opts.timeout_us)
+        ex[COMBINED] = combined + 1
+        ex[RECV_PENDING] = hook is not None
         return CombineResult(out=out, event=event, hook=hook)
 
     def _handle_parts(self, handle: "Handle") -> "tuple[int, torch.Tensor]":

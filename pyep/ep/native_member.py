@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+from .layout import ws_csent_index
+
 if TYPE_CHECKING:
     import torch
 
@@ -55,6 +57,11 @@ class NativeMembership:
             for le in range(lay.num_local_experts):
                 self._ep.memset_async(self._buf + lay.dsig_offset(h, le, rank), 0, 4, stream)
             self._ep.memset_async(self._buf + lay.csig_offset(h, rank), 0, 4, stream)
+            # Combine acknowledgements: its count of our combines it reduced, and ours of those we sent
+            # it, restart together (ll_ack.cuh), or our next repeated combine would wait for acks of
+            # combines the dead process never reduced.
+            self._ep.memset_async(self._buf + lay.cack_offset(h, rank), 0, 4, stream)
+            self._ws[ws_csent_index(self.num_ranks, h, rank)] = 0
         torch.cuda.synchronize(self.device)
         return blob
 

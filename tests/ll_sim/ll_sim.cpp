@@ -36,7 +36,8 @@ ll::LLStatic static_from(const py::dict& d) {
     set(d, "rkeys", s.rkeys); set(d, "lkey", s.lkey); set(d, "qps", s.qps);
     set(d, "num_qps_per_peer", s.num_qps_per_peer); set(d, "flag_expect", s.flag_expect);
     set(d, "fetch_addr", s.fetch_addr); set(d, "workspace", s.workspace); set(d, "half_bytes", s.half_bytes);
-    set(d, "off_dsig", s.off_dsig); set(d, "off_csig", s.off_csig); set(d, "off_drecv", s.off_drecv);
+    set(d, "off_dsig", s.off_dsig); set(d, "off_csig", s.off_csig); set(d, "off_cack", s.off_cack);
+    set(d, "off_drecv", s.off_drecv);
     set(d, "off_crecv", s.off_crecv); set(d, "msg_bytes", s.msg_bytes); set(d, "slots_per_src", s.slots_per_src);
     set(d, "num_blocks", s.num_blocks);
     if (d.contains("err")) set(d, "err", s.err);   // the error record (host memory here), optional
@@ -64,6 +65,7 @@ ll::LLCombineCall combine_from(const py::dict& d) {
     set(d, "out", c.out); set(d, "timeout_ns", c.timeout_ns); set(d, "phases", c.phases);
     if (d.contains("use_logfmt")) set(d, "use_logfmt", c.use_logfmt);
     if (d.contains("wait_stats")) set(d, "wait_stats", c.wait_stats);
+    if (d.contains("repeat")) set(d, "repeat", c.repeat);
     return c;
 }
 

@@ -109,7 +109,7 @@ class World:
                 qps=self.nic.contexts(r) if nic else 0, num_qps_per_peer=nqp if nic else 1,
                 flag_expect=t["flag_expect"].data_ptr(), fetch_addr=self.bufs[r].data_ptr() + lay.off_fetch,
                 workspace=self.ws[r].data_ptr(), half_bytes=lay.half_bytes, off_dsig=lay.off_dsig,
-                off_csig=lay.off_csig, off_drecv=lay.off_drecv, off_crecv=lay.off_crecv,
+                off_csig=lay.off_csig, off_cack=lay.off_cack, off_drecv=lay.off_drecv, off_crecv=lay.off_crecv,
                 msg_bytes=lay.msg_bytes, slots_per_src=lay.slots_per_src, num_blocks=grid,
                 err=self.errs[r].data_ptr()))
 
@@ -162,9 +162,11 @@ class World:
 
     def combine(self, ys: Sequence[Any], inputs: Sequence[Any], douts: Sequence[Dict[str, Any]], half: int,
                 ranks: Optional[Sequence[int]] = None, phases: int = 3, timeout_ns: int = 20_000_000_000,
-                use_logfmt: bool = False, wait_stats: bool = False):
+                use_logfmt: bool = False, wait_stats: bool = False, repeat: bool = False,
+                outs: Optional[List[Any]] = None):
         ranks = list(range(self.R)) if ranks is None else list(ranks)
-        outs = [torch.full((inputs[r][0].shape[0], self.H), float("nan"), dtype=torch.bfloat16) for r in range(self.R)]
+        if outs is None:   # a send launch and its receive launch share the caller's outputs
+            outs = self.combine_outputs(inputs)
         calls = []
         for r in ranks:
             x, topk, w = inputs[r]
@@ -174,9 +176,22 @@ class World:
                               recv_slot=d["recv_slot"].data_ptr(), layout_range=d["layout_range"].data_ptr(),
                               active=self.active[r].data_ptr(), out=outs[r].data_ptr(), timeout_ns=timeout_ns,
                               phases=phases, use_logfmt=int(use_logfmt),
-                              wait_stats=self.wait_stats["combine"][r].data_ptr() if wait_stats else 0))
+                              wait_stats=self.wait_stats["combine"][r].data_ptr() if wait_stats else 0,
+                              repeat=int(repeat)))
         self.sim.combine([self.statics[r] for r in ranks], calls)
         return outs
+
+    def combine_outputs(self, inputs: Sequence[Any]) -> List[Any]:
+        return [torch.full((inputs[r][0].shape[0], self.H), float("nan"), dtype=torch.bfloat16) for r in range(self.R)]
+
+    def acks(self, half: int) -> Tuple[List[List[int]], List[List[int]]]:
+        """(sent[r][d], acked[r][d]): combines rank r sent to d on `half` (its workspace csent) and the
+        acknowledgements d added to cack[half][d] in r's buffer."""
+        from pyep.ep.layout import ws_csent_index
+        sent = [[int(self.ws[r][ws_csent_index(self.R, half, d)]) for d in range(self.R)] for r in range(self.R)]
+        acked = [[int(self.bufs[r][self.lay.cack_offset(half, d):self.lay.cack_offset(half, d) + 4].view(torch.int32))
+                  for d in range(self.R)] for r in range(self.R)]
+        return sent, acked
 
 
 def routing(R: int, e_l: int, inputs: Sequence[Any], me: int, active: Sequence[bool]):
