@@ -66,16 +66,6 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
     if (leader) *tx_of(s, c, d) = (int)(base + count);
 }
 
-__device__ __forceinline__ void add_bf16x8(float* acc, int4 v) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        acc[2 * i] += f.x;
-        acc[2 * i + 1] += f.y;
-    }
-}
-
 // out[v] = bf16(0 + b0[v] + b1[v] + rows[0][v] + ... + rows[nsrc-1][v]) in fp32, in that order, for the
 // vectors v of 8 channels this lane owns.
 template <int kSrc, int kVec>

@@ -77,14 +77,54 @@ __device__ __forceinline__ void recv_run(uint64_t rank_prefix, uint64_t recv_cha
 // host memory are not atomic across the bus on every platform), the record itself lives in pinned host
 // memory: details first, then -- after a system fence -- the code, which the host reads first.
 // The host re-arms the claim with a stream-ordered memset when it has raised the error.
-__device__ __forceinline__ void record_error(const NormalStatic& s, int code, int a, int b, int c) {
-    if (atomicCAS(reinterpret_cast<int*>(s.workspace) + 4, 0, 1) != 0) return;
-    volatile int* e = reinterpret_cast<volatile int*>(s.err);
+// The record's words by address, for every kernel family that shares it (intranode, internode, relay).
+__device__ __forceinline__ void record_error_words(uint64_t err, uint64_t workspace, int code, int a, int b, int c) {
+    if (atomicCAS(reinterpret_cast<int*>(workspace) + 4, 0, 1) != 0) return;
+    volatile int* e = reinterpret_cast<volatile int*>(err);
     e[1] = a;
     e[2] = b;
     e[3] = c;
     __threadfence_system();
     e[0] = code;
+}
+__device__ __forceinline__ void record_error(const NormalStatic& s, int code, int a, int b, int c) {
+    record_error_words(s.err, s.workspace, code, a, b, c);
+}
+
+// Channel c's tokens [t0, t1) towards peer d, one warp: send_head[t][d] = the token's position in the
+// stream (c, -> d) or -1, one ballot per 32 tokens. Returns the stream's row count.
+__device__ __forceinline__ int route_to_peer(const bool* in_rank, int* send_head, int R, int d, int t0, int t1,
+                                             int lane) {
+    int pos = 0;
+    for (int base = t0; base < t1; base += 32) {
+        const int t = base + lane;
+        const bool in = t < t1 && in_rank[(int64_t)t * R + d];
+        const uint32_t mask = __ballot_sync(0xffffffffu, in);
+        if (t < t1) send_head[(int64_t)t * R + d] = in ? pos + __popc(mask & ((1u << lane) - 1)) : -1;
+        pos += __popc(mask);
+    }
+    return pos;
+}
+
+// One warp checks the top-k ids of tokens [t0, t1) for values outside [-1, E) and records each with
+// `bad(row, k, value)` (the record keeps the first).
+template <typename Bad>
+__device__ __forceinline__ void check_topk_ids(const int64_t* topk, int K, int E, int t0, int t1, int lane, Bad bad) {
+    for (int i = t0 * K + lane; i < t1 * K; i += 32) {
+        const int64_t v = topk[i];
+        if (v < -1 || v >= E) bad(i / K, i % K, (int)v);
+    }
+}
+
+// acc[0..7] += the 8 bf16 values of v, in fp32.
+__device__ __forceinline__ void add_bf16x8(float* acc, int4 v) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        acc[2 * i] += f.x;
+        acc[2 * i + 1] += f.y;
+    }
 }
 
 // Wait until (int)(*ctr - target) >= 0, i.e. the absolute counter reached `target` (modulo 2**32).

@@ -27,10 +27,7 @@ constexpr int kMetaThreads = 1024;
 
 // The node buffer's error record (normal_common.cuh record_error takes the node's NormalStatic).
 __device__ void inter_error(const InterStatic& s, int code, int a, int b, int c) {
-    NormalStatic ns;
-    ns.err = s.err;
-    ns.workspace = s.workspace;
-    record_error(ns, code, a, b, c);
+    record_error_words(s.err, s.workspace, code, a, b, c);
 }
 
 // One thread per token: its ranks and nodes as bit sets (R <= kMaxNodes * kMaxRanks), the counters by
@@ -77,23 +74,12 @@ __global__ void __launch_bounds__(kInterThreads) inter_route_kernel(InterStatic 
     const bool* in_rank = reinterpret_cast<const bool*>(a.in_rank);
     int* send_head = reinterpret_cast<int*>(a.send_head);
     for (int d = warp; d < R; d += kInterThreads / 32) {
-        int pos = 0;
-        for (int base = t0; base < t1; base += 32) {
-            const int t = base + lane;
-            const bool in = t < t1 && in_rank[(int64_t)t * R + d];
-            const uint32_t mask = __ballot_sync(0xffffffffu, in);
-            if (t < t1) send_head[(int64_t)t * R + d] = in ? pos + __popc(mask & ((1u << lane) - 1)) : -1;
-            pos += __popc(mask);
-        }
+        const int pos = route_to_peer(in_rank, send_head, R, d, t0, t1, lane);
         if (lane == 0) reinterpret_cast<int*>(a.channel_prefix)[d * a.num_channels + c] = pos;
     }
-    if (warp == 0 && a.topk) {
-        const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk);
-        for (int i = t0 * a.num_topk + lane; i < t1 * a.num_topk; i += 32) {
-            const int64_t v = topk[i];
-            if (v < -1 || v >= a.num_experts) inter_error(s, kErrExpertId, i / a.num_topk, i % a.num_topk, (int)v);
-        }
-    }
+    if (warp == 0 && a.topk)
+        check_topk_ids(reinterpret_cast<const int64_t*>(a.topk), a.num_topk, a.num_experts, t0, t1, lane,
+                       [&](int row, int k, int v) { inter_error(s, kErrExpertId, row, k, v); });
 }
 
 // One block after inter_route: the inclusive channel prefix and rows per rank (threads d < R), and
@@ -183,16 +169,6 @@ __global__ void __launch_bounds__(kInterThreads) inter_pack_kernel(InterStatic s
             if (lane < P) dst[row.in_rank + lane] = in_rank[(int64_t)t * R + m * P + lane] ? 1 : 0;
             if (lane == 0) reinterpret_cast<int*>(dst + row.src)[0] = t;
         }
-    }
-}
-
-__device__ __forceinline__ void add_bf16x8(float* acc, int4 v) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        acc[2 * i] += f.x;
-        acc[2 * i + 1] += f.y;
     }
 }
 

@@ -42,13 +42,7 @@ __device__ __forceinline__ uint32_t rkey(const RelayStatic& s, int m) {
 
 // The error record is the intranode one (same words, same first-error-wins claim).
 __device__ void relay_error(const RelayStatic& s, int code, int a, int b, int c) {
-    if (atomicCAS(reinterpret_cast<int*>(s.workspace) + 4, 0, 1) != 0) return;
-    volatile int* e = reinterpret_cast<volatile int*>(s.err);
-    e[1] = a;
-    e[2] = b;
-    e[3] = c;
-    __threadfence_system();
-    e[0] = code;
+    record_error_words(s.err, s.workspace, code, a, b, c);
 }
 
 // A post that did not return kOk: the QP's own record says why (error CQE, ring or ordering timeout).

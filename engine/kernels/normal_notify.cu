@@ -63,22 +63,11 @@ __global__ void normal_route_kernel(NormalStatic s, NotifyArgs a) {
     channel_range(a.num_tokens, a.num_channels, c, t0, t1);
     const bool* in_rank = reinterpret_cast<const bool*>(a.is_token_in_rank);
     int* send_head = reinterpret_cast<int*>(a.send_head);
-    int pos = 0;
-    for (int base = t0; base < t1; base += 32) {
-        const int t = base + lane;
-        const bool in = t < t1 && in_rank[(int64_t)t * R + d];
-        const uint32_t mask = __ballot_sync(0xffffffffu, in);
-        if (t < t1) send_head[(int64_t)t * R + d] = in ? pos + __popc(mask & ((1u << lane) - 1)) : -1;
-        pos += __popc(mask);
-    }
+    const int pos = route_to_peer(in_rank, send_head, R, d, t0, t1, lane);
     if (lane == 0) reinterpret_cast<int*>(a.channel_prefix_matrix)[d * a.num_channels + c] = pos;
-    if (d == 0 && a.topk) {
-        const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk);
-        for (int i = t0 * a.num_topk + lane; i < t1 * a.num_topk; i += 32) {
-            const int64_t v = topk[i];
-            if (v < -1 || v >= a.num_experts) record_error(s, kErrExpertId, i / a.num_topk, i % a.num_topk, (int)v);
-        }
-    }
+    if (d == 0 && a.topk)
+        check_topk_ids(reinterpret_cast<const int64_t*>(a.topk), a.num_topk, a.num_experts, t0, t1, lane,
+                       [&](int row, int k, int v) { record_error(s, kErrExpertId, row, k, v); });
 }
 
 // One block. Each rank writes its counts into every peer's notify slot of this call's parity, then the
