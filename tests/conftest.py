@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Iterator
+from typing import Dict, Iterator
 
 import pytest
 
@@ -31,6 +31,17 @@ def pool4() -> Iterator[DistPool]:
     """Four gloo ranks on 127.0.0.1."""
     with DistPool(4) as pool:
         yield pool
+
+
+@pytest.fixture(scope="module")
+def pools() -> Iterator[Dict[int, DistPool]]:
+    """GPU test modules: {world size: pool}, each started on first use, closed with the module (the ranks
+    bind GPUs, so a module's pools do not outlive it). Generous start-up bound: workers import torch
+    with CUDA."""
+    from multiproc import LazyPools
+    made = LazyPools(start_timeout_s=180.0, pg_timeout_s=300.0)
+    yield made
+    made.close()
 
 
 def _write_host_fixtures() -> None:

@@ -14,7 +14,6 @@ performance report for T=128, H=7168, K=8, E=288.
 from __future__ import annotations
 
 import logging
-from typing import Dict, Iterator
 
 import pytest
 from multiproc import usable_gpus
@@ -26,14 +25,6 @@ log = logging.getLogger("tests.ep_native_gpu")
 NGPU = usable_gpus("ep")
 WORLDS = [w for w in (2, 4, 8) if w <= max(NGPU, 2)] if NGPU else [2]
 requires_gpu = pytest.mark.skipif(NGPU == 0, reason="needs a CUDA GPU and the CUDA build of pyep._engine")
-
-
-@pytest.fixture(scope="module")
-def pools() -> Iterator[Dict[int, object]]:
-    from multiproc import LazyPools
-    made = LazyPools(start_timeout_s=180.0, pg_timeout_s=300.0)
-    yield made
-    made.close()
 
 
 def shapes(world: int):

@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import List
 
 import pytest
 
@@ -69,14 +69,6 @@ def _cases():
         "rkey_faults": Case("rkey_faults", qps_per_peer=4, warps_per_qp=1, msgs_per_warp=64, msg_bytes=1024,
                             log_sq=6, faults=True, timeout_s=10.0),
     }
-
-
-@pytest.fixture(scope="module")
-def pools() -> Iterator[Dict[int, object]]:
-    from multiproc import LazyPools
-    made = LazyPools(start_timeout_s=180.0, pg_timeout_s=300.0)
-    yield made
-    made.close()
 
 
 @requires_gpu

@@ -12,7 +12,6 @@ graph capture of dispatch + combine with num_worst_tokens and of a cached dispat
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator
 
 import pytest
 from multiproc import usable_gpus
@@ -25,14 +24,6 @@ WORLDS = [w for w in (2, 4, 8) if w <= max(NGPU, 4)]
 # Ranks share GPUs (rank % device_count) where there are fewer GPUs than ranks: slow (the processes
 # time-slice one GPU) but the same protocol, so one GPU is enough to check correctness.
 requires_gpus = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU and the CUDA build of pyep._engine")
-
-
-@pytest.fixture(scope="module")
-def pools() -> Iterator[Dict[int, object]]:
-    from multiproc import LazyPools
-    made = LazyPools(start_timeout_s=180.0, pg_timeout_s=300.0)
-    yield made
-    made.close()
 
 
 def shape(world: int, h: int):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import pytest
 from multiproc import usable_gpus
@@ -116,14 +116,6 @@ def relay_fault(kind: str) -> Dict[str, Any]:
         assert isinstance(err, PeerTimeout) and err.peer == peer, err
     relay.destroy()
     return {"error": type(err).__name__}
-
-
-@pytest.fixture(scope="module")
-def pools() -> Iterator[Dict[int, object]]:
-    from multiproc import LazyPools
-    made = LazyPools(start_timeout_s=180.0, pg_timeout_s=300.0)
-    yield made
-    made.close()
 
 
 @requires_gpus

@@ -11,7 +11,6 @@ PeerTimeout / RelayError naming the peer within the timeout.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator
 
 import pytest
 from multiproc import usable_gpus
@@ -21,14 +20,6 @@ NGPU = usable_gpus("relay")   # the internode kernels live in pyep._engine.relay
 requires_gpus = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU and the CUDA build of pyep._engine")
 SHAPE = (67, 256, 16, 4)      # N (odd), H, E, K
 TIMEOUT_US = 3_000_000
-
-
-@pytest.fixture(scope="module")
-def pools() -> Iterator[Dict[int, object]]:
-    from multiproc import LazyPools
-    made = LazyPools(start_timeout_s=180.0, pg_timeout_s=300.0)
-    yield made
-    made.close()
 
 
 @requires_gpus
