@@ -23,10 +23,18 @@ def make_rank(rank: int, world: int, qps: int = 2) -> Tuple[SoftNic, object, obj
     return nic, buf, mr, conn
 
 
-def write(ranks, src: int, dst: int, payload: bytes, qp_index: int = 0) -> None:
+def write(ranks, src: int, dst: int, payload: bytes, qp_index: int = 0, posters=None) -> None:
+    """One signaled RDMA write src -> dst on QP qp_index, quiet, and check the bytes landed. `posters`
+    (a dict) keeps one host poster per QP across calls: a poster holds the producer index, as a GPU
+    context does, so a QP used again must be posted through the same one."""
     nic, buf, mr, conn = ranks[src]
     q = conn.qps(dst)[qp_index]
-    hq = nic.host_qp(QpInfo(**q.qp), CqInfo(**q.cq))
+    key = (id(nic), q.qp["qpn"])
+    hq = posters.get(key) if posters is not None else None
+    if hq is None:
+        hq = nic.host_qp(QpInfo(**q.qp), CqInfo(**q.cq))
+        if posters is not None:
+            posters[key] = hq
     buf.view[:len(payload)] = payload
     region = conn.remote[dst].region("buf")
     hq.check(hq.post_rdma_write(mr.addr, mr.lkey, region.addr, region.rkey, len(payload), signaled=True,

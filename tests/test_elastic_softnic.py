@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from pyep.softnic import CqInfo, QpInfo, SoftNic, SoftNicConfig
+from pyep.softnic import SoftNic, SoftNicConfig
 from pyep.transport.connect import ConnectConfig, Connections
 from pyep.transport.connect_info import Region
+from test_connect_softnic import write
 
 FABRIC = 0x5EED0C12
 
@@ -26,19 +27,9 @@ _POSTERS: Dict[Any, Any] = {}
 
 
 def _write(ranks: List[List[Any]], src: int, dst: int, payload: bytes) -> None:
-    nic, buf, mr, conn = ranks[src]
-    for q in conn.qps(dst):
-        # One poster per QP for its whole life: a poster holds the producer index (as a GPU context does).
-        key = (id(nic), q.qp["qpn"])
-        if key not in _POSTERS:
-            _POSTERS[key] = nic.host_qp(QpInfo(**q.qp), CqInfo(**q.cq))
-        hq = _POSTERS[key]
-        buf.view[:len(payload)] = payload
-        region = conn.remote[dst].region("buf")
-        hq.check(hq.post_rdma_write(mr.addr, mr.lkey, region.addr, region.rkey, len(payload), signaled=True,
-                                    timeout_s=10.0), "rdma write")
-        hq.check(hq.quiet(timeout_s=10.0), "quiet")
-    assert bytes(ranks[dst][1].view[:len(payload)]) == payload
+    """A write on every QP src has towards dst (test_connect_softnic.write, posters kept per QP)."""
+    for i in range(len(ranks[src][3].qps(dst))):
+        write(ranks, src, dst, payload, i, _POSTERS)
 
 
 def _state(ranks: List[List[Any]], me: int, peer: int) -> List[Dict[str, Any]]:
