@@ -28,7 +28,7 @@ ROUNDS = int(os.environ.get("PYEP_ELASTIC_ROUNDS", "1000"))
 def _ns(transport: str, **kw) -> argparse.Namespace:
     world = max(2, min(4, 2 * NGPU)) if NGPU else 2
     ns = argparse.Namespace(backend="native", transport=transport, world=int(os.environ.get("PYEP_ELASTIC_WORLD", world)),
-                            drills=DRILLS, phases="dispatch,combine,between", victim=-1, kill_call=8,
+                            drills=DRILLS, phases="dispatch,combine,between", victim=-1, kill_call=24,
                             timeout_us=50_000 if transport == "nvlink" else 200_000, slack_ms=50.0,
                             max_slowdown=1.5, rounds_after=ROUNDS, lead_calls=8, tokens=32, hidden=1024,
                             experts=0, topk=4, seed=1, join_timeout_s=180.0, drill_timeout_s=600.0, echo=False,

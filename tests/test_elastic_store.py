@@ -236,7 +236,7 @@ def test_decode_announcement_errors() -> None:
 # ---------------------------------------------------------------------------------------- drills
 def _drill_ns(**kw: Any) -> argparse.Namespace:
     ns = argparse.Namespace(backend="reference", transport="auto", world=3, drills=1, phases="dispatch", victim=-1,
-                            kill_call=4, timeout_us=1_500_000, slack_ms=4000.0, max_slowdown=100.0, rounds_after=6,
+                            kill_call=20, timeout_us=1_500_000, slack_ms=4000.0, max_slowdown=100.0, rounds_after=6,
                             lead_calls=4, tokens=8, hidden=128, experts=6, topk=3, seed=5, join_timeout_s=120.0,
                             drill_timeout_s=240.0, echo=False, json=None)
     for k, v in kw.items():
@@ -252,7 +252,7 @@ def test_drill_kill_restart_rejoin_reference(phase: str) -> None:
     from pyep.cli.drill import run_drill
     out = run_drill(_drill_ns(), 0, phase)
     assert out.ok, out.why
-    assert out.joined_at > 4 and out.rounds_checked == 7
+    assert out.joined_at > 20 and out.rounds_checked == 7
     assert 1500.0 * 0.9 <= out.detect_ms <= 1500.0 + 4000.0
     survivors = [r for r in out.ranks if r["generation"] == 1]
     assert len(survivors) == 2 and all(r["marked"] == [2] for r in survivors)
@@ -292,3 +292,19 @@ def test_drill_newcomer_late_after_call_a_stays_admitted() -> None:
     assert out.ok, out.why
     assert all(r["final_active"] == [1, 1] for r in out.ranks), [r["final_active"] for r in out.ranks]
     assert not out.later_marks, out.later_marks
+
+
+def test_drill_first_call_waits_for_a_late_starter() -> None:
+    """Rank 0 starts its first call well over a timeout after the others (the set-up barrier releases
+    the ranks a store poll apart, and first launches are cold: on GPUs over the softnic a survivor
+    marked a live rank in call 1). Calls 1 .. REJOIN_GRACE_CALLS of a store-based buffer wait at least
+    REJOIN_CALL_TIMEOUT_US, so nobody is marked before the victim dies; the drill fails when a rank was
+    marked before the kill."""
+    from pyep.cli.drill import run_drill
+    from pyep.ep.membership import REJOIN_CALL_TIMEOUT_US
+    timeout_us, pause_ms = 300_000, 1200.0
+    assert 2 * timeout_us / 1e3 < pause_ms < REJOIN_CALL_TIMEOUT_US / 1e3 - 500
+    out = run_drill(_drill_ns(world=2, experts=4, timeout_us=timeout_us, phases="between", rounds_after=4,
+                              first_call_pause_ms=pause_ms), 0, "between")
+    assert out.ok, out.why
+    assert all(r["death_call"] >= 20 for r in out.ranks if r["generation"] == 1)

@@ -18,6 +18,7 @@ import time
 from typing import Any, Dict, List, Sequence, Tuple
 
 RESULT_TAG = "PYEP_DRILL_RESULT "
+STAMP_TAG = "PYEP_DRILL_STAMP "
 
 
 def _inputs(seed: int, call: int, rank: int, n: int, h: int, e: int, k: int) -> Tuple[Any, Any, Any]:
@@ -77,6 +78,75 @@ def _expected_combine(a: Dict[str, Any], call: int, rank: int, world: int, activ
     return acc.to(torch.bfloat16)
 
 
+class _Watchdog:
+    """With PYEP_DRILL_STALL_MS set: when a call runs longer than that, dump every thread's Python stack
+    (faulthandler) into PYEP_DRILL_DUMP_DIR, once per call -- which line a stalled call is blocked in."""
+
+    def __init__(self, a: Dict[str, Any], rank: int) -> None:
+        import threading
+        self.limit = float(os.environ.get("PYEP_DRILL_STALL_MS", "0")) / 1e3
+        self.dir = os.environ.get("PYEP_DRILL_DUMP_DIR", "")
+        self.tag = f"{a.get('prefix', '').replace('/', '_')}_r{rank}_{os.getpid()}"
+        self.dumps: List[str] = []
+        self._call: Any = None
+        self._t0 = 0.0
+        self._done = True
+        self._stop = threading.Event()
+        if self.limit > 0 and self.dir:
+            threading.Thread(target=self._run, daemon=True).start()
+
+    def arm(self, call: int, t0: float) -> None:
+        self._call, self._t0, self._done = call, t0, False
+
+    def disarm(self) -> None:
+        self._done = True
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        import faulthandler
+        while not self._stop.wait(0.005):
+            if self._done or time.monotonic() - self._t0 < self.limit or len(self.dumps) >= 8:
+                continue
+            self._done = True
+            path = os.path.join(self.dir, f"stall_{self.tag}_{self._call}.txt")
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(f"call {self._call}: {1e3 * (time.monotonic() - self._t0):.1f} ms\n")
+                fh.flush()
+                faulthandler.dump_traceback(fh, all_threads=True)
+            self.dumps.append(path)
+
+
+def _warm_up(a: Dict[str, Any], rank: int, world: int, dev: Any) -> None:
+    """Run the loop's own GPU work once before the first EP call, as a serving loop warms up. A CUDA
+    kernel's first launch loads its module (lazily by default, and with CUDA_MODULE_LOADING=EAGER a
+    library's first use loads all of it): seconds of host time, and a load can wait for kernels already
+    running -- a peer's dispatch spinning on our data. Done inside call 1, it made a live rank seconds
+    late for the job's first call over the softnic (marked in call 1 even with the start's 2 s wait)."""
+    import torch
+    e_l = a["E"] // world
+    x, idx, w = (t.to(dev) for t in _inputs(a["seed"], 0, rank, a["T"], a["H"], a["E"], a["K"]))
+    recv = torch.zeros((e_l, world * a["T"], a["H"]), dtype=torch.bfloat16, device=dev)
+    y = _expert(recv, rank * e_l)
+    for t in (x, idx, w, y):
+        t.cpu()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ev[0].record()
+    ev[1].record()
+    torch.cuda.synchronize()
+    ev[0].elapsed_time(ev[1])
+
+
+def _trace_summary(buf: Any) -> Dict[str, List[Any]]:
+    """The latest dispatch's and combine's per-block timeline (PYEP_LL_TRACE=1): per point, blocks that
+    reached it and the first / median / last block in µs after the call's first stamp."""
+    from pyep.ep.trace import KERNELS, summarize
+    stamps = buf.backend.read_trace()
+    return {k: [(p.point, p.blocks, round(p.first_us, 1), round(p.median_us, 1), round(p.last_us, 1))
+                for p in summarize(stamps[i])] for i, k in enumerate(KERNELS)}
+
+
 def _die() -> None:
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -109,6 +179,11 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
     from pyep.ep import EpBuffer
     rank, world = int(a["rank"]), int(a["world"])
     native = a["backend"] == "native"
+    # The checks' CPU operators are tiny: with torch's default (a thread per core) in every rank, the
+    # ranks' thread pools fight over the cores and one rank's checks took 70-120 ms instead of 3 ms on
+    # the GPU machine -- skew between the ranks' calls larger than the 50 ms timeout, so live ranks were
+    # marked. One thread each keeps the loop as close to a serving loop's host time as the checks allow.
+    torch.set_num_threads(int(os.environ.get("PYEP_DRILL_THREADS", "1")))
     if native:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.TCPStore(a["host"], int(a["port"]), world, is_master=False,
@@ -121,6 +196,8 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
     dev = buf.device
     res: Dict[str, Any] = {"rank": rank, "generation": buf.generation, "setup_s": time.monotonic() - t0}
     active = torch.ones(world, dtype=torch.int32, device=dev)
+    if native:
+        _warm_up(a, rank, world, dev)
     if buf.joining:
         active.fill_(1)
         tj = time.monotonic()
@@ -143,7 +220,12 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
         if native:
             torch.cuda.synchronize()
 
+    segs: List[List[float]] = []
+    stamps: List[List[float]] = []   # [call, start, end] (CLOCK_MONOTONIC: one clock for every process)
+    watch = _Watchdog(a, rank)
+    tracing = native and os.environ.get("PYEP_LL_TRACE", "") not in ("", "0")
     while True:
+        t_top = time.monotonic()
         call = buf.next_call
         if stop is not None and call > stop:
             break
@@ -177,13 +259,20 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
             # The restarted process's cold host code after its first call (first copies to the host,
             # first CPU operators): the grace window after call #A must cover it (docs/elastic.md).
             time.sleep(a["newcomer_pause_ms"] / 1e3)
+        if call == 1 and rank == 0 and buf.generation == 1 and a.get("first_call_pause_ms"):
+            # A rank that starts the job's first call late (set-up released a store poll apart, cold
+            # first launches): the start's grace window must cover it (docs/elastic.md).
+            time.sleep(a["first_call_pause_ms"] / 1e3)
         mine = rank == victim and buf.generation == 1 and call == kill_call
         if mine and phase == "between":
             _die()
+        t_admit = time.monotonic()
         x, idx, w = (t.to(dev) for t in _inputs(a["seed"], call, rank, a["T"], a["H"], a["E"], a["K"]))
         before = active.tolist()
+        t_inputs = time.monotonic()
         sync()
         ts = time.monotonic()
+        watch.arm(call, ts)
         if last_ts is not None:
             loops.append(ts - last_ts)     # the whole iteration: checks, store poll, the call
         last_ts = ts
@@ -203,6 +292,7 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
         y = _expert(recv, e_off)
         if native:
             ev[2].record()
+        t_launch.append(time.monotonic())
         out, _, _ = buf.combine(y, idx, w, handle, active_ranks=active, timeout_us=a["timeout_us"])
         t_launch.append(time.monotonic())
         if mine and phase == "combine":
@@ -211,7 +301,14 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
             ev[3].record()
         sync()
         t_launch.append(time.monotonic())
-        dt = time.monotonic() - ts
+        watch.disarm()
+        te = time.monotonic()
+        stamps.append([call, ts, te])
+        if rank == victim and buf.generation == 1:
+            # The victim's result never comes (it is killed): its stamps go out as it runs, for the
+            # drill's per-call time counted from the last rank's arrival.
+            print(STAMP_TAG + json.dumps([call, ts, te]), flush=True)
+        dt = te - ts
         times.append(dt)
         if native:
             # Device time of the dispatch and of the combine (CUDA events): which one a slow call waits in.
@@ -225,8 +322,8 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
                 res["death_split_ms"] = [round(v, 3) for v in split[-1]]
             res["detect_time"] = time.time()
             res["marked"] = [r for r in range(world) if before[r] and not after[r]]
-            # Host ms of the call: dispatch binding call, _expert + combine binding call, the final
-            # synchronize (a blocked launch, e.g. on a softnic control lock, shows in the first two).
+            # Host ms of the call: dispatch binding call, _expert, combine binding call, the final
+            # synchronize (a blocked launch, e.g. on a softnic control lock, shows in the first three).
             res["death_host_ms"] = [round((b - a_) * 1e3, 3) for a_, b in zip(t_launch, t_launch[1:])]
         elif before != after:
             # Any later mark (after a rejoin: who marked whom, in which call, and how long it took).
@@ -236,19 +333,39 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
                  "loop_ms": round(loops[-1] * 1e3, 3) if loops else 0.0})        # Who counted as active in this call: the mask after it (a source marked during the call sent
         # nothing that was used, an owner marked during combine contributes nothing).
         on = [bool(v) for v in after]
+        cpu0 = time.process_time()
         _check_dispatch(a, call, rank, world, on if on == before else _dispatch_view(buf, handle, world, on),
                         recv, cnt, handle)
         want = _expected_combine(a, call, rank, world, on)
         if not torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)):
             raise AssertionError(f"call {call} rank {rank}: combine differs from the reference (active {on})")
+        if tracing and (call == kill_call - 1 or call == death_call or call == admit_call
+                        or call == res.get("joined_at") or (stop is not None and call == stop)):
+            res.setdefault("traces", {})[str(call)] = _trace_summary(buf)
+        t_end = time.monotonic()
+        # Host ms of the whole iteration: admit_pending, inputs, wait for the device, dispatch call,
+        # _expert, combine call, final sync, checks (where an iteration's time goes, and so how far
+        # apart the ranks start their next call).
+        # The last entry is the checks' CPU time (all threads of the process): CPU-bound or waiting.
+        segs.append([round((b - a_) * 1e3, 3) for a_, b in zip([t_top, t_admit, t_inputs, *t_launch],
+                                                                [t_admit, t_inputs, *t_launch, t_end])]
+                    + [round((time.process_time() - cpu0) * 1e3, 3)])
+        if len(segs) >= 2 and res.get("later_marks") and res["later_marks"][-1]["call"] == call:
+            res["later_marks"][-1]["segs_prev_this"] = segs[-2:]
         if stop is None and victim < 0 and call >= a["rounds_after"]:
             stop = call
+    res["stamps"] = stamps
     res["calls"] = len(times)
     first = admit_call or res.get("joined_at")
     res["calls_after_join"] = (stop - first + 1) if first is not None and stop is not None else 0
     res["times_ms"] = [round(t * 1e3, 3) for t in times]
     res["loop_ms"] = [round(t * 1e3, 3) for t in loops]
     res["split_ms"] = [[round(d, 3), round(c, 3)] for d, c in split]
+    res["host_segs_ms"] = segs
+    res["threads"] = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+    watch.stop()
+    if watch.dumps:
+        res["stall_dumps"] = watch.dumps
     events = getattr(getattr(buf.backend, "_peers", None), "provider", lambda: None)()
     if events is not None and hasattr(events, "events"):
         res["softnic_events"] = list(events.events())[-20:]   # errors / overruns the softnic noticed

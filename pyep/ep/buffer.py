@@ -191,6 +191,12 @@ class EpBuffer:
         if self._member is not None and self._member.joining:
             self._fast_dispatch = self._fast_combine = None   # until join(): see _check_alive
             self._member.announce()
+        elif self._member is not None:
+            # A store-based job starts like a rejoin (docs/elastic.md, "The first calls"): the set-up
+            # barrier releases the ranks a store poll apart and their first launches are cold, so
+            # calls 1 .. REJOIN_GRACE_CALLS get the grace window's longer wait too. Without it a rank
+            # whose first call started more than a short timeout after the others' was marked in call 1.
+            self._grace_seq = 1
         # `pyep qp dump` on a running job: PYEP_QP_DUMP_SIGNAL / PYEP_QP_DUMP_TRIGGER (none by default).
         from ..transport.qp_dump import install_dump_triggers
         self._qp_dump = install_dump_triggers(self, self._rank) if hasattr(self._backend, "qp_contexts") else None
