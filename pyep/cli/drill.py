@@ -198,7 +198,10 @@ def run_drill(ns: argparse.Namespace, index: int, phase: str, echo: bool = False
                                f"timeout + {ns.slack_ms:g} ms = {limit:.1f} ms (device dispatch/combine "
                                f"{out.death_split_ms}; host dispatch call / expert / combine call / sync "
                                f"{out.death_host_ms})")
-        if out.healthy_ms and out.after_ms > ns.max_slowdown * out.healthy_ms + 0.5:
+        if not out.healthy_ms or not out.after_ms:
+            raise RuntimeError(f"no per-call time from the last arrival (before {out.healthy_ms}, after "
+                               f"{out.after_ms}): some rank's call stamps are missing")
+        if out.after_ms > ns.max_slowdown * out.healthy_ms + 0.5:
             raise RuntimeError(f"per-call time after the rejoin {out.after_ms:.3f} ms vs {out.healthy_ms:.3f} ms "
                                f"before, from the last arrival (> x{ns.max_slowdown:g}; own call "
                                f"{out.after_own_ms:.3f} vs {out.healthy_own_ms:.3f} ms); device ms (dispatch, combine) "
