@@ -344,36 +344,45 @@ def _bits_dev(t: Any) -> Any:
     return t.contiguous().view(kind)
 
 
+def hash_stable_rounds(nat, ref, s: Shape, rank: int, world: int, rounds: int, internode: bool = False) -> int:
+    """The same layout + dispatch + combine `rounds` times on `nat`: every round's output hash equals the
+    first, and the first equals the reference's. `internode` also passes the layout's per-RDMA-rank counts.
+    Returns the first round's hash."""
+    import torch
+
+    def counts(lay):
+        extra = {"num_tokens_per_rdma_rank": lay[1]} if internode else {}
+        return dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2], **extra)
+
+    x, t, w = make_inputs(3, rank, s, "random", world)
+    gx, gt, gw = _on("cuda", x, t, w)
+    hashes = []
+    for _ in range(rounds):
+        lay = nat.get_dispatch_layout(gt, s.E)
+        recv, ri, rw, _c, h, _e = nat.dispatch(gx, topk_idx=gt, topk_weights=gw, **counts(lay))
+        out, ow, _ = nat.combine(expert(recv, rank), h, topk_weights=rw)
+        hashes.append(_hash(recv, ri, rw, h.recv_src_idx, h.send_head, out, ow))
+    got = torch.stack(hashes).cpu()
+    bad = (got != got[0]).nonzero().flatten().tolist()
+    assert not bad, f"rank {rank}: output hash changed in rounds {bad[:10]} (of {rounds})"
+    lay = ref.get_dispatch_layout(t, s.E)
+    want = ref.dispatch(x, topk_idx=t, topk_weights=w, **counts(lay))
+    want_out = ref.combine(expert(want[0], rank), want[4], topk_weights=want[2])
+    ref_hash = _hash(*_on("cuda", want[0], want[1], want[2], want[4].recv_src_idx, want[4].send_head,
+                          want_out[0], want_out[1]))
+    assert int(ref_hash) == int(got[0]), f"rank {rank}: native hash differs from the reference's"
+    return int(got[0])
+
+
 def stability(shape_args: Tuple[int, int, int, int], rounds: int) -> List[int]:
-    """The same layout + dispatch + combine `rounds` times: every round's output hash equals the first,
-    and the first equals the reference's."""
+    """`hash_stable_rounds` on one node's buffers."""
     import torch
     import torch.distributed as dist
     setup_device()
-    rank, world = dist.get_rank(), dist.get_world_size()
     s = Shape(*shape_args)
     nat, ref = new_buffers(s)
     try:
-        x, t, w = make_inputs(3, rank, s, "random", world)
-        gx, gt, gw = _on("cuda", x, t, w)
-        hashes = []
-        for _ in range(rounds):
-            lay = nat.get_dispatch_layout(gt, s.E)
-            recv, ri, rw, _c, h, _e = nat.dispatch(gx, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
-                                                   num_tokens_per_expert=lay[2], topk_idx=gt, topk_weights=gw)
-            out, ow, _ = nat.combine(expert(recv, rank), h, topk_weights=rw)
-            hashes.append(_hash(recv, ri, rw, h.recv_src_idx, h.send_head, out, ow))
-        got = torch.stack(hashes).cpu()
-        bad = (got != got[0]).nonzero().flatten().tolist()
-        assert not bad, f"rank {rank}: output hash changed in rounds {bad[:10]} (of {rounds})"
-        lay = ref.get_dispatch_layout(t, s.E)
-        want = ref.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
-                            topk_idx=t, topk_weights=w)
-        want_out = ref.combine(expert(want[0], rank), want[4], topk_weights=want[2])
-        ref_hash = _hash(*_on("cuda", want[0], want[1], want[2], want[4].recv_src_idx, want[4].send_head,
-                              want_out[0], want_out[1]))
-        assert int(ref_hash) == int(got[0]), f"rank {rank}: native hash differs from the reference's"
-        return [int(got[0])]
+        return [hash_stable_rounds(nat, ref, s, dist.get_rank(), dist.get_world_size(), rounds)]
     finally:
         nat.destroy()
         ref.destroy()

@@ -8,7 +8,7 @@ import time
 from typing import Any, Dict, List, Tuple
 
 from ep_native_cases import setup_device
-from normal_gpu_cases import Shape, _hash, _on, expert, make_inputs, new_buffers, run_case, same
+from normal_gpu_cases import Shape, _on, expert, hash_stable_rounds, make_inputs, new_buffers, run_case, same
 
 TRANSPORT = "emulated-internode"
 
@@ -76,35 +76,14 @@ def bias_case(nat: Any, ref: Any, s: Shape) -> None:
 
 
 def stability(shape_args: Tuple[int, int, int, int], p: int, rounds: int) -> int:
-    """The same layout + dispatch + combine `rounds` times: every round hashes like the first, and the
-    first like the reference's outputs."""
+    """`hash_stable_rounds` across `p` virtual nodes' buffers."""
     import torch
     import torch.distributed as dist
     setup_device()
-    rank, world = dist.get_rank(), dist.get_world_size()
     s = Shape(*shape_args)
     nat, ref = _buffers(s, p)
     try:
-        x, t, w = make_inputs(3, rank, s, "random", world)
-        gx, gt, gw = _on("cuda", x, t, w)
-        hashes = []
-        for _ in range(rounds):
-            lay = nat.get_dispatch_layout(gt, s.E)
-            recv, ri, rw, _c, h, _e = nat.dispatch(gx, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1],
-                                                   is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
-                                                   topk_idx=gt, topk_weights=gw)
-            out, ow, _ = nat.combine(expert(recv, rank), h, topk_weights=rw)
-            hashes.append(_hash(recv, ri, rw, h.recv_src_idx, h.send_head, out, ow))
-        got = torch.stack(hashes).cpu()
-        bad = (got != got[0]).nonzero().flatten().tolist()
-        assert not bad, f"rank {rank}: output hash changed in rounds {bad[:10]} (of {rounds})"
-        lay = ref.get_dispatch_layout(t, s.E)
-        want = ref.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
-                            num_tokens_per_expert=lay[2], topk_idx=t, topk_weights=w)
-        want_out = ref.combine(expert(want[0], rank), want[4], topk_weights=want[2])
-        ref_hash = _hash(*_on("cuda", want[0], want[1], want[2], want[4].recv_src_idx, want[4].send_head,
-                              want_out[0], want_out[1]))
-        assert int(ref_hash) == int(got[0]), f"rank {rank}: native hash differs from the reference's"
+        hash_stable_rounds(nat, ref, s, dist.get_rank(), dist.get_world_size(), rounds, internode=True)
         return rounds
     finally:
         nat.destroy()
