@@ -171,18 +171,20 @@ void register_relay(py::module_& m) {
     n.attr("PHASE_COUNTS") = (int)kPhaseRdmaCounts;
     n.attr("PHASE_DISPATCH") = (int)kPhaseRdmaDispatch;
     n.attr("PHASE_COMBINE") = (int)kPhaseRdmaCombine;
+    n.attr("RELAY_SEQ_WORD") = kRelaySeqWord;
     n.def(
         "counts",
-        [](const RelayStatic& s, int seq, uint64_t send_counts, uint64_t recv_counts, uint64_t host_counts,
+        [](const RelayStatic& s, int host_ticket, uint64_t send_counts, uint64_t recv_counts, uint64_t host_counts,
            uint64_t stream) {
             RelayCountsArgs a;
-            a.seq = seq;
+            a.host_ticket = host_ticket;
             a.send_counts = send_counts;
             a.recv_counts = recv_counts;
             a.host_counts = host_counts;
             launch_relay_counts(s, a, stream);
         },
-        "exchange this call's row counts with the column peers (RDMA writes of (seq, rows) records)");
+        "exchange this call's row counts with the column peers (RDMA writes of (seq, rows) records; seq is the "
+        "device's call counter, workspace word RELAY_SEQ_WORD)");
     n.def(
         "relay",
         [](const RelayStatic& s, int phase, uint64_t src, uint64_t send_offsets, uint64_t dst, uint64_t recv_offsets,

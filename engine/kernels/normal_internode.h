@@ -39,16 +39,36 @@ struct RelayStatic {
     uint64_t off_send = 0, off_recv = 0;   // bytes: staging rings [M] and receive rings [M]
     uint64_t ring_bytes = 0;      // bytes of one ring (send and receive rings alike)
     uint64_t err = 0;             // pinned int32[8]: the error record (normal_common.cuh record_error)
-    uint64_t workspace = 0;       // device int32[8]: [4] error claim
+    uint64_t workspace = 0;       // device int32[8]: [1] call number of the last count exchange
+                                  // (kRelaySeqWord), [4] error claim; zeroed by clean() only
     uint64_t timeout_ns = 0;
 };
 
+// ---- the count exchange's call number ----------------------------------------------------------------
+// The call number lives in device memory and the counts kernel advances it, so a CUDA graph that
+// captured a count exchange is a new call at every replay (the launch arguments are replayed as
+// captured); every column peer makes the same calls in the same order, so the numbers agree without
+// being exchanged. It starts at 0 after clean() (the count slots are zeroed then too).
+constexpr int kRelaySeqWord = 1;
+
+// The number after `prev`: +1, skipping 0 (a zeroed count slot must never look like a record) by going
+// from 0xffffffff to 2, which keeps the parity alternating (the slots are chosen by parity).
+PYEP_HD uint32_t relay_next_seq(uint32_t prev) {
+    const uint32_t s = prev + 1u;
+    return s == 0u ? 2u : s;
+}
+// The 8-byte record (seq << 32) | rows a rank RDMA-writes into count[seq & 1][its node] of a peer.
+PYEP_HD uint64_t relay_count_record(uint32_t seq, int rows) { return ((uint64_t)seq << 32) | (uint32_t)rows; }
+PYEP_HD bool relay_record_is(uint64_t record, uint32_t seq) { return (uint32_t)(record >> 32) == seq; }
+
 struct RelayCountsArgs {
-    int seq = 0;                  // call number (from 1)
+    int host_ticket = 0;          // with host_counts: the host's label of this call (> 0), written back
+                                  // as +-ticket when the counts are in (never inside a graph capture)
     uint64_t send_counts = 0;     // device int32[M]: rows for node m (this node's entry ignored)
     uint64_t recv_counts = 0;     // out device int32[M + 1]: rows from node m; [M] = sum
-    uint64_t host_counts = 0;     // pinned int32[2 + 2M]: [seq when ready, total, rows from node m [M],
-                                  // send_counts [M] (this node's entry too)], or 0
+    uint64_t host_counts = 0;     // pinned int32[2 + 2M]: [+-host_ticket when ready (negative: read the
+                                  // error record), total, rows from node m [M], send_counts [M] (this
+                                  // node's entry too)], or 0
 };
 
 struct RelayArgs {

@@ -59,18 +59,27 @@ __device__ void qp_failed(const RelayStatic& s, gda::Qp* qp, int m, int st, int 
 // ---- counts: one 8-byte record per (sender, receiver) and call, by call parity ----------------------
 // A rank cannot post the record of call k+2 before every column peer posted k+1, which a peer does
 // only after its call k read our record k: two slots per peer suffice (the intranode notify's argument).
+// The call number is the device's (kRelaySeqWord, advanced here), not a launch argument: a CUDA graph
+// replays its captured arguments, and every replay must still be a new call.
 __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCountsArgs a) {
     const int m = threadIdx.x;
     const int M = s.num_nodes;
-    const int par = a.seq & 1;
+    __shared__ uint32_t seq_sh;
     __shared__ int got[kMaxNodes];
     __shared__ int fail;
-    if (m == 0) fail = 0;
+    if (m == 0) {
+        // One block, one launch at a time on the buffer's stream order: a plain read-modify-write.
+        int* ctr = reinterpret_cast<int*>(s.workspace) + kRelaySeqWord;
+        seq_sh = relay_next_seq((uint32_t)*ctr);
+        *ctr = (int)seq_sh;
+        fail = 0;
+    }
     __syncthreads();
-    const uint64_t want = (uint64_t)(uint32_t)a.seq << 32;
+    const uint32_t seq = seq_sh;
+    const int par = (int)(seq & 1u);
     if (m < M && m != s.node) {
         uint64_t* out = reinterpret_cast<uint64_t*>(rbuf(s) + 4ull * s.off_outbox) + par * M + m;
-        *out = want | (uint32_t)reinterpret_cast<const int*>(a.send_counts)[m];
+        *out = relay_count_record(seq, reinterpret_cast<const int*>(a.send_counts)[m]);
         __threadfence_system();   // the NIC reads the record over PCIe
         gda::Qp* qp = relay_qp(s, m, 0);
         const uint64_t dst = raddr(s, m) + 4ull * s.off_count + 8ull * (par * M + s.node);
@@ -90,7 +99,7 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
         const volatile uint64_t* slot = reinterpret_cast<const uint64_t*>(rbuf(s) + 4ull * s.off_count) + par * M + m;
         const uint64_t start = gda::now_ns();
         uint64_t v;
-        while (((v = *slot) >> 32) != (uint64_t)(uint32_t)a.seq) {
+        while (!relay_record_is(v = *slot, seq)) {
             if (gda::now_ns() - start > s.timeout_ns) {
                 relay_error(s, kErrPeerTimeout, column_peer(s, m), kPhaseRdmaCounts, -1);
                 atomicExch(&fail, 1);
@@ -117,7 +126,7 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
         if (host) {
             host[1] = total;
             __threadfence_system();
-            host[0] = fail ? -a.seq : a.seq;   // the host waits for +-seq; negative: read the error record
+            host[0] = fail ? -a.host_ticket : a.host_ticket;   // the host waits for it; negative: read the error record
         }
     }
 }
@@ -257,6 +266,8 @@ void check_launch(const char* what) {
 
 void launch_relay_counts(const RelayStatic& s, const RelayCountsArgs& a, uint64_t stream) {
     if (s.num_nodes < 2 || s.num_nodes > kMaxNodes) throw std::invalid_argument("relay: num_nodes out of range");
+    if (a.host_counts && a.host_ticket <= 0) throw std::invalid_argument("relay counts: host_ticket must be > 0");
+    if (!s.workspace) throw std::invalid_argument("relay counts: the static has no workspace (the call counter)");
     relay_counts_kernel<<<1, 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     check_launch("relay_counts_kernel");
 }

@@ -82,6 +82,16 @@ class CudaBackendImpl final : public CudaBackend {
         return ok(cudaGetDeviceCount(&n), "cudaGetDeviceCount") ? n : 0;
     }
     bool set_device(int ordinal) override { return ok(cudaSetDevice(ordinal), "cudaSetDevice"); }
+    bool isolate_from_captures() override {
+        // In the default (global) capture interaction mode, a stream capture on any thread of the
+        // process forbids "potentially unsafe" calls on every other thread -- cudaEventQuery among
+        // them -- and such a call invalidates the capture (torch.cuda.graph captures in that mode). This
+        // thread only touches its own QP streams and events, which no capture involves, so thread-local
+        // mode is exact: it restricts this thread only while it captures itself, which it never does.
+        // The WQEs of a replayed graph's kernels are then executed like any others.
+        cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal;
+        return ok(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+    }
 
     bool query_pointer(const void* p, CudaPointer* out) override {
         cudaPointerAttributes a{};

@@ -41,7 +41,14 @@ void copy_wqebbs(const QpObj& q, uint64_t index, uint32_t count, uint8_t* out) {
 
 void Impl::thread_main() {
     pthread_setname_np(pthread_self(), "pyep-softnic");
-    if (cuda) cuda->set_device(device);
+    if (cuda) {
+        cuda->set_device(device);
+        // A graph captured by the application thread must not be broken by this thread's event queries.
+        if (!cuda->isolate_from_captures()) {
+            std::lock_guard<std::mutex> lk(mu);
+            event("progress thread: " + cuda->last_error());
+        }
+    }
     uint32_t idle = 0;
     while (running.load(std::memory_order_relaxed)) {
         uint32_t work;

@@ -65,6 +65,9 @@ class CudaBackend {
     virtual int current_device() = 0;
     virtual int device_count() = 0;
     virtual bool set_device(int ordinal) = 0;
+    // The calling thread (the progress thread) never captures a CUDA graph; make its CUDA calls legal
+    // while another thread of the process captures one (see softnic_cuda.cu).
+    virtual bool isolate_from_captures() = 0;
     virtual bool query_pointer(const void* p, CudaPointer* out) = 0;
     // Pinned host memory mapped into every device's address space (rings for GPU posters).
     virtual void* alloc_host_mapped(size_t bytes, void** device_ptr) = 0;

@@ -9,7 +9,10 @@ explains the protocol; this module owns the relay buffer's layout:
 
 One call moves, for every other node m, a dense run of rows to node m's column peer and receives the
 run that peer sends here; counts() first tells each peer how many rows to expect (and the host, for
-sizing). Counters are absolute and never reset except by clean().
+sizing). Counters are absolute and never reset except by clean(). Every counter and the count
+exchange's call number live on the device and only kernels advance them (the call number is word
+RELAY_SEQ_WORD of the workspace), so the launches are capturable in a CUDA graph and every replay is
+a new call; the host only labels the calls it waits for (the ticket of the pinned count words).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ log = logging.getLogger("pyep.ep.normal.relay")
 RING_ALIGN = 128
 PHASES = {3: "rdma counts", 4: "rdma dispatch", 5: "rdma combine"}
 ERR_QP = 5
+CLAIM_WORD = 4       # workspace word of the first-error-wins claim (normal_common.cuh record_error_words)
 
 
 def _align(v: int, a: int) -> int:
@@ -63,6 +67,18 @@ class RelayLayout:
     @property
     def total_bytes(self) -> int:
         return self.off_recv + self.num_nodes * self.ring_bytes
+
+
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (then no host synchronisation is allowed)."""
+    import torch
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def next_ticket(prev: int) -> int:
+    """The host's label of its next waited-for count exchange: 1, 2, ... 2^31 - 1, then 1 again (the
+    kernel writes +-ticket into a pinned int32; 0 means not yet)."""
+    return prev % 0x7FFFFFFF + 1
 
 
 def nic_transport(transport: str) -> str:
@@ -190,32 +206,36 @@ class Relay:
         return s
 
     # ------------------------------------------------------------------ calls
-    def counts(self, seq: int, send_counts: "torch.Tensor") -> List[int]:
+    def counts(self, ticket: int, send_counts: "torch.Tensor") -> List[int]:
         """Exchange this call's row counts (int32 [M] on the device, this node's entry ignored); returns
-        the rows each node sends here. One bounded host wait."""
+        the rows each node sends here. One bounded host wait; ticket (> 0) labels the call for it."""
         import torch
         self.check_errors()
         recv = torch.zeros(self.nodes.num_nodes + 1, dtype=torch.int32, device=self.device)
-        self.counts_async(seq, send_counts, recv, host=True)
-        return self.wait_counts(seq)[0]
+        self.counts_async(ticket, send_counts, recv, host=True)
+        return self.wait_counts(ticket)[0]
 
-    def counts_async(self, seq: int, send_counts: "torch.Tensor", recv: "torch.Tensor", host: bool) -> None:
+    def counts_async(self, ticket: int, send_counts: "torch.Tensor", recv: "torch.Tensor", host: bool) -> None:
         """Launch the count exchange: recv (int32 [M + 1] on the device) gets the rows from every node
-        and their sum; with host=True the pinned words too (wait_counts reads them)."""
+        and their sum; with host=True the pinned words too, labelled `ticket` (wait_counts reads them).
+        The record's call number is the device's, so without host this launch is graph-capturable."""
         if host:
+            if stream_capturing():
+                raise ValueError("relay counts for the host cannot be captured in a CUDA graph (the host would "
+                                 "wait for a kernel that does not run during the capture)")
             self._host[0] = 0
-        self._r.counts(self.static, seq, send_counts.data_ptr(), recv.data_ptr(), self._host.data_ptr() if host else 0,
-                       raw_current_stream(self.device))
+        self._r.counts(self.static, ticket if host else 0, send_counts.data_ptr(), recv.data_ptr(),
+                       self._host.data_ptr() if host else 0, raw_current_stream(self.device))
         self._settle()
 
-    def wait_counts(self, seq: int) -> "tuple[List[int], List[int]]":
-        """(rows from every node, this rank's send_counts) of counts_async(seq, host=True): a bounded
+    def wait_counts(self, ticket: int) -> "tuple[List[int], List[int]]":
+        """(rows from every node, this rank's send_counts) of counts_async(ticket, host=True): a bounded
         host wait (the kernel gives up on a silent peer by itself and still answers)."""
         host = self._host.numpy()
         deadline = time.monotonic() + 2 * self.timeout_us / 1e6 + 10.0
-        while abs(int(host[0])) != seq:
+        while abs(int(host[0])) != ticket:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"relay counts #{seq}: no answer within {2 * self.timeout_us / 1e6 + 10.0:.1f} s "
+                raise TimeoutError(f"relay counts #{ticket}: no answer within {2 * self.timeout_us / 1e6 + 10.0:.1f} s "
                                    f"(the GPU is blocked by other work)")
             time.sleep(20e-6)
         if int(host[0]) < 0:
@@ -260,11 +280,18 @@ class Relay:
                       recv_offsets.data_ptr(), row_bytes, q, chunk, capacity, raw_current_stream(self.device))
         self._settle()
 
+    @property
+    def drains(self) -> bool:
+        """Whether eager launches are waited for (drain_after_launch)."""
+        return self._drain
+
     def _settle(self) -> None:
         """drain_after_launch: no CUDA call of this thread may load a module while a relay kernel
         spins on the softnic. A stream synchronize takes no lock the progress thread needs, and it is
-        bounded: every wait inside the relay kernels (and the kernels before them) has its timeout."""
-        if self._drain:
+        bounded: every wait inside the relay kernels (and the kernels before them) has its timeout.
+        Inside a graph capture nothing runs (and a synchronize would end the capture): the caller made
+        sure that no kernel is loaded then (native_internode.py: a warm-up call of the same kind)."""
+        if self._drain and not stream_capturing():
             import torch
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -277,7 +304,7 @@ class Relay:
         self._ep.memset_async(self._buf, 0, self.layout.off_send, torch.cuda.current_stream().cuda_stream)
         torch.cuda.current_stream().synchronize()
         self._err.zero_()
-        self._ws.zero_()
+        self._ws.zero_()      # the error claim and the call number: every column peer starts at call 1
         self._host.zero_()
         group_barrier()
 
@@ -286,7 +313,9 @@ class Relay:
         err = relay_error(words, self.timeout_us)
         if err is not None:
             self._err.zero_()
-            self._ws.zero_()
+            # Re-arm the claim word only, in stream order: the call number (RELAY_SEQ_WORD) must stay
+            # equal to the column peers' until clean() resets all of them.
+            self._ep.memset_async(self._ws.data_ptr() + 4 * CLAIM_WORD, 0, 4, raw_current_stream(self.device))
             raise err
 
     def destroy(self) -> None:

@@ -14,12 +14,16 @@ notify's, to size the outputs); none with num_worst_tokens (F and the outputs ar
 rows beyond them are dropped and WorstTokensExceeded is recorded) and none for cached dispatch and
 combine. Every device wait is bounded (the relay's and the intranode kernels'); errors are recorded
 and raised at the next call or event wait.
+
+CUDA graphs: the calls without a host wait are capturable -- every call number and ring counter lives
+on the device and is advanced by the kernels, so each replay is a new call. `capture_refusal` says
+which calls a capture refuses (NotCapturable, before anything is launched).
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from .._dist import barrier_bounded, group_device
 from ..backend import BackendUnavailable
@@ -28,7 +32,7 @@ from . import internode_order as order
 from .config import Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .errors import BufferBroken, PeerTimeout
-from .internode_relay import Relay, RelayError
+from .internode_relay import Relay, RelayError, next_ticket, stream_capturing
 from .native import NormalNativeBackend
 from .topology import NodeLayout
 
@@ -54,6 +58,32 @@ def relay_transport(transport: str) -> str:
 
 def _align16(v: int) -> int:
     return (v + 15) // 16 * 16
+
+
+class NotCapturable(ValueError):
+    """This call cannot be captured in a CUDA graph (the message says what to change); raised before
+    anything is launched, so the capture and the buffer stay usable."""
+
+
+def capture_refusal(what: str, *, host_wait: bool, drains: bool, warmed: bool) -> Optional[str]:
+    """Why a call cannot be captured now, or None.
+
+    host_wait: the call sizes its outputs from counts the host reads (a dispatch without
+    num_worst_tokens): the host would wait for kernels that do not run during a capture.
+    drains/warmed: on the softnic under lazy module loading (internode_relay.drain_after_launch) a
+    kernel first launched inside the capture is loaded there, and loading waits for the device to
+    drain holding the context lock the softnic's progress thread needs: a replay in flight (its relay
+    kernels spin until that thread serves them) then stalls until the relay's timeout. An eager call of
+    the same kind before the capture (the warm-up a capture needs anyway) has loaded every kernel."""
+    if host_wait:
+        return (f"{what} without num_worst_tokens sizes its outputs from counts the host waits for, which a CUDA "
+                f"graph capture cannot do: pass num_worst_tokens > 0 (outputs sized by that bound) to capture it")
+    if drains and not warmed:
+        return (f"{what} is captured on the softnic under lazy CUDA module loading before any eager call of the "
+                f"same kind (same dtypes and options) ran on this buffer: make one such call first (it loads the "
+                f"kernels the graph will hold; a kernel loaded during a capture may stall a replay in flight), or "
+                f"set CUDA_MODULE_LOADING=EAGER")
+    return None
 
 
 class NormalInternodeBackend:
@@ -103,7 +133,8 @@ class NormalInternodeBackend:
         self.node: Optional[NormalNativeBackend] = None
         self.relay: Optional[Relay] = None
         self._broken = False
-        self._seq = 0
+        self._ticket = 0                 # the host's label of its waited-for count exchanges
+        self._warmed: Set[Tuple[Any, ...]] = set()   # call kinds run eagerly (capture_refusal)
         try:
             self.node = NormalNativeBackend(node_groups[self.node_index], num_nvl_bytes=num_nvl_bytes, hidden=hidden,
                                             transport="auto", timeout_us=timeout_us, num_sms=num_sms,
@@ -145,8 +176,20 @@ class NormalInternodeBackend:
     def _zero(self, n: int) -> "torch.Tensor":
         import torch
         if n not in self._zeros:
-            self._zeros[n] = torch.zeros(max(n, 1), dtype=torch.int32, device=self.device)
+            z = torch.zeros(max(n, 1), dtype=torch.int32, device=self.device)
+            if stream_capturing():
+                return z    # in the graph's pool, zeroed by each replay: not for eager calls
+            self._zeros[n] = z
         return self._zeros[n]
+
+    def _capture_gate(self, kind: Tuple[Any, ...], what: str, host_wait: bool) -> bool:
+        """Refuses a call a capture cannot hold (NotCapturable); returns whether this call is eager."""
+        if not stream_capturing():
+            return True
+        why = capture_refusal(what, host_wait=host_wait, drains=self.relay.drains, warmed=kind in self._warmed)
+        if why is not None:
+            raise NotCapturable(why)
+        return False
 
     def _rdma(self, cfg: Config) -> Tuple[int, int]:
         return cfg.num_max_rdma_chunked_recv_tokens, cfg.num_max_rdma_chunked_send_tokens
@@ -166,12 +209,21 @@ class NormalInternodeBackend:
         return LayoutResult(per_rank, per_expert, in_rank, per_node)
 
     def dispatch(self, call: DispatchCall) -> DispatchResult:
+        cached = call.handle is not None
+        kind = (("cached dispatch", call.x_scales is not None) if cached else
+                ("dispatch", call.x_scales is not None, call.topk_idx is not None, call.topk_weights is not None,
+                 call.num_worst_tokens > 0))
+        eager = self._capture_gate(kind, "a cached internode dispatch" if cached else "an internode dispatch",
+                                   host_wait=not cached and call.num_worst_tokens == 0)
         self.node.settle_ring_depth(call.config.num_max_nvl_chunked_recv_tokens, "normal internode dispatch")
         try:
-            return self._cached_dispatch(call) if call.handle is not None else self._dispatch(call)
+            res = self._cached_dispatch(call) if cached else self._dispatch(call)
         except (PeerTimeout, RelayError):   # raised by a host wait of this call: the rings are void
             self._broken = True
             raise
+        if eager:
+            self._warmed.add(kind)
+        return res
 
     def _dispatch(self, call: DispatchCall) -> DispatchResult:
         import torch
@@ -204,17 +256,18 @@ class NormalInternodeBackend:
         meta[:, 1 + r_n:1 + r_n + e_n] = per_expert            # the record's tokens per expert
         meta_col[node, 1 + r_n:1 + r_n + e_n] = per_expert
         # Counts to the column peers (RDMA), then every source's record one hop (RDMA) ...
-        self._seq += 1
         recv = torch.empty(m_n + 1, dtype=i32, device=dev)
         host = nwt == 0
-        self.relay.counts_async(self._seq, node_counts, recv, host)
+        if host:
+            self._ticket = next_ticket(self._ticket)
+        self.relay.counts_async(self._ticket, node_counts, recv, host)
         q_r, chunk_r = self._rdma(cfg)
         self.relay.relay_into(PHASE_COUNTS, meta.view(u8), self._steps, meta_col.view(u8), self._steps, q_r, 1)
         f_off = torch.empty(m_n + 1, dtype=i32, device=dev)
         s_off = torch.empty(m_n + 1, dtype=i32, device=dev)
         self._r.offsets(self._static, node_counts.data_ptr(), recv.data_ptr(), f_off.data_ptr(), s_off.data_ptr(), stream)
         if host:
-            from_nodes, to_nodes = self.relay.wait_counts(self._seq)
+            from_nodes, to_nodes = self.relay.wait_counts(self._ticket)
             f_rows = sum(from_nodes) + to_nodes[node]
             s_rows = sum(to_nodes) - to_nodes[node]
         else:
@@ -299,7 +352,6 @@ class NormalInternodeBackend:
                               send_head=hd.send_head, num_recv_tokens=hd.num_recv_tokens, internode=st)
 
     def combine(self, call: CombineCall) -> CombineResult:
-        import torch
         hd, cfg = call.handle, call.config
         st: order.StagedState = hd.internode
         if st is None:
@@ -307,7 +359,17 @@ class NormalInternodeBackend:
         if hd.num_channels != cfg.num_channels():
             raise ValueError(f"the handle was made with {hd.num_channels} channels, this config has "
                              f"{cfg.num_channels()}: pass a config with num_sms={2 * hd.num_channels}")
+        kind = ("combine", call.topk_weights is not None, call.bias[0] is not None, call.bias[1] is not None)
+        eager = self._capture_gate(kind, "an internode combine", host_wait=False)
         self.node.settle_ring_depth(cfg.num_max_nvl_chunked_recv_tokens, "normal internode combine")
+        res = self._combine(call, st)
+        if eager:
+            self._warmed.add(kind)
+        return res
+
+    def _combine(self, call: CombineCall, st: order.StagedState) -> CombineResult:
+        import torch
+        hd, cfg = call.handle, call.config
         dev = self.device
         n, h = hd.num_tokens, int(call.x.shape[1])
         k = int(call.topk_weights.shape[1]) if call.topk_weights is not None else 0
@@ -345,7 +407,6 @@ class NormalInternodeBackend:
         self.node.clean()
         bound = int(self._setup_s * 1e6)
         self.relay.clean(lambda: barrier_bounded(self.group, group_device(self.group), bound, "normal internode clean"))
-        self._seq = 0
         self._broken = False
 
     def buffer_bytes(self) -> int:
