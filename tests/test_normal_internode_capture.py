@@ -176,6 +176,8 @@ def test_relay_never_synchronises_inside_a_capture(capturing: List[bool], monkey
     with pytest.raises(ValueError, match="CUDA graph"):
         r.counts_async(5, torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), host=True)
     assert len(r._launches) == 2                               # refused before the launch
+    with pytest.raises(ValueError, match="relay_into"):       # the host-list helper is not capturable
+        r.relay(4, torch.zeros(2, 16, dtype=torch.uint8), [0, 2], [0, 0], 8, 3)
 
 
 def test_host_counts_carry_the_ticket(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,8 +6,11 @@ compared with the reference backend on the same nodes bit for bit (tests/normal_
 Layouts: 2 nodes x 2 ranks and 2 nodes x 1 rank. Cases: random, hot expert, masked (-1), empty (N = 0
 on a rank), all on one rank; BF16 and FP8; cached dispatch; expert_alignment 128; num_worst_tokens
 (no host wait); async_finish + previous_event; small NVLink and RDMA rings (every ring wraps); a
-combine with a bias pair. Then 1,000 rounds with a stable hash, and a dropped peer / a bad rkey ->
-PeerTimeout / RelayError naming the peer within the timeout.
+combine with a bias pair. Then 1,000 rounds with a stable hash, a dropped peer / a bad rkey ->
+PeerTimeout / RelayError naming the peer within the timeout, and CUDA graphs: dispatch + combine with
+num_worst_tokens captured once and replayed with new inputs (bit-equal to the reference at every
+replay), a cached dispatch + combine captured with a handle, NotCapturable for what a capture cannot
+hold, an error recorded during a replay raised at the next call.
 """
 from __future__ import annotations
 
@@ -49,3 +52,15 @@ def test_internode_native_fault_gives_typed_error(kind):
         res = pool.run(fault, SHAPE, kind, TIMEOUT_US, timeout_s=160)
     assert {r["error"] for r in res} <= {"RelayError", "PeerTimeout", "dropped"}, res
     assert any(r["error"] != "dropped" for r in res), res
+
+
+@requires_gpus
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world,p", [(4, 2), (2, 1)])
+def test_internode_native_cuda_graph(pools, world, p):
+    """normal_internode_gpu_cases.graph_case: 50 replays of the captured dispatch + combine, 10 of the
+    captured cached dispatch + combine, 4 more of the first graph after them, one after a bad id."""
+    from normal_internode_gpu_cases import graph_case
+    replays = 50
+    res = pools[world].run(graph_case, SHAPE, p, replays, timeout_s=580)
+    assert res == [replays + max(2, replays // 5) + 4 + 1] * world, res

@@ -248,6 +248,9 @@ class Relay:
         """Rows of `src` (uint8 [sum(send_counts), row_bytes], node by node) go to the column peers;
         returns the rows received (uint8 [sum(recv_counts), row_bytes], node by node)."""
         import torch
+        if stream_capturing():
+            raise ValueError("relay() copies host lists to the device and keeps its tensors until the next call: "
+                             "inside a CUDA graph capture use relay_into() with device offsets")
         row_bytes = int(src.shape[1])
         if row_bytes % 16:
             raise ValueError(f"relay rows must be a multiple of 16 bytes, got {row_bytes}")
