@@ -126,6 +126,22 @@ def test_eager_calls_warm_their_kind_only(capturing: List[bool], monkeypatch: py
     assert len(b._warmed) == n_warm == 3
 
 
+def test_layout_is_gated_like_the_calls(capturing: List[bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    b = _fake_backend(drains=True)
+    topk = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(ni.NotCapturable, match="get_dispatch_layout"):
+        b.get_dispatch_layout(topk, 8)
+    b.device, b.num_ranks, b.nodes = torch.device("cpu"), 4, SimpleNamespace(num_nodes=2)
+    b.node = SimpleNamespace(note_num_experts=lambda e: None)
+    b._static = None
+    b._r = SimpleNamespace(layout=lambda *a: None)
+    monkeypatch.setattr(ni, "raw_current_stream", lambda dev: 0)
+    capturing[0] = False
+    b.get_dispatch_layout(topk, 8)
+    capturing[0] = True
+    assert b.get_dispatch_layout(topk, 8).num_tokens_per_rdma_rank.shape == (2,)
+
+
 def test_a_nic_needs_no_warm_up(capturing: List[bool]) -> None:
     b = _fake_backend(drains=False)
     with pytest.raises(Launched):                              # got past the gate to the first launch step

@@ -197,6 +197,7 @@ class NormalInternodeBackend:
     # ------------------------------------------------------------------ calls
     def get_dispatch_layout(self, topk_idx: "torch.Tensor", num_experts: int) -> LayoutResult:
         import torch
+        eager = self._capture_gate(("layout",), "an internode get_dispatch_layout", host_wait=False)
         n, k = topk_idx.shape
         dev, r_n = self.device, self.num_ranks
         per_rank = torch.empty(r_n, dtype=torch.int32, device=dev)
@@ -206,6 +207,8 @@ class NormalInternodeBackend:
         self.node.note_num_experts(num_experts)
         self._r.layout(self._static, topk_idx.data_ptr(), n, k, num_experts, per_rank.data_ptr(), per_expert.data_ptr(),
                        per_node.data_ptr(), in_rank.data_ptr(), raw_current_stream(dev))
+        if eager:
+            self._warmed.add(("layout",))
         return LayoutResult(per_rank, per_expert, in_rank, per_node)
 
     def dispatch(self, call: DispatchCall) -> DispatchResult:
