@@ -14,7 +14,7 @@ import math
 from typing import Any, Dict, List, Mapping, Sequence
 
 from .normal import NormalBenchConfig, NormalRow
-from .normal_internode_model import PHASE_OF_STAGE, model
+from .normal_internode_model import model
 from .reference_numbers import DEEPEP_INTERNODE_LABEL, DEEPEP_INTERNODE_RDMA_GBPS
 
 TRANSPORT_LABELS = {
@@ -22,8 +22,8 @@ TRANSPORT_LABELS = {
     "nic": "NIC: IBGDA on the nodes' NICs",
     "reference": "reference backend: torch.distributed all-to-alls, no NIC -- these figures measure the collectives",
 }
-# (our phase, the model's stage), in the order DeepEP's test prints them.
-SHOWN = tuple((phase, stage) for stage, phase in PHASE_OF_STAGE.items())
+# (our phase, the model's stage), in the columns' order (FP8, BF16, combine: as the tables above).
+SHOWN = (("cached_fp8", "dispatch_fp8"), ("cached_bf16", "dispatch_bf16"), ("combine", "combine"))
 BYTE_MODEL = {
     "rdma": "sum of num_tokens_per_rdma_rank (every node a token reaches, its own included: test_internode.py's "
             "num_rdma_token_sent) x 2H; FP8 x (1 + 4/128) / 2; combine as BF16 dispatch",
@@ -99,7 +99,7 @@ def render(console: Any, doc: Dict[str, Any]) -> None:
               f"- / {band} / -")
     console.print(t)
     for backend, tr in doc["transports"].items():
-        console.print(escape(f"{backend}: {tr['label']}"))
+        console.print(escape(f"figures of the {backend} backend -- {tr['label']}"))
     if not exp["applies"]:
         console.print(escape(f"model: {exp['note']}"))
     if not doc["rows"]:
