@@ -419,3 +419,6 @@ def test_cli_reference_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-
     assert [r["num_sms"] for r in doc["rows"]] == [4, 8]
     assert all(r["check"]["status"] == "PASS" for r in doc["rows"])
     assert "pyep bench --mode normal" in res[0][1] and "pyep bench" not in res[1][1]
+    # one node: none of the internode output (tests/test_bench_normal_nodes.py)
+    assert "internode" not in doc and "internode_model" not in doc and "real-NIC" not in res[0][1]
+    assert not any("rdma_tokens_per_rank" in r or "gbps_rdma" in r for r in doc["rows"])

@@ -22,6 +22,15 @@ def test_model_counts_rows_and_bytes() -> None:
     # FP8 rows are about half as large; combine rows carry BF16 partials + fp32 weights.
     assert d["dispatch_fp8"]["rdma_bytes"] < 0.6 * s["rdma_bytes"]
     assert combine_row_bytes(7168, 8) == 2 * 7168 + 32
+    # DeepEP's count (test_internode.py): every node a token reaches, its own included, x 2H; FP8 x
+    # (1+4/128)/2; received rows x 2H for NVL; both over the staged time.
+    assert s["deepep_rdma_bytes"] == pytest.approx(4096 * p_node * 2 * 7168 * 2)
+    p_rank = 1 - comb(240, 8) / comb(256, 8)
+    assert s["deepep_nvl_bytes"] == pytest.approx(4096 * 16 * p_rank * 7168 * 2)
+    assert d["dispatch_fp8"]["deepep_rdma_bytes"] == pytest.approx(s["deepep_rdma_bytes"] * 1.03125 / 2)
+    assert d["combine"]["deepep_rdma_bytes"] == pytest.approx(s["deepep_rdma_bytes"])
+    assert s["deepep_rdma_gbps"] == pytest.approx(s["deepep_rdma_bytes"] / s["staged_us"] / 1e3)
+    assert 43 <= s["deepep_rdma_gbps"] <= 60          # DeepEP's published 43-58 GB/s at its shape
     # One rank per node: no NVLink stage.
     one = model(tokens=128, hidden=128, topk=2, experts=8, num_ranks=2, ranks_per_node=1)
     assert one["combine"]["nvl_bytes"] == 0
@@ -34,3 +43,4 @@ def test_render() -> None:
     out = io.StringIO()
     render(Console(file=out, width=200), model(1024, 7168, 8, 64, 4, 2))
     assert "real-NIC model" in out.getvalue() and "43-58 GB/s" in out.getvalue()
+    assert "DeepEP-count RDMA / NVL GB/s" in out.getvalue()

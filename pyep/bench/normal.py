@@ -14,6 +14,12 @@ Wall times are CUDA events around the call; per-kernel times come from a second,
 apart (aux). GB/s count the bytes as test_intranode.py counts NVLink bytes: received rows x 2H for BF16
 dispatch and for combine, x (1 + 4/128)/2 of that for FP8 dispatch. Every call uses the buffer's
 defaults for the row's SM count (NormalBuffer.set_num_sms), as a user's call does.
+
+Across (virtual) nodes -- the same detection as NormalBuffer's (topology.detect_node_layout) -- the
+guard checks the internode contract, and rows also count RDMA bytes as test_internode.py does: the
+tokens' node fan-out (sum of num_tokens_per_rdma_rank, the own node included) x 2H, FP8 and combine
+as above; its NVL bytes are the received rows, the count above. normal_internode_report.py shows them
+beside the real-NIC model; on the softnic they measure the emulator, not a NIC.
 """
 from __future__ import annotations
 
@@ -45,6 +51,9 @@ MAIN_WORDS: Dict[str, Tuple[str, ...]] = {
     "layout": ("layout",), "dispatch": ("dispatch",), "cached_fp8": ("dispatch",),
     "cached_bf16": ("dispatch",), "combine": ("combine",), "eager": ("dispatch", "combine")}
 AUX_WORDS = ("notify", "layout")
+# Across nodes the call also runs the relay, the route/pack/reduce kernels and torch bookkeeping: all
+# of it is the phase's main work but the count exchanges (the node's notify, the relay's counts).
+INTERNODE_AUX_WORDS = AUX_WORDS + ("relay_counts",)
 SAMPLE_KINDS = ("wall", "kernel", "aux", "host")
 DEFAULT_SWEEP_SMS: Tuple[int, ...] = (8, 12, 16, 20, 24, 32)
 NORMAL_BACKENDS = ("native", "reference")
@@ -101,16 +110,26 @@ class NormalBenchConfig:
         if not 0.001 <= float(self.wait_timeout_s) <= 86400:
             raise ValueError(f"wait_timeout_s must be in [0.001, 86400], got {self.wait_timeout_s}")
 
-    def check_world(self, world_size: int) -> None:
+    def check_world(self, world_size: int, ranks_per_node: Optional[int] = None) -> None:
+        """One node (ranks_per_node None or >= world_size): 1, 2, 4 or 8 ranks. Across nodes: M nodes
+        of P ranks, P in native_internode.NODE_SIZES, M <= MAX_NODES. The experts divide over the ranks."""
         from ..ep.normal.config import MAX_RANKS
-        if world_size > MAX_RANKS or world_size & (world_size - 1):
-            raise ValueError(f"the normal mode runs on 1, 2, 4 or 8 ranks of one node, not {world_size}")
+        from ..ep.normal.native_internode import MAX_NODES, NODE_SIZES
+        p = world_size if ranks_per_node is None else ranks_per_node
+        if p >= world_size:
+            if world_size > MAX_RANKS or world_size & (world_size - 1):
+                raise ValueError(f"the normal mode runs on 1, 2, 4 or 8 ranks of one node, not {world_size}")
+        elif p not in NODE_SIZES or world_size % p or world_size // p > MAX_NODES:
+            raise ValueError(f"the internode normal mode runs {', '.join(map(str, NODE_SIZES))} ranks per node on "
+                             f"2 to {MAX_NODES} nodes; {world_size} ranks in nodes of {p} is not such a layout "
+                             f"(set PYEP_VIRTUAL_NODE_SIZE, or start equal nodes)")
         if self.experts % world_size:
             raise ValueError(f"experts ({self.experts}) must be divisible by the ranks ({world_size})")
 
 
-def bytes_per_rank(recv_tokens: int, hidden: int) -> Dict[str, float]:
-    """DeepEP's NVLink byte counts for one rank that received `recv_tokens` rows."""
+def bytes_per_rank(recv_tokens: float, hidden: int) -> Dict[str, float]:
+    """DeepEP's NVLink byte counts for one rank that received `recv_tokens` rows; with the tokens' node
+    fan-out instead (sum of num_tokens_per_rdma_rank) they are test_internode.py's RDMA byte counts."""
     bf16 = float(recv_tokens * hidden * 2)
     fp8 = bf16 * FP8_FACTOR
     return {"dispatch": fp8, "cached_fp8": fp8, "cached_bf16": bf16, "combine": bf16, "eager": fp8 + bf16}
@@ -132,21 +151,25 @@ class NormalRow:
     kineto: Dict[str, Any] = field(default_factory=dict)
     buffer_bytes: Optional[int] = None
     configs: Dict[str, Any] = field(default_factory=dict)
+    rdma_tokens: List[int] = field(default_factory=list)     # per rank, across nodes only (else empty)
 
-    def bytes(self, phase: str) -> List[float]:
-        return [bytes_per_rank(n, self.hidden).get(phase, math.nan) for n in self.recv_tokens]
+    def bytes(self, phase: str, rdma: bool = False) -> List[float]:
+        """Per rank: NVLink bytes (received rows), or RDMA bytes (node fan-out) with rdma=True."""
+        return [bytes_per_rank(n, self.hidden).get(phase, math.nan)
+                for n in (self.rdma_tokens if rdma else self.recv_tokens)]
 
-    def gbps(self, kind: str) -> Dict[str, float]:
+    def gbps(self, kind: str, rdma: bool = False) -> Dict[str, float]:
         """Mean bytes per rank / the phase's time (max over ranks of each rank's mean); for "kernel"
         the time includes the aux kernels of the phase (the whole call's device work)."""
         out: Dict[str, float] = {}
-        if not self.stats or not self.recv_tokens:
+        tokens = self.rdma_tokens if rdma else self.recv_tokens
+        if not self.stats or not tokens:
             return out
         for p in PHASES:
             if p == "layout":
                 continue
             t = self.time_us(kind, p)
-            out[p] = metrics.gbps(sum(self.bytes(p)) / len(self.recv_tokens), t)
+            out[p] = metrics.gbps(sum(self.bytes(p, rdma)) / len(tokens), t)
         return out
 
     def time_us(self, kind: str, phase: str) -> float:
@@ -175,6 +198,10 @@ class NormalRow:
             **{f"{k}_us": {p: s.as_dict() for p, s in self.stats.get(k, {}).items()} for k in SAMPLE_KINDS},
             "gbps": {k: self.gbps(k) for k in ("kernel", "wall")},
             "kineto": self.kineto, "samples_us": self.samples})
+        if self.rdma_tokens:
+            out.update({"rdma_tokens_per_rank": self.rdma_tokens,
+                        "rdma_bytes_per_rank": {p: self.bytes(p, True) for p in PHASES if p != "layout"},
+                        "gbps_rdma": {k: self.gbps(k, True) for k in ("kernel", "wall")}})
         return out
 
 
@@ -197,11 +224,27 @@ class NormalSuite:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.dist_backend = str(dist.get_backend(group)).lower()
-        cfg.check_world(self.world_size)
+        from ..ep.normal.topology import detect_node_layout
+        # The buffer detects its nodes the same way (ranks_per_node not given): one answer for both.
+        self.nodes = detect_node_layout(group, None, cfg.timeout_us)
+        cfg.check_world(self.world_size, self.nodes.ranks_per_node)
         self.sync = Sync(group, device, cfg.wait_timeout_s)
         self.cls = buffer_class if buffer_class is not None else _buffer_class()
         self.progress = progress
         self.notes: List[str] = []
+
+    @property
+    def ranks_per_node(self) -> Optional[int]:
+        """The node size across nodes; None on one node."""
+        return self.nodes.ranks_per_node if self.nodes.internode else None
+
+    def transport(self, backend: str) -> str:
+        """What carries the rows between nodes: "emulated" (the softnic: figures measure the emulator),
+        "nic" (IBGDA on a real NIC), "reference" (torch.distributed collectives, no NIC at all)."""
+        if backend != "native":
+            return "reference"
+        from ..ep.normal.native_internode import relay_transport
+        return "emulated" if relay_transport(self.cfg.transport) == "emulated" else "nic"
 
     def _nvl_bytes(self) -> int:
         """Enough buffer for the largest SM count of the run (rings grow with the channel count)."""
@@ -220,8 +263,19 @@ class NormalSuite:
     def _build(self, backend: str) -> Tuple[Any, str]:
         buf, why = None, ""
         try:
-            buf = self.cls(self.group, self._nvl_bytes(), hidden=self.cfg.hidden, backend=backend,
-                           transport=self.cfg.transport, timeout_us=self.cfg.timeout_us)
+            if self.nodes.internode:
+                # The node buffer's control area also holds the count records of every node, which
+                # the NVLink size hint leaves out: the backend sizes itself for the sweep's largest SMs.
+                buf = self.cls(self.group, None, hidden=self.cfg.hidden, backend=backend,
+                               transport=self.cfg.transport, timeout_us=self.cfg.timeout_us,
+                               num_sms=max(self.cfg.num_sms))
+                got = getattr(buf, "ranks_per_node", self.nodes.ranks_per_node)
+                if got != self.nodes.ranks_per_node:
+                    raise ValueError(f"the buffer runs nodes of {got} ranks, the benchmark detected "
+                                     f"{self.nodes.ranks_per_node}")
+            else:
+                buf = self.cls(self.group, self._nvl_bytes(), hidden=self.cfg.hidden, backend=backend,
+                               transport=self.cfg.transport, timeout_us=self.cfg.timeout_us)
         except Exception as exc:  # noqa: BLE001 - reported in the row; the run goes on
             why = f"{type(exc).__name__}: {exc}"
             log.warning("cannot build the %s normal-mode buffer: %s", backend, why)
@@ -270,11 +324,10 @@ class NormalSuite:
         saved = cls.num_sms
         cls.set_num_sms(num_sms)
         try:
-            configs = {"dispatch": _cfg_dict(cls.get_dispatch_config(self.world_size)),
-                       "combine": _cfg_dict(cls.get_combine_config(self.world_size))}
+            configs = {k: _cfg_dict(v) for k, v in _default_configs(cls, self.world_size).items()}
             row = NormalRow(backend, num_sms, c.tokens, c.hidden, c.routing.label, configs=configs,
                             buffer_bytes=_buffer_bytes(buf))
-            check, reuse = run_guard(buf, inp, self.rank, self.sync)
+            check, reuse = run_guard(buf, inp, self.rank, self.sync, self.ranks_per_node)
             flags = self.sync.gather(torch.tensor([1 if check.passed else 0], dtype=torch.int32), "guard results")
             check.failed_ranks = [r for r, f in enumerate(flags) if int(f[0]) == 0]
             if check.failed_ranks and check.passed:
@@ -282,11 +335,15 @@ class NormalSuite:
             row.check = check
             recv = self.sync.gather(torch.tensor([reuse["num_recv_tokens"]], dtype=torch.int64), "received rows")
             row.recv_tokens = [int(t[0]) for t in recv]
+            if self.nodes.internode:
+                rdma = self.sync.gather(torch.tensor([reuse["num_rdma_tokens"]], dtype=torch.int64), "RDMA tokens")
+                row.rdma_tokens = [int(t[0]) for t in rdma]
             if not check.passed:
                 log.error("%s, %d SMs: correctness guard FAILED (%s): not timed", backend, num_sms, check.detail)
                 row.kernel_source = "not timed (guard failed)"
                 return row
-            timer = PhaseTimer(buf, inp, reuse, self.sync, backend, f"{backend} {num_sms} SMs")
+            timer = PhaseTimer(buf, inp, reuse, self.sync, backend, f"{backend} {num_sms} SMs",
+                               internode=self.nodes.internode)
             samples, source, info = timer.run(c.warmup, c.iters, c.kineto)
             gathered = _gather(samples, c.iters, self.sync)
             row.samples, row.kernel_source, row.kineto = gathered, source, info
@@ -294,6 +351,16 @@ class NormalSuite:
             return row
         finally:
             cls.set_num_sms(saved)
+
+
+def _default_configs(cls: Any, num_ranks: int) -> Dict[str, Any]:
+    """The configs a call without `config` gets: the tuned table's, or Config(num_sms) for rank
+    counts beyond it (more than one node's worth), as NormalBuffer's dispatch and combine choose."""
+    try:
+        return {"dispatch": cls.get_dispatch_config(num_ranks), "combine": cls.get_combine_config(num_ranks)}
+    except ValueError:
+        from ..ep.normal.config import Config
+        return {"dispatch": Config(cls.num_sms), "combine": Config(cls.num_sms)}
 
 
 def _buffer_bytes(buf: Any) -> Optional[int]:
@@ -311,9 +378,10 @@ class PhaseTimer:
     """The timed calls of one row (see the module docstring), wall pass then profiled pass."""
 
     def __init__(self, buf: Any, inp: GuardInputs, reuse: Dict[str, Any], sync: Sync, backend: str,
-                 label: str) -> None:
+                 label: str, internode: bool = False) -> None:
         self.buf, self.inp, self.reuse, self.sync, self.label = buf, inp, reuse, sync, label
         self.native = backend == "native"
+        self.internode = internode
 
     def _calls(self) -> Dict[str, Callable[[], Any]]:
         b, i, r = self.buf, self.inp, self.reuse
@@ -372,10 +440,13 @@ class PhaseTimer:
             for it in range(iters):
                 self._iteration(it, None, True)
         ranges, kernels = prof.collect()
+        internode = self.native and self.internode
+        aux_words = INTERNODE_AUX_WORDS if internode else AUX_WORDS
+        words: Dict[str, Tuple[str, ...]] = {p: () for p in PHASES} if internode else dict(MAIN_WORDS)
         if self.native:
-            aux = [k for k in kernels if any(w in k.name.lower() for w in AUX_WORDS)]
-            main = [k for k in kernels if not any(w in k.name.lower() for w in AUX_WORDS)]
-            att_main = kineto.attribute(ranges, main, dict(MAIN_WORDS))
+            aux = [k for k in kernels if any(w in k.name.lower() for w in aux_words)]
+            main = [k for k in kernels if not any(w in k.name.lower() for w in aux_words)]
+            att_main = kineto.attribute(ranges, main, words)
             att_aux = kineto.attribute(ranges, aux, {p: () for p in PHASES})
         else:
             # The reference's work is NCCL and torch kernels with generic names: count all of it.
@@ -391,7 +462,8 @@ class PhaseTimer:
                 s["kernel"][p] = list(nan)
         info = {"counted": att_main.counted, "aux_counted": att_aux.counted, "ignored": att_main.ignored,
                 "unlinked_kernels": att_main.unlinked + att_aux.unlinked,
-                "kernels_outside_ranges": att_main.outside, "main_words": MAIN_WORDS, "aux_words": AUX_WORDS}
+                "kernels_outside_ranges": att_main.outside, "main_words": words,
+                "aux_words": aux_words}
         return s, "kineto", info
 
 

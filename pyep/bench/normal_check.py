@@ -6,6 +6,11 @@ every handle tensor. The expert is a per-rank scale (bf16(x * (1 + rank/8))) so 
 wrong rank's row is caught, and the combined result is computed in the contract's fp32 order. Dispatch
 (BF16, FP8, cached) and combine are compared bit for bit: a wrong kernel must not produce a speed
 table. The pure functions here are what tests/test_bench_normal.py checks by hand.
+
+Across nodes (ranks_per_node < ranks) the contract changes in two places only, and so does the
+oracle: the layout also reports num_tokens_per_rdma_rank, and combine adds one BF16 partial per node
+in the order of contract.combine_order. Rows, top-k, counts and every handle tensor keep their
+one-node definitions (contract.py; tests/test_normal_reference.py checks them per token on 2 x 2 nodes).
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ log = logging.getLogger("pyep.bench")
 
 
 def expert_factor(rank: int) -> float:
-    """Exact in fp32 and bf16 for ranks < 8: the product's rounding is the same on CPU and GPU."""
+    """Exact in bf16 for every rank count the mode runs (1 + rank/8 has at most 9 significant bits up to
+    rank 255), so bf16 x * factor is exact in fp32 and its rounding is the same on CPU and GPU."""
     return 1.0 + rank / 8.0
 
 
@@ -53,6 +59,33 @@ def layout(topk_idx: "torch.Tensor", num_experts: int, num_ranks: int) -> Tuple[
     for r in range(num_ranks):
         in_rank[:, r] = ((owner == r) & valid).any(dim=1)
     return in_rank.sum(dim=0).to(torch.int32), per_expert.to(torch.int32), in_rank
+
+
+def per_node(in_rank: "torch.Tensor", ranks_per_node: int) -> Optional["torch.Tensor"]:
+    """num_tokens_per_rdma_rank, int32 [M]: tokens with a rank on node n (ranks [n*P, (n+1)*P));
+    None on one node (P >= R), as the layout returns it there."""
+    import torch
+    n, r = in_rank.shape
+    if ranks_per_node >= r:
+        return None
+    return in_rank.reshape(n, r // ranks_per_node, ranks_per_node).any(dim=2).sum(dim=0).to(torch.int32)
+
+
+def check_layout(got: Sequence[Any], topk_idx: "torch.Tensor", num_experts: int, num_ranks: int,
+                 ranks_per_node: int) -> List[str]:
+    """got: get_dispatch_layout's (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+    is_token_in_rank, ...). Problems, [] when all equal the oracle bit for bit."""
+    want_rank, want_exp, want_in = layout(topk_idx, num_experts, num_ranks)
+    problems = [diff("layout num_tokens_per_rank", got[0], want_rank),
+                diff("layout num_tokens_per_expert", got[2], want_exp),
+                diff("layout is_token_in_rank", got[3], want_in)]
+    want_rdma = per_node(want_in, ranks_per_node)
+    if want_rdma is None:
+        if got[1] is not None:
+            problems.append("layout num_tokens_per_rdma_rank: a tensor on one node, expected None")
+    else:
+        problems.append(diff("layout num_tokens_per_rdma_rank", got[1], want_rdma))
+    return [p for p in problems if p]
 
 
 def channel_prefix(in_rank: "torch.Tensor", num_channels: int) -> "torch.Tensor":
@@ -100,9 +133,11 @@ class Expected:
 
 def expected(rank: int, xs: Sequence["torch.Tensor"], topks: Sequence["torch.Tensor"],
              weights: Sequence["torch.Tensor"], num_experts: int, num_channels: int,
-             expert_alignment: int = 1) -> Expected:
-    """xs/topks/weights: every rank's inputs, in rank order (all on one device)."""
+             expert_alignment: int = 1, ranks_per_node: Optional[int] = None) -> Expected:
+    """xs/topks/weights: every rank's inputs, in rank order (all on one device). ranks_per_node: the
+    node size P (None: one node); it only changes the combine order (contract.combine_order)."""
     import torch
+    from ..ep.normal.contract import combine_order
     num_ranks = len(xs)
     e_l = num_experts // num_ranks
     lo, hi = rank * e_l, (rank + 1) * e_l
@@ -130,22 +165,35 @@ def expected(rank: int, xs: Sequence["torch.Tensor"], topks: Sequence["torch.Ten
         recv_src_idx=torch.cat(rows_s), num_recv_tokens_per_expert=[(c + align - 1) // align * align for c in counts],
         rank_prefix_matrix=rank_prefix, channel_prefix_matrix=channel_prefix(me, num_channels),
         recv_channel_prefix_matrix=torch.stack(chan_rows).to(torch.int32), send_head=send_head(me, num_channels),
-        is_token_in_rank=me, **_combined(xs[rank], topks[rank], weights[rank], me, num_experts))
+        is_token_in_rank=me, **_combined(xs[rank], topks[rank], weights[rank], me, num_experts,
+                                         combine_order(num_ranks, ranks_per_node or num_ranks)))
 
 
 def _combined(x: "torch.Tensor", topk: "torch.Tensor", w: "torch.Tensor", in_rank: "torch.Tensor",
-              num_experts: int) -> Dict[str, "torch.Tensor"]:
-    """The contract's combine: acc = 0, then + rank d's row for d ascending where the token went."""
+              num_experts: int, groups: Sequence[Sequence[int]]) -> Dict[str, "torch.Tensor"]:
+    """The contract's combine without bias. One group (one node): acc = 0, then + rank d's row for d
+    ascending where the token went. Several (one per node, contract.combine_order): per group an fp32
+    partial from 0 over its ranks ascending, rounded to BF16 (weights not rounded), added to acc for
+    the groups that hold one of the token's ranks, in group order."""
     import torch
-    num_ranks = in_rank.shape[1]
-    e_l = num_experts // num_ranks
+    e_l = num_experts // in_rank.shape[1]
+    one = len(groups) == 1
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     acc_w = torch.zeros(w.shape, dtype=torch.float32, device=x.device)
-    for d in range(num_ranks):
-        sel = in_rank[:, d:d + 1]
-        acc = torch.where(sel, acc + expert_output(x, d).to(torch.float32), acc)
-        local = (topk >= d * e_l) & (topk < (d + 1) * e_l)
-        acc_w = torch.where(sel, acc_w + torch.where(local, w, torch.zeros_like(w)), acc_w)
+    for ranks in groups:
+        part = acc if one else torch.zeros_like(acc)
+        part_w = acc_w if one else torch.zeros_like(acc_w)
+        for d in ranks:
+            sel = in_rank[:, d:d + 1]
+            part = torch.where(sel, part + expert_output(x, d).to(torch.float32), part)
+            local = (topk >= d * e_l) & (topk < (d + 1) * e_l)
+            part_w = torch.where(sel, part_w + torch.where(local, w, torch.zeros_like(w)), part_w)
+        if one:
+            acc, acc_w = part, part_w
+        else:
+            touched = in_rank[:, list(ranks)].any(dim=1, keepdim=True)
+            acc = torch.where(touched, acc + part.to(torch.bfloat16).to(torch.float32), acc)
+            acc_w = torch.where(touched, acc_w + part_w, acc_w)
     return {"combined_x": acc.to(torch.bfloat16), "combined_topk_weights": acc_w}
 
 
@@ -235,26 +283,25 @@ def gather_inputs(inp: GuardInputs, sync: Any) -> Tuple[List["torch.Tensor"], Li
             gather(inp.topk_weights, "guard: top-k weights"))
 
 
-def run_guard(buf: Any, inp: GuardInputs, rank: int, sync: Any) -> Tuple[CheckResult, Dict[str, Any]]:
+def run_guard(buf: Any, inp: GuardInputs, rank: int, sync: Any,
+              ranks_per_node: Optional[int] = None) -> Tuple[CheckResult, Dict[str, Any]]:
     """One layout, BF16 dispatch, FP8 dispatch, cached BF16 dispatch and combine on `buf` (default
-    config), each compared with the oracle. Returns the check (not yet agreed over ranks) and what
-    the timing loops reuse: the layout, the handle and the expert output."""
-    import torch
+    config), each compared with the oracle for the node size ranks_per_node (None: one node). Returns
+    the check (not yet agreed over ranks) and what the timing loops reuse: the layout, the handle, the
+    expert output, the received rows and (across nodes) the RDMA tokens of DeepEP's count: the sum of
+    num_tokens_per_rdma_rank, a token once per node it reaches."""
     from ..ep import fp8
-    problems: List[str] = []
+    node_size = ranks_per_node or sync.world_size
     xs, topks, ws = gather_inputs(inp, sync)
     lay = buf.get_dispatch_layout(inp.topk_idx, inp.num_experts)
     n_tok, n_exp, in_rank = lay[0], lay[2], lay[3]
-    want_rank, want_exp, want_in = layout(inp.topk_idx, inp.num_experts, sync.world_size)
-    problems += [p for p in (diff("layout num_tokens_per_rank", n_tok, want_rank),
-                             diff("layout num_tokens_per_expert", n_exp, want_exp),
-                             diff("layout is_token_in_rank", in_rank, want_in)) if p]
+    problems: List[str] = check_layout(lay, inp.topk_idx, inp.num_experts, sync.world_size, node_size)
     counts = dict(num_tokens_per_rank=n_tok, num_tokens_per_rdma_rank=lay[1], is_token_in_rank=in_rank,
                   num_tokens_per_expert=n_exp)
     out = buf.dispatch(inp.x, topk_idx=inp.topk_idx, topk_weights=inp.topk_weights, **counts)
     sync.device_wait("guard: BF16 dispatch")
     handle = out[4]
-    exp = expected(rank, xs, topks, ws, inp.num_experts, int(handle.num_channels))
+    exp = expected(rank, xs, topks, ws, inp.num_experts, int(handle.num_channels), ranks_per_node=node_size)
     got = {"recv_x": out[0], "recv_topk_idx": out[1], "recv_topk_weights": out[2], "counts": out[3], "handle": handle}
     problems += [f"BF16 dispatch {p}" for p in check_dispatch(got, exp)]
     q_out = buf.dispatch(inp.x_fp8, topk_idx=inp.topk_idx, topk_weights=inp.topk_weights, **counts)
@@ -282,6 +329,7 @@ def run_guard(buf: Any, inp: GuardInputs, rank: int, sync: Any) -> Tuple[CheckRe
     else:
         check = CheckResult(True, "layout, BF16/FP8/cached dispatch and combine (+weights) bitwise equal "
                                   "to the contract oracle", max_abs_diff=0.0, exact_fraction=1.0)
+    rdma = per_node(layout(inp.topk_idx, inp.num_experts, sync.world_size)[2], node_size)
     reuse = {"counts": counts, "handle": handle, "expert_out": expert_out, "recv_topk_weights": out[2],
-             "num_recv_tokens": num_recv}
+             "num_recv_tokens": num_recv, "num_rdma_tokens": int(rdma.sum()) if rdma is not None else 0}
     return check, reuse

@@ -159,7 +159,9 @@ def document(cfg: NormalBenchConfig, env: Dict[str, Any], rows: Sequence[NormalR
 
 # ---------------------------------------------------------------------- plot
 def plot(path: str, cfg: NormalBenchConfig, rows: Sequence[NormalRow], deepep: Optional[Dict[str, Any]],
-         title: str) -> Optional[str]:
+         title: str, internode: Optional[Dict[str, Any]] = None) -> Optional[str]:
+    """GB/s per SM count; across nodes (internode: normal_internode_report.summary) also the RDMA GB/s,
+    the model's expectation and DeepEP's published band."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -181,6 +183,15 @@ def plot(path: str, cfg: NormalBenchConfig, rows: Sequence[NormalRow], deepep: O
                 if all(math.isnan(y) for y in ys):
                     continue
                 ax.plot([r.num_sms for r in rs], ys, style, label=f"pyep {backend} ({kind})")
+                if internode is not None:
+                    ys = [r.gbps(kind, rdma=True).get(phase, math.nan) for r in rs]
+                    if not all(math.isnan(y) for y in ys):
+                        ax.plot([r.num_sms for r in rs], ys, style[0] + ":", label=f"pyep {backend} RDMA ({kind})")
+        if internode is not None:
+            exp = internode["model_expectation"]["phases"][phase]
+            ax.axhline(exp["rdma_gbps"], color="g", linestyle="-.", label="model RDMA (real NIC)")
+            lo, hi = internode["deepep_published"]["rdma_gbps"]
+            ax.axhspan(lo, hi, color="g", alpha=0.1, label="DeepEP internode RDMA, published")
         if figs.get(key):
             f = figs[key]
             ax.axhline(f["gbps"], color="k", linestyle=":", label=f"DeepEP best ({f['num_sms']} SMs)")
@@ -188,7 +199,8 @@ def plot(path: str, cfg: NormalBenchConfig, rows: Sequence[NormalRow], deepep: O
         ax.set_xlabel("SMs")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("GB/s per rank (NVLink bytes, DeepEP's count)")
+    axes[0].set_ylabel("GB/s per rank (NVLink bytes, DeepEP's count)" if internode is None else
+                       "GB/s per rank (NVL and RDMA bytes, test_internode.py's counts)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -293,32 +305,23 @@ def _run(cfg: NormalBenchConfig, args: Any, environ: Mapping[str, str], group: A
     console = Console(record=True, width=None if sys.stdout.isatty() else 220)
     render(console, cfg, env_info, rows, notes + suite.notes, deepep)
     doc = document(cfg, env_info, rows, notes + suite.notes, deepep)
-    nic_model = _internode_model(cfg, suite.world_size, environ)
-    if nic_model is not None:
-        from .normal_internode_model import render as render_model
-        render_model(console, nic_model)
-        doc["internode_model"] = nic_model
+    internode = None
+    if suite.ranks_per_node is not None:
+        from .normal_internode_report import attach
+        internode = attach(console, doc, cfg, rows, suite.world_size, suite.ranks_per_node,
+                           {b: suite.transport(b) for b in cfg.backends})
     png = None
     if cfg.plot:
+        nodes = "" if internode is None else f" in {internode['num_nodes']} nodes"
         png = plot(os.path.join(out_dir, "bench_normal.png"), cfg, rows, deepep,
                    f"pyep normal mode: N={cfg.tokens} H={cfg.hidden} K={cfg.topk} E={cfg.experts}, "
-                   f"{suite.world_size} ranks ({names[0]})")
+                   f"{suite.world_size} ranks{nodes} ({names[0]})", internode)
     doc["files"] = {"json": "bench_normal.json", "text": "bench_normal.txt", "plot": os.path.basename(png) if png else None}
     write_json(os.path.join(out_dir, "bench_normal.json"), doc)
     console.print(f"results: {os.path.join(out_dir, 'bench_normal.json')}" + (f", {png}" if png else ""),
                   markup=False, highlight=False)
     console.save_text(os.path.join(out_dir, "bench_normal.txt"))
     return code
-
-
-def _internode_model(cfg: NormalBenchConfig, world: int, environ: Mapping[str, str]) -> Optional[Dict[str, Any]]:
-    """The real-NIC model (normal_internode_model.py) when the ranks form several (virtual) nodes."""
-    from ..config.env import virtual_node_size
-    from .normal_internode_model import model
-    size = virtual_node_size(environ) or int(environ.get("LOCAL_WORLD_SIZE") or 0) or None   # torchrun's
-    if size is None or size >= world or world % size or cfg.experts % world:
-        return None
-    return model(cfg.tokens, cfg.hidden, cfg.topk, cfg.experts, world, size)
 
 
 __all__ = ["render", "document", "plot", "config_from_args", "run_cli", "deepep_figures", "DEFAULT_SWEEP_SMS"]

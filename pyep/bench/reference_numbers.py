@@ -52,6 +52,12 @@ DEEPEP_LL_BUFFER_BYTES: Dict[Tuple[int, int, int], int] = {
 }
 
 
+# DeepEP's internode normal mode, published (REFERENCE.md section 5, "Published elsewhere"): RDMA GB/s
+# per rank, as its tests/test_internode.py counts them (bytes_per_rank of the tokens' node fan-out).
+DEEPEP_INTERNODE_RDMA_GBPS: Range = (43.0, 58.0)
+DEEPEP_INTERNODE_LABEL = "DeepEP internode normal mode, published (REFERENCE.md section 5)"
+
+
 def deepep_row(world_size: int, gpu_name: str, tokens: int, hidden: int, topk: int, experts: int,
                use_fp8: bool) -> Optional[DeepEpLowLatency]:
     """The DeepEP row for this setting, or None where the measured setting does not match."""
