@@ -10,6 +10,7 @@ Functions run as fn(*args, **kwargs); inside them torch.distributed is initialis
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -32,6 +33,7 @@ def _worker(rank: int, world: int, port: int, backend: str, pg_timeout_s: float,
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)   # n workers share a few cores; oversubscription only slows them down
+    stall_s = float(os.environ.get("PYEP_TEST_STALL_DUMP_S", "0"))
     try:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                               timeout=datetime.timedelta(seconds=pg_timeout_s))
@@ -46,10 +48,16 @@ def _worker(rank: int, world: int, port: int, backend: str, pg_timeout_s: float,
         if item is None:
             break
         task_id, fn, args, kwargs = item
+        if stall_s > 0:
+            # Diagnostics: a task that runs this long dumps every thread's stack to stderr (the test
+            # log), so a case that hits its time bound on a GPU machine says where each rank was.
+            faulthandler.dump_traceback_later(stall_s, repeat=True)
         try:
             results.put((task_id, rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001
             results.put((task_id, rank, False, traceback.format_exc()))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     # Every result was collected before close() sent None. Exit hard: tearing down gloo (and its
     # threads) at interpreter exit can block for seconds, or forever after a timed-out collective.
     os._exit(0)

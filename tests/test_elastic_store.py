@@ -308,3 +308,16 @@ def test_drill_first_call_waits_for_a_late_starter() -> None:
                               first_call_pause_ms=pause_ms), 0, "between")
     assert out.ok, out.why
     assert all(r["death_call"] >= 20 for r in out.ranks if r["generation"] == 1)
+
+
+def test_drill_failure_names_the_call_and_keeps_the_traceback() -> None:
+    """A failed rank's message is its last traceback and the call it failed in, not the CUDA warnings
+    printed at exit after a sticky error (which pushed the traceback out of the kept lines)."""
+    from pyep.cli.drill import failure_lines
+    lines = ["setup ok", "rank 0 failed in {'call': 25, 'death_call': 24}", "Traceback (most recent call last):",
+             '  File "x.py", line 3, in run', "torch.AcceleratorError: CUDA error: an illegal memory access"]
+    lines += ["[W1125 CUDAEvent.h:57] Warning: CUDA warning: an illegal memory access (function ~CUDAEvent)"] * 12
+    got = failure_lines(lines)
+    assert got[0] == "rank 0 failed in {'call': 25, 'death_call': 24}"
+    assert got[-1].startswith("torch.AcceleratorError") and not any("CUDA warning" in g for g in got)
+    assert failure_lines([f"line {i}" for i in range(20)]) == [f"line {i}" for i in range(12, 20)]

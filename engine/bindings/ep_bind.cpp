@@ -120,6 +120,15 @@ void register_ep(py::module_& m) {
 
     ep.def("dispatch_smem_bytes", &dispatch_smem_bytes, py::arg("static"));
     ep.def("combine_smem_bytes", &combine_smem_bytes, py::arg("static"));
+    ep.def(
+        "load_kernels",
+        [](const LLStatic& s) {
+            load_dispatch_kernels(s);
+            load_combine_kernels(s);
+        },
+        py::arg("static"),
+        "Load the dispatch and combine modules now and set their shared-memory limit for this shape "
+        "(num_ranks, num_local_experts): no first call waits for a module load (ll_launch.h).");
     ep.attr("threads_per_block") = kThreadsPerBlock;
 
     ep.def("device_alloc", &device_alloc, py::arg("bytes"));

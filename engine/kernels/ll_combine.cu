@@ -477,6 +477,15 @@ int combine_smem_bytes(const LLStatic& s) {
 #if !defined(PYEP_LL_CPU_SIM)
 void check_cuda(cudaError_t e, const char* what);  // ll_runtime.cu
 
+void load_combine_kernels(const LLStatic& s) {
+    cudaFuncAttributes attr;
+    check_cuda(cudaFuncGetAttributes(&attr, combine), "ll combine module load");
+    const int smem = combine_smem_bytes(s);
+    if (smem > 48 * 1024)
+        check_cuda(cudaFuncSetAttribute(combine, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                   "ll combine smem attribute");
+}
+
 void launch_combine(const LLStatic& s, const LLCombineCall& c, uint64_t stream) {
     check_call(s, c);
     const int smem = combine_smem_bytes(s);

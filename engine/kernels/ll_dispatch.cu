@@ -432,6 +432,17 @@ int dispatch_smem_bytes(const LLStatic& s) {
 #if !defined(PYEP_LL_CPU_SIM)
 void check_cuda(cudaError_t e, const char* what);  // ll_runtime.cu
 
+void load_dispatch_kernels(const LLStatic& s) {
+    const int smem = dispatch_smem_bytes(s);
+    for (auto kern : {dispatch<true>, dispatch<false>}) {
+        cudaFuncAttributes attr;
+        check_cuda(cudaFuncGetAttributes(&attr, kern), "ll dispatch module load");
+        if (smem > 48 * 1024)
+            check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                       "ll dispatch smem attribute");
+    }
+}
+
 void launch_dispatch(const LLStatic& s, const LLDispatchCall& c, uint64_t stream) {
     check_call(s, c);
     const int smem = dispatch_smem_bytes(s);

@@ -125,6 +125,14 @@ void launch_combine(const LLStatic& s, const LLCombineCall& c, uint64_t stream);
 // Dynamic shared memory bytes a launch needs (the host checks it against the device limit).
 int dispatch_smem_bytes(const LLStatic& s);
 int combine_smem_bytes(const LLStatic& s);
+// Load the kernels' modules now and set their dynamic shared-memory limit for this shape (only
+// num_ranks and num_local_experts are read). Under lazy module loading (CUDA's default) a kernel's
+// first launch loads its module, and a load waits for the device to drain while holding the context
+// lock: a combine launched behind a dispatch that spins on a peer's data then blocks the host, and
+// with it this process's softnic thread, which that peer's data waits for -- both time out.
+// cudaFuncGetAttributes forces the load (CUDA Programming Guide, "Lazy Loading").
+void load_dispatch_kernels(const LLStatic& s);
+void load_combine_kernels(const LLStatic& s);
 #if defined(PYEP_LL_THREADS)
 constexpr int kThreadsPerBlock = PYEP_LL_THREADS;   // CPU simulation: fewer threads per block
 #else

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 RESULT_TAG = "PYEP_DRILL_RESULT "
 STAMP_TAG = "PYEP_DRILL_STAMP "
@@ -170,7 +170,9 @@ def _arm_reference_kill(buf: Any) -> None:
     mail.store = _Dying()
 
 
-def run(a: Dict[str, Any]) -> Dict[str, Any]:
+def run(a: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """One rank of a drill. `progress` (the caller's) holds the call in progress and the death call, so
+    a rank that fails can say where."""
     import datetime
 
     import torch
@@ -227,6 +229,8 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
     while True:
         t_top = time.monotonic()
         call = buf.next_call
+        if progress is not None:
+            progress.update(call=call, generation=buf.generation, death_call=death_call, admit_call=admit_call)
         if stop is not None and call > stop:
             break
         if time.monotonic() > deadline:
@@ -405,7 +409,12 @@ def main(argv: List[str]) -> int:
     a = json.loads(argv[0])
     import logging
     logging.basicConfig(level=logging.WARNING, format=f"rank {a['rank']} %(levelname)s %(name)s: %(message)s")
-    res = run(a)
+    progress: Dict[str, Any] = {}
+    try:
+        res = run(a, progress)
+    except BaseException:
+        print(f"rank {a['rank']} failed in {progress or 'set-up'}", flush=True)
+        raise
     print(RESULT_TAG + json.dumps(res), flush=True)
     return 0
 

@@ -85,6 +85,18 @@ def _spawn(args: Dict[str, Any]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
+def failure_lines(lines: List[str], limit: int = 24) -> List[str]:
+    """What says why a rank failed: its last traceback (the error is its last line, the frames above
+    name where), else its last lines. CUDA's warnings printed at exit after a sticky error follow the
+    traceback and would otherwise push it out."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return lines[-8:]
+    where = [line for line in lines[:starts[-1]] if " failed in " in line][-1:]   # _drill_rank.main
+    tb = [line for line in lines[starts[-1]:] if "CUDA warning" not in line]
+    return where + (tb if len(tb) <= limit else tb[:4] + ["..."] + tb[-(limit - 5):])
+
+
 class _Reader:
     def __init__(self, proc: subprocess.Popen, tag: str, echo: bool) -> None:
         self.lines: List[str] = []
@@ -143,7 +155,7 @@ def run_drill(ns: argparse.Namespace, index: int, phase: str, echo: bool = False
             failed = [t for t, p in procs.items() if t != f"rank {victim}" and p.poll() not in (None, 0)]
             if failed:
                 t = failed[0]
-                raise RuntimeError(f"{t} exited with {procs[t].poll()}: " + " | ".join(readers[t].lines[-8:]))
+                raise RuntimeError(f"{t} exited with {procs[t].poll()}: " + " | ".join(failure_lines(readers[t].lines)))
             if not alive:
                 break
             time.sleep(0.05)

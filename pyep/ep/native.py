@@ -107,6 +107,7 @@ class NativeBackend(NativeMembership):
         self._err: Any = None
         self._check_shared_memory()
         try:
+            self._ep.load_kernels(self._shape_static())
             if config.check_values is not False:
                 self._err_ptr, self._err = _map_error_record(self._ep)
             self._buf = int(self._ep.device_alloc(self.buffer_bytes))
@@ -291,11 +292,16 @@ class NativeBackend(NativeMembership):
             blocks = max(1, blocks - SOFTNIC_RESERVED_SMS)
         return blocks
 
+    def _shape_static(self) -> Any:
+        """An LLStatic with only the shape the kernels' shared memory depends on."""
+        s = self._ep.LLStatic()
+        s.num_ranks, s.num_local_experts = self.num_ranks, self.layout.num_local_experts
+        return s
+
     def _check_shared_memory(self) -> None:
         """The kernels keep per-expert tables in shared memory; refuse shapes that do not fit (every
         rank has the same shape, so every rank refuses before any collective)."""
-        s = self._ep.LLStatic()
-        s.num_ranks, s.num_local_experts = self.num_ranks, self.layout.num_local_experts
+        s = self._shape_static()
         need = max(int(self._ep.dispatch_smem_bytes(s)), int(self._ep.combine_smem_bytes(s)))
         have = int(self._ep.max_smem_optin(self.device.index))
         if need > have:
