@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ep_native_cases import setup_device
 
@@ -276,16 +276,7 @@ def graph_case(shape_args: Tuple[int, int, int, int], replays: int) -> None:
             recv, _i, rw, _c, h, _e = nat.dispatch(gx, **args)
             out, ow, _ = nat.combine(expert(recv, rank), h, topk_weights=rw)
             return out, ow, h
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):       # warm-up outside the capture (allocator, lazy init)
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out, ow, handle = step()
-        torch.cuda.synchronize()
+        graph, (out, ow, handle) = warm_and_capture(step)
         for i in range(replays):
             # New tokens and a new routing each replay: every replay is a new call of the count exchange
             # (its call number lives on the device, not in the captured arguments).
@@ -342,6 +333,24 @@ def _bits_dev(t: Any) -> Any:
     import torch
     kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     return t.contiguous().view(kind)
+
+
+def warm_and_capture(step: Callable[[], Any]) -> Tuple[Any, Any]:
+    """Run `step` once on a side stream (the allocator's first blocks, every kernel loaded, lazy
+    initialisation: none of it may happen inside a capture), then capture it in a CUDA graph.
+    Returns (graph, what the captured step returned: the tensors a replay rewrites)."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    torch.cuda.synchronize()
+    return graph, outputs
 
 
 def hash_stable_rounds(nat, ref, s: Shape, rank: int, world: int, rounds: int, internode: bool = False) -> int:

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Tuple
 
 from ep_native_cases import setup_device
 from normal_gpu_cases import (HANDLE_FIELDS, Shape, _layout_ref, _on, compare_dispatch, expert, hash_stable_rounds,
-                              make_inputs, new_buffers, run_case, same)
+                              make_inputs, new_buffers, run_case, same, warm_and_capture)
 
 TRANSPORT = "emulated-internode"
 
@@ -227,16 +227,7 @@ def graph_case(shape_args: Tuple[int, int, int, int], p: int, replays: int) -> i
             return (recv, idx, rw, counts, h), out, ow
 
         # 2. warm-up (loads every kernel; the allocator's first blocks), capture, replays
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got_d, out, ow = step()
-        torch.cuda.synchronize()
+        graph, (got_d, out, ow) = warm_and_capture(step)
 
         def replay_and_check(g: Any, i: int, routing: str) -> None:
             x_i, t_i, w_i = make_inputs(100 + i, rank, s, routing, world)
