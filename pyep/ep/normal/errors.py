@@ -16,6 +16,11 @@ ERR_BAD_HANDLE = 4       # a = channel, b = rows the handle promised, c = rows t
 PHASES = ("notify", "dispatch", "combine")
 
 
+class NotCapturable(ValueError):
+    """This call cannot be captured in a CUDA graph (the message says what to change); raised before
+    anything is launched, so the capture and the buffer stay usable."""
+
+
 class NormalModeError(RuntimeError):
     """Base class of the errors the normal mode reports from the device."""
 

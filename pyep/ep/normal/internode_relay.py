@@ -257,7 +257,6 @@ class Relay:
         q = min(ring_tokens, self.layout.ring_bytes // row_bytes)
         if q < 1:
             raise ValueError(f"a relay row of {row_bytes} bytes does not fit the ring of {self.layout.ring_bytes}")
-        chunk = max(1, min(chunk_tokens, q))
         offs = torch.tensor([0] + _cumsum(send_counts), dtype=torch.int32, device="cpu")
         roffs = torch.tensor([0] + _cumsum(recv_counts), dtype=torch.int32, device="cpu")
         dst = torch.empty((sum(recv_counts), row_bytes), dtype=torch.uint8, device=self.device)

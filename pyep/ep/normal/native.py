@@ -22,7 +22,8 @@ from . import layout
 from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .topology import NodeLayout
-from .errors import ERR_PEER_TIMEOUT, BufferBroken, PeerTimeout, error_from_record
+from .capture import capture_refusal
+from .errors import ERR_PEER_TIMEOUT, BufferBroken, NotCapturable, PeerTimeout, error_from_record
 
 if TYPE_CHECKING:
     import torch
@@ -239,6 +240,10 @@ class NormalNativeBackend:
 
     def dispatch(self, call: DispatchCall) -> DispatchResult:
         import torch
+        if call.handle is None and call.num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing():
+            # Refused before the call number moves or a kernel is captured: the buffer and the capture
+            # stay usable (the host would wait for counts that no kernel produces during a capture).
+            raise NotCapturable(capture_refusal("a normal dispatch", host_wait=True, drains=False, warmed=True))
         dev, r_n = self.device, self.num_ranks
         cfg = call.config
         self._settle_ring_depth(cfg.num_max_nvl_chunked_recv_tokens, "normal dispatch")

@@ -31,7 +31,8 @@ from ..streams import raw_current_stream
 from . import internode_order as order
 from .config import Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
-from .errors import BufferBroken, PeerTimeout
+from .capture import capture_refusal
+from .errors import BufferBroken, NotCapturable, PeerTimeout
 from .internode_relay import Relay, RelayError, next_ticket, stream_capturing
 from .native import NormalNativeBackend
 from .topology import NodeLayout
@@ -58,32 +59,6 @@ def relay_transport(transport: str) -> str:
 
 def _align16(v: int) -> int:
     return (v + 15) // 16 * 16
-
-
-class NotCapturable(ValueError):
-    """This call cannot be captured in a CUDA graph (the message says what to change); raised before
-    anything is launched, so the capture and the buffer stay usable."""
-
-
-def capture_refusal(what: str, *, host_wait: bool, drains: bool, warmed: bool) -> Optional[str]:
-    """Why a call cannot be captured now, or None.
-
-    host_wait: the call sizes its outputs from counts the host reads (a dispatch without
-    num_worst_tokens): the host would wait for kernels that do not run during a capture.
-    drains/warmed: on the softnic under lazy module loading (internode_relay.drain_after_launch) a
-    kernel first launched inside the capture is loaded there, and loading waits for the device to
-    drain holding the context lock the softnic's progress thread needs: a replay in flight (its relay
-    kernels spin until that thread serves them) then stalls until the relay's timeout. An eager call of
-    the same kind before the capture (the warm-up a capture needs anyway) has loaded every kernel."""
-    if host_wait:
-        return (f"{what} without num_worst_tokens sizes its outputs from counts the host waits for, which a CUDA "
-                f"graph capture cannot do: pass num_worst_tokens > 0 (outputs sized by that bound) to capture it")
-    if drains and not warmed:
-        return (f"{what} is captured on the softnic under lazy CUDA module loading before any eager call of the "
-                f"same kind (same dtypes and options) ran on this buffer: make one such call first (it loads the "
-                f"kernels the graph will hold; a kernel loaded during a capture may stall a replay in flight), or "
-                f"set CUDA_MODULE_LOADING=EAGER")
-    return None
 
 
 class NormalInternodeBackend:

@@ -1,5 +1,6 @@
-"""CPU tests of what makes the native internode normal path capturable in a CUDA graph
-(docs/normal_internode.md, "CUDA graphs"): which calls a capture refuses (NotCapturable, raised before
+"""CPU tests of what makes the native normal paths capturable in a CUDA graph (docs/normal_internode.md,
+"CUDA graphs"): a dispatch that waits on the host is refused on the intranode path too; on the internode
+path, which calls a capture refuses (NotCapturable, raised before
 anything is launched: no kernel, no ring-depth settling, no relay launch), that the relay never
 synchronises or waits on the host inside a capture, the host's ticket for the count words it waits on,
 and the device call number's helpers in engine/kernels/normal_internode.h (compiled with g++: the
@@ -19,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pyep.ep.normal import internode_relay as relay_mod  # noqa: E402
+from pyep.ep.normal import native as intranode  # noqa: E402
 from pyep.ep.normal import native_internode as ni  # noqa: E402
 from pyep.ep.normal.config import Config  # noqa: E402
 from pyep.ep.normal.contract import CombineCall, DispatchCall  # noqa: E402
@@ -78,6 +80,28 @@ def test_refusal_reasons() -> None:
     assert why is not None and "CUDA_MODULE_LOADING=EAGER" in why and "eager call" in why
     assert ni.capture_refusal("x", host_wait=False, drains=True, warmed=True) is None
     assert ni.capture_refusal("x", host_wait=False, drains=False, warmed=False) is None   # a NIC, or EAGER loading
+
+
+def test_intranode_dispatch_without_worst_tokens_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The intranode native backend refuses it before anything moves: before, it counted the call,
+    captured the notify kernel and then timed out waiting on the host for counts (TimeoutError), with
+    its call number ahead of its peers'. A cached dispatch or num_worst_tokens passes the gate."""
+    b = intranode.NormalNativeBackend.__new__(intranode.NormalNativeBackend)
+    b._notify_seq, b.device, b.num_ranks = 7, torch.device("cpu"), 4
+
+    def launch(*_a: Any, **_k: Any) -> None:
+        raise Launched()
+    b._settle_ring_depth = launch
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ni.NotCapturable, match="a normal dispatch without num_worst_tokens"):
+        b.dispatch(_dispatch_call(nwt=0))
+    assert b._notify_seq == 7
+    for call in (_dispatch_call(nwt=8), _dispatch_call(nwt=0, cached=True)):
+        with pytest.raises(Launched):
+            b.dispatch(call)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.raises(Launched):
+        b.dispatch(_dispatch_call(nwt=0))
 
 
 @pytest.mark.parametrize("drains", [False, True])
