@@ -102,7 +102,7 @@ class RelayWorld:
         return {m: rc[m].tolist() for m in ranks}, {m: hc[m].tolist() for m in ranks}
 
     def relay(self, rows: List[List[Any]], row_bytes: int, Q: int, chunk: int, ranks: Optional[List[int]] = None,
-              recv_n: Optional[List[List[int]]] = None):
+              recv_n: Optional[List[List[int]]] = None, capacity: Optional[List[int]] = None):
         """One relay; rows[m][d]: uint8 [n, row_bytes] from m to d. Returns dst [sum, row_bytes] per rank."""
         import torch
         ranks = list(range(self.M)) if ranks is None else ranks
@@ -120,7 +120,7 @@ class RelayWorld:
             statics.append(self.statics[m])
             args.append(dict(phase=PHASE_DISPATCH, src=src.data_ptr(), send_offsets=so.data_ptr(), dst=dst.data_ptr(),
                              recv_offsets=ro.data_ptr(), row_bytes=row_bytes, ring_tokens=Q, chunk_tokens=chunk,
-                             dst_capacity=0))
+                             dst_capacity=0 if capacity is None else capacity[m]))
         self.sim.relay(statics, args)
         return dsts
 
@@ -204,12 +204,30 @@ def check_relay(w: RelayWorld, rows, dsts, tag: str) -> None:
         assert bool((dst[-1] == 0xEE).all()), f"{tag}: rank {d} wrote past its rows"
 
 
-def case_relay(path: str, M: int) -> str:
+def _settled_counters(w: RelayWorld, sent, tag: str) -> None:
+    """tx (sender) = rx (receiver) = tail (receiver's) = head (sender's) = rows sent so far, per pair."""
+    M = w.M
+    # The receiver's last head fetch-add is not awaited by the kernel (the next call's sender waits for
+    # head == tx first), so head may still be in flight at the NIC: give it a bounded moment.
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and any(w.word(s, "head", d) != sent[s][d]
+                                              for s in range(M) for d in range(M) if s != d):
+        time.sleep(0.001)
+    for s in range(M):
+        for d in range(M):
+            if s != d:
+                got = [w.word(s, "tx", d), w.word(d, "rx", s), w.word(d, "tail", s), w.word(s, "head", d)]
+                assert got == [sent[s][d]] * 4, f"{tag}: counters {s} -> {d} (tx rx tail head) {got}, sent {sent[s][d]}"
+
+
+def case_relay(path: str, M: int, nqp: int) -> str:
     """Rows through rings of Q slots in chunks < Q, wrapping several times; routings uniform, one peer
     gets all, some get none; the row size and Q change between calls (each call starts on an empty
-    ring), and the absolute counters tx/rx/tail/head keep growing and agree."""
+    ring), and the absolute counters tx/rx/tail/head keep growing and agree. A send queue of 32 WQEBBs
+    is outrun by a call's WQEs, so its room comes from CQ polling. Last, a receive side shorter than
+    the rows (dst_capacity): the rows past it are consumed but not stored, and the counters agree."""
     import torch
-    w = _world(path, M, ring_bytes=1024, timeout_ms=5000)
+    w = _world(path, M, ring_bytes=1024, timeout_ms=5000, nqp=nqp)
     g = torch.Generator().manual_seed(100 + M)
     sent = [[0] * M for _ in range(M)]
     plans = [(48, 5, 3, "uniform"), (32, 7, 7, "one"), (64, 4, 1, "none-to-last"), (16, 9, 4, "uniform"),
@@ -233,20 +251,53 @@ def case_relay(path: str, M: int) -> str:
         for s in range(M):
             for d in range(M):
                 sent[s][d] += 0 if s == d else n[s][d]
-        # The receiver's last head fetch-add is not awaited by the kernel (the next call's sender waits for
-        # head == tx first), so head may still be in flight at the NIC: give it a bounded moment.
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and any(w.word(s, "head", d) != sent[s][d]
-                                                  for s in range(M) for d in range(M) if s != d):
-            time.sleep(0.001)
-        for s in range(M):
-            for d in range(M):
-                if s != d:
-                    got = [w.word(s, "tx", d), w.word(d, "rx", s), w.word(d, "tail", s), w.word(s, "head", d)]
-                    assert got == [sent[s][d]] * 4, f"call {i}: counters {s} -> {d} (tx rx tail head) {got}, sent {sent[s][d]}"
+        _settled_counters(w, sent, f"call {i}")
+    # dst_capacity: every receiver stores only its first `cap` rows (node order), consumes all.
+    n = [[0 if d == s_ else 9 + 3 * s_ + d for d in range(M)] for s_ in range(M)]
+    rows = [[_rows(g, n[s_][d], 32, 16 * s_ + d) for d in range(M)] for s_ in range(M)]
+    total = [sum(n[s_][d] for s_ in range(M)) for d in range(M)]
+    cap = [t - 5 for t in total]
+    dsts = w.relay(rows, 32, 4, 3, capacity=cap)
+    for d in range(M):
+        assert w.errors(d)[0] == 0, f"capacity: rank {d} error record {w.errors(d)}"
+        dst, ro = dsts[d]
+        want = torch.cat([rows[s_][d] for s_ in range(M) if s_ != d])
+        assert bool((dst[:cap[d]] == want[:cap[d]]).all()), f"capacity: rank {d} rows below the capacity"
+        assert bool((dst[cap[d]:] == 0xEE).all()), f"capacity: rank {d} stored rows past its capacity"
+    for s_ in range(M):
+        for d in range(M):
+            sent[s_][d] += n[s_][d]
+    _settled_counters(w, sent, "capacity")
     assert not w.nic.errors(), w.nic.errors()
     assert max(max(r) for r in sent) > 3 * 9, "the rings did not wrap several times"
     return "ok"
+
+
+def case_relay_mutation(path: str) -> str:
+    """Mutation: after a good call, node 1's rx counter for node 0 is bumped by one row, so receiver and
+    sender disagree on where the stream stands. The row check must fail (a PeerTimeout in the dispatch
+    phase naming rank 0, or rows that differ), within the timeout."""
+    import torch
+    M = 2
+    w = _world(path, M, timeout_ms=300)
+    g = torch.Generator().manual_seed(5)
+    rows = [[_rows(g, 0 if d == s_ else 10, 32, 16 * s_ + d) for d in range(M)] for s_ in range(M)]
+    check_relay(w, rows, w.relay(rows, 32, 4, 3), "before the mutation")
+    assert w.errors(0)[0] == w.errors(1)[0] == 0
+    w.bufs[1][:4 * w.lay.words["end"]].view(torch.int32)[w.lay.words["rx"] + 0] += 1
+    rows = [[_rows(g, 0 if d == s_ else 10, 32, 16 * s_ + d) for d in range(M)] for s_ in range(M)]
+    t0 = time.monotonic()
+    dsts = w.relay(rows, 32, 4, 3)
+    assert time.monotonic() - t0 < 10.0, "the mutated relay took too long to report"
+    try:
+        for m in range(M):
+            assert w.errors(m)[0] == 0, f"rank {m} error record {w.errors(m)}"
+        check_relay(w, rows, dsts, "after the mutation")
+    except AssertionError:
+        code, peer, phase, _ = w.errors(1)
+        assert (code, peer, phase) in ((0, 0, 0), (ERR_PEER_TIMEOUT, 0, PHASE_DISPATCH)), w.errors(1)
+        return "ok"
+    raise AssertionError("the row check passed with counters that disagree: it cannot fail")
 
 
 def case_silent_peer(path: str) -> str:
@@ -286,10 +337,10 @@ def test_relay_counts(sim_pool, M):
     assert pool.run(case_counts, path, M, timeout_s=120) == ["ok"]
 
 
-@pytest.mark.parametrize("M", [2, 3])
-def test_relay_rows(sim_pool, M):
+@pytest.mark.parametrize("M,nqp", [(2, 1), (2, 2), (3, 2)])
+def test_relay_rows(sim_pool, M, nqp):
     pool, path = sim_pool
-    assert pool.run(case_relay, path, M, timeout_s=240) == ["ok"]
+    assert pool.run(case_relay, path, M, nqp, timeout_s=240) == ["ok"]
 
 
 def test_relay_silent_peer(sim_pool):
@@ -301,3 +352,8 @@ def test_relay_silent_peer(sim_pool):
 def test_relay_counts_mutation_fails(sim_pool, M):
     pool, path = sim_pool
     assert pool.run(case_counts_mutation, path, M, timeout_s=120) == ["ok"]
+
+
+def test_relay_rows_mutation_fails(sim_pool):
+    pool, path = sim_pool
+    assert pool.run(case_relay_mutation, path, timeout_s=120) == ["ok"]
