@@ -49,7 +49,8 @@ def next_seq(prev: int) -> int:
 class RelayWorld:
     """M column peers (node m = rank m, one rank per node), relay buffers laid out by RelayLayout."""
 
-    def __init__(self, path: str, M: int, ring_bytes: int = 1024, timeout_ms: int = 300, nqp: int = 2, log_sq: int = 5):
+    def __init__(self, path: str, M: int, ring_bytes: int = 1024, timeout_ms: int = 2000, nqp: int = 2,
+                 log_sq: int = 5):
         import importlib.util
 
         import torch
@@ -279,7 +280,7 @@ def case_relay_mutation(path: str) -> str:
     phase naming rank 0, or rows that differ), within the timeout."""
     import torch
     M = 2
-    w = _world(path, M, timeout_ms=300)
+    w = _world(path, M, timeout_ms=1000)
     g = torch.Generator().manual_seed(5)
     rows = [[_rows(g, 0 if d == s_ else 10, 32, 16 * s_ + d) for d in range(M)] for s_ in range(M)]
     check_relay(w, rows, w.relay(rows, 32, 4, 3), "before the mutation")
@@ -304,7 +305,7 @@ def case_silent_peer(path: str) -> str:
     """Node 2 of 3 never launches: nodes 0 and 1 report PeerTimeout naming rank 2 and the phase within
     the timeout, for the count exchange and for the relay (whose rows between 0 and 1 still arrive)."""
     import torch
-    M, live, timeout_ms = 3, [0, 1], 300
+    M, live, timeout_ms = 3, [0, 1], 1000
     w = _world(path, M, timeout_ms=timeout_ms)
     t0 = time.monotonic()
     rc, hc = w.counts([[0, 5, 6], [7, 0, 8], [9, 10, 0]], ranks=live)
