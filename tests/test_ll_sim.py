@@ -8,14 +8,8 @@ as -1), and a handle combined again (the per-peer acknowledgements of ll_ack.cuh
 deadlocks a barrier must fail the test, not hang CI)."""
 from __future__ import annotations
 
-import glob
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import sysconfig
-import tempfile
 import time
 from typing import Any, Iterator
 
@@ -25,35 +19,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIM_DIR = os.path.join(ROOT, "tests", "ll_sim")
 
 
-def _sources():
-    pats = ["tests/ll_sim/*.h", "tests/ll_sim/*.cpp", "engine/kernels/ll_*", "engine/mlx5gda/*.h"]
-    return sorted(f for p in pats for f in glob.glob(os.path.join(ROOT, p)))
-
-
 def build_sim() -> str:
     """Compiles tests/ll_sim/ll_sim.cpp (cached by source hash); returns the module path."""
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is needed to build the CPU simulation of the kernels")
-    import pybind11
-    h = hashlib.sha256()
-    for f in _sources():
-        with open(f, "rb") as fh:
-            h.update(f.encode() + fh.read())
-    out_dir = os.path.join(tempfile.gettempdir(), f"pyep_ll_sim_{h.hexdigest()[:16]}")
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    path = os.path.join(out_dir, "ll_sim" + suffix)
-    if os.path.exists(path):
-        return path
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = path + f".{os.getpid()}.tmp"
-    cmd = ["g++", "-std=c++20", "-O1", "-g0", "-shared", "-fPIC", "-pthread", "-ffp-contract=off",
-           "-DPYEP_LL_THREADS=64", "-I", os.path.join(ROOT, "engine"), "-I", SIM_DIR, "-I", pybind11.get_include(),
-           "-I", sysconfig.get_paths()["include"], os.path.join(SIM_DIR, "ll_sim.cpp"), "-o", tmp]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if res.returncode != 0:
-        raise AssertionError(f"building the kernel simulation failed:\n{res.stderr[-4000:]}")
-    os.replace(tmp, path)
-    return path
+    sys.path.insert(0, SIM_DIR)
+    from build import build_module
+    return build_module("ll_sim", ["tests/ll_sim/*.h", "tests/ll_sim/ll_sim.cpp", "engine/kernels/ll_*",
+                                   "engine/mlx5gda/*.h"])
 
 
 @pytest.fixture(scope="module")

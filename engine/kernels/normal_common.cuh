@@ -4,7 +4,9 @@
 #pragma once
 
 #include <stdint.h>
+#if !defined(PYEP_LL_CPU_SIM)
 #include <cuda_bf16.h>
+#endif
 
 #include "kernels/ll_common.cuh"
 #include "kernels/normal_launch.h"
@@ -134,10 +136,12 @@ __device__ __forceinline__ bool wait_counter(const int* ctr, uint32_t target, ui
     const uint64_t start = gda::now_ns();
     while ((int)((uint32_t)ld_acquire_sys(ctr) - target) < 0) {
         if (gda::now_ns() - start > timeout_ns) return false;
+        LL_SPIN_HINT();
     }
     return true;
 }
 
+#if !defined(PYEP_LL_CPU_SIM)
 __device__ __forceinline__ void st_release_sys(int* p, int v) {
     asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -157,6 +161,25 @@ __device__ __forceinline__ bool group_sync_or(int group, int warps, bool pred) {
         " selp.s32 %0, 1, 0, q;\n}"
         : "=r"(r) : "r"((int)pred), "r"(1 + group), "r"(warps * 32) : "memory");
     return r != 0;
+}
+
+#else
+// CPU simulation (tests/ll_sim): the release store has a host twin; the named warp-group barriers have
+// none (no simulated kernel uses them), so a kernel that needs them does not compile there.
+__device__ __forceinline__ void st_release_sys(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+#endif  // !PYEP_LL_CPU_SIM
+
+// Block-shared state of a kernel (one struct per kernel role): a __shared__ variable on the GPU; the
+// CPU simulation has no __shared__ storage class and hands out the simulated block's scratch instead.
+template <typename T>
+__device__ __forceinline__ T& block_shared() {
+#if !defined(PYEP_LL_CPU_SIM)
+    __shared__ T v;
+    return v;
+#else
+    static_assert(sizeof(T) <= 1024, "the simulated block scratch is 1 KiB");
+    return *reinterpret_cast<T*>(sim_smem());
+#endif
 }
 
 // ---- copies ------------------------------------------------------------------------------------------

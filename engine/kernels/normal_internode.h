@@ -13,7 +13,11 @@ namespace pyep {
 namespace normal {
 
 constexpr int kMaxNodes = 32;
+#if defined(PYEP_LL_CPU_SIM) && defined(PYEP_LL_THREADS)
+constexpr int kRelayThreads = PYEP_LL_THREADS;   // CPU simulation (tests/ll_sim): fewer threads per block
+#else
 constexpr int kRelayThreads = 256;
+#endif
 constexpr int kRelayWarps = kRelayThreads / 32;
 
 // Codes beyond NormalError (errors.py ERR_QP), and the relay's phases (errors.py PHASES).

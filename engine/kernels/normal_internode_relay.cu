@@ -12,7 +12,9 @@
 // Every call starts on an empty ring (the sender waits for head == tx first), so row size and Q may
 // change between calls. Every wait is bounded; an expired wait records PeerTimeout(peer, phase) and a
 // failed post records the QP's error (error CQE syndrome, QP number) naming the peer.
+#if !defined(PYEP_LL_CPU_SIM)   // tests/ll_sim/relay_sim.cpp compiles the kernels as host C++
 #include <cuda_runtime.h>
+#endif
 
 #include <stdexcept>
 #include <string>
@@ -61,12 +63,18 @@ __device__ void qp_failed(const RelayStatic& s, gda::Qp* qp, int m, int st, int 
 // only after its call k read our record k: two slots per peer suffice (the intranode notify's argument).
 // The call number is the device's (kRelaySeqWord, advanced here), not a launch argument: a CUDA graph
 // replays its captured arguments, and every replay must still be a new call.
+struct CountsShared {
+    uint32_t seq;
+    int got[kMaxNodes];
+    int fail;
+};
 __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCountsArgs a) {
     const int m = threadIdx.x;
     const int M = s.num_nodes;
-    __shared__ uint32_t seq_sh;
-    __shared__ int got[kMaxNodes];
-    __shared__ int fail;
+    CountsShared& sh = block_shared<CountsShared>();
+    uint32_t& seq_sh = sh.seq;
+    int* got = sh.got;
+    int& fail = sh.fail;
     if (m == 0) {
         // One block, one launch at a time on the buffer's stream order: a plain read-modify-write.
         int* ctr = reinterpret_cast<int*>(s.workspace) + kRelaySeqWord;
@@ -105,6 +113,7 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
                 atomicExch(&fail, 1);
                 break;
             }
+            LL_SPIN_HINT();
         }
         got[m] = (int)(uint32_t)v;
     }
@@ -151,8 +160,11 @@ __device__ void copy_rows(uint8_t* dst, const uint8_t* src, int rows, int row_by
     }
 }
 
+struct SendShared {
+    int flag;
+};
 __device__ void relay_send(const RelayStatic& s, const RelayArgs& a, int m) {
-    __shared__ int flag;
+    int& flag = block_shared<SendShared>().flag;
     const int* off = reinterpret_cast<const int*>(a.send_offsets);
     const int n = off[m + 1] - off[m];
     const uint8_t* rows = reinterpret_cast<const uint8_t*>(a.src) + (uint64_t)off[m] * a.row_bytes;
@@ -206,9 +218,13 @@ __device__ void relay_send(const RelayStatic& s, const RelayArgs& a, int m) {
     }
 }
 
+struct RecvShared {
+    int flag, avail;
+};
 __device__ void relay_recv(const RelayStatic& s, const RelayArgs& a, int m) {
-    __shared__ int flag;
-    __shared__ int avail;
+    RecvShared& sh = block_shared<RecvShared>();
+    int& flag = sh.flag;
+    int& avail = sh.avail;
     const int* off = reinterpret_cast<const int*>(a.recv_offsets);
     const int n = off[m + 1] - off[m];
     uint8_t* out = reinterpret_cast<uint8_t*>(a.dst) + (uint64_t)off[m] * a.row_bytes;
@@ -257,31 +273,45 @@ __global__ void __launch_bounds__(kRelayThreads) relay_kernel(RelayStatic s, Rel
         relay_recv(s, a, m);
 }
 
-void check_launch(const char* what) {
-    const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-}  // namespace
-
-void launch_relay_counts(const RelayStatic& s, const RelayCountsArgs& a, uint64_t stream) {
+// What the launchers check on the host before a launch (the CPU simulation calls them too).
+void check_relay_counts(const RelayStatic& s, const RelayCountsArgs& a) {
     if (s.num_nodes < 2 || s.num_nodes > kMaxNodes) throw std::invalid_argument("relay: num_nodes out of range");
     if (a.host_counts && a.host_ticket <= 0) throw std::invalid_argument("relay counts: host_ticket must be > 0");
     if (!s.workspace) throw std::invalid_argument("relay counts: the static has no workspace (the call counter)");
-    relay_counts_kernel<<<1, 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
-    check_launch("relay_counts_kernel");
 }
 
-void launch_relay(const RelayStatic& s, const RelayArgs& a, uint64_t stream) {
+void check_relay(const RelayStatic& s, const RelayArgs& a) {
     if (s.num_nodes < 2 || s.num_nodes > kMaxNodes) throw std::invalid_argument("relay: num_nodes out of range");
     if (a.row_bytes <= 0 || a.row_bytes % 16) throw std::invalid_argument("relay: row_bytes must be a positive multiple of 16");
     if (a.ring_tokens < 1 || (uint64_t)a.ring_tokens * a.row_bytes > s.ring_bytes)
         throw std::invalid_argument("relay: ring_tokens * row_bytes exceeds the relay ring");
     if (a.chunk_tokens < 1 || a.chunk_tokens > a.ring_tokens)
         throw std::invalid_argument("relay: chunk_tokens must be in [1, ring_tokens]");
+}
+
+#if !defined(PYEP_LL_CPU_SIM)
+void check_launch(const char* what) {
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+#endif  // !PYEP_LL_CPU_SIM
+
+}  // namespace
+
+#if !defined(PYEP_LL_CPU_SIM)
+void launch_relay_counts(const RelayStatic& s, const RelayCountsArgs& a, uint64_t stream) {
+    check_relay_counts(s, a);
+    relay_counts_kernel<<<1, 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    check_launch("relay_counts_kernel");
+}
+
+void launch_relay(const RelayStatic& s, const RelayArgs& a, uint64_t stream) {
+    check_relay(s, a);
     relay_kernel<<<2 * s.num_nodes, kRelayThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     check_launch("relay_kernel");
 }
+#endif  // !PYEP_LL_CPU_SIM
 
 }  // namespace normal
 }  // namespace pyep

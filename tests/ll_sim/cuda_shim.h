@@ -125,6 +125,7 @@ inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <typename T> T __ldg(const T* p) { return *p; }
+template <typename T> T __ldcg(const T* p) { return *p; }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline int atomicOr(int* p, int v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
 inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
@@ -188,4 +189,41 @@ inline uint16_t sim_bf16(float f) {
     if (std::isnan(f)) return 0x7fc0;
     return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
+inline float2 __bfloat1622float2(__nv_bfloat162 v) {
+    const uint32_t a = (uint32_t)v.x << 16, b = (uint32_t)v.y << 16;
+    float2 f;
+    std::memcpy(&f.x, &a, 4);
+    std::memcpy(&f.y, &b, 4);
+    return f;
+}
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return __nv_bfloat162{sim_bf16(a), sim_bf16(b)}; }
+
+// Launches grids together, as the ranks of a simulated world run at once: grid() starts `blocks` x
+// `threads` OS threads that each run body() with their own threadIdx/blockIdx; join() (or the
+// destructor) returns when every simulated thread has finished.
+class SimLaunch {
+  public:
+    template <typename Body>
+    void grid(int blocks, int threads, size_t smem_bytes, Body body) {
+        for (int b = 0; b < blocks; ++b) {
+            blocks_.push_back(std::make_unique<SimBlock>(threads, smem_bytes));
+            SimBlock* blk = blocks_.back().get();
+            for (int t = 0; t < threads; ++t) {
+                threads_.emplace_back([=] {
+                    SimThread st{{(unsigned)t}, {(unsigned)b}, {(unsigned)threads}, {(unsigned)blocks}, blk};
+                    g_sim = &st;
+                    body();
+                });
+            }
+        }
+    }
+    void join() {
+        for (auto& th : threads_) th.join();
+        threads_.clear();
+    }
+    ~SimLaunch() { join(); }
+
+  private:
+    std::vector<std::unique_ptr<SimBlock>> blocks_;
+    std::vector<std::thread> threads_;
+};

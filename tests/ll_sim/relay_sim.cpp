@@ -1,0 +1,105 @@
+// CPU simulation of the normal mode's RDMA relay for CI (no GPU, no NIC): engine/kernels/
+// normal_internode_relay.cu compiled as host C++ against cuda_shim.h, as ll_sim.cpp does for the LL
+// kernels. The column peers (one rank per simulated node) run their grids at once, one OS thread per GPU
+// thread, against host buffers laid out by pyep/ep/normal/internode_relay.py (RelayLayout); their qp.h
+// queue pairs are executed by the shared in-process NIC (sim_nic.h). A rank left out of a launch is a
+// peer that never launched.
+#define PYEP_LL_CPU_SIM 1
+#include "cuda_shim.h"
+
+#include "kernels/normal_internode_relay.cu"
+#include "sim_nic.h"
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+namespace py = pybind11;
+using namespace pyep;
+using namespace pyep::normal;
+
+namespace {
+
+template <typename T>
+void set(const py::dict& d, const char* key, T& field) {
+    if (!d.contains(key)) throw py::key_error(std::string("missing field ") + key);
+    field = d[key].cast<T>();
+}
+
+RelayStatic static_from(const py::dict& d) {
+    RelayStatic s;
+    set(d, "node", s.node); set(d, "num_nodes", s.num_nodes); set(d, "ranks_per_node", s.ranks_per_node);
+    set(d, "local", s.local); set(d, "buf", s.buf); set(d, "remote_addr", s.remote_addr); set(d, "rkeys", s.rkeys);
+    set(d, "lkey", s.lkey); set(d, "qps", s.qps); set(d, "num_qps_per_peer", s.num_qps_per_peer);
+    set(d, "off_tail", s.off_tail); set(d, "off_head", s.off_head); set(d, "off_tx", s.off_tx);
+    set(d, "off_rx", s.off_rx); set(d, "off_count", s.off_count); set(d, "off_outbox", s.off_outbox);
+    set(d, "off_fetch", s.off_fetch); set(d, "off_send", s.off_send); set(d, "off_recv", s.off_recv);
+    set(d, "ring_bytes", s.ring_bytes); set(d, "err", s.err); set(d, "workspace", s.workspace);
+    set(d, "timeout_ns", s.timeout_ns);
+    return s;
+}
+
+RelayCountsArgs counts_from(const py::dict& d) {
+    RelayCountsArgs a;
+    set(d, "host_ticket", a.host_ticket); set(d, "send_counts", a.send_counts);
+    set(d, "recv_counts", a.recv_counts); set(d, "host_counts", a.host_counts);
+    return a;
+}
+
+RelayArgs relay_from(const py::dict& d) {
+    RelayArgs a;
+    set(d, "phase", a.phase); set(d, "src", a.src); set(d, "send_offsets", a.send_offsets); set(d, "dst", a.dst);
+    set(d, "recv_offsets", a.recv_offsets); set(d, "row_bytes", a.row_bytes); set(d, "ring_tokens", a.ring_tokens);
+    set(d, "chunk_tokens", a.chunk_tokens); set(d, "dst_capacity", a.dst_capacity);
+    return a;
+}
+
+constexpr size_t kBlockScratch = 1024;   // normal_common.cuh block_shared()
+
+}  // namespace
+
+PYBIND11_MODULE(relay_sim, m) {
+    m.attr("threads_per_block") = kRelayThreads;
+    // One count exchange: relay_counts_kernel on every listed rank at once (1 block of 32, as launched).
+    m.def("counts", [](const py::list& statics, const py::list& args) {
+        std::vector<RelayStatic> ss;
+        std::vector<RelayCountsArgs> as;
+        for (size_t i = 0; i < statics.size(); ++i) {
+            ss.push_back(static_from(statics[i].cast<py::dict>()));
+            as.push_back(counts_from(args[i].cast<py::dict>()));
+            check_relay_counts(ss.back(), as.back());
+        }
+        py::gil_scoped_release nogil;
+        SimLaunch launch;
+        for (size_t i = 0; i < ss.size(); ++i) {
+            const RelayStatic s = ss[i];
+            const RelayCountsArgs a = as[i];
+            launch.grid(1, 32, kBlockScratch, [=] { relay_counts_kernel(s, a); });
+        }
+        launch.join();
+    });
+    // One relay of rows: relay_kernel on every listed rank at once (2M blocks, as launched).
+    m.def("relay", [](const py::list& statics, const py::list& args) {
+        std::vector<RelayStatic> ss;
+        std::vector<RelayArgs> as;
+        for (size_t i = 0; i < statics.size(); ++i) {
+            ss.push_back(static_from(statics[i].cast<py::dict>()));
+            as.push_back(relay_from(args[i].cast<py::dict>()));
+            check_relay(ss.back(), as.back());
+        }
+        py::gil_scoped_release nogil;
+        SimLaunch launch;
+        for (size_t i = 0; i < ss.size(); ++i) {
+            const RelayStatic s = ss[i];
+            const RelayArgs a = as[i];
+            launch.grid(2 * s.num_nodes, kRelayThreads, kBlockScratch, [=] { relay_kernel(s, a); });
+        }
+        launch.join();
+    });
+    py::class_<SimNic>(m, "SimNic")
+        .def(py::init<std::vector<uint64_t>, std::vector<uint64_t>, int, int>())
+        .def("contexts", &SimNic::contexts)
+        .def("errors", &SimNic::errors)
+        .def("executed", &SimNic::executed);
+}

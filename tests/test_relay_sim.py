@@ -1,0 +1,360 @@
+"""The normal mode's RDMA relay (engine/kernels/normal_internode_relay.cu) on the CPU: compiled as host C++
+with one OS thread per GPU thread (tests/ll_sim/relay_sim.cpp), M simulated nodes of one rank each in one
+process, the column peers' qp.h queue pairs executed by the simulated NIC (tests/ll_sim/sim_nic.h).
+Checked against pure-Python expectations: the count exchange over several calls (both parities, slot
+reuse, the device call counter and its wrap past 0), rows through rings that wrap several times (skewed
+and empty routings, row size and ring depth changing between calls), a peer that never launches
+(PeerTimeout naming it and the phase, no hang), and a mutation (call counters that disagree) that must
+make the count check fail. Each case runs in a worker process with a hard timeout."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Iterator, List, Optional
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIM_DIR = os.path.join(ROOT, "tests", "ll_sim")
+
+ERR_PEER_TIMEOUT = 3                       # pyep/ep/normal/errors.py
+PHASE_COUNTS, PHASE_DISPATCH = 3, 4        # pyep/ep/normal/internode_relay.py PHASES
+SEQ_WORD, CLAIM_WORD = 1, 4                # normal_internode.h kRelaySeqWord, the error claim
+
+
+def build_sim() -> str:
+    sys.path.insert(0, SIM_DIR)
+    from build import build_module
+    return build_module("relay_sim", ["tests/ll_sim/*.h", "tests/ll_sim/relay_sim.cpp", "engine/kernels/normal_*",
+                                      "engine/kernels/ll_common.cuh", "engine/kernels/ll_launch.h",
+                                      "engine/mlx5gda/*.h"])
+
+
+@pytest.fixture(scope="module")
+def sim_pool() -> Iterator[Any]:
+    from multiproc import DistPool
+    path = build_sim()
+    with DistPool(1, start_timeout_s=120.0) as pool:
+        yield pool, path
+
+
+def next_seq(prev: int) -> int:
+    """normal_internode.h relay_next_seq: +1, from 0xffffffff to 2 (0 never names a call)."""
+    s = (prev + 1) & 0xFFFFFFFF
+    return 2 if s == 0 else s
+
+
+# ------------------------------------------------------------------ the world (runs in the worker)
+class RelayWorld:
+    """M column peers (node m = rank m, one rank per node), relay buffers laid out by RelayLayout."""
+
+    def __init__(self, path: str, M: int, ring_bytes: int = 1024, timeout_ms: int = 2000, nqp: int = 2,
+                 log_sq: int = 5):
+        import importlib.util
+
+        import torch
+        from pyep.ep.normal.internode_relay import RelayLayout
+        spec = importlib.util.spec_from_file_location("relay_sim", path)
+        self.sim = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.sim)
+        self.M, self.lay = M, RelayLayout(M, ring_bytes)
+        self.bufs = [torch.zeros(self.lay.total_bytes, dtype=torch.uint8) for _ in range(M)]
+        self.err = [torch.zeros(8, dtype=torch.int32) for _ in range(M)]
+        self.ws = [torch.zeros(8, dtype=torch.int32) for _ in range(M)]
+        self.nic = self.sim.SimNic([b.data_ptr() for b in self.bufs], [self.lay.total_bytes] * M, nqp, log_sq)
+        self.raddr = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
+        self.rkeys = torch.tensor([1000 + m for m in range(M)], dtype=torch.int32)
+        w = self.lay.words
+        self.statics = [dict(
+            node=m, num_nodes=M, ranks_per_node=1, local=0, buf=self.bufs[m].data_ptr(),
+            remote_addr=self.raddr.data_ptr(), rkeys=self.rkeys.data_ptr(), lkey=1000 + m,
+            qps=self.nic.contexts(m), num_qps_per_peer=nqp, off_tail=w["tail"], off_head=w["head"],
+            off_tx=w["tx"], off_rx=w["rx"], off_count=w["count"], off_outbox=w["outbox"], off_fetch=w["fetch"],
+            off_send=self.lay.off_send, off_recv=self.lay.off_recv, ring_bytes=ring_bytes,
+            err=self.err[m].data_ptr(), workspace=self.ws[m].data_ptr(), timeout_ns=timeout_ms * 1_000_000)
+            for m in range(M)]
+        self.tickets = 0
+
+    def word(self, m: int, name: str, i: int) -> int:
+        import torch
+        return int(self.bufs[m][:4 * self.lay.words["end"]].view(torch.int32)[self.lay.words[name] + i]) & 0xFFFFFFFF
+
+    def errors(self, m: int) -> List[int]:
+        return [int(v) for v in self.err[m][:4]]
+
+    def set_seq(self, m: int, value: int) -> None:
+        self.ws[m][SEQ_WORD] = value - (1 << 32) if value >= 1 << 31 else value
+
+    def seq(self, m: int) -> int:
+        return int(self.ws[m][SEQ_WORD]) & 0xFFFFFFFF
+
+    def counts(self, send: List[List[int]], ranks: Optional[List[int]] = None):
+        """One count exchange; send[m][d] rows from m to d. Returns (recv_counts, host words) per rank."""
+        import torch
+        ranks = list(range(self.M)) if ranks is None else ranks
+        self.tickets += 1
+        sc = {m: torch.tensor(send[m], dtype=torch.int32) for m in ranks}
+        rc = {m: torch.full((self.M + 1,), -7, dtype=torch.int32) for m in ranks}
+        hc = {m: torch.zeros(2 + 2 * self.M, dtype=torch.int32) for m in ranks}
+        self.sim.counts([self.statics[m] for m in ranks],
+                        [dict(host_ticket=self.tickets, send_counts=sc[m].data_ptr(), recv_counts=rc[m].data_ptr(),
+                              host_counts=hc[m].data_ptr()) for m in ranks])
+        return {m: rc[m].tolist() for m in ranks}, {m: hc[m].tolist() for m in ranks}
+
+    def relay(self, rows: List[List[Any]], row_bytes: int, Q: int, chunk: int, ranks: Optional[List[int]] = None,
+              recv_n: Optional[List[List[int]]] = None, capacity: Optional[List[int]] = None):
+        """One relay; rows[m][d]: uint8 [n, row_bytes] from m to d. Returns dst [sum, row_bytes] per rank."""
+        import torch
+        ranks = list(range(self.M)) if ranks is None else ranks
+        recv_n = [[len(rows[s][d]) for s in range(self.M)] for d in range(self.M)] if recv_n is None else recv_n
+        keep, statics, args, dsts = [], [], [], {}
+        for m in ranks:
+            n_send = [0 if d == m else len(rows[m][d]) for d in range(self.M)]
+            src = torch.cat([rows[m][d] if d != m else rows[m][d][:0] for d in range(self.M)]).contiguous()
+            so = torch.tensor([0] + n_send, dtype=torch.int32).cumsum(0).to(torch.int32)
+            ro = torch.tensor([0] + [0 if s == m else recv_n[m][s] for s in range(self.M)],
+                              dtype=torch.int32).cumsum(0).to(torch.int32)
+            dst = torch.full((int(ro[-1]) + 1, row_bytes), 0xEE, dtype=torch.uint8)
+            dsts[m] = (dst, ro)
+            keep += [src, so, ro, dst]
+            statics.append(self.statics[m])
+            args.append(dict(phase=PHASE_DISPATCH, src=src.data_ptr(), send_offsets=so.data_ptr(), dst=dst.data_ptr(),
+                             recv_offsets=ro.data_ptr(), row_bytes=row_bytes, ring_tokens=Q, chunk_tokens=chunk,
+                             dst_capacity=0 if capacity is None else capacity[m]))
+        self.sim.relay(statics, args)
+        return dsts
+
+
+def _world(path: str, M: int, **kw) -> RelayWorld:
+    sys.path.insert(0, SIM_DIR)
+    return RelayWorld(path, M, **kw)
+
+
+def check_counts(w: RelayWorld, calls: int, seed: int, start: Optional[List[int]] = None) -> None:
+    """`calls` consecutive count exchanges with different per-peer counts: every rank receives exactly
+    what each peer sent it, and the device call counter advances by relay_next_seq per launch."""
+    import torch
+    M = w.M
+    g = torch.Generator().manual_seed(seed)
+    if start is not None:
+        for m in range(M):
+            w.set_seq(m, start[m])
+    for k in range(calls):
+        before = [w.seq(m) for m in range(M)]
+        send = [[int(v) for v in torch.randint(0, 1 << 20, (M,), generator=g)] for _ in range(M)]
+        send[0][M - 1] = 0 if k % 2 else 1 << 24   # an empty and a large count too
+        rc, hc = w.counts(send)
+        for m in range(M):
+            assert w.errors(m)[0] == 0, f"call {k}: rank {m} error record {w.errors(m)} (seq {before[m]:#x})"
+            want = [0 if s == m else send[s][m] for s in range(M)]
+            assert rc[m] == want + [sum(want)], \
+                f"call {k}: rank {m} received {rc[m]}, expected {want}"
+            assert hc[m][:2] == [w.tickets, sum(want)] and hc[m][2:2 + M] == want and hc[m][2 + M:] == send[m], \
+                f"call {k}: rank {m} host words {hc[m]}"
+            assert w.seq(m) == next_seq(before[m]), f"call {k}: rank {m} counter {w.seq(m):#x} after {before[m]:#x}"
+
+
+def case_counts(path: str, M: int) -> str:
+    w = _world(path, M)
+    check_counts(w, 6, seed=M)
+    assert [w.seq(m) for m in range(M)] == [6] * M
+    # The counter near 0xffffffff: calls 0xfffffffe, 0xffffffff, 2, 3, 4 (parity alternates across the wrap).
+    check_counts(w, 5, seed=10 + M, start=[0xFFFFFFFD] * M)
+    assert [w.seq(m) for m in range(M)] == [4] * M
+    assert not w.nic.errors(), w.nic.errors()
+    return "ok"
+
+
+def case_counts_mutation(path: str, M: int) -> str:
+    """Mutation: rank 0's counter starts one call ahead, so its call numbers never match its peers'
+    records. check_counts must fail, by PeerTimeout in the count phase, within the timeout."""
+    w = _world(path, M, timeout_ms=200)
+    t0 = time.monotonic()
+    try:
+        check_counts(w, 5, seed=3, start=[8] + [7] * (M - 1))
+    except AssertionError as e:
+        took = time.monotonic() - t0
+        assert "error record" in str(e), str(e)
+        assert took < 10.0, f"the mismatch took {took:.1f} s to report"
+        code, peer, phase, _ = w.errors(0)
+        assert code == ERR_PEER_TIMEOUT and phase == PHASE_COUNTS and 1 <= peer < M, w.errors(0)
+        return "ok"
+    raise AssertionError("check_counts passed with call counters that disagree: the check cannot fail")
+
+
+def _rows(g: Any, n: int, row_bytes: int, tag: int) -> Any:
+    import torch
+    r = torch.randint(0, 256, (n, row_bytes), dtype=torch.uint8, generator=g)
+    if n:
+        r[:, 0] = tag                                           # source and destination,
+        r[:, 1:5] = torch.arange(n, dtype=torch.int32).view(-1, 1).view(torch.uint8).view(n, 4)  # row index
+    return r
+
+
+def check_relay(w: RelayWorld, rows, dsts, tag: str) -> None:
+    M = w.M
+    for d in range(M):
+        dst, ro = dsts[d]
+        for s in range(M):
+            if s == d:
+                continue
+            got = dst[int(ro[s]):int(ro[s + 1])]
+            assert got.shape == rows[s][d].shape and bool((got == rows[s][d]).all()), \
+                f"{tag}: rows {s} -> {d} differ ({rows[s][d].shape[0]} sent)"
+        assert bool((dst[-1] == 0xEE).all()), f"{tag}: rank {d} wrote past its rows"
+
+
+def _settled_counters(w: RelayWorld, sent, tag: str) -> None:
+    """tx (sender) = rx (receiver) = tail (receiver's) = head (sender's) = rows sent so far, per pair."""
+    M = w.M
+    # The receiver's last head fetch-add is not awaited by the kernel (the next call's sender waits for
+    # head == tx first), so head may still be in flight at the NIC: give it a bounded moment.
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and any(w.word(s, "head", d) != sent[s][d]
+                                              for s in range(M) for d in range(M) if s != d):
+        time.sleep(0.001)
+    for s in range(M):
+        for d in range(M):
+            if s != d:
+                got = [w.word(s, "tx", d), w.word(d, "rx", s), w.word(d, "tail", s), w.word(s, "head", d)]
+                assert got == [sent[s][d]] * 4, f"{tag}: counters {s} -> {d} (tx rx tail head) {got}, sent {sent[s][d]}"
+
+
+def case_relay(path: str, M: int, nqp: int) -> str:
+    """Rows through rings of Q slots in chunks < Q, wrapping several times; routings uniform, one peer
+    gets all, some get none; the row size and Q change between calls (each call starts on an empty
+    ring), and the absolute counters tx/rx/tail/head keep growing and agree. A send queue of 32 WQEBBs
+    is outrun by a call's WQEs, so its room comes from CQ polling. Last, a receive side shorter than
+    the rows (dst_capacity): the rows past it are consumed but not stored, and the counters agree."""
+    import torch
+    w = _world(path, M, ring_bytes=1024, timeout_ms=5000, nqp=nqp)
+    g = torch.Generator().manual_seed(100 + M)
+    sent = [[0] * M for _ in range(M)]
+    plans = [(48, 5, 3, "uniform"), (32, 7, 7, "one"), (64, 4, 1, "none-to-last"), (16, 9, 4, "uniform"),
+             (48, 3, 2, "skew")]
+    for i, (row_bytes, Q, chunk, routing) in enumerate(plans):
+        n = [[int(v) for v in torch.randint(0, 40, (M,), generator=g)] for _ in range(M)]
+        for s in range(M):
+            if routing == "one":            # all rows to one peer, none to the others
+                n[s] = [37 if d == (s + 1) % M else 0 for d in range(M)]
+            elif routing == "none-to-last":
+                n[s][M - 1] = 0
+            elif routing == "skew":
+                n[s] = [60 if d == 0 else 1 for d in range(M)]
+        rows = [[_rows(g, 0 if d == s else n[s][d], row_bytes, 16 * s + d) for d in range(M)] for s in range(M)]
+        rc, _ = w.counts([[0 if d == s else n[s][d] for d in range(M)] for s in range(M)])
+        recv_n = [rc[d][:M] for d in range(M)]          # the exchanged counts size the receive side
+        dsts = w.relay(rows, row_bytes, Q, chunk, recv_n=recv_n)
+        for m in range(M):
+            assert w.errors(m)[0] == 0, f"call {i} {routing}: rank {m} error record {w.errors(m)}"
+        check_relay(w, rows, dsts, f"call {i} {routing} (row {row_bytes} B, Q {Q}, chunk {chunk})")
+        for s in range(M):
+            for d in range(M):
+                sent[s][d] += 0 if s == d else n[s][d]
+        _settled_counters(w, sent, f"call {i}")
+    # dst_capacity: every receiver stores only its first `cap` rows (node order), consumes all.
+    n = [[0 if d == s_ else 9 + 3 * s_ + d for d in range(M)] for s_ in range(M)]
+    rows = [[_rows(g, n[s_][d], 32, 16 * s_ + d) for d in range(M)] for s_ in range(M)]
+    total = [sum(n[s_][d] for s_ in range(M)) for d in range(M)]
+    cap = [t - 5 for t in total]
+    dsts = w.relay(rows, 32, 4, 3, capacity=cap)
+    for d in range(M):
+        assert w.errors(d)[0] == 0, f"capacity: rank {d} error record {w.errors(d)}"
+        dst, ro = dsts[d]
+        want = torch.cat([rows[s_][d] for s_ in range(M) if s_ != d])
+        assert bool((dst[:cap[d]] == want[:cap[d]]).all()), f"capacity: rank {d} rows below the capacity"
+        assert bool((dst[cap[d]:] == 0xEE).all()), f"capacity: rank {d} stored rows past its capacity"
+    for s_ in range(M):
+        for d in range(M):
+            sent[s_][d] += n[s_][d]
+    _settled_counters(w, sent, "capacity")
+    assert not w.nic.errors(), w.nic.errors()
+    assert max(max(r) for r in sent) > 3 * 9, "the rings did not wrap several times"
+    return "ok"
+
+
+def case_relay_mutation(path: str) -> str:
+    """Mutation: after a good call, node 1's rx counter for node 0 is bumped by one row, so receiver and
+    sender disagree on where the stream stands. The row check must fail (a PeerTimeout in the dispatch
+    phase naming rank 0, or rows that differ), within the timeout."""
+    import torch
+    M = 2
+    w = _world(path, M, timeout_ms=1000)
+    g = torch.Generator().manual_seed(5)
+    rows = [[_rows(g, 0 if d == s_ else 10, 32, 16 * s_ + d) for d in range(M)] for s_ in range(M)]
+    check_relay(w, rows, w.relay(rows, 32, 4, 3), "before the mutation")
+    assert w.errors(0)[0] == w.errors(1)[0] == 0
+    w.bufs[1][:4 * w.lay.words["end"]].view(torch.int32)[w.lay.words["rx"] + 0] += 1
+    rows = [[_rows(g, 0 if d == s_ else 10, 32, 16 * s_ + d) for d in range(M)] for s_ in range(M)]
+    t0 = time.monotonic()
+    dsts = w.relay(rows, 32, 4, 3)
+    assert time.monotonic() - t0 < 10.0, "the mutated relay took too long to report"
+    try:
+        for m in range(M):
+            assert w.errors(m)[0] == 0, f"rank {m} error record {w.errors(m)}"
+        check_relay(w, rows, dsts, "after the mutation")
+    except AssertionError:
+        code, peer, phase, _ = w.errors(1)
+        assert (code, peer, phase) in ((0, 0, 0), (ERR_PEER_TIMEOUT, 0, PHASE_DISPATCH)), w.errors(1)
+        return "ok"
+    raise AssertionError("the row check passed with counters that disagree: it cannot fail")
+
+
+def case_silent_peer(path: str) -> str:
+    """Node 2 of 3 never launches: nodes 0 and 1 report PeerTimeout naming rank 2 and the phase within
+    the timeout, for the count exchange and for the relay (whose rows between 0 and 1 still arrive)."""
+    import torch
+    M, live, timeout_ms = 3, [0, 1], 1000
+    w = _world(path, M, timeout_ms=timeout_ms)
+    t0 = time.monotonic()
+    rc, hc = w.counts([[0, 5, 6], [7, 0, 8], [9, 10, 0]], ranks=live)
+    took = time.monotonic() - t0
+    assert took < timeout_ms / 1000 + 10.0, f"counts took {took:.1f} s"
+    for m in live:
+        assert w.errors(m)[:3] == [ERR_PEER_TIMEOUT, 2, PHASE_COUNTS], f"rank {m}: {w.errors(m)}"
+        assert hc[m][0] == -w.tickets, f"rank {m}: the host word must say 'read the error record': {hc[m]}"
+        w.err[m].zero_()
+        w.ws[m][CLAIM_WORD] = 0
+    g = torch.Generator().manual_seed(7)
+    n = [[0, 11, 20], [13, 0, 20], [20, 20, 0]]
+    rows = [[_rows(g, n[s][d], 32, 16 * s + d) for d in range(M)] for s in range(M)]
+    t0 = time.monotonic()
+    dsts = w.relay(rows, 32, 4, 2, ranks=live)
+    took = time.monotonic() - t0
+    assert took < timeout_ms / 1000 + 10.0, f"relay took {took:.1f} s"
+    for m in live:
+        assert w.errors(m)[:3] == [ERR_PEER_TIMEOUT, 2, PHASE_DISPATCH], f"rank {m}: {w.errors(m)}"
+    for d, s in ((0, 1), (1, 0)):
+        dst, ro = dsts[d]
+        assert bool((dst[int(ro[s]):int(ro[s + 1])] == rows[s][d]).all()), f"rows {s} -> {d} between live nodes"
+    return "ok"
+
+
+# ------------------------------------------------------------------ tests
+@pytest.mark.parametrize("M", [2, 3])
+def test_relay_counts(sim_pool, M):
+    pool, path = sim_pool
+    assert pool.run(case_counts, path, M, timeout_s=120) == ["ok"]
+
+
+@pytest.mark.parametrize("M,nqp", [(2, 1), (2, 2), (3, 2)])
+def test_relay_rows(sim_pool, M, nqp):
+    pool, path = sim_pool
+    assert pool.run(case_relay, path, M, nqp, timeout_s=240) == ["ok"]
+
+
+def test_relay_silent_peer(sim_pool):
+    pool, path = sim_pool
+    assert pool.run(case_silent_peer, path, timeout_s=120) == ["ok"]
+
+
+@pytest.mark.parametrize("M", [2, 3])
+def test_relay_counts_mutation_fails(sim_pool, M):
+    pool, path = sim_pool
+    assert pool.run(case_counts_mutation, path, M, timeout_s=120) == ["ok"]
+
+
+def test_relay_rows_mutation_fails(sim_pool):
+    pool, path = sim_pool
+    assert pool.run(case_relay_mutation, path, timeout_s=120) == ["ok"]
