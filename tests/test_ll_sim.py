@@ -19,20 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIM_DIR = os.path.join(ROOT, "tests", "ll_sim")
 
 
-def build_sim() -> str:
-    """Compiles tests/ll_sim/ll_sim.cpp (cached by source hash); returns the module path."""
-    sys.path.insert(0, SIM_DIR)
-    from build import build_module
-    return build_module("ll_sim", ["tests/ll_sim/*.h", "tests/ll_sim/ll_sim.cpp", "engine/kernels/ll_*",
-                                   "engine/mlx5gda/*.h"])
-
-
 @pytest.fixture(scope="module")
 def sim_pool() -> Iterator[Any]:
-    from multiproc import DistPool
-    path = build_sim()
-    with DistPool(1, start_timeout_s=120.0) as pool:
-        yield pool, path
+    """tests/ll_sim/ll_sim.cpp built (cached by source hash) and a worker to run it in."""
+    sys.path.insert(0, SIM_DIR)
+    from build import sim_worker
+    with sim_worker("ll_sim", ["tests/ll_sim/*.h", "tests/ll_sim/ll_sim.cpp", "engine/kernels/ll_*",
+                               "engine/mlx5gda/*.h"]) as worker:
+        yield worker
 
 
 # ------------------------------------------------------------------ cases (run in the worker)

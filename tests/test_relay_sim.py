@@ -23,20 +23,15 @@ PHASE_COUNTS, PHASE_DISPATCH = 3, 4        # pyep/ep/normal/internode_relay.py P
 SEQ_WORD, CLAIM_WORD = 1, 4                # normal_internode.h kRelaySeqWord, the error claim
 
 
-def build_sim() -> str:
-    sys.path.insert(0, SIM_DIR)
-    from build import build_module
-    return build_module("relay_sim", ["tests/ll_sim/*.h", "tests/ll_sim/relay_sim.cpp", "engine/kernels/normal_*",
-                                      "engine/kernels/ll_common.cuh", "engine/kernels/ll_launch.h",
-                                      "engine/mlx5gda/*.h"])
-
-
 @pytest.fixture(scope="module")
 def sim_pool() -> Iterator[Any]:
-    from multiproc import DistPool
-    path = build_sim()
-    with DistPool(1, start_timeout_s=120.0) as pool:
-        yield pool, path
+    """tests/ll_sim/relay_sim.cpp built (cached by source hash) and a worker to run it in."""
+    sys.path.insert(0, SIM_DIR)
+    from build import sim_worker
+    with sim_worker("relay_sim", ["tests/ll_sim/*.h", "tests/ll_sim/relay_sim.cpp", "engine/kernels/normal_*",
+                                  "engine/kernels/ll_common.cuh", "engine/kernels/ll_launch.h",
+                                  "engine/mlx5gda/*.h"]) as worker:
+        yield worker
 
 
 def next_seq(prev: int) -> int:

@@ -2,6 +2,7 @@
 compiled as host C++ with g++ against cuda_shim.h, cached by a hash of every source it depends on."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+from typing import Any, Iterator, List, Tuple
 
 import pytest
 
@@ -42,3 +44,14 @@ def build_module(name: str, patterns: list) -> str:
         raise AssertionError(f"building the kernel simulation {name} failed:\n{res.stderr[-4000:]}")
     os.replace(tmp, path)
     return path
+
+
+@contextlib.contextmanager
+def sim_worker(name: str, patterns: List[str]) -> Iterator[Tuple[Any, str]]:
+    """(a one-process DistPool, the module path of build_module(name, patterns)): the simulated ranks
+    run as threads of that one worker, so a wedged simulation never takes the pytest process with it."""
+    from multiproc import DistPool
+    path = build_module(name, patterns)
+    with DistPool(1, start_timeout_s=120.0) as pool:
+        yield pool, path
+

@@ -14,6 +14,8 @@
 #include <pybind11/stl.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace py = pybind11;
 using namespace pyep;
@@ -57,45 +59,40 @@ RelayArgs relay_from(const py::dict& d) {
 
 constexpr size_t kBlockScratch = 1024;   // normal_common.cuh block_shared()
 
+// Every listed rank's grid at once, after the launcher's own argument checks (what the GPU launchers check).
+template <typename FromDict, typename Check, typename Grid>
+void launch_on_every_rank(const py::list& statics, const py::list& args, FromDict from_dict, Check check, Grid grid) {
+    using Args = decltype(from_dict(std::declval<py::dict>()));
+    std::vector<RelayStatic> ss;
+    std::vector<Args> as;
+    for (size_t i = 0; i < statics.size(); ++i) {
+        ss.push_back(static_from(statics[i].cast<py::dict>()));
+        as.push_back(from_dict(args[i].cast<py::dict>()));
+        check(ss.back(), as.back());
+    }
+    py::gil_scoped_release nogil;
+    SimLaunch launch;
+    for (size_t i = 0; i < ss.size(); ++i) grid(ss[i], as[i], launch);
+    launch.join();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(relay_sim, m) {
     m.attr("threads_per_block") = kRelayThreads;
     // One count exchange: relay_counts_kernel on every listed rank at once (1 block of 32, as launched).
     m.def("counts", [](const py::list& statics, const py::list& args) {
-        std::vector<RelayStatic> ss;
-        std::vector<RelayCountsArgs> as;
-        for (size_t i = 0; i < statics.size(); ++i) {
-            ss.push_back(static_from(statics[i].cast<py::dict>()));
-            as.push_back(counts_from(args[i].cast<py::dict>()));
-            check_relay_counts(ss.back(), as.back());
-        }
-        py::gil_scoped_release nogil;
-        SimLaunch launch;
-        for (size_t i = 0; i < ss.size(); ++i) {
-            const RelayStatic s = ss[i];
-            const RelayCountsArgs a = as[i];
-            launch.grid(1, 32, kBlockScratch, [=] { relay_counts_kernel(s, a); });
-        }
-        launch.join();
+        launch_on_every_rank(statics, args, counts_from, check_relay_counts,
+                             [](const RelayStatic& s, const RelayCountsArgs& a, SimLaunch& launch) {
+                                 launch.grid(1, 32, kBlockScratch, [=] { relay_counts_kernel(s, a); });
+                             });
     });
     // One relay of rows: relay_kernel on every listed rank at once (2M blocks, as launched).
     m.def("relay", [](const py::list& statics, const py::list& args) {
-        std::vector<RelayStatic> ss;
-        std::vector<RelayArgs> as;
-        for (size_t i = 0; i < statics.size(); ++i) {
-            ss.push_back(static_from(statics[i].cast<py::dict>()));
-            as.push_back(relay_from(args[i].cast<py::dict>()));
-            check_relay(ss.back(), as.back());
-        }
-        py::gil_scoped_release nogil;
-        SimLaunch launch;
-        for (size_t i = 0; i < ss.size(); ++i) {
-            const RelayStatic s = ss[i];
-            const RelayArgs a = as[i];
-            launch.grid(2 * s.num_nodes, kRelayThreads, kBlockScratch, [=] { relay_kernel(s, a); });
-        }
-        launch.join();
+        launch_on_every_rank(statics, args, relay_from, check_relay,
+                             [](const RelayStatic& s, const RelayArgs& a, SimLaunch& launch) {
+                                 launch.grid(2 * s.num_nodes, kRelayThreads, kBlockScratch, [=] { relay_kernel(s, a); });
+                             });
     });
     py::class_<SimNic>(m, "SimNic")
         .def(py::init<std::vector<uint64_t>, std::vector<uint64_t>, int, int>())
