@@ -335,6 +335,16 @@ def _bits_dev(t: Any) -> Any:
     return t.contiguous().view(kind)
 
 
+def assert_broken(nat: Any, topk_idx: Any, num_experts: int, rank: int) -> None:
+    """After a peer timeout the buffer refuses every call (BufferBroken) until clean()."""
+    from pyep.ep.normal import BufferBroken
+    try:
+        nat.get_dispatch_layout(topk_idx, num_experts)
+        raise AssertionError(f"rank {rank}: a broken buffer accepted a call")
+    except BufferBroken:
+        pass
+
+
 def warm_and_capture(step: Callable[[], Any]) -> Tuple[Any, Any]:
     """Run `step` once on a side stream (the allocator's first blocks, every kernel loaded, lazy
     initialisation: none of it may happen inside a capture), then capture it in a CUDA graph.
@@ -451,7 +461,7 @@ def peer_timeout(shape_args: Tuple[int, int, int, int], timeout_us: int) -> floa
 
     import torch
     import torch.distributed as dist
-    from pyep.ep.normal import BufferBroken, NormalBuffer, PeerTimeout
+    from pyep.ep.normal import NormalBuffer, PeerTimeout
     setup_device()
     rank, world = dist.get_rank(), dist.get_world_size()
     s = Shape(*shape_args)
@@ -475,11 +485,7 @@ def peer_timeout(shape_args: Tuple[int, int, int, int], timeout_us: int) -> floa
             except PeerTimeout as exc:
                 took = time.monotonic() - start
                 assert exc.peer == victim, f"rank {rank}: {exc} names rank {exc.peer}, not {victim}"
-            try:
-                nat.get_dispatch_layout(gt, s.E)
-                raise AssertionError(f"rank {rank}: a broken buffer accepted a call")
-            except BufferBroken:
-                pass
+            assert_broken(nat, gt, s.E, rank)
         torch.cuda.synchronize()
         nat.clean()
         run_case(nat, ref, s, 22, "random", cached=True)

@@ -8,8 +8,8 @@ import time
 from typing import Any, Dict, List, Tuple
 
 from ep_native_cases import setup_device
-from normal_gpu_cases import (HANDLE_FIELDS, Shape, _layout_ref, _on, compare_dispatch, expert, hash_stable_rounds,
-                              make_inputs, new_buffers, run_case, same, warm_and_capture)
+from normal_gpu_cases import (HANDLE_FIELDS, Shape, _layout_ref, _on, assert_broken, compare_dispatch, expert,
+                              hash_stable_rounds, make_inputs, new_buffers, run_case, same, warm_and_capture)
 
 TRANSPORT = "emulated-internode"
 
@@ -99,7 +99,7 @@ def fault(shape_args: Tuple[int, int, int, int], kind: str, timeout_us: int) -> 
     1 and the QP, rank 1 PeerTimeout naming rank 0 (its peer's count record never arrives)."""
     import torch
     import torch.distributed as dist
-    from pyep.ep.normal import BufferBroken, NormalBuffer, PeerTimeout
+    from pyep.ep.normal import NormalBuffer, PeerTimeout
     from pyep.ep.normal.internode_relay import RelayError
     setup_device()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -132,11 +132,7 @@ def fault(shape_args: Tuple[int, int, int, int], kind: str, timeout_us: int) -> 
             if kind == "bad_rkey" and rank == 0:
                 assert isinstance(exc, RelayError) and exc.qpn != 0, exc
             assert took < 2 * timeout_us / 1e6 + 10, took
-        try:
-            nat.get_dispatch_layout(gt, s.E)
-            raise AssertionError(f"rank {rank}: a broken buffer accepted a call")
-        except BufferBroken:
-            pass
+        assert_broken(nat, gt, s.E, rank)
         torch.cuda.synchronize()
         return {"error": type(err).__name__, "took": took}
     finally:
