@@ -3,7 +3,8 @@
 ranks share it), the column relay on the softnic (transport "emulated-internode"), every output
 compared with the reference backend on the same nodes bit for bit (tests/normal_internode_gpu_cases.py).
 
-Layouts: 2 nodes x 2 ranks and 2 nodes x 1 rank. Cases: random, hot expert, masked (-1), empty (N = 0
+Layouts: 2 nodes x 2 ranks and 2 nodes x 1 rank; the correctness cases also at 4 nodes x 1, 2 nodes x 4,
+4 nodes x 2 and 2 nodes x 8 (ranks per node 1, 2, 4, 8; up to 16 ranks sharing one GPU). Cases: random, hot expert, masked (-1), empty (N = 0
 on a rank), all on one rank; BF16 and FP8; cached dispatch; expert_alignment 128; num_worst_tokens
 (no host wait); async_finish + previous_event; small NVLink and RDMA rings (every ring wraps); a
 combine with a bias pair. Then 1,000 rounds with a stable hash, a dropped peer / a bad rkey ->
@@ -31,6 +32,20 @@ TIMEOUT_US = 3_000_000
 def test_internode_native_matches_reference(pools, world, p):
     from normal_internode_gpu_cases import correctness
     res = pools[world].run(correctness, SHAPE, p, timeout_s=580)
+    assert all(r == res[0] for r in res) and res[0] > 10
+
+
+@requires_gpus
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world,p", [(4, 1), (8, 4), (8, 2), (16, 8)])
+def test_internode_native_ranks_per_node(world, p):
+    """The issue's "ranks per node: any (1, 2, 4, 8)": the node notify over P ranks carrying M records,
+    the relay over M column peers, the row map over P forwarders. Own pool: 16 ranks on one GPU are not
+    kept for the rest of the module."""
+    from multiproc import DistPool
+    from normal_internode_gpu_cases import correctness
+    with DistPool(world, start_timeout_s=300.0, pg_timeout_s=500.0) as pool:
+        res = pool.run(correctness, SHAPE, p, timeout_s=560)
     assert all(r == res[0] for r in res) and res[0] > 10
 
 
