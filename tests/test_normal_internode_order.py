@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from pyep.ep.normal import internode_order as order  # noqa: E402
 
 
-def _records(m_n: int, p: int, e_n: int, seed: int):
+def random_records(m_n: int, p: int, e_n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     r_n = m_n * p
     mi = order.meta_ints(r_n, e_n)
@@ -32,7 +32,7 @@ def _records(m_n: int, p: int, e_n: int, seed: int):
 @pytest.mark.parametrize("pad", [0, 5])
 def test_row_map_and_prefixes(m_n, p, seed, pad):
     e_n = 4 * m_n * p
-    rec, gathered, in_rank, mi = _records(m_n, p, e_n, seed)
+    rec, gathered, in_rank, mi = random_records(m_n, p, e_n, seed)
     r_n = m_n * p
     assert torch.equal(order.records_by_source(gathered, m_n, p, mi), rec)
     c_n = 3

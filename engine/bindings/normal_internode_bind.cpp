@@ -137,6 +137,38 @@ void register_staged(py::module_& n) {
             launch_inter_reduce(s, a, stream);
         },
         "the final combine sum at the source: bias, then every node's partial in node order");
+    n.def(
+        "order",
+        [](const InterStatic& s, uint64_t gathered, int meta_ints, int rows, uint64_t row_map, uint64_t rank_prefix,
+           uint64_t host_counts, int host_ticket, int num_experts, int alignment, uint64_t stream) {
+            OrderArgs a;
+            a.gathered = gathered;
+            a.meta_ints = meta_ints;
+            a.rows = rows;
+            a.row_map = row_map;
+            a.rank_prefix = rank_prefix;
+            a.host_counts = host_counts;
+            a.host_ticket = host_ticket;
+            a.num_experts = num_experts;
+            a.alignment = alignment;
+            launch_inter_order(s, a, stream);
+        },
+        "row map, rank_prefix_matrix and (to pinned words) per-expert counts from the gathered records");
+    n.def(
+        "recv_prefix",
+        [](const InterStatic& s, uint64_t gathered, int meta_ints, uint64_t rank_prefix, uint64_t recv_src, int rows,
+           int num_channels, uint64_t recv_channel_prefix, uint64_t stream) {
+            OrderArgs a;
+            a.gathered = gathered;
+            a.meta_ints = meta_ints;
+            a.rank_prefix = rank_prefix;
+            a.recv_src = recv_src;
+            a.rows = rows;
+            a.num_channels = num_channels;
+            a.recv_channel_prefix = recv_channel_prefix;
+            launch_inter_recv_prefix(s, a, stream);
+        },
+        "recv_channel_prefix_matrix from the received rows' source indices");
 }
 
 void register_relay(py::module_& m) {

@@ -159,11 +159,28 @@ struct InterReduceArgs {
     uint64_t out = 0, out_weights = 0;
 };
 
+// normal_internode_order.cu: the bookkeeping after the node's notify (inter_order) and after the
+// intranode dispatch (inter_recv_prefix). Records: int32 [P][M * meta_ints] as the notify gathered them.
+struct OrderArgs {
+    uint64_t gathered = 0;
+    int meta_ints = 0;
+    int rows = 0;                 // inter_order: rows of row_map; inter_recv_prefix: rows of recv_src
+    uint64_t row_map = 0;         // out int32 [rows]: intranode kernel row -> contract row
+    uint64_t rank_prefix = 0;     // int32 [R, R]: out of inter_order, in of inter_recv_prefix
+    uint64_t host_counts = 0;     // pinned int32 [1 + E/R] or 0: [ticket when ready, aligned per-expert counts]
+    int host_ticket = 0, num_experts = 0, alignment = 1;
+    uint64_t recv_src = 0;        // int32 [rows]: the received rows' source token indices
+    int num_channels = 0;
+    uint64_t recv_channel_prefix = 0;   // out int32 [R, C]
+};
+
 void launch_inter_layout(const InterStatic& s, const InterLayoutArgs& a, uint64_t stream);
 void launch_inter_route(const InterStatic& s, const InterRouteArgs& a, uint64_t stream);
 void launch_inter_offsets(const InterStatic& s, const InterOffsetsArgs& a, uint64_t stream);
 void launch_inter_pack(const InterStatic& s, const InterPackArgs& a, uint64_t stream);
 void launch_inter_reduce(const InterStatic& s, const InterReduceArgs& a, uint64_t stream);
+void launch_inter_order(const InterStatic& s, const OrderArgs& a, uint64_t stream);
+void launch_inter_recv_prefix(const InterStatic& s, const OrderArgs& a, uint64_t stream);
 
 void launch_relay_counts(const RelayStatic& s, const RelayCountsArgs& a, uint64_t stream);
 void launch_relay(const RelayStatic& s, const RelayArgs& a, uint64_t stream);

@@ -65,6 +65,7 @@ class Attribution:
     kernel_us: Dict[Tuple[str, int], float] = field(default_factory=dict)
     counted: Dict[str, Dict[str, int]] = field(default_factory=dict)    # phase -> name -> launches
     ignored: Dict[str, Dict[str, int]] = field(default_factory=dict)    # filtered out by name
+    counted_us: Dict[str, Dict[str, float]] = field(default_factory=dict)   # phase -> name -> GPU us, summed
     unlinked: int = 0          # kernels placed by their own start time
     outside: int = 0           # kernels in no benchmark range (barriers, warmup)
 
@@ -105,6 +106,8 @@ def attribute(ranges: Sequence[Range], kernels: Iterable[Kernel],
         names[k.name] = names.get(k.name, 0) + 1
         if book is att.counted:
             att.kernel_us[(r.phase, r.iteration)] += k.duration_us
+            by_name = att.counted_us.setdefault(r.phase, {})
+            by_name[k.name] = by_name.get(k.name, 0.0) + k.duration_us
     return att
 
 

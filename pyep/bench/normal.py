@@ -460,7 +460,8 @@ class PhaseTimer:
                         {p: sorted(att_main.ignored.get(p, {})) for p in missing})
             for p in missing:
                 s["kernel"][p] = list(nan)
-        info = {"counted": att_main.counted, "aux_counted": att_aux.counted, "ignored": att_main.ignored,
+        info = {"counted": att_main.counted, "counted_us": att_main.counted_us, "aux_counted": att_aux.counted,
+                "ignored": att_main.ignored,
                 "unlinked_kernels": att_main.unlinked + att_aux.unlinked,
                 "kernels_outside_ranges": att_main.outside, "main_words": words,
                 "aux_words": aux_words}

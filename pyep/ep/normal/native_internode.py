@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from .._dist import barrier_bounded, group_device
@@ -128,6 +129,10 @@ class NormalInternodeBackend:
             self._static = s
             self._steps = torch.arange(m_n + 1, dtype=torch.int32, device=self.device)   # one row per column peer
             self._zeros: Dict[int, "torch.Tensor"] = {}
+            # inter_order's answer to the host: [ticket, aligned per-expert counts of this rank's experts].
+            self._order_host = torch.zeros(1 + self.max_experts // r_n, dtype=torch.int32, device="cpu",
+                                           pin_memory=True)
+            self._order_ticket = 0
             barrier_bounded(group, group_device(group), int(self._setup_s * 1e6), "normal internode buffer setup")
         except BaseException:
             self._release()
@@ -165,6 +170,19 @@ class NormalInternodeBackend:
         if why is not None:
             raise NotCapturable(why)
         return False
+
+    def _wait_expert_counts(self, num_local_experts: int) -> List[int]:
+        """inter_order's per-expert counts: a bounded host wait for its ticket (the kernel runs right after
+        the node's notify, which the host already waited for)."""
+        host = self._order_host.numpy()
+        limit = 2 * self.timeout_us / 1e6 + 10.0
+        deadline = time.monotonic() + limit
+        while int(host[0]) != self._order_ticket:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"normal internode dispatch: the per-expert counts (inter_order #{self._order_ticket}) "
+                                   f"did not arrive within {limit:.1f} s (the GPU is blocked by other work)")
+            time.sleep(5e-6)
+        return [int(v) for v in host[1:1 + num_local_experts]]
 
     def _rdma(self, cfg: Config) -> Tuple[int, int]:
         return cfg.num_max_rdma_chunked_recv_tokens, cfg.num_max_rdma_chunked_send_tokens
@@ -276,8 +294,18 @@ class NormalInternodeBackend:
         gathered = torch.empty((p, m_n * mi), dtype=i32, device=dev)
         rows = nd.notify(f_rows, self._zero(p * e_l).data_ptr(), in_f.data_ptr(), p * e_l, c_n, call.expert_alignment,
                          nwt, rpm_f, cpm_f, rcp_f, sh_f, meta_col.data_ptr(), gathered.data_ptr(), m_n * mi)
-        records = order.records_by_source(gathered, m_n, p, mi)
-        rmap = order.row_map(records, me, m_n, p, rows)
+        # Row map, rank_prefix_matrix and (for the host) the per-expert counts from the records: one
+        # kernel, answered before the dispatch runs (internode_order.py states what it computes).
+        rmap = torch.empty(max(rows, 1), dtype=i32, device=dev)
+        rpm = torch.empty((r_n, r_n), dtype=i32, device=dev)
+        if host:
+            self._order_ticket = self._order_ticket % 0x7FFFFFFF + 1
+            self._order_host[0] = 0
+        self._r.order(self._static, gathered.data_ptr(), mi, rows, rmap.data_ptr(), rpm.data_ptr(),
+                      self._order_host.data_ptr() if host else 0, self._order_ticket if host else 0, e_n,
+                      call.expert_alignment, stream)
+        counts: List[int] = self._wait_expert_counts(e_l) if host else []
+        rmap = rmap[:rows]
         recv_x = torch.empty((rows, h), dtype=call.x.dtype, device=dev)
         recv_scales = torch.empty((rows, h // 128), dtype=torch.float32, device=dev) if fp8 else None
         recv_idx = torch.empty((rows, k), dtype=torch.int64, device=dev) if k else None
@@ -285,9 +313,9 @@ class NormalInternodeBackend:
         recv_src = torch.empty(rows, dtype=i32, device=dev)
         nd.launch_dispatch(x_f, scales_f, ids_node, w_f, in_f, rpm_f, cpm_f, rcp_f, f_rows, h, k, e_l, fp8, cfg, rows,
                            nwt, recv_x, recv_scales, recv_idx, recv_w, recv_src, src_f, rmap)
-        rpm = order.rank_prefix(records, r_n)
-        rcp = order.recv_channel_prefix(records, rpm, me, recv_src, c_n)
-        counts: List[int] = order.expert_counts(records, me, r_n, e_n, call.expert_alignment) if host else []
+        rcp = torch.empty((r_n, c_n), dtype=i32, device=dev)
+        self._r.recv_prefix(self._static, gathered.data_ptr(), mi, rpm.data_ptr(), recv_src.data_ptr(), rows, c_n,
+                            rcp.data_ptr(), stream)
         state = order.StagedState(node_head=node_head, f_offsets=f_off, s_offsets=s_off, forward_rows=f_rows,
                                   send_rows=s_rows, node_rank_prefix=rpm_f, node_channel_prefix=cpm_f,
                                   node_recv_channel_prefix=rcp_f, node_send_head=sh_f, node_in_rank=in_f, row_map=rmap)
