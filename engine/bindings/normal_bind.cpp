@@ -94,7 +94,7 @@ void register_normal(py::module_& m) {
            int num_tokens, int hidden, int num_topk, int num_local_experts, bool fp8, int num_channels,
            int ring_tokens, int chunk_tokens, int num_out_rows, int num_worst_tokens, bool use_tma, uint64_t recv_x,
            uint64_t recv_x_scales, uint64_t recv_topk_idx, uint64_t recv_topk_weights, uint64_t recv_src_idx,
-           uint64_t src_idx, uint64_t row_map, uint64_t stream) {
+           uint64_t src_idx, uint64_t row_map, uint64_t stream, uint64_t x_row_bytes) {
             DispatchArgs a;
             a.x = x;
             a.x_scales = x_scales;
@@ -122,9 +122,10 @@ void register_normal(py::module_& m) {
             a.recv_src_idx = recv_src_idx;
             a.src_idx = src_idx;
             a.row_map = row_map;
+            a.x_row_bytes = x_row_bytes;
             launch_dispatch(s, a, stream);
         },
-        "Launch the dispatch kernel");
+        "Launch the dispatch kernel (x_row_bytes: payload stride, 0 = dense)");
 
     n.def(
         "combine",

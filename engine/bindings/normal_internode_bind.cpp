@@ -138,6 +138,27 @@ void register_staged(py::module_& n) {
         },
         "the final combine sum at the source: bias, then every node's partial in node order");
     n.def(
+        "unpack",
+        [](const InterStatic& s, uint64_t forward, int rows, int hidden, int num_topk, bool fp8, int num_local_experts,
+           uint64_t f_offsets, uint64_t scales, uint64_t ids, uint64_t weights, uint64_t src, uint64_t in_rank,
+           uint64_t stream) {
+            InterUnpackArgs a;
+            a.forward = forward;
+            a.rows = rows;
+            a.hidden = hidden;
+            a.num_topk = num_topk;
+            a.fp8 = fp8;
+            a.num_local_experts = num_local_experts;
+            a.f_offsets = f_offsets;
+            a.scales = scales;
+            a.ids = ids;
+            a.weights = weights;
+            a.src = src;
+            a.in_rank = in_rank;
+            launch_inter_unpack(s, a, stream);
+        },
+        "the forwarded rows' scales, node-local ids, weights, source indices and ranks, in one pass");
+    n.def(
         "order",
         [](const InterStatic& s, uint64_t gathered, int meta_ints, int rows, uint64_t row_map, uint64_t rank_prefix,
            uint64_t host_counts, int host_ticket, int num_experts, int alignment, uint64_t stream) {

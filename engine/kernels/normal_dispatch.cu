@@ -19,6 +19,11 @@ namespace {
 constexpr int kTmaSmemData = kDispatchWarps * kTmaStages * kTmaStageBytes;
 constexpr int kTmaSmemBytes = kTmaSmemData + kDispatchWarps * kTmaStages * 8;
 
+// Where token tok's payload starts in x (dense, or strided through relayed rows).
+__device__ __forceinline__ const uint8_t* payload_of(const DispatchArgs& a, const DispatchRow& row, int tok) {
+    return reinterpret_cast<const uint8_t*>(a.x) + (uint64_t)tok * (a.x_row_bytes ? a.x_row_bytes : row.payload);
+}
+
 // The source index a row reports: the token's own index, or across nodes the forwarded row's.
 __device__ __forceinline__ int source_index(const DispatchArgs& a, int tok) {
     return a.src_idx ? reinterpret_cast<const int*>(a.src_idx)[tok] : tok;
@@ -44,7 +49,6 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
     const int* head = head_of(s, reinterpret_cast<uint8_t*>(s.buf), c, d);
     const uint32_t base = (uint32_t)*tx_of(s, c, d);
     const bool* in_rank = reinterpret_cast<const bool*>(a.is_token_in_rank);
-    const uint8_t* x = reinterpret_cast<const uint8_t*>(a.x);
     const float* scales = reinterpret_cast<const float*>(a.x_scales);
     const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk_idx);
     const float* weights = reinterpret_cast<const float*>(a.topk_weights);
@@ -91,7 +95,7 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
                     if (j % G.W != G.wi) continue;
                     const int tok = rbase + w * kScanWindow + __ffs(rest) - 1;
                     uint8_t* dst = ring + slot_offset(s, sent + j, Q);
-                    warp_copy(dst, x + (uint64_t)tok * row.payload, row.payload, G.lane);
+                    warp_copy(dst, payload_of(a, row, tok), row.payload, G.lane);
                     if (a.fp8)
                         for (int i = G.lane; i < groups; i += 32)
                             reinterpret_cast<float*>(dst + row.scales)[i] = scales[(int64_t)tok * groups + i];
@@ -148,7 +152,6 @@ __device__ void dispatch_self(const NormalStatic& s, const DispatchArgs& a, cons
     int start, count;
     recv_run(a.rank_prefix_matrix, a.recv_channel_prefix_matrix, R, a.num_channels, me, me, c, start, count);
     const bool* in_rank = reinterpret_cast<const bool*>(a.is_token_in_rank);
-    const uint8_t* x = reinterpret_cast<const uint8_t*>(a.x);
     const float* scales = reinterpret_cast<const float*>(a.x_scales);
     const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk_idx);
     const float* weights = reinterpret_cast<const float*>(a.topk_weights);
@@ -164,7 +167,7 @@ __device__ void dispatch_self(const NormalStatic& s, const DispatchArgs& a, cons
             const int out = start + pos + j;
             if (j % G.W != G.wi || out >= a.num_out_rows) continue;
             const int tok = wbase + bit;
-            emit_row(a, row, tma, out, x + (uint64_t)tok * row.payload, scales + (int64_t)tok * groups,
+            emit_row(a, row, tma, out, payload_of(a, row, tok), scales + (int64_t)tok * groups,
                      [&](int k) { return topk ? topk[(int64_t)tok * K + k] : (int64_t)-1; },
                      [&](int k) { return weights ? weights[(int64_t)tok * K + k] : 0.f; }, source_index(a, tok), lo,
                      G.lane);
@@ -272,6 +275,8 @@ void launch_dispatch(const NormalStatic& s, const DispatchArgs& a, uint64_t stre
     if (a.chunk_tokens < 1) bad("chunk_tokens must be >= 1");
     if (a.hidden < 128 || a.hidden % 128) bad("hidden must be a positive multiple of 128");
     if (a.num_topk < 0 || a.num_topk > kMaxTopk) bad("num_topk must be in [0, 16]");
+    if (a.x_row_bytes && (a.x_row_bytes % 16 || a.x_row_bytes < DispatchRow(a.hidden, a.fp8, a.num_topk).payload))
+        bad("x_row_bytes must be 0 or a multiple of 16 that holds the payload");
     // Pointers may be 0 for empty tensors (N = 0, nothing received); the front checked the shapes.
     if (dispatch_row_bytes(a.hidden, a.fp8, a.num_topk) > s.slot_bytes)
         bad("a row of hidden " + std::to_string(a.hidden) + " does not fit the buffer's " + std::to_string(s.slot_bytes) +

@@ -6,6 +6,8 @@
 //                 the all-gather of row counts (N, rows for every rank);
 //   inter_offsets where each node's run starts in the forwarded rows (F) and in the relayed rows;
 //   inter_pack    a token's relay row once per node that needs it (own node's run straight into F);
+//   inter_unpack  the small fields of the forwarded rows for the intranode kernels (ids node-local),
+//                 which read the payloads in place;
 //   inter_reduce  combine's last step at the source: 0 + bias_0 + bias_1 + the BF16 partial of every
 //                 node in ascending order, in fp32, one rounding (contract.combine_order).
 // None of them waits for a peer: the waits are the relay's and the intranode kernels'.
@@ -172,6 +174,31 @@ __global__ void __launch_bounds__(kInterThreads) inter_pack_kernel(InterStatic s
     }
 }
 
+// Warp per forwarded row: its fields out of the relay row, in one pass (see InterUnpackArgs).
+__global__ void __launch_bounds__(kInterThreads) inter_unpack_kernel(InterStatic s, InterUnpackArgs a) {
+    const int P = s.ranks_per_node, K = a.num_topk, groups = a.hidden / 128, lane = threadIdx.x % 32;
+    const RelayRow row(a.hidden, a.fp8, K, P, 1);
+    const int real = reinterpret_cast<const int*>(a.f_offsets)[s.num_nodes];
+    const int64_t lo = (int64_t)s.node * P * a.num_local_experts, span = (int64_t)P * a.num_local_experts;
+    const int warps = gridDim.x * blockDim.x / 32;
+    for (int f = (blockIdx.x * blockDim.x + threadIdx.x) / 32; f < a.rows; f += warps) {
+        const uint8_t* r = reinterpret_cast<const uint8_t*>(a.forward) + (uint64_t)f * row.bytes;
+        if (a.scales)
+            for (int g = lane; g < groups; g += 32)
+                reinterpret_cast<float*>(a.scales)[(int64_t)f * groups + g] = reinterpret_cast<const float*>(r + row.scales)[g];
+        if (lane < K) {
+            if (a.ids) {
+                const int64_t v = reinterpret_cast<const int64_t*>(r + row.ids)[lane];
+                reinterpret_cast<int64_t*>(a.ids)[(int64_t)f * K + lane] = v >= lo && v < lo + span ? v - lo : -1;
+            }
+            if (a.weights)
+                reinterpret_cast<float*>(a.weights)[(int64_t)f * K + lane] = reinterpret_cast<const float*>(r + row.weights)[lane];
+        }
+        if (lane < P) reinterpret_cast<bool*>(a.in_rank)[(int64_t)f * P + lane] = f < real && r[row.in_rank + lane] != 0;
+        if (lane == 0) reinterpret_cast<int*>(a.src)[f] = reinterpret_cast<const int*>(r + row.src)[0];
+    }
+}
+
 // Warp per token: acc = 0, + bias_0, + bias_1, + part_n for n ascending (fp32), one rounding.
 __global__ void __launch_bounds__(kInterThreads) inter_reduce_kernel(InterStatic s, InterReduceArgs a) {
     const int M = s.num_nodes, K = a.num_topk, lane = threadIdx.x % 32, vecs = a.hidden / 8;
@@ -274,6 +301,17 @@ void launch_inter_pack(const InterStatic& s, const InterPackArgs& a, uint64_t st
     if (a.num_tokens == 0) return;
     inter_pack_kernel<<<grid_for(a.num_tokens), kInterThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     check(cudaGetLastError(), "inter_pack launch");
+}
+
+void launch_inter_unpack(const InterStatic& s, const InterUnpackArgs& a, uint64_t stream) {
+    check_inter(s);
+    if (a.hidden < 128 || a.hidden % 128) throw std::invalid_argument("hidden must be a positive multiple of 128");
+    if (a.num_topk < 0 || a.num_topk > kMaxTopk) throw std::invalid_argument("num_topk must be in [0, 16]");
+    if (a.rows == 0) return;   // nothing forwarded: the outputs are empty tensors (null pointers)
+    if (!a.forward || !a.src || !a.in_rank || !a.f_offsets || (a.ids && a.num_local_experts < 1))
+        throw std::invalid_argument("inter_unpack: forward, src, in_rank, f_offsets (and num_local_experts with ids) must be set");
+    inter_unpack_kernel<<<grid_for(a.rows), kInterThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    check(cudaGetLastError(), "inter_unpack launch");
 }
 
 void launch_inter_reduce(const InterStatic& s, const InterReduceArgs& a, uint64_t stream) {

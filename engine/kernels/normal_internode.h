@@ -149,6 +149,17 @@ struct InterPackArgs {
     uint64_t send = 0;            // uint8 [., row]: runs for the other nodes
 };
 
+// The small fields of the forwarded rows F as the intranode kernels take them (the payload is read in
+// place: DispatchArgs::x_row_bytes): ids made node-local (id - node*P*E_l inside the node, else -1),
+// and is_token_in_rank cleared past the real rows (f_offsets[M]; F is a bound under num_worst_tokens).
+struct InterUnpackArgs {
+    uint64_t forward = 0;         // uint8 [rows, RelayRow(full) bytes]
+    int rows = 0, hidden = 0, num_topk = 0, fp8 = 0, num_local_experts = 0;
+    uint64_t f_offsets = 0;       // int32 [M + 1]
+    uint64_t scales = 0, ids = 0, weights = 0;   // out fp32 [rows, H/128], int64 [rows, K], fp32 [rows, K], or 0
+    uint64_t src = 0, in_rank = 0;                // out int32 [rows], bool [rows, P]
+};
+
 struct InterReduceArgs {
     uint64_t node_head = 0, f_offsets = 0, s_offsets = 0;
     uint64_t own = 0, own_weights = 0;   // bf16 [F, H], fp32 [F, K]: this node's partials (forwarder rows)
@@ -179,6 +190,7 @@ void launch_inter_route(const InterStatic& s, const InterRouteArgs& a, uint64_t 
 void launch_inter_offsets(const InterStatic& s, const InterOffsetsArgs& a, uint64_t stream);
 void launch_inter_pack(const InterStatic& s, const InterPackArgs& a, uint64_t stream);
 void launch_inter_reduce(const InterStatic& s, const InterReduceArgs& a, uint64_t stream);
+void launch_inter_unpack(const InterStatic& s, const InterUnpackArgs& a, uint64_t stream);
 void launch_inter_order(const InterStatic& s, const OrderArgs& a, uint64_t stream);
 void launch_inter_recv_prefix(const InterStatic& s, const OrderArgs& a, uint64_t stream);
 

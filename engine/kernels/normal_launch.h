@@ -97,6 +97,9 @@ struct DispatchArgs {
     // the index each row reports as its source token (0: the row's own index), row_map (int32 [rows] or
     // 0) the final output row of each row in this kernel's (source, token) order (0: identity).
     uint64_t src_idx = 0, row_map = 0;
+    // Bytes from one token's payload to the next (0: dense rows of the payload size). A forwarder reads
+    // the payloads in place from its relayed rows (normal_internode.h RelayRow) instead of a copy.
+    uint64_t x_row_bytes = 0;
 };
 
 struct CombineArgs {

@@ -1,8 +1,12 @@
-"""Device-side bookkeeping of the staged internode path (docs/normal_internode.md), in torch ops on the
-call's stream (no host read): from the count records every rank gathered (one per source rank: its
-token count N_s, the rows it sends every rank, its num_tokens_per_expert) it derives the contract's
-rank_prefix_matrix, where the intranode kernels' rows go in the contract's (source rank, token)
-order (row_map), the recv_channel_prefix_matrix of the received rows, and the per-expert counts.
+"""The staged internode path's bookkeeping (docs/normal_internode.md, steps 5-7), stated in torch ops.
+The path runs it as kernels (engine/kernels/normal_internode_order.cu: inter_order, inter_recv_prefix;
+normal_internode.cu: inter_unpack); these functions are their executable specification, checked on the
+CPU by tests/test_normal_internode_order.py and held against the kernels by
+tests/test_normal_internode_order_gpu.py. From the count records every rank gathered (one per source
+rank: its token count N_s, the rows it sends every rank, its num_tokens_per_expert) they derive the
+contract's rank_prefix_matrix, where the intranode kernels' rows go in the contract's (source rank,
+token) order (row_map), the recv_channel_prefix_matrix of the received rows, and the per-expert counts.
+StagedState and unpack (the cached dispatch's FP8 scales) are used by the path itself.
 
 Record layout (int32, `meta_ints` per source): [N_s, rows for rank d (R), tokens per expert (E), pad].
 The notify of the node gathers them as [forwarder l][source node a] (source rank a * P + l).

@@ -303,7 +303,7 @@ class NormalNativeBackend:
                          rcp.data_ptr(), n, h, k, (call.num_experts // r_n) if call.num_experts else 0, fp8, c_n,
                          cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, rows,
                          call.num_worst_tokens, self._use_tma, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w),
-                         0 if cached else recv_src.data_ptr(), 0, 0, stream)
+                         0 if cached else recv_src.data_ptr(), 0, 0, stream, 0)
         return DispatchResult(recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=recv_idx,
                               recv_topk_weights=recv_w, num_recv_tokens_per_expert_list=None if cached else counts,
                               rank_prefix_matrix=rpm, channel_prefix_matrix=cpm, recv_channel_prefix_matrix=rcp,
@@ -364,13 +364,16 @@ class NormalNativeBackend:
                         rpm: "torch.Tensor", cpm: "torch.Tensor", rcp: "torch.Tensor", n: int, h: int, k: int,
                         local_experts: int, fp8: bool, cfg: Config, rows: int, num_worst_tokens: int,
                         recv_x: "torch.Tensor", recv_scales: Any, recv_idx: Any, recv_w: Any, recv_src: Any,
-                        src_idx: Any, row_map: Any) -> None:
+                        src_idx: Any, row_map: Any, x_row_bytes: int = 0) -> None:
+        """The dispatch kernel on given rows (the staged internode path's forwarded rows: x may be the
+        relayed rows themselves, read in place with x_row_bytes between tokens)."""
         ptr = (lambda t: t.data_ptr() if t is not None else 0)
         self._n.dispatch(self._static, x.data_ptr(), ptr(scales), ptr(topk), ptr(weights), in_rank.data_ptr(),
                          rpm.data_ptr(), cpm.data_ptr(), rcp.data_ptr(), n, h, k, local_experts, fp8,
                          cfg.num_channels(), cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens,
                          rows, num_worst_tokens, self._use_tma, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx),
-                         ptr(recv_w), ptr(recv_src), ptr(src_idx), ptr(row_map), raw_current_stream(self.device))
+                         ptr(recv_w), ptr(recv_src), ptr(src_idx), ptr(row_map), raw_current_stream(self.device),
+                         x_row_bytes)
 
     def launch_combine(self, x: "torch.Tensor", weights: Any, send_head: "torch.Tensor", rpm: "torch.Tensor",
                        cpm: "torch.Tensor", rcp: "torch.Tensor", n: int, h: int, k: int, num_channels: int, cfg: Config,

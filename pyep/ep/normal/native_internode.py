@@ -276,15 +276,15 @@ class NormalInternodeBackend:
                      in_rank.data_ptr(), node_head.data_ptr(), n, h, k, fp8, True, f_off.data_ptr(), s_off.data_ptr(),
                      fwd.data_ptr(), f_rows, send.data_ptr(), stream)
         self.relay.relay_into(PHASE_DISPATCH, send, s_off, fwd, f_off, q_r, chunk_r, capacity=f_rows)
-        x_f = order.unpack(fwd, 0, rr["payload"], call.x.dtype)
-        scales_f = order.unpack(fwd, rr["scales"], 4 * (h // 128), torch.float32) if fp8 else None
-        ids_f = order.unpack(fwd, rr["ids"], 8 * k, torch.int64, k) if k else None
-        w_f = order.unpack(fwd, rr["weights"], 4 * k, torch.float32, k) if k and call.topk_weights is not None else None
-        src_f = order.unpack(fwd, rr["src"], 4, torch.int32, None).reshape(f_rows)
-        in_f = fwd[:, rr["in_rank"]:rr["in_rank"] + p] != 0
-        if not host:   # rows past the real count hold no token (F is a bound here)
-            in_f &= (torch.arange(f_rows, device=dev, dtype=i32) < f_off[m_n]).reshape(-1, 1)
-        ids_node = order.node_local_ids(ids_f, node, p, e_l) if ids_f is not None else None
+        # The intranode dispatch reads F's payloads in place (x_row_bytes); its small fields in one pass,
+        # the ids made node-local (internode_order.node_local_ids), rows past the real count not in any rank.
+        scales_f = torch.empty((f_rows, h // 128), dtype=torch.float32, device=dev) if fp8 else None
+        ids_node = torch.empty((f_rows, k), dtype=torch.int64, device=dev) if k else None
+        w_f = torch.empty((f_rows, k), dtype=torch.float32, device=dev) if k and call.topk_weights is not None else None
+        src_f = torch.empty(f_rows, dtype=i32, device=dev)
+        in_f = torch.empty((f_rows, p), dtype=torch.bool, device=dev)
+        self._r.unpack(self._static, fwd.data_ptr(), f_rows, h, k, fp8, e_l, f_off.data_ptr(), ptr(scales_f),
+                       ptr(ids_node), ptr(w_f), src_f.data_ptr(), in_f.data_ptr(), stream)
         # The node's notify: node-level prefix matrices and counts, and every rank's records.
         nd = self.node
         rpm_f = torch.empty((p, p), dtype=i32, device=dev)
@@ -311,8 +311,8 @@ class NormalInternodeBackend:
         recv_idx = torch.empty((rows, k), dtype=torch.int64, device=dev) if k else None
         recv_w = torch.empty((rows, k), dtype=torch.float32, device=dev) if k and call.topk_weights is not None else None
         recv_src = torch.empty(rows, dtype=i32, device=dev)
-        nd.launch_dispatch(x_f, scales_f, ids_node, w_f, in_f, rpm_f, cpm_f, rcp_f, f_rows, h, k, e_l, fp8, cfg, rows,
-                           nwt, recv_x, recv_scales, recv_idx, recv_w, recv_src, src_f, rmap)
+        nd.launch_dispatch(fwd, scales_f, ids_node, w_f, in_f, rpm_f, cpm_f, rcp_f, f_rows, h, k, e_l, fp8, cfg, rows,
+                           nwt, recv_x, recv_scales, recv_idx, recv_w, recv_src, src_f, rmap, x_row_bytes=rr["bytes"])
         rcp = torch.empty((r_n, c_n), dtype=i32, device=dev)
         self._r.recv_prefix(self._static, gathered.data_ptr(), mi, rpm.data_ptr(), recv_src.data_ptr(), rows, c_n,
                             rcp.data_ptr(), stream)
@@ -343,14 +343,14 @@ class NormalInternodeBackend:
         q_r, chunk_r = self._rdma(cfg)
         self.relay.relay_into(PHASE_DISPATCH, send, st.s_offsets, fwd, st.f_offsets, q_r, chunk_r,
                               capacity=st.forward_rows)
-        x_f = order.unpack(fwd, 0, rr["payload"], call.x.dtype)
         scales_f = order.unpack(fwd, rr["scales"], 4 * (h // 128), torch.float32) if fp8 else None
         rows = hd.num_recv_rows
         recv_x = torch.empty((rows, h), dtype=call.x.dtype, device=dev)
         recv_scales = torch.empty((rows, h // 128), dtype=torch.float32, device=dev) if fp8 else None
-        self.node.launch_dispatch(x_f, scales_f, None, None, st.node_in_rank, st.node_rank_prefix,
+        self.node.launch_dispatch(fwd, scales_f, None, None, st.node_in_rank, st.node_rank_prefix,
                                   st.node_channel_prefix, st.node_recv_channel_prefix, st.forward_rows, h, 0, 0, fp8,
-                                  cfg, rows, hd.num_worst_tokens, recv_x, recv_scales, None, None, None, None, st.row_map)
+                                  cfg, rows, hd.num_worst_tokens, recv_x, recv_scales, None, None, None, None, st.row_map,
+                                  x_row_bytes=rr["bytes"])
         return DispatchResult(recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=None, recv_topk_weights=None,
                               num_recv_tokens_per_expert_list=None, rank_prefix_matrix=hd.rank_prefix_matrix,
                               channel_prefix_matrix=hd.channel_prefix_matrix,
