@@ -130,9 +130,9 @@ class NormalInternodeBackend:
             self._steps = torch.arange(m_n + 1, dtype=torch.int32, device=self.device)   # one row per column peer
             self._zeros: Dict[int, "torch.Tensor"] = {}
             # inter_order's answer to the host: [ticket, aligned per-expert counts of this rank's experts].
+            # Labelled with the call's count-exchange ticket (self._ticket): one label per waited-for call.
             self._order_host = torch.zeros(1 + self.max_experts // r_n, dtype=torch.int32, device="cpu",
                                            pin_memory=True)
-            self._order_ticket = 0
             barrier_bounded(group, group_device(group), int(self._setup_s * 1e6), "normal internode buffer setup")
         except BaseException:
             self._release()
@@ -177,9 +177,9 @@ class NormalInternodeBackend:
         host = self._order_host.numpy()
         limit = 2 * self.timeout_us / 1e6 + 10.0
         deadline = time.monotonic() + limit
-        while int(host[0]) != self._order_ticket:
+        while int(host[0]) != self._ticket:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"normal internode dispatch: the per-expert counts (inter_order #{self._order_ticket}) "
+                raise TimeoutError(f"normal internode dispatch: the per-expert counts (inter_order #{self._ticket}) "
                                    f"did not arrive within {limit:.1f} s (the GPU is blocked by other work)")
             time.sleep(5e-6)
         return [int(v) for v in host[1:1 + num_local_experts]]
@@ -299,10 +299,9 @@ class NormalInternodeBackend:
         rmap = torch.empty(max(rows, 1), dtype=i32, device=dev)
         rpm = torch.empty((r_n, r_n), dtype=i32, device=dev)
         if host:
-            self._order_ticket = self._order_ticket % 0x7FFFFFFF + 1
             self._order_host[0] = 0
         self._r.order(self._static, gathered.data_ptr(), mi, rows, rmap.data_ptr(), rpm.data_ptr(),
-                      self._order_host.data_ptr() if host else 0, self._order_ticket if host else 0, e_n,
+                      self._order_host.data_ptr() if host else 0, self._ticket if host else 0, e_n,
                       call.expert_alignment, stream)
         counts: List[int] = self._wait_expert_counts(e_l) if host else []
         rmap = rmap[:rows]
