@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Lazy: importing pyep must not import torch or initialise CUDA.
     if name in ("EpBuffer",):
-        from .ep.buffer import EpBuffer
+        from .ep.ll.buffer import EpBuffer
         return EpBuffer
     if name == "NormalBuffer":
         from .ep.normal.buffer import NormalBuffer

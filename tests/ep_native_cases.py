@@ -1,6 +1,6 @@
 """Per-rank bodies of the native EP GPU tests (tests/test_ep_native_gpu.py runs them in DistPool workers
 over gloo). Each rank drives a native EpBuffer on its GPU next to a reference EpBuffer on the CPU
-(pyep.ep.reference over the same gloo group) and compares what both return."""
+(pyep.ep.ll.reference over the same gloo group) and compares what both return."""
 from __future__ import annotations
 
 import os
@@ -133,7 +133,7 @@ def compare_combine(tag: str, got: Any, want: Any) -> None:
 
 def new_buffers(shape: Shape, transport: str, **kw: Any):
     import torch.distributed as dist
-    from pyep.ep import EpBuffer
+    from pyep.ep.ll import EpBuffer
     common = dict(num_max_dispatch_tokens_per_rank=shape.T, hidden=shape.H, num_experts=shape.E,
                   max_topk=max(shape.K, 1), **kw)
     nat = EpBuffer(dist.group.WORLD, backend="native", transport=transport, **common)
@@ -207,7 +207,7 @@ def correctness(shape_args: Tuple[int, int, int, int], transport: str, ranks_per
             (7, T, "uniform", dict(use_fp8=True, mode="async")), (8, T - 1, "sparse", dict(zero_copy=True)),
             (9, T, "uniform", dict(use_fp8=True, use_ue8m0=True, round_scale=True, mode="hook")),
             (10, T, "zipf", dict(use_fp8=True)), (11, T, "bench-hot", {})]
-    if shape.H % 512 == 0:   # LogFMT: native bits == reference LogFMT bits (pyep.ep.logfmt)
+    if shape.H % 512 == 0:   # LogFMT: native bits == reference LogFMT bits (pyep.ep.ll.logfmt)
         full += [(12, T, "uniform", dict(use_logfmt=True)), (13, T, "hot", dict(use_logfmt=True, mode="hook")),
                  (14, T - 1, "zipf", dict(use_logfmt=True, use_fp8=True, zero_copy=True, mode="async"))]
     chosen = full if cases == "all" else [c for c in full if c[0] in (1, 3, 4, 5, 10, 12, 13, 14)]
@@ -290,8 +290,8 @@ def device_value_checks(transport: str) -> Dict[str, Any]:
     raise at the same point and the calls stay collective."""
     import torch
     import torch.distributed as dist
-    from pyep.ep.errors import DuplicateExpertIndex, InvalidExpertIndex
-    from pyep.ep.validate import sanitize_topk
+    from pyep.ep.ll.errors import DuplicateExpertIndex, InvalidExpertIndex
+    from pyep.ep.ll.validate import sanitize_topk
     setup_device()
     rank = dist.get_rank()
     s = Shape(8, 256, 4 * dist.get_world_size(), 3)

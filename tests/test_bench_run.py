@@ -84,7 +84,7 @@ def test_two_rank_reference_run(tmp_path) -> None:  # type: ignore[no-untyped-de
     rows = doc["rows"]
     assert [(r["tokens"], r["routing"]) for r in rows] == [(4, "uniform"), (4, "hot:0.5"), (8, "uniform"),
                                                            (8, "hot:0.5")]
-    from pyep.ep import EpBuffer
+    from pyep.ep.ll import EpBuffer
     for r in rows:
         t = r["tokens"]
         assert r["backend"] == "reference" and r["transport"] == "gloo" and r["skipped"] is None
@@ -184,7 +184,7 @@ def _guard_worker(bad_rank: int):  # type: ignore[no-untyped-def]
     from pyep.bench.guard import run_guard
     from pyep.bench.routing import make_batch
     from pyep.bench.sync import Sync
-    from pyep.ep import EpBuffer
+    from pyep.ep.ll import EpBuffer
     rank = dist.get_rank()
     kw = dict(num_max_dispatch_tokens_per_rank=8, hidden=256, num_experts=8, backend="reference",
               max_topk=4, check_values=False)

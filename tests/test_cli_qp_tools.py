@@ -318,7 +318,7 @@ def test_cli_dump_times_out_naming_the_wait(tmp_path: Any, monkeypatch: MonkeyPa
 
 
 def test_refs_from_a_packed_table(pair: _Pair) -> None:
-    """The layout pyep.ep.native packs QP contexts in: [peer][qp] in one tensor the kernels read."""
+    """The layout pyep.ep.ll.native packs QP contexts in: [peer][qp] in one tensor the kernels read."""
     import torch
     from pyep.transport.base import PeerLink
     pair.write(1, 2)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import pyep.compat
 from pyep.compat import deep_ep
 from pyep.compat._shapes import qps_per_peer
-from pyep.ep import EpBuffer
+from pyep.ep.ll import EpBuffer
 
 NUM_TOKENS, HIDDEN, NUM_TOPK, NUM_EXPERTS = 12, 256, 4, 16
 
@@ -469,10 +469,10 @@ def test_no_dependence_on_default_device_or_dtype(pool2: Any) -> None:
 # Files whose tensor factories must name device and dtype. The one exception builds host tables in
 # NativeBackend._build_static and moves them with .to(device) (under a default device of "cuda"
 # they are simply born there).
-_AUDITED = ("pyep/ep/*.py", "pyep/ep/normal/*.py", "pyep/compat/*.py")
+_AUDITED = ("pyep/ep/**/*.py", "pyep/compat/*.py")
 _FACTORIES = {"empty", "zeros", "ones", "arange", "tensor", "full", "rand", "randn", "randint", "linspace",
               "empty_strided", "as_tensor", "randperm", "eye"}
-_ALLOWED = {("pyep/ep/native.py", "_build_static")}
+_ALLOWED = {("pyep/ep/ll/native.py", "_build_static")}
 
 
 def test_tensor_factories_name_device_and_dtype() -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import pyep.compat
 from pyep.compat import mooncake
-from pyep.ep import EpBuffer
+from pyep.ep.ll import EpBuffer
 
 T, H, E, K = 16, 256, 8, 3
 

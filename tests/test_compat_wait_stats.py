@@ -76,7 +76,7 @@ def check_refusals(backend: str = "reference") -> Dict[str, Any]:
     communication (every rank refuses the same call); the buffer stays usable and the refused calls
     add nothing."""
     from ep_native_cases import rank_device
-    from pyep.ep import EpBuffer
+    from pyep.ep.ll import EpBuffer
     r_n = dist.get_world_size()
     dev = rank_device(backend)
     ep = EpBuffer(backend=backend, num_max_dispatch_tokens_per_rank=T, hidden=H, num_experts=E)
@@ -120,13 +120,13 @@ def test_reference_over_nccl_says_why() -> None:
     """The reference backend over a collective-only group (NCCL) cannot see per-source arrivals: it
     refuses the statistics with a sentence naming the alternatives (checked without NCCL: the rule is
     the group's backend name)."""
-    from pyep.ep.backend import DispatchOptions
-    from pyep.ep.reference import ReferenceBackend
+    from pyep.ep.ll.contract import DispatchOptions
+    from pyep.ep.ll.reference import ReferenceBackend
     ref = ReferenceBackend.__new__(ReferenceBackend)
     ref._p2p_counts, ref._backend_name, ref._mail = False, "nccl", None
     with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats.*nccl.*native backend.*gloo"):
         ref._check_wait_stats(torch.zeros(2, dtype=torch.int64), "dispatch_wait_recv_cost_stats")
-    ref._backend_name, ref._mail = "store", object()     # a store-based buffer (pyep/ep/mailbox.py)
+    ref._backend_name, ref._mail = "store", object()     # a store-based buffer (pyep/ep/elastic/mailbox.py)
     with pytest.raises(NotImplementedError, match="combine_wait_recv_cost_stats.*store-based.*native backend"):
         ref._check_wait_stats(torch.zeros(2, dtype=torch.int64), "combine_wait_recv_cost_stats")
     ref._check_wait_stats(None, "dispatch_wait_recv_cost_stats")   # not asked: nothing to refuse

@@ -54,7 +54,7 @@ def test_error_stats_nonfinite_counted_and_left_out() -> None:
 def test_error_stats_on_logfmt_round_trip() -> None:
     """What the tool measures on the GPU, with the bit-exact CPU reference of the kernels' LogFMT:
     randn * 0.1 rows (most groups cast) stay within LogFMT's worst-case bound."""
-    from pyep.ep import logfmt
+    from pyep.ep.ll import logfmt
     y = (torch.randn(64, 1024, generator=torch.Generator().manual_seed(3)) * 0.1).to(torch.bfloat16)
     st = error_stats(y, logfmt.roundtrip(y))
     assert st["compared"] > 60000 and st["nonfinite"] == 0

@@ -16,8 +16,8 @@ from typing import Any, Callable, List
 import pytest
 
 from pyep.ep.control import ControlTimeout, StoreControl
-from pyep.ep.membership import (Announcement, BadAnnouncement, StaleAnnouncement, buffer_fingerprint,
-                                decode_announcement)
+from pyep.ep.elastic.membership import (Announcement, BadAnnouncement, StaleAnnouncement, buffer_fingerprint,
+                                        decode_announcement)
 
 
 def _master() -> Any:
@@ -95,7 +95,7 @@ def test_store_control_rejects_bad_arguments() -> None:
         StoreControl(master, 3, 3)
     with pytest.raises(TypeError, match="Store"):
         StoreControl(object(), 0, 1)
-    from pyep.ep import EpBuffer
+    from pyep.ep.ll import EpBuffer
     with pytest.raises(ValueError, match="rank= and world_size="):
         EpBuffer(store=master, backend="reference", hidden=128, num_experts=4)
 
@@ -138,7 +138,7 @@ def test_store_bootstrap_reference_matches_definition() -> None:
     import torch
 
     from pyep.cli._drill_rank import _check_dispatch, _expected_combine, _expert, _inputs
-    from pyep.ep import EpBuffer
+    from pyep.ep.ll import EpBuffer
     master = _master()
     a = _drill_args()
 
@@ -164,7 +164,7 @@ def test_store_bootstrap_reference_matches_definition() -> None:
 def test_generations_and_stale_or_malformed_announcements() -> None:
     """A second process of a rank gets generation 2 and joins; a forged announcement of an older
     generation, and a malformed one, are refused with errors that say why."""
-    from pyep.ep import EpBuffer
+    from pyep.ep.ll import EpBuffer
     master = _master()
     kw = dict(backend="reference", timeout_us=5_000_000, store_prefix="t/gen", rejoin_lead_calls=0, **SHAPE)
     bufs = _threads(2, lambda r: EpBuffer(store=_client(master.port), rank=r, world_size=2, **kw))
@@ -267,7 +267,7 @@ def test_drill_call_a_survives_a_pause_after_admission() -> None:
     marked inactive at the end`). The reference's heartbeat does not cover it: a pausing rank is not
     waiting, so it does not beat."""
     from pyep.cli.drill import run_drill
-    from pyep.ep.membership import REJOIN_CALL_TIMEOUT_US
+    from pyep.ep.elastic.membership import REJOIN_CALL_TIMEOUT_US
     timeout_us, pause_ms = 300_000, 1200.0
     assert 2 * timeout_us / 1e3 < pause_ms < REJOIN_CALL_TIMEOUT_US / 1e3 - 500
     out = run_drill(_drill_ns(world=2, experts=4, timeout_us=timeout_us, phases="between", rounds_after=4,
@@ -284,7 +284,7 @@ def test_drill_newcomer_late_after_call_a_stays_admitted() -> None:
     the second GPU drill (nvlink, kills in combine and between calls). Calls #A .. #A +
     REJOIN_GRACE_CALLS - 1 wait at least REJOIN_CALL_TIMEOUT_US on every member."""
     from pyep.cli.drill import run_drill
-    from pyep.ep.membership import REJOIN_CALL_TIMEOUT_US, REJOIN_GRACE_CALLS
+    from pyep.ep.elastic.membership import REJOIN_CALL_TIMEOUT_US, REJOIN_GRACE_CALLS
     timeout_us, pause_ms = 300_000, 1200.0
     assert 2 * timeout_us / 1e3 < pause_ms < REJOIN_CALL_TIMEOUT_US / 1e3 - 500 and REJOIN_GRACE_CALLS >= 2
     out = run_drill(_drill_ns(world=2, experts=4, timeout_us=timeout_us, phases="between", rounds_after=4,
@@ -301,7 +301,7 @@ def test_drill_first_call_waits_for_a_late_starter() -> None:
     REJOIN_CALL_TIMEOUT_US, so nobody is marked before the victim dies; the drill fails when a rank was
     marked before the kill."""
     from pyep.cli.drill import run_drill
-    from pyep.ep.membership import REJOIN_CALL_TIMEOUT_US
+    from pyep.ep.elastic.membership import REJOIN_CALL_TIMEOUT_US
     timeout_us, pause_ms = 300_000, 1200.0
     assert 2 * timeout_us / 1e3 < pause_ms < REJOIN_CALL_TIMEOUT_US / 1e3 - 500
     out = run_drill(_drill_ns(world=2, experts=4, timeout_us=timeout_us, phases="between", rounds_after=4,

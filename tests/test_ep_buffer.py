@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from multiproc import DistPool
-from pyep.ep import EpBuffer
+from pyep.ep.ll import EpBuffer
 
 T, H, E = 8, 256, 8
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pyep.compat import deep_ep, mooncake
-from pyep.ep import EpBuffer
+from pyep.ep.ll import EpBuffer
 
 T, H, E = 8, 256, 8
 

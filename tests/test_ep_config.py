@@ -1,14 +1,14 @@
 """EpConfig validation, the size hint, the Handle's DeepEP tuple behaviour, and the argument checks of
-pyep.ep.validate called directly (no process group needed)."""
+pyep.ep.ll.validate called directly (no process group needed)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pyep.ep import EpConfig, Handle
-from pyep.ep import validate as V
-from pyep.ep.config import size_hint
-from pyep.ep.errors import DuplicateExpertIndex, InvalidExpertIndex
+from pyep.ep.ll import EpConfig, Handle
+from pyep.ep.ll import validate as V
+from pyep.ep.ll.layout import size_hint
+from pyep.ep.ll.errors import DuplicateExpertIndex, InvalidExpertIndex
 
 DEEPEP_LL_BYTES_E288 = 2.147e9     # DeepEP V1, T=128, H=7168, E=288 (REFERENCE.md §1)
 DEEPEP_LL_BYTES_E256 = 1.908e9

@@ -13,10 +13,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 
-from pyep.ep.config import EpConfig
-from pyep.ep.handle import Handle
-from pyep.ep.native import NativeBackend
-from pyep.ep.validate import validate_combine, validate_dispatch
+from pyep.ep.ll.config import EpConfig
+from pyep.ep.ll.handle import Handle
+from pyep.ep.ll.native import NativeBackend
+from pyep.ep.ll.validate import validate_combine, validate_dispatch
 
 T, H, E, R, K = 8, 256, 8, 2, 2
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""LogFMT-10 combine (use_logfmt=True): the format's error bounds (pyep.ep.logfmt), and the reference
+"""LogFMT-10 combine (use_logfmt=True): the format's error bounds (pyep.ep.ll.logfmt), and the reference
 backend's LogFMT combine against its BF16 combine in a 2-rank gloo group. The kernels' bits are checked
 against the same reference in tests/test_ll_sim.py (CPU) and tests/test_ep_native_gpu.py (GPU).
 
@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pyep.ep import EpBuffer, logfmt
+from pyep.ep.ll import EpBuffer, logfmt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_STEP = 32.0 / 510.0

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pyep.ep import EpBuffer, fp8
+from pyep.ep.ll import EpBuffer
+from pyep.ep import fp8
 
 Case = Dict[str, Any]
 

@@ -1,4 +1,4 @@
-"""A handle combined again, host side (pyep.ep.native): the backend counts combines per handle in its
+"""A handle combined again, host side (pyep.ep.ll.native): the backend counts combines per handle in its
 extras and flags the second and later ones `repeat`, so the kernel waits for every destination's
 acknowledgement (engine/kernels/ll_ack.cuh; the device side is tested in tests/test_ll_sim.py, the GPU
 case is repeated_combine in tests/ep_native_cases.py). Checked on the CPU with the backend's own
@@ -11,10 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pyep.ep.backend import CombineOptions, OnceHook  # noqa: E402
-from pyep.ep.handle import Handle  # noqa: E402
-from pyep.ep.layout import ll_buffer_layout  # noqa: E402
-from pyep.ep.native import COMBINED, RECV_PENDING, NativeBackend  # noqa: E402
+from pyep.ep.ll.contract import CombineOptions
+from pyep.ep.backend import OnceHook
+from pyep.ep.ll.handle import Handle
+from pyep.ep.ll.layout import ll_buffer_layout
+from pyep.ep.ll.native import COMBINED, RECV_PENDING, NativeBackend
 
 N, K, H = 4, 2, 256
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pyep.ep import EpBuffer
-from pyep.ep.errors import DuplicateExpertIndex, InvalidExpertIndex
-from pyep.ep.validate import sanitize_topk
+from pyep.ep.ll import EpBuffer
+from pyep.ep.ll.errors import DuplicateExpertIndex, InvalidExpertIndex
+from pyep.ep.ll.validate import sanitize_topk
 
 T, H, E, K = 8, 256, 8, 2
 
@@ -196,7 +196,8 @@ class _StubBackend:
         return err
 
     def dispatch(self, x: Any, topk_idx: Any, opts: Any) -> Any:
-        from pyep.ep.backend import DispatchResult, OnceHook
+        from pyep.ep.ll.contract import DispatchResult
+        from pyep.ep.backend import OnceHook
         rows = self.r_n * T
         return DispatchResult(recv_x=torch.zeros(self.e_l, rows, H, dtype=torch.bfloat16), recv_scales=None,
                               recv_count=torch.zeros(self.e_l, dtype=torch.int32),
@@ -205,7 +206,8 @@ class _StubBackend:
                               hook=OnceHook(lambda: None) if opts.return_recv_hook else None)
 
     def combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, opts: Any) -> Any:
-        from pyep.ep.backend import CombineResult, OnceHook
+        from pyep.ep.ll.contract import CombineResult
+        from pyep.ep.backend import OnceHook
         return CombineResult(out=torch.zeros(handle.num_tokens, H, dtype=torch.bfloat16),
                              hook=OnceHook(lambda: None) if opts.return_recv_hook else None)
 

@@ -1,4 +1,4 @@
-"""The native low-latency buffer layout (pyep.ep.layout): sizes, alignment, disjoint regions, and a model
+"""The native low-latency buffer layout (pyep.ep.ll.layout): sizes, alignment, disjoint regions, and a model
 of the kernels' slot assignment showing that every message fits its region."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from pyep.ep.config import EpConfig, size_hint
-from pyep.ep.layout import (FETCH_BYTES, HEADER_BYTES, LLLayout, ll_buffer_bytes, ll_buffer_layout,
-                            ws_words)
+from pyep.ep.ll.config import EpConfig
+from pyep.ep.ll.layout import size_hint
+from pyep.ep.ll.layout import FETCH_BYTES, HEADER_BYTES, LLLayout, ll_buffer_bytes, ll_buffer_layout, ws_words
 
 DEEPEP_LL_BYTES_E288 = 2_147_483_648 - 1  # "2.147 GB" for T=128, H=7168, E=288, R=8
 
@@ -54,8 +54,8 @@ def test_message_formats_fit_a_slot(shape):
     assert lay.fp8_msg_bytes <= lay.msg_bytes
     assert lay.fp8_msg_bytes % 16 == 0
     # Whole cache lines per slot, so payloads (at offset 0) start 128-byte aligned.
-    # The slot also holds a LogFMT combine row at its largest (meta words + 2H; pyep/ep/logfmt.py).
-    from pyep.ep.logfmt import message_bytes
+    # The slot also holds a LogFMT combine row at its largest (meta words + 2H; pyep/ep/ll/logfmt.py).
+    from pyep.ep.ll.logfmt import message_bytes
     assert message_bytes(lay.hidden) <= lay.msg_bytes
     assert lay.msg_bytes % 128 == 0 and lay.msg_bytes - max(lay.bf16_msg_bytes, message_bytes(lay.hidden)) < 128
     assert lay.off_drecv % 128 == 0 and lay.off_crecv % 128 == 0

@@ -196,8 +196,8 @@ def case_bad_ids(path: str, nic: str) -> str:
     sys.path.insert(0, SIM_DIR)
     import torch
     from world import World, check_combine, check_dispatch, expert_outputs, load
-    from pyep.ep.errors import DuplicateExpertIndex, InvalidExpertIndex, error_from_record
-    from pyep.ep.validate import sanitize_topk
+    from pyep.ep.ll.errors import DuplicateExpertIndex, InvalidExpertIndex, error_from_record
+    from pyep.ep.ll.validate import sanitize_topk
     sim = load(path)
     # K = 3 does not divide a warp: row 10 (entries 30..32) straddles two warps; 144 entries take the
     # routing pass past its two preloaded rounds (64 threads per simulated block); 2 blocks send
@@ -284,7 +284,7 @@ def _logfmt_outputs(w, seed: int):
 
 
 def case_logfmt(path: str, R: int, shape, grid: int, nic: str) -> str:
-    """use_logfmt combine: the kernel's output equals the reference (pyep.ep.logfmt encode + decode, then
+    """use_logfmt combine: the kernel's output equals the reference (pyep.ep.ll.logfmt encode + decode, then
     the same fp32 reduce) bit for bit, for several routings, both halves, split launches, with store
     peers and with NIC peers (the packed, shorter RDMA write)."""
     sys.path.insert(0, SIM_DIR)

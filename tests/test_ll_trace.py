@@ -1,8 +1,8 @@
-"""pyep.ep.trace: summarising per-block kernel timelines (synthetic stamps; the kernels that write
+"""pyep.ep.ll.trace: summarising per-block kernel timelines (synthetic stamps; the kernels that write
 them run on the GPU machine via tools/ll_trace.py)."""
 from __future__ import annotations
 
-from pyep.ep import trace as tr
+from pyep.ep.ll import trace as tr
 
 
 def test_summarize_relative_to_first_block_and_skips_unreached() -> None:

@@ -19,9 +19,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pyep.ep.normal import internode_relay as relay_mod  # noqa: E402
-from pyep.ep.normal import native as intranode  # noqa: E402
-from pyep.ep.normal import native_internode as ni  # noqa: E402
+from pyep.ep.normal import internode_relay as relay_mod
+from pyep.ep.normal import native as intranode
+from pyep.ep.normal import native_internode as ni
 from pyep.ep.normal.config import Config  # noqa: E402
 from pyep.ep.normal.contract import CombineCall, DispatchCall  # noqa: E402
 

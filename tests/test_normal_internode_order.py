@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pyep.ep.normal import internode_order as order  # noqa: E402
+from pyep.ep.normal import internode_order as order
 
 
 def random_records(m_n: int, p: int, e_n: int, seed: int):

@@ -1,4 +1,4 @@
-"""PeerSet (pyep.transport.setup) in real multi-process gloo groups, with the CUDA runtime calls of the
+"""PeerSet (pyep.ep.peers) in real multi-process gloo groups, with the CUDA runtime calls of the
 NVLink transport replaced by a recording fake: the description exchange, the agreed plan, the links the
 kernels get (local store base = own buffer, NVLink store base = the mapped peer buffer), reconnect
 (mappings closed and reopened) and the errors of impossible plans, identical on every rank."""
@@ -37,8 +37,8 @@ class FakeEp:
 def _peerset(transport: str, ranks_per_node=None):
     import torch
     import torch.distributed as dist
-    from pyep.ep.config import EpConfig
-    from pyep.transport.setup import PeerSet
+    from pyep.ep.ll.config import EpConfig
+    from pyep.ep.peers import PeerSet
     torch.cuda.device_count = lambda: 8          # the fake GPUs the bus ids above belong to
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = EpConfig(num_max_dispatch_tokens_per_rank=4, hidden=256, num_experts=2 * world, transport=transport,

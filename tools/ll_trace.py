@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node R tools/ll_trace.py [--tokens 128 --hidden 7168 --experts 288
         --topk 8 --iters 10 --transport nvlink --hook --host-profile]
 
-Builds an EpBuffer with PYEP_LL_TRACE=1 (pyep.ep.trace), runs aligned dispatch and combine calls the
+Builds an EpBuffer with PYEP_LL_TRACE=1 (pyep.ep.ll.trace), runs aligned dispatch and combine calls the
 way `pyep bench` does, and prints, for rank 0 and as the maximum over ranks, when the blocks reached
 each point of the kernels: routed (slot bases known), issued (all stores handed to the memory
 system), fenced (the system-scope fence: stores acknowledged), done (signals sent), then the receive
@@ -45,8 +45,8 @@ def main(argv: list) -> int:
     from pyep.bench.routing import make_batch
     from pyep.bench.config import RoutingSpec
     from pyep.bench.sync import Sync
-    from pyep.ep import EpBuffer
-    from pyep.ep import trace as tr
+    from pyep.ep.ll import EpBuffer
+    from pyep.ep.ll import trace as tr
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)

@@ -16,7 +16,7 @@ using namespace pyep::ll;
 namespace {
 
 void register_ep(py::module_& m) {
-    auto ep = m.def_submodule("ep", "Low-latency MoE dispatch/combine kernels (pyep.ep.native drives them)");
+    auto ep = m.def_submodule("ep", "Low-latency MoE dispatch/combine kernels (pyep.ep.ll.native drives them)");
 
     py::class_<LLStatic>(ep, "LLStatic")
         .def(py::init<>())

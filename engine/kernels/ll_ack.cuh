@@ -1,5 +1,5 @@
 // Combine acknowledgements: what lets a handle be combined again (docs/ll_kernels.md, "A handle
-// combined again"; pyep/ep/layout.py defines the words).
+// combined again"; pyep/ep/ll/layout.py defines the words).
 //
 // A combine uses its dispatch's half: the token owner's receive rows and flags there, and on the NIC
 // path the expert owner's dispatch receive slots as staging. Calls that alternate halves are ordered by

@@ -63,7 +63,7 @@ __device__ __forceinline__ void post_row(const LLStatic& s, const LLCombineCall&
     __syncwarp();
 }
 
-// LogFMT send (pyep/ep/logfmt.py is the format): one warp per row, rounds of 512 channels, lane l
+// LogFMT send (pyep/ep/ll/logfmt.py is the format): one warp per row, rounds of 512 channels, lane l
 // holding channels 16l..16l+15 of the round. A round's four groups are encoded into the warp's shared
 // staging (a cast group: 160 bytes, else its 256 raw bytes), then copied out as int4 at the row's
 // running offset: groups are packed, so the wire size depends on how many groups cast.
@@ -265,7 +265,7 @@ __device__ __forceinline__ int slot_expert(const LLCombineCall& c, const Combine
     return my_e >= 0 && !sm.ok[my_e / El] ? -1 : my_e;
 }
 
-// LogFMT reduce (pyep/ep/logfmt.py): items (token t, 512-channel chunk); lane l owns channels
+// LogFMT reduce (pyep/ep/ll/logfmt.py): items (token t, 512-channel chunk); lane l owns channels
 // 16l..16l+15, i.e. unit l & 7 of group 4 * chunk + l / 8. A group's place in the message depends on
 // how many earlier groups were cast: every lane loads meta words of the groups before the chunk's end
 // (one coalesced load per 32 groups, cached for the items of the same row), and a ballot counts them.

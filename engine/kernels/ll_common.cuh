@@ -1,7 +1,7 @@
 // Device helpers shared by the low-latency dispatch and combine kernels: memory accesses with explicit
 // PTX semantics, the consistent per-source arrival decision with a %globaltimer timeout, the
 // "last block" completion protocol, block scans, and addressing of the buffer layout
-// (pyep/ep/layout.py is the definition; the offsets arrive in LLStatic).
+// (pyep/ep/ll/layout.py is the definition; the offsets arrive in LLStatic).
 //
 // PYEP_LL_CPU_SIM: the same source compiles as host C++ against tests/ll_sim/cuda_shim.h, where every
 // block thread is an OS thread; only the few raw PTX accesses below have host twins there.

@@ -1,7 +1,7 @@
 // Host entry points of the low-latency EP kernels (dispatch / combine) and the small CUDA runtime
 // helpers the Python side needs for the NVLink transport (device buffers, IPC handles, peer access).
 // Plain C++ types only (pointers and streams travel as uint64), so the pybind11 layer needs no CUDA
-// headers. The buffer layout these offsets describe is defined in pyep/ep/layout.py.
+// headers. The buffer layout these offsets describe is defined in pyep/ep/ll/layout.py.
 #pragma once
 
 #include <stdint.h>
@@ -30,7 +30,7 @@ struct LLStatic {
     uint64_t flag_expect = 0;     // device int32[R]: combine flag value source r ends with
     uint64_t fetch_addr = 0;      // registered scratch for the fetched value of NIC atomics
     uint64_t workspace = 0;       // device int32[ws_words(R)], zeroed at creation, self-resetting
-    // Layout (pyep/ep/layout.py)
+    // Layout (pyep/ep/ll/layout.py)
     uint64_t half_bytes = 0;
     uint64_t off_dsig = 0;
     uint64_t off_csig = 0;
@@ -45,7 +45,7 @@ struct LLStatic {
                                   // int32[kErrWords] (LLErrorWord), read by the host without a sync
 };
 
-// The dispatch kernel's error record (pyep/ep/errors.py decodes it). The first top-k entry of a
+// The dispatch kernel's error record (pyep/ep/ll/errors.py decodes it). The first top-k entry of a
 // dispatch that is outside [-1, E) or repeats an earlier slot's expert in its row (row-major order)
 // is written by block 0, thread 0 -- only while `code` is 0, so the first error stays until the host
 // has reported it -- with `code` stored last after a system-scope fence. The host clears `code`.
@@ -53,7 +53,7 @@ enum LLErrorWord : int { kErrCode = 0, kErrRow = 1, kErrK = 2, kErrValueLo = 3, 
 enum LLErrorCode : int { kErrNone = 0, kErrExpertRange = 1, kErrExpertDuplicate = 2 };
 constexpr int kErrWords = 8;
 
-// Timeline points (ll_common.cuh stamps them when LLStatic::trace is set; pyep/ep/trace.py reads them).
+// Timeline points (ll_common.cuh stamps them when LLStatic::trace is set; pyep/ep/ll/trace.py reads them).
 enum TracePoint : int {
     kTrSendBegin = 0, kTrSendRouted = 1, kTrSendIssued = 2, kTrSendFenced = 3, kTrSendDone = 4,
     kTrRecvBegin = 5, kTrRecvReady = 6, kTrRecvCopied = 7, kTrRecvDone = 8,
@@ -109,7 +109,7 @@ struct LLCombineCall {
     uint64_t out = 0;             // bf16 [N, H]
     uint64_t timeout_ns = 0;
     int phases = kPhaseSend | kPhaseRecv;
-    int use_logfmt = 0;           // LogFMT-10 payload (pyep/ep/logfmt.py); H % 512 == 0
+    int use_logfmt = 0;           // LogFMT-10 payload (pyep/ep/ll/logfmt.py); H % 512 == 0
     uint64_t wait_stats = 0;      // int64 [R] or 0: receive wait per source, added in ns (WaitStats)
     int repeat = 0;               // the handle was combined before: wait for every destination's
                                   // acknowledgement of our earlier combines on this half (ll_ack.cuh)

@@ -1,5 +1,5 @@
 // LogFMT-10 combine payload (use_logfmt): encode / decode of 16-channel units and the per-group
-// parameters. pyep/ep/logfmt.py is THE definition (format, message layout, rounding); this file
+// parameters. pyep/ep/ll/logfmt.py is THE definition (format, message layout, rounding); this file
 // computes the same bits: every float step is an explicitly rounded fp32 operation (__fmul_rn /
 // __fadd_rn / __fdiv_rn, never contracted into an FMA) or a table lookup, so the CPU reference and the
 // kernels agree exactly (tests/test_ll_sim.py). DeepEP's approximate lg2/ex2 could not be reproduced.

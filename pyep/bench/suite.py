@@ -120,7 +120,7 @@ class Suite:
 
     # ------------------------------------------------------------------ buffers
     def _new_buffer(self, backend: str, transport: str, tokens: int) -> Any:
-        from ..ep import EpBuffer
+        from ..ep.ll import EpBuffer
         c = self.cfg
         return EpBuffer(self.group, num_max_dispatch_tokens_per_rank=tokens, hidden=c.hidden,
                         num_experts=c.experts, transport=transport, timeout_us=c.timeout_us,
@@ -172,7 +172,7 @@ class Suite:
         return sorted(built, key=lambda b: order[b[0].key])
 
     def size_hint(self, tokens: int) -> Optional[int]:
-        from ..ep import EpBuffer
+        from ..ep.ll import EpBuffer
         try:
             return int(EpBuffer.size_hint(tokens, self.cfg.hidden, self.cfg.experts, self.world_size,
                                           self.cfg.topk))

@@ -141,7 +141,7 @@ def _warm_up(a: Dict[str, Any], rank: int, world: int, dev: Any) -> None:
 def _trace_summary(buf: Any) -> Dict[str, List[Any]]:
     """The latest dispatch's and combine's per-block timeline (PYEP_LL_TRACE=1): per point, blocks that
     reached it and the first / median / last block in µs after the call's first stamp."""
-    from pyep.ep.trace import KERNELS, summarize
+    from pyep.ep.ll.trace import KERNELS, summarize
     stamps = buf.backend.read_trace()
     return {k: [(p.point, p.blocks, round(p.first_us, 1), round(p.median_us, 1), round(p.last_us, 1))
                 for p in summarize(stamps[i])] for i, k in enumerate(KERNELS)}
@@ -178,7 +178,7 @@ def run(a: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[st
     import torch
     import torch.distributed as dist
 
-    from pyep.ep import EpBuffer
+    from pyep.ep.ll import EpBuffer
     rank, world = int(a["rank"]), int(a["world"])
     native = a["backend"] == "native"
     # The checks' CPU operators are tiny: with torch's default (a thread per core) in every rank, the

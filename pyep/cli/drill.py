@@ -316,7 +316,7 @@ def _main(ns: argparse.Namespace) -> int:
         raise CliError("--world must be >= 2")
     if ns.experts == 0:
         ns.experts = 4 * ns.world
-    from ..ep.membership import REJOIN_GRACE_CALLS
+    from ..ep.elastic.membership import REJOIN_GRACE_CALLS
     if ns.kill_call < REJOIN_GRACE_CALLS + 3:
         raise CliError(f"--kill-call must be >= {REJOIN_GRACE_CALLS + 3}: calls 1 .. {REJOIN_GRACE_CALLS} are the "
                        f"start's grace window (they wait at least 2 s, docs/elastic.md), the next ones give the "

@@ -8,9 +8,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
-from ..ep.buffer import EpBuffer
-from ..ep.config import MAX_TOPK, EpConfig
-from ..ep.handle import Handle
+from ..ep.ll.buffer import EpBuffer
+from ..ep.config import MAX_TOPK
+from ..ep.ll.config import EpConfig
+from ..ep.ll.handle import Handle
 
 if TYPE_CHECKING:
     import torch

@@ -21,8 +21,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
 
 from ..ep.config import DEFAULT_TIMEOUT_US, MAX_HIDDEN
-from ..ep.config import size_hint as _size_hint
-from ..ep.handle import Handle
+from ..ep.ll.layout import size_hint as _size_hint
+from ..ep.ll.handle import Handle
 from ..ep.normal.buffer import NormalBuffer
 from ..ep.normal.config import Config
 from ..ep.normal.handle import NormalHandle

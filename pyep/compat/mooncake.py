@@ -19,8 +19,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple, Union
 
 from ..ep.config import DEFAULT_TIMEOUT_US
-from ..ep.config import size_hint as _size_hint
-from ..ep.handle import Handle
+from ..ep.ll.layout import size_hint as _size_hint
+from ..ep.ll.handle import Handle
 from ._shapes import EventOverlap, ShapeBuffers, hidden_of, template_config
 
 if TYPE_CHECKING:

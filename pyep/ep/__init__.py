@@ -1,12 +1,13 @@
-"""Low-latency MoE expert-parallel dispatch/combine. Importing this package does not import torch."""
-from __future__ import annotations
+"""The MoE expert-parallel library, one package per mode and one for membership:
 
-from .backend import (BackendUnavailable, CombineOptions, CombineResult, CompletedEvent, DispatchOptions,
-                      DispatchResult, EpBackend, PeerTransport)
-from .buffer import EpBuffer
-from .config import DEFAULT_TIMEOUT_US, MAX_HIDDEN, MAX_TOPK, EpConfig, size_hint
-from .handle import Handle
+- `pyep.ep.ll`: the low-latency mode (`EpBuffer`; docs/ll_kernels.md),
+- `pyep.ep.normal`: the normal (high-throughput) mode (`NormalBuffer`; docs/normal_mode.md, and across
+  nodes docs/normal_internode.md),
+- `pyep.ep.elastic`: surviving a dead rank and taking it back (docs/elastic.md).
 
-__all__ = ["EpBuffer", "EpConfig", "Handle", "size_hint", "EpBackend", "DispatchOptions",
-           "CombineOptions", "DispatchResult", "CombineResult", "PeerTransport", "CompletedEvent",
-           "BackendUnavailable", "DEFAULT_TIMEOUT_US", "MAX_HIDDEN", "MAX_TOPK"]
+What they share lives here: the control plane (control.py: set-up exchanges over a process group or a
+store), the process-group helpers (_dist.py), the peer set that connects a buffer to every rank over the
+transports (peers.py), the buffer configuration (config.py), argument checks (validate.py), errors about
+peers' data (errors.py), the backend pieces both modes use (backend.py), CUDA stream helpers
+(streams.py) and the FP8 definition (fp8.py). Shared modules import none of the three packages; `ll`
+and `normal` never import each other. Importing this package does not import torch."""

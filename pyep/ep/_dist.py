@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
+MAX_GATHER_BYTES = 1 << 20   # all_gather_bytes refuses more (set-up data, never payload)
+
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
@@ -40,11 +42,14 @@ def group_ranks(group: "dist.ProcessGroup") -> List[int]:
     return list(range(dist.get_world_size(group)))
 
 
-def _wait(work: "dist.Work", timeout_us: int, what: str, ranks: Sequence[int]) -> None:
+def _wait(work: "dist.Work", timeout_us: int, what: str, ranks: Sequence[int], *,
+          any_error_is_timeout: bool = False) -> None:
+    """Bounded wait for a collective. `any_error_is_timeout`: a set-up exchange treats every backend
+    error (gloo's "connection closed" from a rank that died) as those ranks not answering."""
     try:
         ok = work.wait(timeout=datetime.timedelta(microseconds=timeout_us))
     except RuntimeError as exc:
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        if any_error_is_timeout or "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             raise TimeoutError(f"{what}: ranks {list(ranks)} did not all take part within "
                                f"{timeout_us} us ({exc})") from exc
         raise
@@ -73,3 +78,28 @@ def barrier_bounded(group: "dist.ProcessGroup", device: "torch.device", timeout_
     import torch
     t = torch.ones(1, dtype=torch.int32, device=device)
     all_reduce_min_bounded(t, group, timeout_us, what)
+
+
+def all_gather_bytes(group: "dist.ProcessGroup", payload: bytes, timeout_s: float, what: str) -> List[bytes]:
+    """Every rank's byte string (index = rank). Two bounded all-gathers: the lengths, then the padded
+    payloads; each wait names what it waited for."""
+    import torch
+    import torch.distributed as dist
+    if len(payload) > MAX_GATHER_BYTES:
+        raise ValueError(f"{what}: payload of {len(payload)} bytes exceeds {MAX_GATHER_BYTES}")
+    dev = group_device(group)
+    n = dist.get_world_size(group)
+    mine = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+    lens = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
+    _wait(dist.all_gather(lens, mine, group=group, async_op=True), int(timeout_s * 1e6), f"{what} (sizes)", range(n),
+          any_error_is_timeout=True)
+    sizes = [int(t.item()) for t in lens]
+    width = max(1, max(sizes))
+    buf = torch.zeros(width, dtype=torch.uint8, device="cpu")
+    if payload:
+        buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    buf = buf.to(dev)
+    outs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(n)]
+    _wait(dist.all_gather(outs, buf, group=group, async_op=True), int(timeout_s * 1e6), what, range(n),
+          any_error_is_timeout=True)
+    return [bytes(o.cpu().numpy().tobytes()[:size]) for o, size in zip(outs, sizes)]

@@ -9,7 +9,7 @@ Every wait here is bounded and, when it runs out, names the ranks whose keys nev
 
 Store keys live under `<prefix>/` (EpBuffer's `store_prefix`, one per buffer). Rounds of the initial
 set-up are numbered (`boot/<n>/<what>/<rank>`): every rank makes the same rounds in the same order.
-Membership keys (announcements, generations) are pyep.ep.membership's.
+Membership keys (announcements, generations) are pyep.ep.elastic.membership's.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class GroupControl:
         self.store: Any = None
 
     def all_gather_bytes(self, payload: bytes, timeout_s: float, what: str) -> List[bytes]:
-        from ..transport.base import all_gather_bytes
+        from ._dist import all_gather_bytes
         return all_gather_bytes(self.group, payload, timeout_s, what)
 
     def barrier(self, timeout_s: float, what: str) -> None:

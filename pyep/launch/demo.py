@@ -66,7 +66,7 @@ def _check_dispatch(recv_x: Any, recv_count: Any, handle: Any, world: int, rank:
 
 def run_ep(args: argparse.Namespace, rank: int, world: int, steps: int, step0: int) -> Dict[str, Any]:
     import torch
-    from ..ep.buffer import EpBuffer
+    from ..ep.ll.buffer import EpBuffer
     ep = ep_from_env()
     backend = ep.backend
     kwargs: Dict[str, Any] = dict(num_max_dispatch_tokens_per_rank=ep.num_max_dispatch_tokens_per_rank,
@@ -126,7 +126,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.ep == "auto":
         import importlib.util
         try:
-            run_ep_part = importlib.util.find_spec("pyep.ep.buffer") is not None
+            run_ep_part = importlib.util.find_spec("pyep.ep.ll.buffer") is not None
             if not run_ep_part:
                 log.warning("pyep.ep is not installed; running the collective check only")
         except ImportError as exc:

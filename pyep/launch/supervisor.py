@@ -28,7 +28,7 @@ log = logging.getLogger("pyep.launch")
 _POLL_S = 0.1
 _DRAIN_S = 3.0          # after all nodes exited: how long to wait for their last output
 _KILL_WAIT_S = 5.0      # after SIGKILL: how long to wait for the kernel to reap
-# The line pyep.ep.membership logs when a restarted rank has been re-admitted.
+# The line pyep.ep.elastic.membership logs when a restarted rank has been re-admitted.
 _REJOIN_RE = re.compile(r"rank (\d+): admitted \(generation (\d+)\)")
 
 

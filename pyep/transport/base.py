@@ -9,7 +9,6 @@ on (NIC). Kinds: "local" (self), "nvlink" (CUDA IPC), "ibgda" (real mlx5 NIC), "
 from __future__ import annotations
 
 import base64
-import datetime
 import json
 import logging
 import os
@@ -26,7 +25,6 @@ log = logging.getLogger("pyep.transport")
 KINDS = ("local", "nvlink", "ibgda", "emulated")
 VIRTUAL_NODE_ENV = "PYEP_VIRTUAL_NODE_SIZE"
 INFO_BYTES = 4096        # bound of one rank's description
-MAX_GATHER_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -142,40 +140,6 @@ def plan_transports(mode: str, allow_nvlink: bool, nodes: Sequence[int], p2p: Se
                                    f"rank(s) {missing} found no usable RDMA NIC; use transport='emulated' "
                                    f"to run the NIC path on the softnic")
     return plan
-
-
-def _wait(work: "dist.Work", timeout_s: float, what: str, n: int) -> None:
-    try:
-        ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        raise TimeoutError(f"{what}: ranks {list(range(n))} did not all answer within {timeout_s:.0f} s "
-                           f"({exc})") from exc
-    if ok is False:
-        raise TimeoutError(f"{what}: ranks {list(range(n))} did not all answer within {timeout_s:.0f} s")
-
-
-def all_gather_bytes(group: "dist.ProcessGroup", payload: bytes, timeout_s: float, what: str) -> List[bytes]:
-    """Every rank's byte string (index = rank). Two bounded all-gathers: the lengths, then the padded
-    payloads; each wait names what it waited for."""
-    import torch
-    import torch.distributed as dist
-    from ..ep._dist import group_device
-    if len(payload) > MAX_GATHER_BYTES:
-        raise ValueError(f"{what}: payload of {len(payload)} bytes exceeds {MAX_GATHER_BYTES}")
-    dev = group_device(group)
-    n = dist.get_world_size(group)
-    mine = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
-    lens = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
-    _wait(dist.all_gather(lens, mine, group=group, async_op=True), timeout_s, f"{what} (sizes)", n)
-    sizes = [int(t.item()) for t in lens]
-    width = max(1, max(sizes))
-    buf = torch.zeros(width, dtype=torch.uint8)
-    if payload:
-        buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    buf = buf.to(dev)
-    outs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(n)]
-    _wait(dist.all_gather(outs, buf, group=group, async_op=True), timeout_s, what, n)
-    return [bytes(o.cpu().numpy().tobytes()[:size]) for o, size in zip(outs, sizes)]
 
 
 def host_name() -> str:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 from .base import PeerLink, RankInfo, Transport
 
 if TYPE_CHECKING:
-    from ..ep.config import EpConfig
+    from ..ep.config import LinkConfig
 
 log = logging.getLogger("pyep.transport.ibgda")
 DEFAULT_QPS_PER_PEER = 2
@@ -69,7 +69,7 @@ def _register(kind: str, prov: Any, addr: int, length: int) -> Tuple[int, int, i
 class NicTransport(Transport):
     """The NIC path over pyep.transport.connect (validated exchange, PSNs, per-QP UDP ports)."""
 
-    def __init__(self, kind: str, control: Any, config: "EpConfig", rank: int, num_ranks: int,
+    def __init__(self, kind: str, control: Any, config: "LinkConfig", rank: int, num_ranks: int,
                  buffer_addr: int, buffer_bytes: int, timeout_s: float) -> None:
         if kind not in ("ibgda", "emulated"):
             raise ValueError(f"NicTransport kind must be 'ibgda' or 'emulated', got {kind!r}")
@@ -141,7 +141,7 @@ class NicTransport(Transport):
         return PeerLink(rank=r, kind=self.kind, detail=f"{detail}, {self.nqp} QPs", remote_addr=region.addr,
                         rkey=region.rkey, qp_contexts=ctxs, flag_expect=self.nqp)
 
-    # --- elastic membership (pyep.ep.membership): only the QPs towards one rank change
+    # --- elastic membership (pyep.ep.elastic.membership): only the QPs towards one rank change
     def open_join(self) -> bytes:
         """A restarted rank: register, create fresh QPs towards every peer; our connect blob."""
         return self._connections().local_info().to_bytes()

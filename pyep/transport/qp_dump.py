@@ -214,7 +214,7 @@ def dump_ref(ref: QpRef, read_cq: bool = True) -> Dict[str, Any]:
 
 def refs_from_table(links: Sequence[Any], table: Any, qps_per_peer: int, provider: Any = None) -> List[QpRef]:
     """QpRefs for a backend that packs every NIC link's QP contexts into one tensor, context j of peer r
-    at (r * qps_per_peer + j) * context size (pyep.ep.native's layout): `links` are PeerLinks (rank,
+    at (r * qps_per_peer + j) * context size (pyep.ep.ll.native's layout): `links` are PeerLinks (rank,
     qp_contexts = the contexts' initial bytes, which name the QP), `table` the tensor the kernels use."""
     size = int(_engine().qp_context_size)
     refs: List[QpRef] = []

@@ -1,5 +1,5 @@
 """A simulated EP world for the CPU build of the low-latency kernels (ll_sim): R ranks in one process,
-host buffers laid out by pyep.ep.layout, peers connected by direct stores or by the simulated NIC, and
+host buffers laid out by pyep.ep.ll.layout, peers connected by direct stores or by the simulated NIC, and
 a brute-force oracle of what every rank must receive and combine."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from pyep.ep import fp8
-from pyep.ep.errors import RECORD_WORDS
-from pyep.ep.layout import ll_buffer_layout, ws_words
+from pyep.ep.ll.errors import RECORD_WORDS
+from pyep.ep.ll.layout import ll_buffer_layout, ws_words
 
 
 def load(path: str) -> Any:
@@ -78,7 +78,7 @@ class World:
         self.lay = ll_buffer_layout(T, H, E, R, K_max)
         self.e_l = E // R
         self.ws = [torch.zeros(ws_words(R), dtype=torch.int32) for _ in range(R)]
-        # The dispatch kernel's error record per rank (pyep.ep.errors; host memory on the GPU too).
+        # The dispatch kernel's error record per rank (pyep.ep.ll.errors; host memory on the GPU too).
         self.errs = [torch.zeros(RECORD_WORDS, dtype=torch.int32) for _ in range(R)]
         self.active = [torch.ones(R, dtype=torch.int32) for _ in range(R)]
         # Per-source receive wait (ns) each rank's calls add up when a call passes wait_stats=True.
@@ -187,7 +187,7 @@ class World:
     def acks(self, half: int) -> Tuple[List[List[int]], List[List[int]]]:
         """(sent[r][d], acked[r][d]): combines rank r sent to d on `half` (its workspace csent) and the
         acknowledgements d added to cack[half][d] in r's buffer."""
-        from pyep.ep.layout import ws_csent_index
+        from pyep.ep.ll.layout import ws_csent_index
         sent = [[int(self.ws[r][ws_csent_index(self.R, half, d)]) for d in range(self.R)] for r in range(self.R)]
         acked = [[int(self.bufs[r][self.lay.cack_offset(half, d):self.lay.cack_offset(half, d) + 4].view(torch.int32))
                   for d in range(self.R)] for r in range(self.R)]
@@ -244,10 +244,10 @@ def expert_outputs(w: World, outs: Sequence[Dict[str, Any]], use_fp8: bool, use_
 def check_combine(w: World, inputs: Sequence[Any], ys: Sequence[Any], outs: Sequence[Any], me: int,
                   active: Sequence[bool], tag: str, use_logfmt: bool = False) -> None:
     """out[t] = sum over k ascending of w * y(row of (me, t, k) at its owner), fp32, one bf16 rounding.
-    With use_logfmt, y is the row after pyep.ep.logfmt's encode + decode (bit-exact reference)."""
+    With use_logfmt, y is the row after pyep.ep.ll.logfmt's encode + decode (bit-exact reference)."""
     x, topk, wts = inputs[me]
     if use_logfmt:
-        from pyep.ep import logfmt
+        from pyep.ep.ll import logfmt
         ys = [logfmt.roundtrip(y.reshape(-1, w.H)).reshape(y.shape) for y in ys]
     acc = torch.zeros(x.shape[0], w.H, dtype=torch.float32)
     row_of: Dict[Tuple[int, int], Tuple[int, int, int]] = {}

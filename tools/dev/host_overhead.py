@@ -68,7 +68,7 @@ def _pieces(buf: Any, x: Any, topk: Any, w: Any, y: Any, iters: int) -> List[str
     """The old breakdown of the Python path (device idle between calls)."""
     import torch
 
-    from pyep.ep.validate import validate_combine, validate_dispatch
+    from pyep.ep.ll.validate import validate_combine, validate_dispatch
     be, cfg, dev, r = buf.backend, buf.config, buf.device, buf.num_ranks
     lines: List[str] = []
 
@@ -167,8 +167,8 @@ def _rank_main(rank: int, dev: Any, args: argparse.Namespace) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from pyep.ep import EpBuffer
-    from pyep.ep.native import FAST_ENV
+    from pyep.ep.ll import EpBuffer
+    from pyep.ep.ll.native import FAST_ENV
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     x, topk, w, y = rank_inputs(rank, args.ranks, dev, T, H, E, K)
     out: Dict[str, Any] = {"rank": rank, "device": torch.cuda.get_device_name(dev), "paths": {}}

@@ -81,7 +81,7 @@ def _rank_main(rank: int, dev: Any, args: argparse.Namespace) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from pyep.ep import EpBuffer
+    from pyep.ep.ll import EpBuffer
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     x, topk, w, y = rank_inputs(rank, args.ranks, dev, T, H, E, K, y_scale=args.scale)
     buf = EpBuffer(None, num_max_dispatch_tokens_per_rank=T, hidden=H, num_experts=E, max_topk=K, backend="native")

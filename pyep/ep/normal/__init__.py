@@ -1,6 +1,6 @@
-"""DeepEP's normal (high-throughput) mode, intranode: `NormalBuffer` with get_dispatch_layout, dispatch
-(also cached) and combine. contract.py is the semantic spec every backend follows. Importing this
-package does not import torch."""
+"""DeepEP's normal (high-throughput) mode: `NormalBuffer` with get_dispatch_layout, dispatch (also cached)
+and combine, inside a node (docs/normal_mode.md) and across nodes (docs/normal_internode.md).
+contract.py is the semantic spec every backend follows. Importing this package does not import torch."""
 from __future__ import annotations
 
 from .buffer import NormalBuffer

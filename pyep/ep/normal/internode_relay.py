@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional
 
-from ..config import EpConfig
+from ..config import LinkConfig
 from ..streams import raw_current_stream
 from .errors import ERR_NONE, NormalModeError, PeerTimeout
 from .topology import NodeLayout
@@ -160,10 +160,9 @@ class Relay:
             self._buf = int(self._ep.device_alloc(self._bytes))
             self._ep.memset_async(self._buf, 0, self._bytes, torch.cuda.current_stream().cuda_stream)
             torch.cuda.current_stream().synchronize()
-            from ...transport.setup import PeerSet
-            cfg = EpConfig(num_max_dispatch_tokens_per_rank=1, hidden=128, num_experts=m_n,
-                           transport=nic_transport(transport), ranks_per_node=1, timeout_us=timeout_us,
-                           num_qps_per_peer=num_qps_per_peer)
+            from ..peers import PeerSet
+            cfg = LinkConfig(transport=nic_transport(transport), ranks_per_node=1,
+                             num_qps_per_peer=num_qps_per_peer)
             self._peers = PeerSet(self.group, cfg, self._ep, nodes.node(rank), m_n, self.device.index, self._buf,
                                   self._bytes, setup_timeout_s)
             self._peers.connect()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 from .._dist import barrier_bounded, group_device
 from ..backend import BackendUnavailable, PeerTransport
-from ..config import EpConfig
+from ..config import LinkConfig
 from ..streams import raw_current_stream
 from . import layout
 from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
@@ -133,9 +133,8 @@ class NormalNativeBackend:
             self._buf = int(self._ep.device_alloc(self._bytes))
             self._ep.memset_async(self._buf, 0, self._bytes, torch.cuda.current_stream().cuda_stream)
             torch.cuda.current_stream().synchronize()
-            from ...transport.setup import PeerSet
-            cfg = EpConfig(num_max_dispatch_tokens_per_rank=1, hidden=hidden, num_experts=r_n, transport="nvlink"
-                           if r_n > 1 else "auto", timeout_us=timeout_us)
+            from ..peers import PeerSet
+            cfg = LinkConfig(transport="nvlink" if r_n > 1 else "auto")
             self._peers = PeerSet(group, cfg, self._ep, self.rank, r_n, self.device.index, self._buf, self._bytes,
                                   self._setup_timeout_s)
             self._peers.connect()

@@ -18,12 +18,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from . import fp8, logfmt
-from ._dist import _wait, all_to_all_bounded, barrier_bounded, group_device
-from .backend import (OnceHook, CombineOptions, CombineResult, CompletedEvent, DispatchOptions, DispatchResult,
-                      PeerTransport)
+from .. import fp8
+from . import logfmt
+from .._dist import _wait, all_to_all_bounded, barrier_bounded, group_device
+from ..backend import OnceHook, CompletedEvent, PeerTransport
+from .contract import CombineOptions, CombineResult, DispatchOptions, DispatchResult
 from .config import EpConfig
-from .mailbox import StoreMailbox
+from ..elastic.mailbox import StoreMailbox
 from .errors import ERR_EXPERT_DUPLICATE, ERR_EXPERT_RANGE, InvalidExpertIndex, make_error
 from .validate import find_bad_entry, sanitize_topk
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
     from .handle import Handle
 
-log = logging.getLogger("pyep.ep.reference")
+log = logging.getLogger("pyep.ep.ll.reference")
 HEADER_BYTES = 16
 
 
@@ -53,7 +54,7 @@ class ReferenceBackend:
         import torch
         import torch.distributed as dist
 
-        from .control import as_control
+        from ..control import as_control
         self.control = as_control(comm)
         self.group = self.control.group
         self.config = config
@@ -304,7 +305,7 @@ class ReferenceBackend:
                                    "was not produced by the reference backend")
             header = torch.stack([handle.src_info[le, row].to(torch.int64), slot.to(torch.int64),
                                   le, torch.zeros_like(le)], dim=1).to(torch.int32)
-            if opts.use_logfmt:   # the kernels' bits: pyep.ep.logfmt (message padded to its largest size)
+            if opts.use_logfmt:   # the kernels' bits: pyep.ep.ll.logfmt (message padded to its largest size)
                 msgs, _ = logfmt.encode(src_x[le, row])
                 payload, width = torch.from_numpy(msgs).to(dev), logfmt.message_bytes(h)
             else:

@@ -4,7 +4,7 @@ EpBuffer refuse a handle from another buffer or one whose buffer half was reused
 Received-token layout (every backend produces exactly this; the native kernels included):
 for local expert e, received tokens are grouped by source rank ascending, and inside one source rank
 by (source token index, top-k slot k) ascending. A token that names the same expert in two slots
-arrives once: the later slot is treated as -1 (pyep.ep.errors.DuplicateExpertIndex reports it).
+arrives once: the later slot is treated as -1 (pyep.ep.ll.errors.DuplicateExpertIndex reports it).
 layout_range[e][r] = (begin << 32) | count where count is the number of tokens of expert e from rank r
 and begin = sum of the counts of ranks < r; recv_count[e] = sum over r; src_info[e][row] = the
 token's index on its source rank. Rows >= recv_count[e] are unspecified (zero in the reference

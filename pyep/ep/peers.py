@@ -9,12 +9,12 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from .base import KINDS, PeerLink, RankInfo, Transport, host_name, node_ids, plan_transports
-from .local import LocalTransport
-from .nvlink import NvlinkTransport
+from ..transport.base import KINDS, PeerLink, RankInfo, Transport, host_name, node_ids, plan_transports
+from ..transport.local import LocalTransport
+from ..transport.nvlink import NvlinkTransport
 
 if TYPE_CHECKING:
-    from ..ep.config import EpConfig
+    from .config import LinkConfig
 
 log = logging.getLogger("pyep.transport")
 NIC_KINDS = ("ibgda", "emulated")
@@ -23,9 +23,9 @@ NIC_KINDS = ("ibgda", "emulated")
 class PeerSet:
     """The links of one EP buffer to every rank of its group (itself included)."""
 
-    def __init__(self, control: Any, config: "EpConfig", ep: Any, rank: int, num_ranks: int,
+    def __init__(self, control: Any, config: "LinkConfig", ep: Any, rank: int, num_ranks: int,
                  device_index: int, buffer_addr: int, buffer_bytes: int, setup_timeout_s: float) -> None:
-        from ..ep.control import as_control
+        from .control import as_control
         self.control = as_control(control)   # pyep.ep.control: a ProcessGroup is wrapped, or a store
         self.config = config
         self._ep = ep
@@ -44,7 +44,7 @@ class PeerSet:
     # ------------------------------------------------------------------ setup
     def _my_info(self, p2p: List[int]) -> RankInfo:
         handle = base64.b64encode(bytes(self._ep.ipc_get_handle(self.buffer_addr))).decode()
-        from .ibgda import detect_nic
+        from ..transport.ibgda import detect_nic
         return RankInfo(rank=self.rank, host=host_name(), node=-1,
                         pci_bus_id=self._ep.device_pci_bus_id(self.device_index), pid=os.getpid(),
                         buffer_addr=self.buffer_addr, buffer_bytes=self.buffer_bytes, ipc_handle=handle,
@@ -102,7 +102,7 @@ class PeerSet:
         if self.control.kind != "store":
             raw = self.control.all_gather_bytes(mine, self.timeout_s, "GPU identities")
         else:
-            from ..ep.control import store_wait
+            from .control import store_wait
             c = self.control
             c.store.set(c.key("member", "gpu", self.rank), mine)
             keys = [c.key("member", "gpu", r) for r in range(self.num_ranks)]
@@ -113,7 +113,7 @@ class PeerSet:
     def prepare_join(self) -> bytes:
         """A restarted rank: our description, the plan from the survivors' stored descriptions, fresh
         QPs towards everyone (INIT). Returns the announcement payload."""
-        from ..ep.control import store_wait
+        from .control import store_wait
         c = self.control
         keys = [c.key("member", "info", r) for r in range(self.num_ranks)]
         others = [r for r in range(self.num_ranks) if r != self.rank]
@@ -152,7 +152,7 @@ class PeerSet:
     def rebuild_peer(self, rank: int, payload: bytes) -> bytes:
         """A survivor: rebuild only the link to restarted `rank` (a new IPC mapping of its new buffer,
         or new QPs connected to its new ones). Returns what we publish for it."""
-        from ..ep.membership import BadAnnouncement
+        from .errors import BadAnnouncement
         try:
             doc = json.loads(payload.decode())
             info = RankInfo.decode(base64.b64decode(doc["info"]), rank)
@@ -194,7 +194,7 @@ class PeerSet:
             elif kind == "nvlink":
                 t = NvlinkTransport(self._ep, self.rank)
             elif kind in NIC_KINDS:
-                from .ibgda import NicTransport
+                from ..transport.ibgda import NicTransport
                 t = NicTransport(kind, self.control, self.config, self.rank, self.num_ranks,
                                  self.buffer_addr, self.buffer_bytes, self.timeout_s)
             else:

@@ -26,12 +26,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from .control import ControlTimeout, StoreControl, store_wait
+from ..control import ControlTimeout, StoreControl, store_wait
+from ..errors import BadAnnouncement, MembershipError, StaleAnnouncement
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("pyep.ep.membership")
+log = logging.getLogger("pyep.ep.elastic.membership")
 FORMAT = "pyep-member/1"
 MAX_ANNOUNCEMENT = 1 << 20
 DEFAULT_LEAD_CALLS = 8
@@ -45,18 +46,6 @@ REJOIN_GRACE_CALLS = 16
 # The handshake at call #A polls the store this often, without backing off: it releases the members, and
 # how far apart they see the release is how far apart they start call #A.
 HANDSHAKE_POLL_S = 0.0005
-
-
-class MembershipError(RuntimeError):
-    """The membership protocol cannot go on (wrong call order, a survivor missed call #A, ...)."""
-
-
-class BadAnnouncement(MembershipError, ValueError):
-    """A rejoin announcement that is malformed or does not fit this job."""
-
-
-class StaleAnnouncement(BadAnnouncement):
-    """An announcement of a generation that is not the rank's newest (or was already admitted)."""
 
 
 @dataclass(frozen=True)

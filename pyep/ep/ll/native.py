@@ -1,6 +1,6 @@
 """The native low-latency EP backend: the CUDA kernels of engine/kernels/ll_*.cu over per-peer
 transports (local stores, NVLink IPC stores, or RDMA writes posted by the GPU on a real NIC or the
-softnic). Implements pyep.ep.backend.EpBackend; the buffer layout is pyep.ep.layout.
+softnic). Implements pyep.ep.backend.EpBackend; the buffer layout is pyep.ep.ll.layout.
 
 Streams: a call launches on the current stream, or with async_finish on this backend's communication
 stream (which first waits for the current stream) and returns an event; the next non-async call on
@@ -15,14 +15,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from .control import as_control
+from ..control import as_control
 from .native_member import NativeMembership
-from .backend import (OnceHook, profiled_range, BackendUnavailable, CombineOptions, CombineResult, DispatchOptions, DispatchResult,
-                      PeerTransport)
+from ..backend import OnceHook, profiled_range, BackendUnavailable, PeerTransport
+from .contract import CombineOptions, CombineResult, DispatchOptions, DispatchResult
 from .config import EpConfig
 from .errors import RECORD_WORDS, InvalidExpertIndex, error_from_record
 from .layout import LLLayout, ll_buffer_layout, ws_words
-from .streams import NativeEvent, raw_current_stream
+from ..streams import NativeEvent, raw_current_stream
 from .trace import ENV_VAR as TRACE_ENV
 
 if TYPE_CHECKING:
@@ -30,13 +30,13 @@ if TYPE_CHECKING:
 
     from .handle import Handle
 
-log = logging.getLogger("pyep.ep.native")
+log = logging.getLogger("pyep.ep.ll.native")
 PHASE_SEND, PHASE_RECV = 1, 2
 SETUP_TIMEOUT_FLOOR_S = 120.0   # first IPC mappings / QP setup on a loaded node
 
 
 def _engine_ep() -> Any:
-    from .._native import load
+    from ..._native import load
     mod = load()
     if mod is None:
         raise BackendUnavailable("pyep._engine is not built (pip install -e .)")
@@ -113,11 +113,11 @@ class NativeBackend(NativeMembership):
             self._buf = int(self._ep.device_alloc(self.buffer_bytes))
             self._ep.memset_async(self._buf, 0, self.buffer_bytes, torch.cuda.current_stream().cuda_stream)
             torch.cuda.current_stream().synchronize()
-            from ..transport.setup import PeerSet
-            self._peers = PeerSet(self.control, config, self._ep, self.rank, r_n, self.device.index, self._buf,
+            from ..peers import PeerSet
+            self._peers = PeerSet(self.control, config.links, self._ep, self.rank, r_n, self.device.index, self._buf,
                                   self.buffer_bytes, self._setup_timeout_s)
             if getattr(self.control, "joining", False):
-                self._prepare_join()                 # a restarted rank: pyep.ep.native_member
+                self._prepare_join()                 # a restarted rank: pyep.ep.ll.native_member
             else:
                 self._peers.connect()
                 self._static = self._build_static()
@@ -173,7 +173,7 @@ class NativeBackend(NativeMembership):
         s.err = self._err_ptr
         import os
         if os.environ.get(TRACE_ENV, "") not in ("", "0"):
-            # Diagnostics (pyep.ep.trace): every block stamps its progress; read with read_trace().
+            # Diagnostics (pyep.ep.ll.trace): every block stamps its progress; read with read_trace().
             self._trace = torch.zeros((2, s.num_blocks, int(self._ep.TRACE_SLOTS)), dtype=torch.int64, device=dev)
             s.trace = self._trace.data_ptr()
         return s
@@ -241,7 +241,7 @@ class NativeBackend(NativeMembership):
             self._fast.blocked = ev is not None
 
     def take_error(self) -> Optional["InvalidExpertIndex"]:
-        """The value error a dispatch kernel recorded (pyep.ep.errors), if it is visible yet; clears the
+        """The value error a dispatch kernel recorded (pyep.ep.ll.errors), if it is visible yet; clears the
         record. Reads pinned host memory only: no device synchronisation."""
         rec = self._err
         if rec is None or rec[0] == 0:
@@ -539,7 +539,7 @@ class NativeBackend(NativeMembership):
 
     def qp_contexts(self) -> List[Any]:
         """The live QP device contexts of the NIC links, for pyep.transport.qp_dump (`pyep qp dump`)."""
-        from ..transport.qp_dump import refs_from_table
+        from ...transport.qp_dump import refs_from_table
         self._check_alive("qp_contexts")
         if "qps" not in self._tables or not any(link.qp_contexts for link in self._peers.links):
             return []

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("pyep.ep.mailbox")
+log = logging.getLogger("pyep.ep.elastic.mailbox")
 POLL_S = 0.0005
 HEARTBEAT_S = 0.05      # a waiting rank refreshes its alive key this often
 

@@ -1,4 +1,4 @@
-"""The native backend's side of elastic membership (pyep.ep.membership drives it; docs/elastic.md is
+"""The native backend's side of elastic membership (pyep.ep.elastic.membership drives it; docs/elastic.md is
 the protocol). Only the links to the restarted rank change: its row of the kernels' peer tables
 (NVLink address, NIC address, rkey, QP contexts, flag count) is rewritten in place, so the tables'
 addresses -- which LLStatic, the C++ fast path and captured CUDA graphs hold -- stay valid, and every

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import FP8_GROUP, MAX_HIDDEN, MAX_TOPK, _check_int
+
 HEADER_BYTES = 16
 MSG_ALIGN = 128      # slot stride granularity: whole cache lines per message
 FP8_GROUP = 128
@@ -170,7 +172,7 @@ def ll_buffer_layout(T: int, H: int, E: int, R: int, K_max: int = 16) -> LLLayou
         raise ValueError(f"E ({E}) must be divisible by R ({R})")
     e_l = E // R
     # A slot holds a dispatch message (payload + 16-byte header) or a LogFMT combine row (its per-group
-    # meta words + at most 2H bytes of groups: pyep/ep/logfmt.py), whichever is larger.
+    # meta words + at most 2H bytes of groups: pyep/ep/ll/logfmt.py), whichever is larger.
     msg = _align(2 * H + max(HEADER_BYTES, _align(4 * (H // FP8_GROUP), 16)), MSG_ALIGN)
     slots = T * min(K_max, e_l)
     off_dsig = 0
@@ -190,3 +192,18 @@ def ll_buffer_layout(T: int, H: int, E: int, R: int, K_max: int = 16) -> LLLayou
 def ll_buffer_bytes(T: int, H: int, E: int, R: int, K_max: int = 16) -> int:
     """Bytes of the native low-latency buffer (both halves) for this shape."""
     return ll_buffer_layout(T, H, E, R, K_max).total_bytes
+
+
+def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, num_ranks: int,
+              max_topk: int = MAX_TOPK) -> int:
+    """Bytes of the native low-latency buffer for a shape (the layout above)."""
+    t = _check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+    h = _check_int("hidden", hidden, FP8_GROUP, MAX_HIDDEN)
+    if h % FP8_GROUP:
+        raise ValueError(f"hidden must be a multiple of {FP8_GROUP}, got {h}")
+    e = _check_int("num_experts", num_experts, 1)
+    r = _check_int("num_ranks", num_ranks, 1)
+    k = _check_int("max_topk", max_topk, 1, MAX_TOPK)
+    if e % r:
+        raise ValueError(f"num_experts ({e}) must be divisible by num_ranks ({r})")
+    return int(ll_buffer_bytes(t, h, e, r, k))

@@ -6,7 +6,7 @@ backend (pyep.ep.backend describes the contract): the native CUDA backend where 
 reference backend over torch.distributed.
 
 Expert ids are checked without a host sync (check_values=True): the backend records the first bad
-entry of a dispatch (pyep.ep.errors) and the front raises it at the next dispatch/combine call, before
+entry of a dispatch (pyep.ep.ll.errors) and the front raises it at the next dispatch/combine call, before
 that call does anything, and after the host waits a caller makes anyway (event.wait(), the receive
 hook). check_values="strict" checks on the host before launch instead; False checks nothing.
 """
@@ -16,14 +16,15 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
 
-from .control import ControlPlane, make_control
-from .backend import (CombineOptions, profiled_range, CompletedEvent, DispatchOptions, EpBackend, EventLike,
-                      PeerTransport)
-from .config import DEFAULT_TIMEOUT_US, MAX_TOPK, EpConfig
-from .membership import (DEFAULT_LEAD_CALLS, REJOIN_CALL_TIMEOUT_US, REJOIN_GRACE_CALLS, Membership,
-                         MembershipError, Rejoin, buffer_fingerprint)
+from ..control import ControlPlane, make_control
+from .contract import CombineOptions, DispatchOptions, EpBackend
+from ..backend import profiled_range, CompletedEvent, EventLike, PeerTransport
+from ..config import DEFAULT_TIMEOUT_US, MAX_TOPK
+from .config import EpConfig
+from ..elastic.membership import (DEFAULT_LEAD_CALLS, REJOIN_CALL_TIMEOUT_US, REJOIN_GRACE_CALLS, Membership,
+                                  MembershipError, Rejoin, buffer_fingerprint)
 from .errors import InvalidExpertIndex
-from .config import size_hint as _size_hint
+from .layout import size_hint as _size_hint
 from .handle import Handle
 from .validate import check_active_ranks, validate_combine, validate_dispatch, validate_handle
 
@@ -43,7 +44,7 @@ def _native_unavailable_reason(config: EpConfig) -> Optional[str]:
     try:
         from .native import NativeBackend
     except Exception as exc:  # any import failure means "not here"; the reason is logged
-        return f"pyep.ep.native is not importable ({type(exc).__name__}: {exc})"
+        return f"pyep.ep.ll.native is not importable ({type(exc).__name__}: {exc})"
     if not torch.cuda.is_available():
         return "no CUDA device is available"
     check = getattr(NativeBackend, "unavailable_reason", None)
@@ -57,7 +58,7 @@ def _make_backend(control: ControlPlane, config: EpConfig, joining: bool) -> EpB
     reason = _native_unavailable_reason(config)
     if config.backend == "native":
         if reason is not None:
-            from .backend import BackendUnavailable
+            from ..backend import BackendUnavailable
             raise BackendUnavailable(f"backend='native' cannot run here: {reason}")
         from .native import NativeBackend
         return NativeBackend(control, config)
@@ -72,7 +73,7 @@ def _make_backend(control: ControlPlane, config: EpConfig, joining: bool) -> EpB
             control.shared_value("backend", lambda: b"native" if use_native else b"reference", 10.0)
     if use_native:
         if reason is not None:
-            from .backend import BackendUnavailable
+            from ..backend import BackendUnavailable
             raise BackendUnavailable(f"the other ranks run the native backend, this process cannot: {reason}")
         from .native import NativeBackend
         return NativeBackend(control, config)
@@ -128,7 +129,7 @@ class EpBuffer:
     combine  -> (out, event, hook)
     At most two dispatch results may be in flight: the handle of dispatch #n is refused once
     dispatch #n+2 was issued. All ranks of the group must make the same calls in the same order.
-    A bad expert id (pyep.ep.errors) is raised at the next call, event.wait() or hook by default,
+    A bad expert id (pyep.ep.ll.errors) is raised at the next call, event.wait() or hook by default,
     before launch with check_values="strict", never with check_values=False.
     """
 
@@ -169,7 +170,7 @@ class EpBuffer:
         self._epoch = 0
         self._seq = 0
         self._grace_seq = 0      # call #A of the latest rejoin: it and the grace window after it wait longer
-        # Store-based buffers have a membership (pyep.ep.membership, docs/elastic.md): a process whose
+        # Store-based buffers have a membership (pyep.ep.elastic.membership, docs/elastic.md): a process whose
         # rank already had one is a restarted rank and joins the running job instead of setting up.
         self._member: Optional[Membership] = None
         if control.kind == "store":
@@ -198,7 +199,7 @@ class EpBuffer:
             # whose first call started more than a short timeout after the others' was marked in call 1.
             self._grace_seq = 1
         # `pyep qp dump` on a running job: PYEP_QP_DUMP_SIGNAL / PYEP_QP_DUMP_TRIGGER (none by default).
-        from ..transport.qp_dump import install_dump_triggers
+        from ...transport.qp_dump import install_dump_triggers
         self._qp_dump = install_dump_triggers(self, self._rank) if hasattr(self._backend, "qp_contexts") else None
         log.debug("EpBuffer rank %d/%d: %s, backend %s", self._rank, self._num_ranks,
                   config.describe_shape(self._num_ranks), self._backend.name)
@@ -461,7 +462,7 @@ class EpBuffer:
                 self._grace_seq = self._seq + 1
                 left.discard(r)
             if left and time.monotonic() > deadline:
-                from .control import ControlTimeout
+                from ..control import ControlTimeout
                 raise ControlTimeout(f"rank {self._rank} update_ep_member: waiting for restarted ranks to announce "
                                      f"themselves", sorted(left), member.timeout_s)
             if left:

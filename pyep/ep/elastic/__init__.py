@@ -1,0 +1,5 @@
+"""Elastic membership: a store-based buffer survives a killed rank and re-admits its restarted process,
+rebuilding only the links to it. docs/elastic.md is the protocol page. membership.py is the protocol
+(announcements, generations, the admission handshake), mailbox.py the reference backend's store-keyed
+data path; the native backend's side is pyep.ep.ll.native_member. Importing this package does not
+import torch."""
