@@ -3,8 +3,7 @@ dispatch/combine built on it. `pyep.availability()` says which parts this instal
 from __future__ import annotations
 
 from ._native import Availability, availability
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 def __getattr__(name: str):

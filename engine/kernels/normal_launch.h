@@ -10,7 +10,7 @@
 namespace pyep {
 namespace normal {
 
-constexpr int kMaxChannels = 64;        // layout.py / config.py MAX_CHANNELS
+constexpr int kMaxChannels = 64;        // pyep/ep/normal/limits.py MAX_CHANNELS
 constexpr int kMaxRanks = 8;            // config.py MAX_RANKS: one NVLink domain
 constexpr int kMaxTopk = 16;
 constexpr int kMaxLocalExperts = 1024;

@@ -36,7 +36,8 @@ def git_commit(path: str) -> Optional[Dict[str, Any]]:
 def environment(device_names: List[str], dist_backend: str) -> Dict[str, Any]:
     import torch
 
-    from .. import __version__, availability
+    from .._native import availability
+    from .._version import __version__
     pkg_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return {"world_size": len(device_names), "device_names": device_names, "dist_backend": dist_backend,
             "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),

@@ -32,17 +32,26 @@ RecvX = Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]]
 BACKENDS = ("auto", "native", "reference")
 
 
+def _native_class(nodes: NodeLayout) -> Any:
+    """The native backend for the group: the staged internode one when it spans nodes."""
+    if nodes.internode:
+        from .native_internode import NormalInternodeBackend
+        return NormalInternodeBackend
+    from .native import NormalNativeBackend
+    return NormalNativeBackend
+
+
 def _native_unavailable_reason(group: "dist.ProcessGroup", kwargs: dict) -> Optional[str]:
     """Local check (no communication): can this process run the native backend? None if yes.
-    NormalNativeBackend.unavailable_reason takes the constructor's arguments."""
+    unavailable_reason takes the constructor's arguments."""
     import torch
     try:
-        from .native import NormalNativeBackend
+        cls = _native_class(kwargs["nodes"])
     except ImportError as exc:
-        return f"pyep.ep.normal.native is not importable ({type(exc).__name__}: {exc})"
+        return f"the native normal backend is not importable ({type(exc).__name__}: {exc})"
     if not torch.cuda.is_available():
         return "no CUDA device is available"
-    return NormalNativeBackend.unavailable_reason(group, **kwargs)
+    return cls.unavailable_reason(group, **kwargs)
 
 
 def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> NormalBackend:
@@ -56,14 +65,12 @@ def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> Nor
         if reason is not None:
             from ..backend import BackendUnavailable
             raise BackendUnavailable(f"NormalBuffer(backend='native') cannot run here: {reason}")
-        from .native import make_native
-        return make_native(group, **kwargs)
+        return _native_class(nodes)(group, **kwargs)
     # "auto": every rank must pick the same backend, so agree on the local answers first.
     flag = torch.tensor([0 if reason else 1], dtype=torch.int32, device=group_device(group))
     all_reduce_min_bounded(flag, group, kwargs["timeout_us"], "NormalBuffer backend selection")
     if int(flag.item()) == 1:
-        from .native import make_native
-        return make_native(group, **kwargs)
+        return _native_class(nodes)(group, **kwargs)
     log.info("NormalBuffer: using the reference backend (%s)", reason or "another rank cannot run the native one")
     return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_CHANNELS = 64        # engine/kernels/normal_launch.h kMaxChannels
-MAX_RANKS = 8            # one NVLink domain (ranks of one node) per buffer
-MAX_TOPK = 16
-MAX_LOCAL_EXPERTS = 1024
-DEFAULT_NUM_SMS = 24
+from .layout import buffer_bytes
+from .limits import DEFAULT_NUM_SMS, MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_TOPK
+
+__all__ = ["Config", "default_config", "DEFAULT_NUM_SMS", "MAX_CHANNELS", "MAX_LOCAL_EXPERTS", "MAX_RANKS",
+           "MAX_TOPK"]
 
 
 def _positive_int(name: str, v: object) -> int:
@@ -46,7 +46,6 @@ class Config:
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of NVLink buffer per rank for rows of `hidden_bytes` payload (DeepEP's name; pyep's
         rows also carry top-k ids and weights, max_topk of them)."""
-        from .layout import buffer_bytes
         return buffer_bytes(num_ranks, self.num_channels(), self.num_max_nvl_chunked_recv_tokens,
                             hidden_bytes // 2, MAX_TOPK)
 

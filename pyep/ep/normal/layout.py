@@ -16,7 +16,7 @@ ring size and row size may change from one call to the next.
 """
 from __future__ import annotations
 
-from .config import MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_TOPK
+from .limits import MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_TOPK
 
 NOTIFY_INTS = 1 + MAX_CHANNELS + MAX_LOCAL_EXPERTS + 7   # rows, per-channel rows, per-expert entries; padded
 RING_ALIGN = 128

@@ -43,15 +43,6 @@ def _engine() -> Any:
     return mod
 
 
-def make_native(group: "dist.ProcessGroup", **kwargs: Any) -> Any:
-    """The native backend for the group: the staged internode one when it spans nodes."""
-    nodes = kwargs.get("nodes")
-    if nodes is not None and nodes.internode:
-        from .native_internode import NormalInternodeBackend
-        return NormalInternodeBackend(group, **kwargs)
-    return NormalNativeBackend(group, **kwargs)
-
-
 class NormalNativeBackend:
     name = "native"
 
@@ -60,8 +51,7 @@ class NormalNativeBackend:
                            **_: Any) -> Optional[str]:
         """Local check (no communication, no allocation): None if this process can run the backend."""
         if nodes is not None and nodes.internode:
-            from .native_internode import NormalInternodeBackend
-            return NormalInternodeBackend.unavailable_reason(group, transport=transport, nodes=nodes)
+            return "the group spans nodes (the internode backend runs it)"
         try:
             import torch
             import torch.distributed as dist
