@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Tuple
 
 import pytest
 
@@ -42,6 +42,17 @@ def pools() -> Iterator[Dict[int, DistPool]]:
     made = LazyPools(start_timeout_s=180.0, pg_timeout_s=300.0)
     yield made
     made.close()
+
+
+@pytest.fixture(scope="module")
+def ll_sim_pool() -> Iterator[Tuple[DistPool, str]]:
+    """The CPU simulation of the low-latency kernels (tests/test_ll_sim*.py): tests/ll_sim/ll_sim.cpp
+    built (cached by source hash) and a worker to run it in."""
+    sys.path.insert(0, os.path.join(_TESTS, "ll_sim"))
+    from build import sim_worker
+    with sim_worker("ll_sim", ["tests/ll_sim/*.h", "tests/ll_sim/ll_sim.cpp", "engine/kernels/ll_*",
+                               "engine/mlx5gda/*.h"]) as worker:
+        yield worker
 
 
 def _write_host_fixtures() -> None:

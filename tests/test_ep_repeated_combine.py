@@ -1,6 +1,6 @@
 """A handle combined again, host side (pyep.ep.ll.native): the backend counts combines per handle in its
 extras and flags the second and later ones `repeat`, so the kernel waits for every destination's
-acknowledgement (engine/kernels/ll_ack.cuh; the device side is tested in tests/test_ll_sim.py, the GPU
+acknowledgement (engine/kernels/ll_ack.cuh; the device side is tested in tests/test_ll_sim_repeat.py, the GPU
 case is repeated_combine in tests/ep_native_cases.py). Checked on the CPU with the backend's own
 methods and a recording engine."""
 from __future__ import annotations

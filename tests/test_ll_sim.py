@@ -4,14 +4,14 @@ NVLink/local path) or through qp.h queue pairs executed by a simulated NIC (the 
 against a brute-force oracle and pyep.ep.fp8: slot assignment, packed layout, headers, FP8 bits in all
 scale modes, combine sums, both buffer halves, split send/receive launches, the timeout marking a
 silent rank, a rejoin, the device-side check of expert ids (the error record, bad entries routed
-as -1), and a handle combined again (the per-peer acknowledgements of ll_ack.cuh). Each case runs in a worker process with a hard timeout (a kernel bug that
+as -1), the LogFMT combine and the per-source wait statistics; a handle combined again is
+tests/test_ll_sim_repeat.py. Each case runs in a worker process with a hard timeout (a kernel bug that
 deadlocks a barrier must fail the test, not hang CI)."""
 from __future__ import annotations
 
 import os
 import sys
 import time
-from typing import Any, Iterator
 
 import pytest
 
@@ -19,64 +19,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIM_DIR = os.path.join(ROOT, "tests", "ll_sim")
 
 
-@pytest.fixture(scope="module")
-def sim_pool() -> Iterator[Any]:
-    """tests/ll_sim/ll_sim.cpp built (cached by source hash) and a worker to run it in."""
-    sys.path.insert(0, SIM_DIR)
-    from build import sim_worker
-    with sim_worker("ll_sim", ["tests/ll_sim/*.h", "tests/ll_sim/ll_sim.cpp", "engine/kernels/ll_*",
-                               "engine/mlx5gda/*.h"]) as worker:
-        yield worker
-
-
 # ------------------------------------------------------------------ cases (run in the worker)
-def _inputs(R, T, H, E, K, seed, routing="uniform", n=None):
-    sys.path.insert(0, SIM_DIR)
-    from ep_native_cases import Shape, make_inputs
-    return [make_inputs(seed, r, Shape(T, H, E, K), T if n is None else n[r], routing) for r in range(R)]
-
-
-def _round(w, inputs, half, tag, fp8=(False, False, False), active=None, ranks=None, phases=3):
-    from world import check_combine, check_dispatch, expert_outputs
-    use_fp8, rs, ue = fp8
-    active = [True] * w.R if active is None else active
-    ranks = list(range(w.R)) if ranks is None else ranks
-    if phases == 3:
-        outs = w.dispatch(inputs, half, use_fp8, rs, ue, ranks=ranks)
-    else:   # the hook path: send launch, then receive launch
-        outs = w.dispatch(inputs, half, use_fp8, rs, ue, ranks=ranks, phases=1)
-        w.dispatch(inputs, half, use_fp8, rs, ue, ranks=ranks, phases=2, outs=outs)
-    for r in ranks:
-        check_dispatch(w, inputs, outs, r, active, use_fp8, rs, ue, f"{tag} rank {r}")
-    ys = expert_outputs(w, outs, use_fp8, ue, seed=half + 3)
-    if phases == 3:
-        combined = w.combine(ys, inputs, outs, half, ranks=ranks)
-    else:
-        w.combine(ys, inputs, outs, half, ranks=ranks, phases=1)
-        combined = w.combine(ys, inputs, outs, half, ranks=ranks, phases=2)
-    for r in ranks:
-        check_combine(w, inputs, ys, combined, r, active, f"{tag} rank {r}")
-    return outs
-
-
 def case_matrix(path: str, R: int, shape, grid: int, nic: str) -> str:
     sys.path.insert(0, SIM_DIR)
-    from world import World, load
+    from world import World, checked_round, load, nic_pairs, rank_inputs
     sim = load(path)
     T, H, E, K = shape
     softnic = nic.startswith("softnic")
     nic = nic.split("-")[-1]
-    pairs = [] if nic == "none" else [(i, j) for i in range(R) for j in range(i + 1, R)
-                                      if nic == "all" or (i < R // 2) != (j < R // 2)]
-    w = World(sim, R, T, H, E, max(K, 2), grid, nic_pairs=pairs, softnic=softnic)
+    w = World(sim, R, T, H, E, max(K, 2), grid, nic_pairs=nic_pairs(R, nic), softnic=softnic)
     modes = [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]
     routings = ["uniform", "sparse", "one", "hot"]
     for i, (mode, routing) in enumerate(zip(modes, routings)):
         n = [T if (i + r) % 3 else max(0, T - 1 - r) for r in range(R)]
-        _round(w, _inputs(R, T, H, E, K, 10 + i, routing, n), i % 2, f"{nic} round {i} {routing} fp8={mode}", mode,
-               phases=1 if i == 2 else 3)
+        checked_round(w, rank_inputs(R, T, H, E, K, 10 + i, routing, n), i % 2,
+                      f"{nic} round {i} {routing} fp8={mode}", mode, phases=1 if i == 2 else 3)
     # Both halves in flight: two dispatches, then both combines.
-    a, b = _inputs(R, T, H, E, K, 30), _inputs(R, T, H, E, K, 31)
+    a, b = rank_inputs(R, T, H, E, K, 30), rank_inputs(R, T, H, E, K, 31)
     from world import check_combine, check_dispatch, expert_outputs
     oa = w.dispatch(a, 0, wait_stats=True)     # timing the waits changes no output bit
     ob = w.dispatch(b, 1)
@@ -100,13 +59,13 @@ def case_timeout(path: str, nic: str) -> str:
     """Rank 2 of 3 stays silent: ranks 0 and 1 finish within the timeout, mark it, skip it afterwards
     without waiting; after a rejoin all three run normally again."""
     sys.path.insert(0, SIM_DIR)
-    from world import World, load
+    from world import World, checked_round, load, rank_inputs
     sim = load(path)
     R, T, H, E, K = 3, 4, 256, 6, 2
     w = World(sim, R, T, H, E, K, 2, nic_pairs=[(0, 2), (1, 2)] if nic == "nic" else [])
-    _round(w, _inputs(R, T, H, E, K, 50), 0, "healthy")
+    checked_round(w, rank_inputs(R, T, H, E, K, 50), 0, "healthy")
     live, mask = [0, 1], [True, True, False]
-    inputs = _inputs(R, T, H, E, K, 51)
+    inputs = rank_inputs(R, T, H, E, K, 51)
     t0 = time.monotonic()
     outs = w.dispatch(inputs, 1, ranks=live, timeout_ns=300_000_000)
     took = time.monotonic() - t0
@@ -123,11 +82,11 @@ def case_timeout(path: str, nic: str) -> str:
     for r in live:
         check_combine(w, inputs, ys, comb, r, mask, f"degraded rank {r}")
     t0 = time.monotonic()
-    _round(w, _inputs(R, T, H, E, K, 52), 0, "degraded again", active=mask, ranks=live)
+    checked_round(w, rank_inputs(R, T, H, E, K, 52), 0, "degraded again", active=mask, ranks=live)
     assert time.monotonic() - t0 < 0.3 * 2, "a marked rank must not be waited for again"
     w.rejoin()
-    _round(w, _inputs(R, T, H, E, K, 53), 0, "after rejoin")
-    _round(w, _inputs(R, T, H, E, K, 54), 1, "after rejoin, other half")
+    checked_round(w, rank_inputs(R, T, H, E, K, 53), 0, "after rejoin")
+    checked_round(w, rank_inputs(R, T, H, E, K, 54), 1, "after rejoin, other half")
     return "ok"
 
 
@@ -144,17 +103,13 @@ MATRIX = [
 ]
 
 
-def _has_softnic() -> bool:
-    from pyep._native import load
-    mod = load()
-    return mod is not None and hasattr(mod, "SoftNic")
-
 
 @pytest.mark.parametrize("R,shape,grid,nic", MATRIX)
-def test_kernels_match_oracle(sim_pool, R, shape, grid, nic):
-    if nic.startswith("softnic") and not _has_softnic():
+def test_kernels_match_oracle(ll_sim_pool, R, shape, grid, nic):
+    from world import has_softnic
+    if nic.startswith("softnic") and not has_softnic():
         pytest.skip("pyep._engine has no softnic in this build")
-    pool, path = sim_pool
+    pool, path = ll_sim_pool
     assert pool.run(case_matrix, path, R, shape, grid, nic, timeout_s=240) == ["ok"]
 
 
@@ -162,29 +117,29 @@ def case_bench_routings(path: str, nic: str) -> str:
     """The benchmark's skewed routings (Zipf, a hot expert): the hottest experts get a row from nearly
     every token of every rank, up to T per (expert, source)."""
     sys.path.insert(0, SIM_DIR)
-    from world import World, load
+    from world import World, checked_round, load, rank_inputs
     sim = load(path)
     R, T, H, E, K = 4, 24, 256, 16, 6
     pairs = [] if nic == "none" else [(i, j) for i in range(R) for j in range(i + 1, R) if (i < 2) != (j < 2)]
     w = World(sim, R, T, H, E, K, 2, nic_pairs=pairs)
     for i, routing in enumerate(["zipf", "bench-hot"]):
-        inputs = _inputs(R, T, H, E, K, 60 + i, routing)
+        inputs = rank_inputs(R, T, H, E, K, 60 + i, routing)
         hottest = max(sum(int((t[1] == e).any(dim=1).sum()) for t in inputs) for e in range(E))
         want = R * T // 2 if routing == "zipf" else R * T // 4    # hot: a quarter of the tokens, at least
         assert hottest > want, f"{routing}: routing is not skewed ({hottest} rows on the hottest expert)"
-        _round(w, inputs, i % 2, f"{nic} {routing}", (i == 1, False, False))
+        checked_round(w, inputs, i % 2, f"{nic} {routing}", (i == 1, False, False))
     return "ok"
 
 
 @pytest.mark.parametrize("nic", ["none", "cross"])
-def test_bench_routings(sim_pool, nic):
-    pool, path = sim_pool
+def test_bench_routings(ll_sim_pool, nic):
+    pool, path = ll_sim_pool
     assert pool.run(case_bench_routings, path, nic, timeout_s=240) == ["ok"]
 
 
 @pytest.mark.parametrize("nic", ["direct", "nic"])
-def test_silent_rank_times_out_and_rejoins(sim_pool, nic):
-    pool, path = sim_pool
+def test_silent_rank_times_out_and_rejoins(ll_sim_pool, nic):
+    pool, path = ll_sim_pool
     assert pool.run(case_timeout, path, nic, timeout_s=240) == ["ok"]
 
 
@@ -195,7 +150,7 @@ def case_bad_ids(path: str, nic: str) -> str:
     keeps the first error until the host clears it, and then records the next one."""
     sys.path.insert(0, SIM_DIR)
     import torch
-    from world import World, check_combine, check_dispatch, expert_outputs, load
+    from world import World, check_combine, check_dispatch, expert_outputs, load, rank_inputs
     from pyep.ep.ll.errors import DuplicateExpertIndex, InvalidExpertIndex, error_from_record
     from pyep.ep.ll.validate import sanitize_topk
     sim = load(path)
@@ -218,7 +173,7 @@ def case_bad_ids(path: str, nic: str) -> str:
     def record(r):
         return error_from_record(w.errs[r].tolist(), E)
 
-    inputs = _inputs(R, T, H, E, K, 70)
+    inputs = rank_inputs(R, T, H, E, K, 70)
     t0, t1 = inputs[0][1], inputs[1][1]
     t0[5, 1] = E                       # rank 0: first bad entry, out of range
     t0[10, 2] = t0[10, 0]              # a repeat across the warp boundary
@@ -232,7 +187,7 @@ def case_bad_ids(path: str, nic: str) -> str:
     assert type(e1) is InvalidExpertIndex and (e1.row, e1.k, e1.value) == (3, 0, -(2 ** 33) - 7), e1
 
     # Not cleared yet: a later dispatch with other bad ids leaves the first error in place.
-    inputs = _inputs(R, T, H, E, K, 71)
+    inputs = rank_inputs(R, T, H, E, K, 71)
     inputs[0][1][20, 0] = 99
     run(inputs, 1)
     assert (record(0).row, record(0).k, record(0).value) == (5, 1, E)
@@ -240,10 +195,10 @@ def case_bad_ids(path: str, nic: str) -> str:
     # 0) and in a token of the per-token pass (rank 1); good rounds record nothing.
     for r in range(R):
         w.errs[r][0] = 0
-    inputs = _inputs(R, T, H, E, K, 72)
+    inputs = rank_inputs(R, T, H, E, K, 72)
     run(inputs, 0)
     assert record(0) is None and record(1) is None
-    inputs = _inputs(R, T, H, E, K, 73)
+    inputs = rank_inputs(R, T, H, E, K, 73)
     inputs[0][1][10, 2] = inputs[0][1][10, 0]
     inputs[1][1][45, 2] = inputs[1][1][45, 1]
     inputs[1][1][46, 0] = E + 3
@@ -258,8 +213,8 @@ def case_bad_ids(path: str, nic: str) -> str:
 
 
 @pytest.mark.parametrize("nic", ["direct", "nic"])
-def test_bad_expert_ids_recorded_and_routed_as_minus_one(sim_pool, nic):
-    pool, path = sim_pool
+def test_bad_expert_ids_recorded_and_routed_as_minus_one(ll_sim_pool, nic):
+    pool, path = ll_sim_pool
     assert pool.run(case_bad_ids, path, nic, timeout_s=240) == ["ok"]
 
 
@@ -288,17 +243,15 @@ def case_logfmt(path: str, R: int, shape, grid: int, nic: str) -> str:
     the same fp32 reduce) bit for bit, for several routings, both halves, split launches, with store
     peers and with NIC peers (the packed, shorter RDMA write)."""
     sys.path.insert(0, SIM_DIR)
-    from world import World, check_combine, check_dispatch, load
+    from world import World, check_combine, check_dispatch, load, nic_pairs, rank_inputs
     sim = load(path)
     T, H, E, K = shape
     softnic = nic.startswith("softnic")
     nic = nic.split("-")[-1]
-    pairs = [] if nic == "none" else [(i, j) for i in range(R) for j in range(i + 1, R)
-                                      if nic == "all" or (i < R // 2) != (j < R // 2)]
-    w = World(sim, R, T, H, E, max(K, 2), grid, nic_pairs=pairs, softnic=softnic)
+    w = World(sim, R, T, H, E, max(K, 2), grid, nic_pairs=nic_pairs(R, nic), softnic=softnic)
     for i, routing in enumerate(["uniform", "sparse", "hot", "zipf", "one"]):
         n = [T if (i + r) % 3 else max(0, T - 1 - r) for r in range(R)]
-        inputs = _inputs(R, T, H, E, K, 80 + i, routing, n)
+        inputs = rank_inputs(R, T, H, E, K, 80 + i, routing, n)
         half = i % 2
         outs = w.dispatch(inputs, half)
         for r in range(R):
@@ -328,10 +281,11 @@ LOGFMT = [
 
 
 @pytest.mark.parametrize("R,shape,grid,nic", LOGFMT)
-def test_logfmt_combine_matches_reference_bits(sim_pool, R, shape, grid, nic):
-    if nic.startswith("softnic") and not _has_softnic():
+def test_logfmt_combine_matches_reference_bits(ll_sim_pool, R, shape, grid, nic):
+    from world import has_softnic
+    if nic.startswith("softnic") and not has_softnic():
         pytest.skip("pyep._engine has no softnic in this build")
-    pool, path = sim_pool
+    pool, path = ll_sim_pool
     assert pool.run(case_logfmt, path, R, shape, grid, nic, timeout_s=300) == ["ok"]
 
 
@@ -346,12 +300,12 @@ def case_wait_stats(path: str, nic: str) -> str:
     import threading
 
     import torch
-    from world import World, check_combine, check_dispatch, expert_outputs, load
+    from world import World, check_combine, check_dispatch, checked_round, expert_outputs, load, rank_inputs
     sim = load(path)
     R, T, H, E, K = 3, 4, 256, 6, 2
     w = World(sim, R, T, H, E, K, 2, nic_pairs=[(0, 2), (1, 2)] if nic == "nic" else [])
     ds, cs = w.wait_stats["dispatch"], w.wait_stats["combine"]
-    _round(w, _inputs(R, T, H, E, K, 55), 0, "untimed")             # no wait_stats: nothing added
+    checked_round(w, rank_inputs(R, T, H, E, K, 55), 0, "untimed")             # no wait_stats: nothing added
     assert all(int(t.abs().sum()) == 0 for t in ds + cs)
     delay, early, late = 0.3, [0, 1], [2]
 
@@ -374,7 +328,7 @@ def case_wait_stats(path: str, nic: str) -> str:
         if errors:
             raise errors[0]
 
-    inputs = _inputs(R, T, H, E, K, 56)
+    inputs = rank_inputs(R, T, H, E, K, 56)
     outs = w.dispatch_outputs()
     staggered(lambda ranks: w.dispatch(inputs, 1, ranks=ranks, outs=outs, wait_stats=True))
     for r in range(R):
@@ -405,7 +359,7 @@ def case_wait_stats(path: str, nic: str) -> str:
 
     # Rank 2 is silent: ranks 0 and 1 add about the timeout for it, once, and nothing afterwards.
     timeout = 300_000_000
-    inputs = _inputs(R, T, H, E, K, 57)
+    inputs = rank_inputs(R, T, H, E, K, 57)
     outs = w.dispatch(inputs, 0, ranks=early, timeout_ns=timeout, wait_stats=True)
     ys = expert_outputs(w, outs, False, False, 13)
     w.combine(ys, inputs, outs, 0, ranks=early, timeout_ns=timeout, wait_stats=True)
@@ -418,8 +372,8 @@ def case_wait_stats(path: str, nic: str) -> str:
             else:   # combine never waits for a source the dispatch already marked inactive
                 assert added[2] == 0, f"{kind} rank {r}: inactive source accrued {added}"
     mid = [t.clone() for t in ds + cs]
-    _round(w, _inputs(R, T, H, E, K, 58), 1, "degraded", active=[True, True, False], ranks=early)
-    outs = w.dispatch(_inputs(R, T, H, E, K, 59), 0, ranks=early, wait_stats=True)
+    checked_round(w, rank_inputs(R, T, H, E, K, 58), 1, "degraded", active=[True, True, False], ranks=early)
+    outs = w.dispatch(rank_inputs(R, T, H, E, K, 59), 0, ranks=early, wait_stats=True)
     for r in early:
         assert int(ds[r][2]) == int(mid[r][2]), f"rank {r}: an inactive source accrued wait"
         assert (ds[r] >= mid[r]).all(), "the stats only ever grow"
@@ -427,204 +381,6 @@ def case_wait_stats(path: str, nic: str) -> str:
 
 
 @pytest.mark.parametrize("nic", ["direct", "nic"])
-def test_wait_stats_per_source(sim_pool, nic):
-    pool, path = sim_pool
+def test_wait_stats_per_source(ll_sim_pool, nic):
+    pool, path = ll_sim_pool
     assert pool.run(case_wait_stats, path, nic, timeout_s=240) == ["ok"]
-
-
-def _scaled(ys, j):
-    """Combine #j's expert outputs: the same rows times 2^(j % 4) (exact in bf16), so every combine of a
-    handle has its own expected result."""
-    return [y * float(2 ** (j % 4)) for y in ys]
-
-
-def _pairs(R, nic):
-    return [] if nic == "none" else [(i, j) for i in range(R) for j in range(i + 1, R)
-                                     if nic == "all" or (i < R // 2) != (j < R // 2)]
-
-
-def case_repeat(path: str, R: int, nic: str) -> str:
-    """A handle combined several times (repeat=1 after the first), both halves interleaved: every result
-    equals the oracle, and afterwards each rank's csent to a peer equals the acknowledgements that peer
-    added to its cack, per half (ll_ack.cuh)."""
-    sys.path.insert(0, SIM_DIR)
-    from world import World, check_combine, check_dispatch, expert_outputs, load
-    sim = load(path)
-    T, H, E, K = 4, 256, 2 * R, 2
-    softnic = nic.startswith("softnic")
-    nic = nic.split("-")[-1]
-    w = World(sim, R, T, H, E, K, 2, nic_pairs=_pairs(R, nic), softnic=softnic)
-    a, b = _inputs(R, T, H, E, K, 100), _inputs(R, T, H, E, K, 101)
-    oa, ob = w.dispatch(a, 0), w.dispatch(b, 1)
-    for r in range(R):
-        check_dispatch(w, a, oa, r, [True] * R, False, False, False, f"repeat A rank {r}")
-        check_dispatch(w, b, ob, r, [True] * R, False, False, False, f"repeat B rank {r}")
-    ya, yb = expert_outputs(w, oa, False, False, 21), expert_outputs(w, ob, False, False, 22)
-    for j in range(4):
-        for tag, inp, o, ys, half in (("A", a, oa, ya, 0), ("B", b, ob, yb, 1)):
-            y = _scaled(ys, j)
-            got = w.combine(y, inp, o, half, repeat=j > 0, phases=3 if j != 2 else 1)
-            if j == 2:   # the hook path: the receive launch sends the acknowledgements
-                w.combine(y, inp, o, half, repeat=True, phases=2, outs=got)
-            for r in range(R):
-                check_combine(w, inp, y, got, r, [True] * R, f"{nic} combine #{j} of {tag} rank {r}")
-    for half in (0, 1):
-        deadline = time.monotonic() + 30   # the last acknowledgements may still be on the NIC
-        while w.acks(half)[0] != w.acks(half)[1] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        sent, acked = w.acks(half)
-        assert sent == acked, f"half {half}: sent {sent}, acknowledged {acked}"
-        assert all(v == 4 for row in sent for v in row), f"half {half}: sent {sent}"
-    assert all(int(a_) == 1 for act in w.active for a_ in act), "no rank may time out"
-    if w.nic is not None:
-        assert not w.nic.errors(), w.nic.errors()
-        if softnic:
-            w.nic.close()
-    return "ok"
-
-
-def case_repeat_race(path: str, nic: str, ack: bool) -> str:
-    """Rank 0 sends combine #0 of a handle and receives it only later (the hook path); rank 1 finishes #0
-    and sends #1 of the same handle meanwhile. With the acknowledgement (repeat=1), rank 1's send waits
-    until rank 0's receive of #0 is done and every result is right; without it (ack=False: repeat=0, the
-    race a repeated combine had), rank 1's rows of #1 overwrite those rank 0 has not reduced yet."""
-    sys.path.insert(0, SIM_DIR)
-    import threading
-
-    import torch
-    from world import World, check_combine, expert_outputs, load
-    sim = load(path)
-    R, T, H, E, K = 2, 6, 256, 4, 2
-    w = World(sim, R, T, H, E, K, 2, nic_pairs=[(0, 1)] if nic == "nic" else [])
-    inputs = _inputs(R, T, H, E, K, 110)
-    outs = w.dispatch(inputs, 0)
-    ys = expert_outputs(w, outs, False, False, 23)
-    y0, y1 = _scaled(ys, 0), _scaled(ys, 1)
-    c0, c1 = w.combine_outputs(inputs), w.combine_outputs(inputs)
-    errors = []
-
-    def bg(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                errors.append(exc)
-        t = threading.Thread(target=run)
-        t.start()
-        return t
-
-    # Combine #0: rank 0 only sends; rank 1 runs it whole (it needs rank 0's rows, not its receive).
-    t = bg(lambda: w.combine(y0, inputs, outs, 0, ranks=[0], phases=1, outs=c0))
-    w.combine(y0, inputs, outs, 0, ranks=[1], outs=c0)
-    t.join()
-    # Combine #1, rank 1's send, while rank 0 still holds #0's rows unreduced.
-    timeout = 20_000_000_000 if ack else 300_000_000
-    t = bg(lambda: w.combine(y1, inputs, outs, 0, ranks=[1], phases=1, outs=c1, repeat=ack, timeout_ns=timeout))
-    if ack:
-        t.join(0.5)
-        assert t.is_alive(), "rank 1's repeated send must wait for rank 0's acknowledgement"
-    else:
-        t.join()
-        if nic == "nic":   # the posts are out; let the NIC land them (the flag follows the rows)
-            flag = w.bufs[0][w.lay.csig_offset(0, 1):w.lay.csig_offset(0, 1) + 4].view(torch.int32)
-            deadline = time.monotonic() + 30
-            while int(flag) < 2 * int(w.tables[0]["flag_expect"][1]) and time.monotonic() < deadline:
-                time.sleep(0.01)
-    w.combine(y0, inputs, outs, 0, ranks=[0], phases=2, outs=c0)     # rank 0 reduces #0 now
-    t.join()
-    if errors:
-        raise errors[0]
-    if not ack:
-        try:
-            check_combine(w, inputs, y0, c0, 0, [True] * R, "rank 0, combine #0")
-        except AssertionError:
-            return "raced"
-        return "not raced"
-    check_combine(w, inputs, y0, c0, 0, [True] * R, "rank 0, combine #0")
-    check_combine(w, inputs, y0, c0, 1, [True] * R, "rank 1, combine #0")
-    # Rank 0's combine #1 (whole) with rank 1's receive of #1.
-    t = bg(lambda: w.combine(y1, inputs, outs, 0, ranks=[0], outs=c1, repeat=True))
-    w.combine(y1, inputs, outs, 0, ranks=[1], phases=2, outs=c1, repeat=True)
-    t.join()
-    if errors:
-        raise errors[0]
-    for r in range(R):
-        check_combine(w, inputs, y1, c1, r, [True] * R, f"rank {r}, combine #1")
-    deadline = time.monotonic() + 30   # the last acknowledgements may still be on the NIC
-    while w.acks(0)[1] != [[2, 2], [2, 2]] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    sent, acked = w.acks(0)
-    assert sent == acked == [[2, 2], [2, 2]], (sent, acked)
-    assert all(int(a_) == 1 for act in w.active for a_ in act)
-    if w.nic is not None:
-        assert not w.nic.errors(), w.nic.errors()
-    return "ok"
-
-
-def case_repeat_silent(path: str, nic: str) -> str:
-    """A destination that never acknowledges (rank 1 sends combine #0 and never receives it): rank 0's
-    repeated combine times out on it within the call's timeout, marks it inactive, sends it nothing,
-    and returns the combine of the ranks still active; a rejoin (clean) restarts the counters."""
-    sys.path.insert(0, SIM_DIR)
-    import torch
-    from world import World, check_combine, expert_outputs, load
-    sim = load(path)
-    R, T, H, E, K = 2, 4, 256, 4, 2
-    w = World(sim, R, T, H, E, K, 2, nic_pairs=[(0, 1)] if nic == "nic" else [])
-    inputs = _inputs(R, T, H, E, K, 120)
-    outs = w.dispatch(inputs, 0)
-    ys = expert_outputs(w, outs, False, False, 24)
-    c0 = w.combine_outputs(inputs)
-    import threading
-    t = threading.Thread(target=lambda: w.combine(ys, inputs, outs, 0, ranks=[1], phases=1, outs=c0))
-    t.start()
-    w.combine(ys, inputs, outs, 0, ranks=[0], outs=c0)
-    t.join()
-    check_combine(w, inputs, ys, c0, 0, [True] * R, "rank 0, combine #0")
-    y1 = _scaled(ys, 1)
-    t0 = time.monotonic()
-    c1 = w.combine(y1, inputs, outs, 0, ranks=[0], repeat=True, timeout_ns=300_000_000)
-    took = time.monotonic() - t0
-    assert 0.3 <= took < 10.0, f"the silent destination's acknowledgement wait took {took:.3f} s"
-    assert w.active[0].tolist() == [1, 0], w.active[0].tolist()
-    check_combine(w, inputs, y1, c1, 0, [True, False], "rank 0, combine #1 without rank 1")
-    sent, acked = w.acks(0)
-    # Rank 0 sent #1 to itself only; only it acknowledged (rank 1 never received anything).
-    assert sent[0] == [2, 1] and acked[0] == [2, 0], (sent, acked)
-    w.rejoin()
-    sent, acked = w.acks(0)
-    assert sent == acked == [[0, 0], [0, 0]]
-    _round(w, _inputs(R, T, H, E, K, 121), 0, "after rejoin")
-    assert torch.equal(w.active[0], torch.ones(R, dtype=torch.int32))
-    return "ok"
-
-
-REPEAT = [(3, "none"), (2, "all"), (4, "cross"), (2, "softnic-all")]
-
-
-@pytest.mark.parametrize("R,nic", REPEAT)
-def test_repeated_combine_of_one_handle(sim_pool, R, nic):
-    if nic.startswith("softnic") and not _has_softnic():
-        pytest.skip("pyep._engine has no softnic in this build")
-    pool, path = sim_pool
-    assert pool.run(case_repeat, path, R, nic, timeout_s=240) == ["ok"]
-
-
-@pytest.mark.parametrize("nic", ["direct", "nic"])
-def test_repeated_combine_waits_for_the_acknowledgement(sim_pool, nic):
-    pool, path = sim_pool
-    assert pool.run(case_repeat_race, path, nic, True, timeout_s=240) == ["ok"]
-
-
-@pytest.mark.parametrize("nic", ["direct", "nic"])
-def test_without_the_acknowledgement_the_race_bites(sim_pool, nic):
-    """The control experiment: the same schedule with repeat=0 corrupts rank 0's combine #0, so the test
-    above would catch a repeated combine that stopped waiting."""
-    pool, path = sim_pool
-    assert pool.run(case_repeat_race, path, nic, False, timeout_s=240) == ["raced"]
-
-
-@pytest.mark.parametrize("nic", ["direct", "nic"])
-def test_repeated_combine_times_out_on_a_silent_destination(sim_pool, nic):
-    pool, path = sim_pool
-    assert pool.run(case_repeat_silent, path, nic, timeout_s=240) == ["ok"]

@@ -1,7 +1,7 @@
 """GPU tests of the native normal-mode backend (marked `gpu`; skipped without CUDA, without the CUDA build
 of pyep._engine or with fewer than 2 GPUs). Ranks are DistPool workers over gloo; each drives a native
 NormalBuffer on GPU rank % device_count beside a reference NormalBuffer on the CPU, with the same
-inputs, and compares every output bit for bit (tests/normal_gpu_cases.py).
+inputs, and compares every output bit for bit (tests/normal_gpu_cases.py, tests/normal_gpu_drills.py).
 
 Worlds: 2 ranks (one per GPU) and 4 ranks (one per GPU, or two per GPU on a 2-GPU machine); 8 where
 there are 8 GPUs. Matrix per H in {128, 7168, 16384}: random, hot, masked (-1), empty (N=0 on one
@@ -49,7 +49,7 @@ def test_matches_reference(pools, world, hidden):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
 def test_cuda_graph_with_worst_tokens_and_cached_handle(pools, world):
-    from normal_gpu_cases import graph_case
+    from normal_gpu_drills import graph_case
     pools[world].run(graph_case, (64, 1024, 8 * world, 4), 3, timeout_s=220)
 
 
@@ -66,7 +66,7 @@ def test_row_kinds_back_to_back(pools, world):
 @requires_gpus
 @pytest.mark.timeout(240)
 def test_thousand_rounds_hash_stable(pools):
-    from normal_gpu_cases import stability
+    from normal_gpu_drills import stability
     res = pools[2].run(stability, (128, 1024, 16, 4), 1000, timeout_s=220)
     assert len(res) == 2
 
@@ -75,7 +75,7 @@ def test_thousand_rounds_hash_stable(pools):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
 def test_invalid_expert_raises_and_buffer_recovers(pools, world):
-    from normal_gpu_cases import invalid_expert
+    from normal_gpu_drills import invalid_expert
     pools[world].run(invalid_expert, (64, 512, 8 * world, 4), timeout_s=220)
 
 
@@ -84,7 +84,7 @@ def test_invalid_expert_raises_and_buffer_recovers(pools, world):
 def test_absent_peer_times_out_and_clean_recovers(pools):
     """A rank that skips a dispatch is named by PeerTimeout on the others within the timeout (plus the
     host's slack), nothing hangs, and clean() makes the buffer usable again."""
-    from normal_gpu_cases import peer_timeout
+    from normal_gpu_drills import peer_timeout
     timeout_us = 500_000
     took = pools[2].run(peer_timeout, (64, 512, 16, 4), timeout_us, timeout_s=220)
     assert 0 < took[0] < timeout_us / 1e6 + 5.0, f"rank 0 took {took[0]:.2f} s to report the absent peer"
@@ -95,7 +95,7 @@ def test_absent_peer_times_out_and_clean_recovers(pools):
 def test_deep_ep_shim_on_native(pools):
     """pyep.compat.deep_ep.Buffer(low_latency_mode=False) on the kernels, as DeepEP's intranode test
     calls it, equal to the same shim on the reference backend."""
-    from normal_gpu_cases import deep_ep_shim
+    from normal_gpu_drills import deep_ep_shim
     pools[2].run(deep_ep_shim, (200, 1024, 16, 4), timeout_s=220)
 
 
@@ -104,7 +104,7 @@ def test_deep_ep_shim_on_native(pools):
 def test_kernel_names_in_profiles(pools):
     """One kernel named *dispatch* per dispatch call and one *combine* per combine call (profiling
     helpers written for DeepEP look for exactly that)."""
-    from normal_gpu_cases import kernel_names
+    from normal_gpu_drills import kernel_names
     pools[2].run(kernel_names, (128, 1024, 16, 4), timeout_s=220)
 
 

@@ -270,3 +270,52 @@ def check_combine(w: World, inputs: Sequence[Any], ys: Sequence[Any], outs: Sequ
     if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
         diff = (got.float() - want.float()).abs()
         raise AssertionError(f"{tag}: combine differs (max {diff.max().item():.3g}, {int((diff > 0).sum())} elements)")
+
+
+# ------------------------------------------------------------------ what the test modules' cases share
+def rank_inputs(R: int, T: int, H: int, E: int, K: int, seed: int, routing: str = "uniform",
+                n: Optional[Sequence[int]] = None) -> List[Any]:
+    """Every rank's (x, topk_idx, weights), made as tests/ep_native_cases.py makes them for the GPU
+    tests; rank r has n[r] tokens (default T)."""
+    from ep_native_cases import Shape, make_inputs
+    return [make_inputs(seed, r, Shape(T, H, E, K), T if n is None else n[r], routing) for r in range(R)]
+
+
+def checked_round(w: World, inputs: Sequence[Any], half: int, tag: str,
+                  fp8: Tuple[bool, bool, bool] = (False, False, False), active: Optional[Sequence[bool]] = None,
+                  ranks: Optional[Sequence[int]] = None, phases: int = 3) -> List[Dict[str, Any]]:
+    """One dispatch and one combine on `ranks`, both checked against the oracle; phases=1: each as a send
+    launch, then a receive launch (the hook path). Returns the dispatch outputs."""
+    use_fp8, rs, ue = fp8
+    active = [True] * w.R if active is None else active
+    ranks = list(range(w.R)) if ranks is None else ranks
+    if phases == 3:
+        outs = w.dispatch(inputs, half, use_fp8, rs, ue, ranks=ranks)
+    else:   # the hook path: send launch, then receive launch
+        outs = w.dispatch(inputs, half, use_fp8, rs, ue, ranks=ranks, phases=1)
+        w.dispatch(inputs, half, use_fp8, rs, ue, ranks=ranks, phases=2, outs=outs)
+    for r in ranks:
+        check_dispatch(w, inputs, outs, r, active, use_fp8, rs, ue, f"{tag} rank {r}")
+    ys = expert_outputs(w, outs, use_fp8, ue, seed=half + 3)
+    if phases == 3:
+        combined = w.combine(ys, inputs, outs, half, ranks=ranks)
+    else:
+        w.combine(ys, inputs, outs, half, ranks=ranks, phases=1)
+        combined = w.combine(ys, inputs, outs, half, ranks=ranks, phases=2)
+    for r in ranks:
+        check_combine(w, inputs, ys, combined, r, active, f"{tag} rank {r}")
+    return outs
+
+
+def nic_pairs(R: int, nic: str) -> List[Tuple[int, int]]:
+    """The rank pairs that talk through the NIC: none ("none"), every pair ("all"), or the pairs across
+    the two halves of the ranks ("cross", as between two nodes)."""
+    return [] if nic == "none" else [(i, j) for i in range(R) for j in range(i + 1, R)
+                                     if nic == "all" or (i < R // 2) != (j < R // 2)]
+
+
+def has_softnic() -> bool:
+    """Whether this build of pyep._engine has the softnic that the "softnic-*" worlds run on."""
+    from pyep._native import load as load_engine
+    mod = load_engine()
+    return mod is not None and hasattr(mod, "SoftNic")
