@@ -14,3 +14,27 @@ class BadAnnouncement(MembershipError, ValueError):
 
 class StaleAnnouncement(BadAnnouncement):
     """An announcement of a generation that is not the rank's newest (or was already admitted)."""
+
+
+class CallMismatch(RuntimeError):
+    """Two ranks met in an exchange while at different calls (or generations): a rank that refused a
+    call, or skipped one, would otherwise pair its next call's messages with the peer's current one.
+    Raised on every rank of the exchange instead of returning another call's data; nothing of the
+    exchange is used. `my_call` / `peer_call` are the call numbers (`None` where a side is unknown),
+    `what` names the exchange."""
+
+    def __init__(self, what: str, rank: int, peer: int, my_call: object, peer_call: object,
+                 detail: str = "") -> None:
+        self.what, self.rank, self.peer, self.my_call, self.peer_call = what, rank, peer, my_call, peer_call
+        super().__init__(f"{what}: rank {rank} is at call {my_call} but rank {peer} sent call {peer_call}"
+                         + (f" ({detail})" if detail else "")
+                         + "; nothing of this exchange was used (docs/elastic.md, 'Call-tagged exchanges')")
+
+
+class RecordRejected(ValueError):
+    """A record read from the store (or from a peer) failed authentication, parsing, a size bound or the
+    protocol's state machine. `key` names the store key (or the exchange); the record was not used."""
+
+    def __init__(self, key: str, why: str) -> None:
+        self.key, self.why = key, why
+        super().__init__(f"store record {key!r} refused: {why}")
