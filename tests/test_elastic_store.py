@@ -5,13 +5,12 @@ a real process is SIGKILLed in the middle of dispatch, of combine and between ca
 re-admitted while the survivors keep going (pyep drill)."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import multiprocessing as mp
 import os
 import signal
 import threading
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List
 
 import pytest
 
@@ -137,7 +136,7 @@ def _drill_args(**kw: Any) -> dict:
 def test_store_bootstrap_reference_matches_definition() -> None:
     import torch
 
-    from pyep.cli._drill_rank import _check_dispatch, _expected_combine, _expert, _inputs
+    from pyep.ep.elastic.drill_rank import _check_dispatch, _expected_combine, _expert, _inputs
     from pyep.ep.ll import EpBuffer
     master = _master()
     a = _drill_args()
@@ -234,14 +233,14 @@ def test_decode_announcement_errors() -> None:
 
 
 # ---------------------------------------------------------------------------------------- drills
-def _drill_ns(**kw: Any) -> argparse.Namespace:
-    ns = argparse.Namespace(backend="reference", transport="auto", world=3, drills=1, phases="dispatch", victim=-1,
-                            kill_call=20, timeout_us=1_500_000, slack_ms=4000.0, max_slowdown=100.0, rounds_after=6,
-                            lead_calls=4, tokens=8, hidden=128, experts=6, topk=3, seed=5, join_timeout_s=120.0,
-                            drill_timeout_s=240.0, echo=False, json=None)
-    for k, v in kw.items():
-        setattr(ns, k, v)
-    return ns
+def _drill_cfg(**kw: Any) -> Any:
+    from pyep.launch.drill import DrillConfig
+    a: Dict[str, Any] = dict(backend="reference", transport="auto", world=3, drills=1, phases=("dispatch",),
+                             victim=-1, kill_call=20, timeout_us=1_500_000, slack_ms=4000.0, max_slowdown=100.0,
+                             rounds_after=6, lead_calls=4, tokens=8, hidden=128, experts=6, topk=3, seed=5,
+                             join_timeout_s=120.0, drill_timeout_s=240.0)
+    a.update(kw)
+    return DrillConfig(**a)
 
 
 @pytest.mark.parametrize("phase", ["dispatch", "combine", "between"])
@@ -249,8 +248,8 @@ def test_drill_kill_restart_rejoin_reference(phase: str) -> None:
     """A real rank process is SIGKILLed (mid-exchange for dispatch / combine), the survivors mark it
     within the timeout and keep computing the right outputs, the restarted process (generation 2) is
     admitted while they run, and every call after is equal to the reference definition on every rank."""
-    from pyep.cli.drill import run_drill
-    out = run_drill(_drill_ns(), 0, phase)
+    from pyep.launch.drill import run_drill
+    out = run_drill(_drill_cfg(), 0, phase)
     assert out.ok, out.why
     assert out.joined_at > 20 and out.rounds_checked == 7
     assert 1500.0 * 0.9 <= out.detect_ms <= 1500.0 + 4000.0
@@ -266,11 +265,11 @@ def test_drill_call_a_survives_a_pause_after_admission() -> None:
     marks the late survivors in call #A and they mark it back in the combine (seen on GPUs: `ranks still
     marked inactive at the end`). The reference's heartbeat does not cover it: a pausing rank is not
     waiting, so it does not beat."""
-    from pyep.cli.drill import run_drill
+    from pyep.launch.drill import run_drill
     from pyep.ep.elastic.membership import REJOIN_CALL_TIMEOUT_US
     timeout_us, pause_ms = 300_000, 1200.0
     assert 2 * timeout_us / 1e3 < pause_ms < REJOIN_CALL_TIMEOUT_US / 1e3 - 500
-    out = run_drill(_drill_ns(world=2, experts=4, timeout_us=timeout_us, phases="between", rounds_after=4,
+    out = run_drill(_drill_cfg(world=2, experts=4, timeout_us=timeout_us, phases=("between",), rounds_after=4,
                               pause_after_admit_ms=pause_ms), 0, "between")
     assert out.ok, out.why
     assert all(r["final_active"] == [1, 1] for r in out.ranks), [r["final_active"] for r in out.ranks]
@@ -283,11 +282,11 @@ def test_drill_newcomer_late_after_call_a_stays_admitted() -> None:
     newcomer marks the survivor back in that combine: the masks end split, {0: [1, 0], 1: [0, 1]}, as in
     the second GPU drill (nvlink, kills in combine and between calls). Calls #A .. #A +
     REJOIN_GRACE_CALLS - 1 wait at least REJOIN_CALL_TIMEOUT_US on every member."""
-    from pyep.cli.drill import run_drill
+    from pyep.launch.drill import run_drill
     from pyep.ep.elastic.membership import REJOIN_CALL_TIMEOUT_US, REJOIN_GRACE_CALLS
     timeout_us, pause_ms = 300_000, 1200.0
     assert 2 * timeout_us / 1e3 < pause_ms < REJOIN_CALL_TIMEOUT_US / 1e3 - 500 and REJOIN_GRACE_CALLS >= 2
-    out = run_drill(_drill_ns(world=2, experts=4, timeout_us=timeout_us, phases="between", rounds_after=4,
+    out = run_drill(_drill_cfg(world=2, experts=4, timeout_us=timeout_us, phases=("between",), rounds_after=4,
                               newcomer_pause_ms=pause_ms), 0, "between")
     assert out.ok, out.why
     assert all(r["final_active"] == [1, 1] for r in out.ranks), [r["final_active"] for r in out.ranks]
@@ -300,11 +299,11 @@ def test_drill_first_call_waits_for_a_late_starter() -> None:
     marked a live rank in call 1). Calls 1 .. REJOIN_GRACE_CALLS of a store-based buffer wait at least
     REJOIN_CALL_TIMEOUT_US, so nobody is marked before the victim dies; the drill fails when a rank was
     marked before the kill."""
-    from pyep.cli.drill import run_drill
+    from pyep.launch.drill import run_drill
     from pyep.ep.elastic.membership import REJOIN_CALL_TIMEOUT_US
     timeout_us, pause_ms = 300_000, 1200.0
     assert 2 * timeout_us / 1e3 < pause_ms < REJOIN_CALL_TIMEOUT_US / 1e3 - 500
-    out = run_drill(_drill_ns(world=2, experts=4, timeout_us=timeout_us, phases="between", rounds_after=4,
+    out = run_drill(_drill_cfg(world=2, experts=4, timeout_us=timeout_us, phases=("between",), rounds_after=4,
                               first_call_pause_ms=pause_ms), 0, "between")
     assert out.ok, out.why
     assert all(r["death_call"] >= 20 for r in out.ranks if r["generation"] == 1)
@@ -313,7 +312,7 @@ def test_drill_first_call_waits_for_a_late_starter() -> None:
 def test_drill_failure_names_the_call_and_keeps_the_traceback() -> None:
     """A failed rank's message is its last traceback and the call it failed in, not the CUDA warnings
     printed at exit after a sticky error (which pushed the traceback out of the kept lines)."""
-    from pyep.cli.drill import failure_lines
+    from pyep.launch.drill import failure_lines
     lines = ["setup ok", "rank 0 failed in {'call': 25, 'death_call': 24}", "Traceback (most recent call last):",
              '  File "x.py", line 3, in run', "torch.AcceleratorError: CUDA error: an illegal memory access"]
     lines += ["[W1125 CUDAEvent.h:57] Warning: CUDA warning: an illegal memory access (function ~CUDAEvent)"] * 12

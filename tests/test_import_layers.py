@@ -9,6 +9,7 @@ Layers, lowest first (CONTRIBUTING.md, "Layers"):
   1 softnic, wqe, nic, config
   2 transport
   3 ep: shared modules (pyep/ep/*.py) < elastic < ll, normal (ll and normal never import each other)
+    < elastic.drill_rank (the drill's rank loop drives an EpBuffer, so it sits above ll and normal)
   4 compat, bench, launch, doctor
   5 cli
 and the top-level `pyep` package and `pyep.__main__` above all of them (nothing imports them).
@@ -24,12 +25,13 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "pyep"
 
 # (top-level part, ep subpackage or None) -> layer; ep sublayers are fractional so that ep/ll may use
-# ep/elastic and the shared ep modules but not the other way round.
+# ep/elastic and the shared ep modules but not the other way round. An ep sublayer key is a dotted path
+# under pyep.ep; the longest one that prefixes a module decides its layer.
 LAYERS: Dict[str, float] = {
     "_native": 0, "_version": 0, "softnic": 1, "wqe": 1, "nic": 1, "config": 1, "transport": 2, "ep": 3.0,
     "compat": 4, "bench": 4, "launch": 4, "doctor": 4, "cli": 5,
 }
-EP_SUBLAYERS: Dict[str, float] = {"elastic": 3.1, "ll": 3.2, "normal": 3.2}
+EP_SUBLAYERS: Dict[str, float] = {"elastic": 3.1, "ll": 3.2, "normal": 3.2, "elastic.drill_rank": 3.3}
 TOP = 99.0
 
 
@@ -108,8 +110,11 @@ def layer_of(mod: str) -> float:
     parts = mod.split(".")
     if len(parts) == 1 or parts[1] == "__main__":
         return TOP
-    if parts[1] == "ep" and len(parts) > 2 and parts[2] in EP_SUBLAYERS:
-        return EP_SUBLAYERS[parts[2]]
+    if parts[1] == "ep":
+        for n in range(len(parts) - 2, 0, -1):
+            key = ".".join(parts[2:2 + n])
+            if key in EP_SUBLAYERS:
+                return EP_SUBLAYERS[key]
     if parts[1] not in LAYERS:
         raise AssertionError(f"{mod}: module outside every layer; add its package to LAYERS and to "
                              f"CONTRIBUTING.md")

@@ -5,7 +5,7 @@
 
 Every rank runs a store-based EpBuffer serving loop (the job store the launcher hosts: PYEP_STORE_ADDR /
 PYEP_STORE_PORT) with the shape from the PYEP_EP_* variables, checking each call against the reference
-definition (pyep.cli._drill_rank). Rank R's first process SIGKILLs itself in call C; the launcher
+definition (pyep.ep.elastic.drill_rank). Rank R's first process SIGKILLs itself in call C; the launcher
 restarts that rank alone; the new process (generation 2) joins, the survivors admit it between calls,
 and every rank runs N more checked calls. Each rank writes elastic-rank-R-gG.json into $PYEP_RUN_DIR.
 """
@@ -42,7 +42,7 @@ def main(argv: Optional[List[str]] = None) -> int:
          "timeout_us": args.timeout_us, "lead": args.lead_calls, "seed": 11, "victim": victim,
          "kill_call": args.kill_call, "phase": args.phase, "rounds_after": args.rounds_after,
          "join_timeout_s": args.wall_s, "wall_s": args.wall_s}
-    from ..cli._drill_rank import run
+    from ..ep.elastic.drill_rank import run
     res = run(a)
     print(f"elastic demo rank {rank} generation {res['generation']}: {res['calls']} calls checked"
           + (f", joined at call {res['joined_at']}" if "joined_at" in res else "")

@@ -1,6 +1,7 @@
-"""One rank of `pyep drill` (python -m pyep.cli._drill_rank JSON): a store-based EpBuffer serving loop
-that checks every call against the reference definition, survives a killed peer, and -- as the
-restarted process of a killed rank -- joins the running job.
+"""One rank of the elastic drill: a store-based EpBuffer serving loop that checks every call against the
+reference definition, survives a killed peer, and -- as the restarted process of a killed rank -- joins
+the running job. pyep.launch.drill (`pyep drill`) spawns it as `python -m pyep.ep.elastic.drill_rank
+JSON`; pyep.launch.elastic_demo calls `run` in the ranks `pyep launch` starts.
 
 Every call c uses inputs derived from (seed, c, rank), so each rank rebuilds every sender's tokens and
 checks its dispatch output (counts, src_info, rows) and its combine output bit for bit against what
@@ -23,11 +24,14 @@ STAMP_TAG = "PYEP_DRILL_STAMP "
 
 def _inputs(seed: int, call: int, rank: int, n: int, h: int, e: int, k: int) -> Tuple[Any, Any, Any]:
     import torch
+    # On the CPU generator's device, whatever default device or dtype the caller set: every rank must
+    # rebuild the same inputs.
     g = torch.Generator().manual_seed(seed * 1_000_003 + call * 7919 + rank)
-    x = (torch.randn(n, h, generator=g) * 2).to(torch.bfloat16)
-    idx = torch.rand(n, e, generator=g).argsort(dim=1)[:, :k].to(torch.int64).contiguous()
-    idx[torch.rand(n, k, generator=g) < 0.15] = -1
-    w = torch.rand(n, k, generator=g, dtype=torch.float32)
+    cpu, f32 = torch.device("cpu"), torch.float32
+    x = (torch.randn(n, h, generator=g, dtype=f32, device=cpu) * 2).to(torch.bfloat16)
+    idx = torch.rand(n, e, generator=g, dtype=f32, device=cpu).argsort(dim=1)[:, :k].to(torch.int64).contiguous()
+    idx[torch.rand(n, k, generator=g, dtype=f32, device=cpu) < 0.15] = -1
+    w = torch.rand(n, k, generator=g, dtype=f32, device=cpu)
     return x, idx, w
 
 
@@ -53,7 +57,7 @@ def _check_dispatch(a: Dict[str, Any], call: int, rank: int, world: int, active:
             t = (idx == ge).any(dim=1).nonzero().reshape(-1)
             toks.append(t)
             rows.append(x[t])
-        t = torch.cat(toks) if toks else torch.empty(0, dtype=torch.int64)
+        t = torch.cat(toks) if toks else torch.empty(0, dtype=torch.int64, device="cpu")
         n = int(t.numel())
         if int(cnt[le]) != n:
             raise AssertionError(f"call {call} rank {rank}: recv_count[{le}] = {int(cnt[le])}, expected {n} "
@@ -68,9 +72,9 @@ def _expected_combine(a: Dict[str, Any], call: int, rank: int, world: int, activ
     import torch
     e_l = a["E"] // world
     x, idx, w = _inputs(a["seed"], call, rank, a["T"], a["H"], a["E"], a["K"])
-    acc = torch.zeros(x.shape[0], a["H"], dtype=torch.float32)
+    acc = torch.zeros(x.shape[0], a["H"], dtype=torch.float32, device="cpu")
     owner_on = torch.tensor([bool(active[int(v) // e_l]) if v >= 0 else False for v in idx.reshape(-1).tolist()],
-                            dtype=torch.bool).view(idx.shape)
+                            dtype=torch.bool, device="cpu").view(idx.shape)
     for k in range(idx.shape[1]):     # k ascending, multiply then add in fp32: the reference's order
         e = idx[:, k]
         y = (x.float() * (1.0 + e.clamp_min(0).float() / 16.0).view(-1, 1)).to(torch.bfloat16).float()
@@ -141,7 +145,7 @@ def _warm_up(a: Dict[str, Any], rank: int, world: int, dev: Any) -> None:
 def _trace_summary(buf: Any) -> Dict[str, List[Any]]:
     """The latest dispatch's and combine's per-block timeline (PYEP_LL_TRACE=1): per point, blocks that
     reached it and the first / median / last block in µs after the call's first stamp."""
-    from pyep.ep.ll.trace import KERNELS, summarize
+    from ..ll.trace import KERNELS, summarize
     stamps = buf.backend.read_trace()
     return {k: [(p.point, p.blocks, round(p.first_us, 1), round(p.median_us, 1), round(p.last_us, 1))
                 for p in summarize(stamps[i])] for i, k in enumerate(KERNELS)}
@@ -178,7 +182,7 @@ def run(a: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[st
     import torch
     import torch.distributed as dist
 
-    from pyep.ep.ll import EpBuffer
+    from ..ll import EpBuffer
     rank, world = int(a["rank"]), int(a["world"])
     native = a["backend"] == "native"
     # The checks' CPU operators are tiny: with torch's default (a thread per core) in every rank, the
