@@ -1,4 +1,4 @@
-"""CPU tests of `pyep qp loopback` and `pyep qp dump` (and pyep.transport.qp_dump) on the softnic.
+"""CPU tests of `pyep qp loopback` and `pyep qp dump` (pyep.transport.loopback, qp_dump) on the softnic.
 
 The loopback runs with CPU posters (the GPU kernels are covered by tests/test_gda_gpu.py); the dump reads
 softnic QPs with host rings: healthy, stalled (progress thread stopped), and failed with a bad rkey.
@@ -96,7 +96,7 @@ def test_loopback_cpu_posters_table(monkeypatch: MonkeyPatch, capsys: CaptureFix
 
 
 def test_loopback_reports_a_failed_qp() -> None:
-    from pyep.cli._loopback import Loopback, LoopbackConfig, LoopbackError
+    from pyep.transport.loopback import Loopback, LoopbackConfig, LoopbackError
     cfg = LoopbackConfig(poster="cpu", sizes=(64,), lat_iters=10, bw_iters=10, warmup=0, window=8, timeout_s=5.0)
     with Loopback(cfg) as lb:
         assert lb.latency(64)["iterations"] == 10
@@ -106,7 +106,7 @@ def test_loopback_reports_a_failed_qp() -> None:
 
 
 def test_loopback_catches_wrong_data() -> None:
-    from pyep.cli._loopback import Loopback, LoopbackConfig, LoopbackError
+    from pyep.transport.loopback import Loopback, LoopbackConfig, LoopbackError
     cfg = LoopbackConfig(poster="cpu", sizes=(256,), lat_iters=5, bw_iters=5, warmup=0, window=8)
     with Loopback(cfg) as lb:
         lb.eps[0].arena.view[lb.span + 100] ^= 0xFF    # corrupt the sender's source after setup

@@ -1,8 +1,9 @@
 """`pyep qp`: queue-pair diagnostics.
 
-Each action (`pyep qp ACTION ...`) is a `QpAction`. The WQE/CQE encode/decode actions live here; other
-actions live in modules named `pyep/cli/qp_<something>.py` that define `QP_ACTIONS: tuple[QpAction, ...]`
-and are picked up without editing this file. An action's `run` returns the exit status and raises
+Each action (`pyep qp ACTION ...`) is a `QpAction`. The WQE/CQE encode/decode actions and `dump` (the
+QP dumps of a job, pyep.transport.qp_dump) live here; other actions live in modules named
+`pyep/cli/qp_<something>.py` that define `QP_ACTIONS: tuple[QpAction, ...]` and are picked up without
+editing this file. An action's `run` returns the exit status and raises
 `CliError` for bad input (exit status 2); argparse rejects malformed numbers itself (also status 2).
 """
 from __future__ import annotations
@@ -11,12 +12,14 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import pkgutil
 import re
 import sys
+import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import CliError
 
@@ -146,11 +149,98 @@ def _run_decode_cqe(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- dump ---------------------------------------------------------------------------------------------
+# pyep qp dump RUN_DIR_OR_FILE ...                 print dumps already written (qp_dump-rank<r>.json)
+# pyep qp dump --signal PID[,PID] [--dir DIR]      signal the ranks, wait for their fresh dumps, print them
+# pyep qp dump --trigger FILE --ranks N [--dir D]  touch the trigger file the ranks watch, same
+# pyep qp dump --demo                              a live dump of softnic host QPs (one with an rkey fault)
+# The ranks install the triggers from their environment (PYEP_QP_DUMP_SIGNAL / PYEP_QP_DUMP_TRIGGER).
+# Exit status: 0 printed, 1 no dump arrived in time or a dump reports QPs in error (except --demo, whose
+# error is injected), 2 bad arguments or unreadable files.
+
+
+def _configure_dump(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="*", metavar="PATH", help="dump files, or directories holding qp_dump-rank*.json")
+    p.add_argument("--signal", dest="pids", default="", help="PIDs of ranks to signal for a fresh dump (comma list)")
+    p.add_argument("--sig", default="", help="signal to send (default $PYEP_QP_DUMP_SIGNAL, else SIGUSR1)")
+    p.add_argument("--trigger", default="", help="trigger file the ranks watch ($PYEP_QP_DUMP_TRIGGER): touch it")
+    p.add_argument("--ranks", type=int, default=0, help="fresh dumps to wait for with --trigger (default 1)")
+    p.add_argument("--dir", default="", help="where the ranks write their dumps (default $PYEP_QP_DUMP_DIR, "
+                                             "$PYEP_RUN_DIR, or the working directory)")
+    p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for fresh dumps")
+    p.add_argument("--demo", action="store_true", help="dump two softnic host QPs (one with an injected rkey error)")
+    p.add_argument("--json", action="store_true", help="print the dump documents as JSON")
+
+
+def _load_dumps(paths: List[str]) -> List[Dict[str, Any]]:
+    from ..transport.qp_dump import load_documents
+    try:
+        return load_documents(paths)
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+
+
+def _fresh_dumps(args: argparse.Namespace) -> List[str]:
+    """Signals the ranks or touches their trigger file, then waits for their fresh dumps."""
+    from ..transport.qp_dump import dump_dir, parse_signal, wait_fresh
+    out_dir, since = dump_dir(args.dir), time.time() - 0.01
+    if not args.pids:
+        with open(args.trigger, "a"):
+            pass
+        os.utime(args.trigger)
+        return wait_fresh(out_dir, since, args.ranks or 1, args.wait, f"trigger {args.trigger}")
+    try:
+        pids = [int(p) for p in args.pids.split(",") if p.strip()]
+    except ValueError:
+        raise CliError(f"--signal takes PIDs, got {args.pids!r}") from None
+    try:
+        sig = parse_signal(args.sig or os.environ.get("PYEP_QP_DUMP_SIGNAL") or "SIGUSR1")
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            raise CliError(f"--signal: no process {pid}") from None
+    return wait_fresh(out_dir, since, len(pids), args.wait, f"{sig.name} to {len(pids)} rank(s)")
+
+
+def _run_dump(args: argparse.Namespace) -> int:
+    from ..transport.qp_dump import demo_document, render_document
+    modes = sum(bool(x) for x in (args.paths, args.pids, args.trigger, args.demo))
+    if modes != 1:
+        raise CliError("give exactly one of: dump PATHs, --signal PIDs, --trigger FILE, --demo")
+    if not 0 < args.wait <= 3600:
+        raise CliError(f"--wait must be in (0, 3600] seconds, got {args.wait}")
+    if args.ranks < 0:
+        raise CliError(f"--ranks must be positive, got {args.ranks}")
+    if args.demo:
+        docs = [demo_document()]
+    elif args.paths:
+        docs = _load_dumps(args.paths)
+    else:
+        try:
+            fresh = _fresh_dumps(args)
+        except (TimeoutError, OSError) as exc:
+            print(f"pyep qp dump: {exc}", file=sys.stderr)
+            return 1
+        docs = _load_dumps(fresh)
+    if args.json:
+        print(json.dumps(docs, indent=1))
+    else:
+        print("\n\n".join("\n".join(render_document(d)) for d in docs))
+    # The demo's QP error is injected on purpose; in a job's dump, a QP in error is what the user is after.
+    bad = [d["rank"] for d in docs if d.get("error") or any(q.get("error") for q in d.get("qps", []))]
+    return 1 if bad and not args.demo else 0
+
+
 BUILTIN_ACTIONS: Tuple[QpAction, ...] = (
     QpAction("encode-wqe", "print the 64-byte WQEBB pyep builds for a work request (128 hex digits)",
              _configure_encode, _run_encode),
     QpAction("decode-wqe", "explain a 64-byte send WQE", _configure_decode("WQE"), _run_decode_wqe),
     QpAction("decode-cqe", "explain a 64-byte CQE (completion or error)", _configure_decode("CQE"), _run_decode_cqe),
+    QpAction("dump", "per-QP state, indices, errors and traffic of a running job (from its dump files, or "
+                     "triggered now by a signal or a trigger file)", _configure_dump, _run_dump),
 )
 
 

@@ -7,22 +7,22 @@ perftest's ib_write_lat / ib_write_bw but with every WQE posted by a GPU thread 
 The endpoints are joined by one RC QP each way on the softnic (default when this host has no usable
 RDMA device) or on a real ConnectX through the DevX provider. `--poster cpu` posts from CPU threads
 instead (softnic only): the same qp.h code, as a baseline and for machines without a GPU.
+The loopback itself is pyep.transport.loopback; this module parses the flags and prints the report.
 Exit status: 0 all cases passed (data verified), 1 a case failed, 2 bad arguments.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import re
 import sys
-from dataclasses import asdict
-from typing import Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 from . import CliError
 from .qp import QpAction
 
-log = logging.getLogger("pyep.cli.qp_loopback")
+if TYPE_CHECKING:
+    from ..transport.loopback_config import LoopbackConfig
 
 _SIZE = re.compile(r"([0-9]+)([kKmMgG]?)[bB]?")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -73,68 +73,13 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def _usable_devx() -> Tuple[str, str]:
-    """(device name, "") for the first RDMA device DevX can open here, else ("", why not)."""
-    from .._native import load
-    eng = load()
-    devx = getattr(eng, "devx", None) if eng is not None else None
-    if devx is None or not getattr(devx, "has_provider", False):
-        return "", getattr(devx, "unavailable", "pyep._engine has no DevX provider")
-    try:
-        names = list(devx.device_names())
-    except RuntimeError as exc:
-        return "", str(exc)
-    for name in names:
-        if not devx.unavailable_reason(name):
-            return name, ""
-    return "", "no RDMA device" if not names else f"no usable RDMA device among {', '.join(names)}"
-
-
-def _check_devx(names: Tuple[str, ...]) -> None:
-    from .._native import load
-    eng = load()
-    devx = getattr(eng, "devx", None) if eng is not None else None
-    if devx is None or not getattr(devx, "has_provider", False):
-        raise CliError("--nic devx: " + getattr(devx, "unavailable", "pyep._engine has no DevX provider"))
-    for name in names:
-        why = devx.unavailable_reason(name)
-        if why:
-            raise CliError(f"--nic devx: device {name} cannot be used: {why}")
-
-
-def _check_gpus(gpus: Tuple[int, int]) -> None:
-    """Raises CliError (or RuntimeError for an incomplete installation) before anything is set up."""
-    from .._native import load
-    eng = load()
-    if eng is None or not getattr(eng, "has_cuda", False) or not hasattr(eng, "launch_loop_latency"):
-        raise RuntimeError("GPU posters need the CUDA build of pyep._engine (this one is host-only); "
-                           "use --poster cpu for the softnic's CPU baseline")
-    import torch
-    if not torch.cuda.is_available():
-        raise RuntimeError("GPU posters need a CUDA GPU and none is available; use --poster cpu")
-    n = torch.cuda.device_count()
-    bad = [g for g in gpus if g >= n]
-    if bad:
-        raise CliError(f"--gpus: GPU {bad[0]} does not exist (this host has {n})")
-
-
-def build_config(args: argparse.Namespace) -> Any:
-    from ._loopback import LoopbackConfig
+def build_config(args: argparse.Namespace) -> "LoopbackConfig":
+    from ..transport.loopback_config import LoopbackConfig, resolve_nic
     sizes, gpus = parse_sizes(args.sizes), parse_gpus(args.gpus)
     devices = tuple(d.strip() for d in args.device.split(",") if d.strip()) if args.device else ()
     if len(devices) > 2:
         raise CliError("--device takes at most two names (one per endpoint)")
-    nic = args.nic
-    if nic == "auto":
-        if devices:
-            nic = "devx"
-        elif args.poster == "cpu":
-            nic = "softnic"
-        else:
-            name, why = _usable_devx()
-            nic, devices = ("devx", (name,)) if name else ("softnic", ())
-            if not name:
-                log.info("using the softnic: %s", why)
+    nic, devices = resolve_nic(args.nic, devices, args.poster)
     if nic == "softnic" and devices:
         raise CliError("--device names a real NIC; it cannot be combined with --nic softnic")
     if nic == "devx" and not devices:
@@ -150,22 +95,6 @@ def build_config(args: argparse.Namespace) -> Any:
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from None
     return cfg
-
-
-def run_loopback(cfg: Any) -> Dict[str, Any]:
-    """Every case of `cfg`; raises LoopbackError on the first failure. Returns the report."""
-    from ._loopback import Loopback
-    report: Dict[str, Any] = {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-                              "latency": [], "bandwidth": []}
-    with Loopback(cfg) as lb:
-        report["nic"] = lb.describe_nic()
-        report["window"] = 1 << cfg.log_sq
-        for size in cfg.sizes:
-            if "lat" in cfg.tests:
-                report["latency"].append(lb.latency(size))
-            if "bw" in cfg.tests:
-                report["bandwidth"].append(lb.bandwidth(size))
-    return report
 
 
 def render(report: Dict[str, Any]) -> List[str]:
@@ -190,14 +119,27 @@ def render(report: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _check_host(cfg: "LoopbackConfig") -> None:
+    """CliError for a device or GPU named on the command line that this host cannot use; RuntimeError
+    (exit status 1, not bad input) when the installation cannot run GPU posters at all."""
+    from ..transport.loopback_config import check_devx, check_gpus
+    if cfg.nic == "devx":
+        try:
+            check_devx(cfg.devices)
+        except ValueError as exc:
+            raise CliError(f"--nic devx: {exc}") from None
+    if cfg.poster == "gpu":
+        try:
+            check_gpus(cfg.gpus)
+        except ValueError as exc:
+            raise CliError(f"--gpus: {exc}") from None
+
+
 def _run(args: argparse.Namespace) -> int:
-    from ._loopback import LoopbackError
+    from ..transport.loopback import LoopbackError, run_loopback
     cfg = build_config(args)
     try:
-        if cfg.nic == "devx":
-            _check_devx(cfg.devices)
-        if cfg.poster == "gpu":
-            _check_gpus(cfg.gpus)
+        _check_host(cfg)
         report = run_loopback(cfg)
     except (LoopbackError, RuntimeError, TimeoutError, OSError) as exc:
         print(f"pyep qp loopback: failed: {exc}", file=sys.stderr)

@@ -1,43 +1,20 @@
-"""Live QP diagnostics: what every RC queue pair of a running job is doing (`pyep qp dump`).
-
-For each QP the dump reads the gda::Qp device context the GPU posts through (qp.h) and, where it can,
-the send CQ ring and the provider's own view (softnic statistics, or the DevX QP state):
-producer indices (resv = WQEBBs reserved, ready = doorbell rung, cons = known complete), outstanding
-WQEBBs, CQ consumer index, the QP's first error (from its error slot) and the newest error CQE in the
-ring, decoded with pyep.wqe's names, and WQEs/bytes posted; plus totals per peer.
-
-Sources. `qp_dump(obj)` works on any object with a `qp_contexts()` method (or an `_backend` attribute
-that has one, which is how an EpBuffer delegates to its backend) returning, per QP, a `QpRef` or a
-tuple `(peer, qp_info, cq_info, context[, provider])`: qp_info/cq_info are pyep.softnic QpInfo/CqInfo
-or the provider dicts (qpn; cqes, log_size), `context` is the context's bytes, a torch tensor holding
-them (any device), or its address (host or device memory), and `provider` is a pyep.softnic.SoftNic
-or a DevX provider (optional).
-
-Triggers in running jobs (`install_dump_triggers`): with PYEP_QP_DUMP_SIGNAL=SIGUSR1 (any signal
-name or number) the signal writes `qp_dump-rank<r>.json` into $PYEP_QP_DUMP_DIR, else $PYEP_RUN_DIR,
-else the working directory; with PYEP_QP_DUMP_TRIGGER=<file> a watcher thread does the same whenever
-that file is created or touched (`pyep qp dump --trigger FILE` does that and waits for the dumps).
+"""Reading a job's QPs into dump documents (see the package docstring): the QP contexts, the send CQ
+rings and the providers' views, decoded with pyep.wqe's names; writing and loading the documents; and
+a live demo on two softnics.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import signal
 import socket
-import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 log = logging.getLogger("pyep.transport.qp_dump")
 
 FORMAT = "pyep-qp-dump/1"
-SIGNAL_ENV = "PYEP_QP_DUMP_SIGNAL"
-TRIGGER_ENV = "PYEP_QP_DUMP_TRIGGER"
-DIR_ENV = "PYEP_QP_DUMP_DIR"
-TRIGGER_POLL_S = 0.5
 ERROR_KINDS = {0: "none", 1: "error CQE", 2: "no ring space in time (completions stopped)",
                3: "doorbell order timeout (an earlier poster never rang)",
                4: "quiet timeout (posted WQEs never completed)"}
@@ -46,7 +23,7 @@ QP_STATES = {0: "RESET", 1: "INIT", 2: "RTR", 3: "RTS", 6: "ERR"}
 
 @dataclass(frozen=True)
 class QpRef:
-    """One QP to dump (see the module docstring for what `context` and `provider` may be)."""
+    """One QP to dump (see the package docstring for what `context` and `provider` may be)."""
     peer: int
     qpn: int
     context: Any
@@ -82,7 +59,7 @@ def as_ref(item: Any, index: int = 0) -> QpRef:
 
 
 def _engine() -> Any:
-    from .._native import engine
+    from ..._native import engine
     eng = engine()
     if not hasattr(eng, "decode_qp_context"):
         raise RuntimeError("pyep._engine predates the QP dump (no decode_qp_context): rebuild it")
@@ -111,7 +88,7 @@ def read_context(context: Any, size: int) -> bytes:
 
 
 def _error(err: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
-    from .. import wqe
+    from ... import wqe
     if not err["valid"]:
         return None
     kind = int(err["kind"])
@@ -133,7 +110,7 @@ def last_error_cqe(ring: bytes, log_size: int, ci: int) -> Optional[Dict[str, An
     """The newest error CQE in a send CQ ring whose consumer index is `ci` (None if none), decoded.
     Unconsumed entries (owner bit of the current pass) are newer than consumed ones, which stay in the
     ring until overwritten: the newest is the last valid unconsumed entry, else the one before ci."""
-    from .. import wqe
+    from ... import wqe
     size = 1 << log_size
     if len(ring) != 64 * size:
         raise ValueError(f"CQ ring of 2^{log_size} entries must be {64 * size} bytes, got {len(ring)}")
@@ -287,96 +264,6 @@ def write_document(doc: Mapping[str, Any], path: str) -> str:
     return path
 
 
-def parse_signal(text: str) -> signal.Signals:
-    t = text.strip().upper()
-    try:
-        return signal.Signals(int(t)) if t.isdigit() else signal.Signals[t if t.startswith("SIG") else "SIG" + t]
-    except (KeyError, ValueError):
-        raise ValueError(f"${SIGNAL_ENV}={text!r} is not a signal name or number (e.g. SIGUSR1)") from None
-
-
-class DumpTriggers:
-    """The installed triggers of one source; close() removes them (the signal handler goes back to
-    what it was before). The source is held weakly: a destroyed EpBuffer is simply not dumped."""
-
-    def __init__(self, source: Any, rank: int, out_dir: str, sig: Optional[signal.Signals], trigger: str,
-                 tag: str = "") -> None:
-        self.rank, self.out_dir, self.trigger = rank, out_dir, trigger
-        self.path = os.path.join(out_dir, f"qp_dump-rank{rank}{'-' + tag if tag else ''}.json")
-        self._source = weakref.ref(source)
-        self._sig = sig
-        self._previous: Any = None
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        if sig is not None:
-            self._previous = signal.signal(sig, self._on_signal)
-        if trigger:
-            # The baseline is taken here, not in the thread: a touch right after installation must count.
-            self._thread = threading.Thread(target=self._watch, args=(_mtime(trigger),), name=f"pyep-qp-dump-{rank}",
-                                            daemon=True)
-            self._thread.start()
-
-    def dump(self, reason: str) -> Optional[str]:
-        source = self._source()
-        if source is None:
-            return None
-        path = write_document(dump_document(source, self.rank, reason), self.path)
-        log.warning("rank %d: QP dump (%s) written to %s", self.rank, reason, path)
-        return path
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.dump(f"signal {signal.Signals(signum).name}")
-        prev = self._previous
-        if callable(prev) and prev not in (signal.default_int_handler,):
-            prev(signum, frame)
-
-    def _watch(self, last: Optional[float]) -> None:
-        while not self._stop.wait(TRIGGER_POLL_S):
-            now = _mtime(self.trigger)
-            if now is not None and now != last:
-                try:
-                    self.dump(f"trigger file {self.trigger}")
-                except Exception:  # noqa: BLE001 - keep watching; the failure is logged
-                    log.exception("rank %d: QP dump on trigger failed", self.rank)
-            last = now
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5 * TRIGGER_POLL_S)
-        if self._sig is not None and signal.getsignal(self._sig) == self._on_signal:
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(self._sig, self._previous if self._previous is not None else signal.SIG_DFL)
-            else:  # only the main thread may change handlers; a dead source makes ours a no-op anyway
-                log.warning("QP dump handler for %s stays installed: close() ran outside the main thread",
-                            self._sig.name)
-        self._sig = None
-
-
-def _mtime(path: str) -> Optional[float]:
-    try:
-        return os.stat(path).st_mtime_ns / 1e9
-    except OSError:
-        return None
-
-
-def install_dump_triggers(source: Any, rank: int, environ: Optional[Mapping[str, str]] = None,
-                          out_dir: Optional[str] = None, tag: str = "") -> Optional[DumpTriggers]:
-    """Installs the triggers the environment asks for (None if it asks for none). The signal handler
-    can only be installed from the main thread; elsewhere that part is skipped with a warning."""
-    env = os.environ if environ is None else environ
-    sig_text, trigger = env.get(SIGNAL_ENV, "").strip(), env.get(TRIGGER_ENV, "").strip()
-    if not sig_text and not trigger:
-        return None
-    sig = parse_signal(sig_text) if sig_text else None
-    if sig is not None and threading.current_thread() is not threading.main_thread():
-        log.warning("%s=%s ignored: signal handlers can only be installed from the main thread", SIGNAL_ENV, sig_text)
-        sig = None
-    where = out_dir or env.get(DIR_ENV) or env.get("PYEP_RUN_DIR") or os.getcwd()
-    os.makedirs(where, exist_ok=True)
-    return DumpTriggers(source, rank, where, sig, trigger, tag)
-
-
 def dump_paths(out_dir: str) -> List[str]:
     """The dump files in a directory, in rank order."""
     names = [n for n in os.listdir(out_dir) if n.startswith("qp_dump-rank") and n.endswith(".json")]
@@ -397,3 +284,52 @@ def load_document(path: str) -> Dict[str, Any]:
         raise ValueError(f"{path} is not a pyep QP dump (format {FORMAT})")
     return doc
 
+
+def load_documents(paths: Sequence[str]) -> List[Dict[str, Any]]:
+    """The dumps in `paths` (files, or directories holding qp_dump-rank*.json); ValueError or OSError
+    naming a path that is missing, holds no dumps or is not a dump."""
+    files: List[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = dump_paths(p)
+            if not found:
+                raise ValueError(f"{p} holds no qp_dump-rank*.json files")
+            files.extend(found)
+        elif os.path.isfile(p):
+            files.append(p)
+        else:
+            raise ValueError(f"{p}: no such file or directory")
+    return [load_document(f) for f in files]
+
+
+def demo_document() -> Dict[str, Any]:
+    """A live dump of two softnics in this process, two QPs with host rings: QP 0 moves data, QP 1 hits
+    a bad rkey (so a reader sees what an error looks like)."""
+    from ...softnic import ConnectAttr, SoftNic, SoftNicConfig, new_fabric_id
+    fabric = new_fabric_id()
+    with SoftNic(SoftNicConfig(node_id=0, fabric_id=fabric)) as a, \
+            SoftNic(SoftNicConfig(node_id=1, fabric_id=fabric)) as b:
+        refs, posters = [], []
+        for j in range(2):
+            cq_a, cq_b = a.create_cq(4), b.create_cq(4)
+            qp_a, qp_b = a.create_qp(cq_a, 4), b.create_qp(cq_b, 4)
+            a.connect(qp_a, 1, qp_b.qpn, ConnectAttr(ack_timeout=8, retry_cnt=1))
+            b.connect(qp_b, 0, qp_a.qpn, ConnectAttr(ack_timeout=8, retry_cnt=1))
+            hq = a.host_qp(qp_a, cq_a)
+            posters.append(hq)
+            refs.append(QpRef(peer=1, qpn=qp_a.qpn, context=hq.addresses()["context"], index=j, cqes=cq_a.cqes,
+                              cq_log_size=cq_a.log_size, provider=a))
+        src, dst, fetch = a.alloc_host(1 << 16), b.alloc_host(1 << 16), a.alloc_host(64)
+        ms, md, mf = a.reg_mr(src), b.reg_mr(dst), a.reg_mr(fetch)
+        for i in range(24):
+            posters[0].check(posters[0].post_write_with_signal(src.addr + 1024 * i, ms.lkey, dst.addr + 1024 * i,
+                                                               md.rkey, 1024, dst.addr + 60000, md.rkey, 1,
+                                                               fetch.addr, mf.lkey), f"demo write {i}")
+        posters[0].check(posters[0].quiet(), "demo quiet")
+        posters[1].post_rdma_write(src.addr, ms.lkey, dst.addr, md.rkey ^ 0x80000000, 512)  # a corrupted rkey
+        posters[1].quiet(timeout_s=5.0)
+
+        class _Source:
+            def qp_contexts(self) -> List[QpRef]:
+                return refs
+        return dump_document(_Source(), rank=0, reason="demo")

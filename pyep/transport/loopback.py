@@ -1,7 +1,8 @@
-"""The engine side of `pyep qp loopback`: two endpoints joined by one RC QP each way, on the softnic or a
-real mlx5 NIC (DevX), connected through pyep.transport.connect (the setup every pyep job uses), and the
-measurement loops: GPU threads posting through qp.h (the loopback kernels), or CPU threads posting
-through the same qp.h code (`poster="cpu"`, softnic only: a baseline, and what CI can run).
+"""GPU-posted RDMA write loopback (what `pyep qp loopback` runs): two endpoints joined by one RC QP each
+way, on the softnic or a real mlx5 NIC (DevX), connected through pyep.transport.connect (the setup every
+pyep job uses), and the measurement loops: GPU threads posting through qp.h (the loopback kernels), or
+CPU threads posting through the same qp.h code (`poster="cpu"`, softnic only: a baseline, and what CI
+can run). The settings and the host checks made before any of this is set up: loopback_config.py.
 
 Each endpoint owns one registered arena: [receive buffer | source buffer | signal word | fetch scratch].
 Latency: endpoint 0 writes `size` bytes + a +1 signal into endpoint 1, which answers the same way when
@@ -15,10 +16,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List
 
-log = logging.getLogger("pyep.cli.qp_loopback")
+from .loopback_config import LoopbackConfig
+
+log = logging.getLogger("pyep.transport.loopback")
 
 SIG_OFF, FETCH_OFF, CTRL_BYTES = 0, 64, 128     # within the control block after the two buffers
 ALIGN = 64                                      # buffers start 64-byte aligned (the signal word must be)
@@ -29,54 +32,6 @@ STATUS = {0: "ok", 1: "QP in error", 2: "timed out", 3: "invalid request"}
 
 class LoopbackError(RuntimeError):
     """A loopback run failed (error completion, timeout, wrong data); the message says where."""
-
-
-@dataclass(frozen=True)
-class LoopbackConfig:
-    nic: str = "softnic"                 # "softnic" or "devx"
-    devices: Tuple[str, ...] = ()        # DevX device per endpoint (one name: both endpoints use it)
-    gpus: Tuple[int, int] = (0, 0)
-    poster: str = "gpu"                  # "gpu" (the loopback kernels) or "cpu" (HostQp threads)
-    sizes: Tuple[int, ...] = (8, 64, 512, 4096, 65536, 1 << 20)
-    tests: Tuple[str, ...] = ("lat", "bw")
-    lat_iters: int = 1000
-    bw_iters: int = 1000
-    warmup: int = 50
-    window: int = 128                    # send ring WQEBBs (= most writes outstanding)
-    timeout_s: float = 10.0              # bounds every wait of a poster
-
-    def __post_init__(self) -> None:
-        if self.nic not in ("softnic", "devx"):
-            raise ValueError(f"nic must be 'softnic' or 'devx', got {self.nic!r}")
-        if self.poster not in ("gpu", "cpu"):
-            raise ValueError(f"poster must be 'gpu' or 'cpu', got {self.poster!r}")
-        if self.poster == "cpu" and self.nic != "softnic":
-            raise ValueError("the CPU poster needs the softnic (a real NIC is driven by GPU threads here)")
-        if self.nic == "devx" and not 1 <= len(self.devices) <= 2:
-            raise ValueError("nic='devx' needs one or two device names (e.g. mlx5_0)")
-        if len(self.gpus) != 2 or any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in self.gpus):
-            raise ValueError(f"gpus must be two GPU indices, got {self.gpus!r}")
-        if not self.sizes or any(isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 1 << 30
-                                 for s in self.sizes):
-            raise ValueError(f"sizes must be 1 .. 2^30 bytes, got {self.sizes!r}")
-        if not self.tests or any(t not in ("lat", "bw") for t in self.tests):
-            raise ValueError(f"tests must be 'lat' and/or 'bw', got {self.tests!r}")
-        for name, lo, hi in (("lat_iters", 1, 1 << 24), ("bw_iters", 1, 1 << 24), ("warmup", 0, 1 << 20),
-                             ("window", 4, 1 << 15)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {v!r}")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or \
-                not 0 < self.timeout_s <= 3600:
-            raise ValueError(f"timeout_s must be in (0, 3600] seconds, got {self.timeout_s!r}")
-
-    @property
-    def log_sq(self) -> int:
-        return max(3, (self.window - 1).bit_length())
-
-    @property
-    def max_size(self) -> int:
-        return max(self.sizes)
 
 
 @dataclass
@@ -134,8 +89,8 @@ class Loopback:
     # ------------------------------------------------------------------ setup
     def _open(self) -> None:
         from .._native import engine
-        from ..transport.connect import ConnectConfig, Connections
-        from ..transport.connect_info import Region
+        from .connect import ConnectConfig, Connections
+        from .connect_info import Region
         self._eng = engine()
         cfg = self.cfg
         gpu = cfg.poster == "gpu"
@@ -469,3 +424,21 @@ class Loopback:
         self.verify(receiver, size, f"bandwidth, {size} B")
         return {"size": size, "iterations": iters, "seconds": seconds, "gb_s": iters * size / seconds / 1e9,
                 "mmsg_s": iters / seconds / 1e6}
+
+
+def run_loopback(cfg: LoopbackConfig) -> Dict[str, Any]:
+    """Every case of `cfg`; raises LoopbackError on the first failure. Returns the report."""
+    report: Dict[str, Any] = {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+                              "latency": [], "bandwidth": []}
+    with Loopback(cfg) as lb:
+        report["nic"] = lb.describe_nic()
+        report["window"] = 1 << cfg.log_sq
+        for size in cfg.sizes:
+            if "lat" in cfg.tests:
+                report["latency"].append(lb.latency(size))
+            if "bw" in cfg.tests:
+                report["bandwidth"].append(lb.bandwidth(size))
+    return report
+
+
+__all__ = ["Loopback", "LoopbackConfig", "LoopbackError", "pattern", "run_loopback"]
