@@ -20,6 +20,7 @@ from pyep.bench.guard import CheckResult
 from pyep.bench.metrics import summarize
 from pyep.bench.normal import PHASES, SAMPLE_KINDS, NormalBenchConfig, NormalRow, bytes_per_rank
 from pyep.bench import normal_report as nr
+from pyep.bench.report import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -196,7 +197,7 @@ def test_render_and_document(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert "200.0 / 573" in text                      # 8000 x 14336 B in 200 us
     doc = nr.document(cfg, env, rows, ["a note"], deepep)
     path = tmp_path / "b.json"
-    nr.write_json(str(path), doc)
+    write_json(str(path), doc)
     back = json.loads(path.read_text())
     assert back["schema"] == "pyep-bench-normal/1" and back["config"]["routing"] == "uniform"
     r0 = back["rows"][0]

@@ -8,6 +8,7 @@ runner     the timing loops of one case (wall times, then kineto per-kernel time
 kineto     attribution of profiled GPU kernels to phases and iterations
 suite      the whole run: buffers per T, routings, gathering over ranks
 report     tables, size hint, JSON;  plot: the PNG;  reference_numbers: DeepEP's measured figures
+dist       the process group and device of a rank, the device's name, progress lines (both modes)
 
 Importing this package does not import torch.
 """

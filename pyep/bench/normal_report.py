@@ -1,6 +1,7 @@
 """What rank 0 of `pyep bench --mode normal` shows and writes: the tables (rich), DeepEP's figures of the
 same run beside ours (tools/deepep_baseline.py), bench_normal.json and the PNG plot (matplotlib,
-when installed); plus the command-line glue (flags -> NormalBenchConfig -> run)."""
+when installed); plus the flags -> NormalBenchConfig translation (ValueError on bad input). The
+command (`pyep bench --mode normal`) drives the run and prints what these return."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,11 +11,10 @@ import logging
 import math
 import os
 import sys
-import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .normal import DEFAULT_SWEEP_SMS, PHASES, NormalBenchConfig, NormalRow
-from .report import _clean, environment, write_json
+from .report import _clean
 
 log = logging.getLogger("pyep.bench")
 SCHEMA = "pyep-bench-normal/1"
@@ -252,76 +252,4 @@ def _default_num_sms() -> int:
         return DEFAULT_NUM_SMS
 
 
-def run_cli(args: Any, environ: Mapping[str, str]) -> int:
-    """`pyep bench --mode normal` on this rank; CliError (from the caller's module) on bad input."""
-    import torch
-    from ..cli import CliError
-    from ..cli.bench import init_distributed
-    cuda = args.device != "cpu" and torch.cuda.is_available()
-    try:
-        cfg, notes = config_from_args(args, cuda)
-    except (ValueError, TypeError) as exc:
-        raise CliError(str(exc)) from None
-    dist_backend = args.dist_backend or "auto"
-    group, device, owned = init_distributed(args.device, dist_backend, cfg.wait_timeout_s, environ)
-    try:
-        return _run(cfg, args, environ, group, device, notes)
-    finally:
-        if owned:
-            import torch.distributed as dist
-            dist.destroy_process_group()
-
-
-def _run(cfg: NormalBenchConfig, args: Any, environ: Mapping[str, str], group: Any, device: Any,
-         notes: List[str]) -> int:
-    import torch
-    from rich.console import Console
-
-    from ..cli import CliError
-    from ..cli.bench import _device_name, _progress
-    from .normal import NormalSuite, exit_code
-    try:
-        suite = NormalSuite(cfg, group, device, progress=_progress)
-    except (ValueError, ImportError) as exc:
-        raise CliError(str(exc)) from None
-    names = suite.sync.gather_strings(_device_name(device), "device names")
-    rows = suite.run()
-    code = exit_code(rows)
-    if suite.rank != 0:
-        return code   # the other ranks are done: rank 0 alone runs DeepEP (the GPUs are free now)
-    out_dir = args.out or environ.get("PYEP_RUN_DIR") or os.path.join("runs", "bench-normal-" + time.strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(out_dir, exist_ok=True)
-    deepep = None
-    if args.deepep and not args.deepep_json and device.type != "cuda":
-        notes.append("--deepep: DeepEP runs on GPUs only; not run")
-    elif args.deepep or args.deepep_json:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        extra = ["--num-tokens", str(cfg.tokens), "--hidden", str(cfg.hidden), "--num-topk", str(cfg.topk),
-                 "--num-experts", str(cfg.experts)]
-        deepep, note = deepep_figures("intranode", suite.world_size, extra, out_dir, args.deepep_json)
-        notes.append(note)
-    env_info = environment(names, suite.dist_backend)
-    console = Console(record=True, width=None if sys.stdout.isatty() else 220)
-    render(console, cfg, env_info, rows, notes + suite.notes, deepep)
-    doc = document(cfg, env_info, rows, notes + suite.notes, deepep)
-    internode = None
-    if suite.ranks_per_node is not None:
-        from .normal_internode_report import attach
-        internode = attach(console, doc, cfg, rows, suite.world_size, suite.ranks_per_node,
-                           {b: suite.transport(b) for b in cfg.backends})
-    png = None
-    if cfg.plot:
-        nodes = "" if internode is None else f" in {internode['num_nodes']} nodes"
-        png = plot(os.path.join(out_dir, "bench_normal.png"), cfg, rows, deepep,
-                   f"pyep normal mode: N={cfg.tokens} H={cfg.hidden} K={cfg.topk} E={cfg.experts}, "
-                   f"{suite.world_size} ranks{nodes} ({names[0]})", internode)
-    doc["files"] = {"json": "bench_normal.json", "text": "bench_normal.txt", "plot": os.path.basename(png) if png else None}
-    write_json(os.path.join(out_dir, "bench_normal.json"), doc)
-    console.print(f"results: {os.path.join(out_dir, 'bench_normal.json')}" + (f", {png}" if png else ""),
-                  markup=False, highlight=False)
-    console.save_text(os.path.join(out_dir, "bench_normal.txt"))
-    return code
-
-
-__all__ = ["render", "document", "plot", "config_from_args", "run_cli", "deepep_figures", "DEFAULT_SWEEP_SMS"]
+__all__ = ["render", "document", "plot", "config_from_args", "deepep_figures", "DEFAULT_SWEEP_SMS"]

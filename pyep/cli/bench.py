@@ -7,16 +7,15 @@ measured, 2 bad input."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
-import platform
 import sys
 import time
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..bench.config import BENCH_BACKENDS, DISPATCH_DTYPES, SWEEP_TOKENS, BenchConfig, RoutingSpec
 from ..bench.normal import DEFAULT_SWEEP_SMS as NORMAL_SWEEP_SMS
+from ..bench.normal import NormalBenchConfig
 from . import CliError
 
 log = logging.getLogger("pyep.bench")
@@ -153,78 +152,27 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Tu
     return cfg, dist_backend, notes
 
 
-def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return default
-    if not raw.isdigit():
-        raise CliError(f"environment variable {name}={raw!r} is not a non-negative integer")
-    return int(raw)
-
-
-def init_distributed(device: str, dist_backend: str, timeout_s: float, environ: Mapping[str, str]):  # type: ignore[no-untyped-def]
-    """(group, device, owned). Uses an existing default group, else torchrun's env:// variables, else
-    a one-rank group on 127.0.0.1."""
-    import torch
-    import torch.distributed as dist
-
-    from ..ep._dist import group_device
-    if dist.is_initialized():
-        return dist.group.WORLD, group_device(dist.group.WORLD), False
-    world = _env_int(environ, "WORLD_SIZE", 1)
-    rank = _env_int(environ, "RANK", 0)
-    local_rank = _env_int(environ, "LOCAL_RANK", 0)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CliError("--device cuda: no CUDA device is available to this torch")
-    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    backend = dist_backend if dist_backend != "auto" else ("nccl" if cuda else "gloo")
-    if cuda and backend != "nccl":
-        if device == "cuda":
-            raise CliError("--device cuda needs --dist-backend nccl (gloo groups work on CPU tensors)")
-        cuda = False
-    if backend == "nccl" and not cuda:
-        raise CliError("--dist-backend nccl needs a CUDA device")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    kwargs = {}
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        kwargs["device_id"] = torch.device("cuda", local_rank)
-    else:
-        # Ranks on one machine share its cores: one thread each keeps them from fighting.
-        local_world = _env_int(environ, "LOCAL_WORLD_SIZE", world)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-    if world == 1 and not environ.get("MASTER_ADDR"):
-        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, **kwargs)
-    else:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout,
-                                **kwargs)
-    return dist.group.WORLD, group_device(dist.group.WORLD), True
-
-
-def _device_name(device) -> str:  # type: ignore[no-untyped-def]
-    import torch
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.machine()})"
-
-
-def _progress(done: int, total: int, label: str) -> None:
-    from ..launch.progress import report
-    report(done, total, label)
+def _init_distributed(device: str, dist_backend: str, timeout_s: float,
+                      environ: Mapping[str, str]) -> Tuple[Any, Any, bool]:
+    """pyep.bench.dist.init_distributed with bad flags or variables as CliError."""
+    from ..bench.dist import plan_distributed, start_distributed
+    try:
+        plan = plan_distributed(device, dist_backend, environ)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    return start_distributed(plan, timeout_s)
 
 
 def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> int:
     env = os.environ if environ is None else environ
     if getattr(args, "mode", "ll") == "normal":
-        from ..bench.normal_report import run_cli
-        return run_cli(args, env)
+        return _run_normal(args, env)
     for flag, given in (("--num-sms", args.num_sms), ("--sweep-sms", args.sweep_sms),
                         ("--deepep-json", args.deepep_json)):
         if given is not None:
             raise CliError(f"{flag} is a normal-mode option: add --mode normal")
     cfg, dist_backend, notes = config_from_args(args, env)
-    group, device, owned = init_distributed(args.device, dist_backend, cfg.wait_timeout_s, env)
+    group, device, owned = _init_distributed(args.device, dist_backend, cfg.wait_timeout_s, env)
     try:
         return _run(cfg, args, env, group, device, notes)
     finally:
@@ -239,12 +187,13 @@ def _run(cfg: BenchConfig, args: argparse.Namespace, environ: Mapping[str, str],
 
     from ..bench import plot as plotting
     from ..bench import report
+    from ..bench.dist import device_name, progress
     from ..bench.suite import Suite
     try:
-        suite = Suite(cfg, group, device, progress=_progress)
+        suite = Suite(cfg, group, device, progress=progress)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    names = suite.sync.gather_strings(_device_name(device), "device names")
+    names = suite.sync.gather_strings(device_name(device), "device names")
     rows = suite.run()
     if suite.rank != 0:
         return _exit_code(rows)
@@ -273,6 +222,79 @@ def _run(cfg: BenchConfig, args: argparse.Namespace, environ: Mapping[str, str],
     console.print(f"results: {json_path}" + (f", {png}" if png else ""), markup=False, highlight=False)
     console.save_text(os.path.join(out_dir, "bench.txt"))
     return _exit_code(rows)
+
+
+def _run_normal(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    """`pyep bench --mode normal` on this rank."""
+    import torch
+
+    from ..bench.normal_report import config_from_args as normal_config
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    try:
+        cfg, notes = normal_config(args, cuda)
+    except (ValueError, TypeError) as exc:
+        raise CliError(str(exc)) from None
+    dist_backend = args.dist_backend or "auto"
+    group, device, owned = _init_distributed(args.device, dist_backend, cfg.wait_timeout_s, environ)
+    try:
+        return _run_normal_rank(cfg, args, environ, group, device, notes)
+    finally:
+        if owned:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _run_normal_rank(cfg: NormalBenchConfig, args: argparse.Namespace, environ: Mapping[str, str], group: Any,
+                     device: Any, notes: List[str]) -> int:
+    import torch
+    from rich.console import Console
+
+    from ..bench.dist import device_name, progress
+    from ..bench.normal import NormalSuite, exit_code
+    from ..bench.normal_report import deepep_figures, document, plot, render
+    from ..bench.report import environment, write_json
+    try:
+        suite = NormalSuite(cfg, group, device, progress=progress)
+    except (ValueError, ImportError) as exc:
+        raise CliError(str(exc)) from None
+    names = suite.sync.gather_strings(device_name(device), "device names")
+    rows = suite.run()
+    code = exit_code(rows)
+    if suite.rank != 0:
+        return code   # the other ranks are done: rank 0 alone runs DeepEP (the GPUs are free now)
+    out_dir = args.out or environ.get("PYEP_RUN_DIR") or os.path.join("runs", "bench-normal-" + time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+    deepep = None
+    if args.deepep and not args.deepep_json and device.type != "cuda":
+        notes.append("--deepep: DeepEP runs on GPUs only; not run")
+    elif args.deepep or args.deepep_json:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        extra = ["--num-tokens", str(cfg.tokens), "--hidden", str(cfg.hidden), "--num-topk", str(cfg.topk),
+                 "--num-experts", str(cfg.experts)]
+        deepep, note = deepep_figures("intranode", suite.world_size, extra, out_dir, args.deepep_json)
+        notes.append(note)
+    env_info = environment(names, suite.dist_backend)
+    console = Console(record=True, width=None if sys.stdout.isatty() else 220)
+    render(console, cfg, env_info, rows, notes + suite.notes, deepep)
+    doc = document(cfg, env_info, rows, notes + suite.notes, deepep)
+    internode = None
+    if suite.ranks_per_node is not None:
+        from ..bench.normal_internode_report import attach
+        internode = attach(console, doc, cfg, rows, suite.world_size, suite.ranks_per_node,
+                           {b: suite.transport(b) for b in cfg.backends})
+    png = None
+    if cfg.plot:
+        nodes = "" if internode is None else f" in {internode['num_nodes']} nodes"
+        png = plot(os.path.join(out_dir, "bench_normal.png"), cfg, rows, deepep,
+                   f"pyep normal mode: N={cfg.tokens} H={cfg.hidden} K={cfg.topk} E={cfg.experts}, "
+                   f"{suite.world_size} ranks{nodes} ({names[0]})", internode)
+    doc["files"] = {"json": "bench_normal.json", "text": "bench_normal.txt", "plot": os.path.basename(png) if png else None}
+    write_json(os.path.join(out_dir, "bench_normal.json"), doc)
+    console.print(f"results: {os.path.join(out_dir, 'bench_normal.json')}" + (f", {png}" if png else ""),
+                  markup=False, highlight=False)
+    console.save_text(os.path.join(out_dir, "bench_normal.txt"))
+    return code
 
 
 def _deepep_ll_run(cfg: BenchConfig, world_size: int, out_dir: str, device) -> Tuple[Optional[dict], str]:  # type: ignore[no-untyped-def]
