@@ -87,6 +87,11 @@ class PeerSet:
         self.links = [links[r] for r in range(self.num_ranks)]
         log.info("rank %d transports: %s", self.rank,
                  ", ".join(f"{link.rank}:{link.kind}" for link in self.links))
+        if any(link.kind == "emulated" for link in self.links):
+            from ..softnic.cuda_env import cuda_connections_warning
+            why = cuda_connections_warning()
+            if why is not None:
+                log.warning("rank %d: %s", self.rank, why)
         self._publish_info()
 
     # ------------------------------------------------------------------ store-based membership

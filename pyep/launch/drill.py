@@ -127,6 +127,9 @@ def _rank_args(cfg: DrillConfig, rank: int, port: int, prefix: str, phase: str) 
 
 def _spawn(args: Dict[str, Any]) -> subprocess.Popen:
     env = dict(os.environ)
+    if args.get("backend") == "native" and str(args.get("transport", "")).startswith("emulated"):
+        from ..softnic.cuda_env import softnic_cuda_env
+        softnic_cuda_env(env)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     return subprocess.Popen([sys.executable, "-u", "-m", "pyep.ep.elastic.drill_rank", json.dumps(args)], env=env,

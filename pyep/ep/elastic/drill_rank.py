@@ -153,6 +153,8 @@ def _trace_summary(buf: Any) -> Dict[str, List[Any]]:
 
 def _die() -> None:
     sys.stdout.flush()
+    from .mps import terminate_own_gpu_work
+    terminate_own_gpu_work()        # a shared GPU under MPS: see mps.py
     os.kill(os.getpid(), signal.SIGKILL)
 
 

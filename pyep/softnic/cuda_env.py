@@ -1,0 +1,41 @@
+"""The one CUDA setting the softnic needs from a process that posts to it from GPU kernels.
+
+The softnic executes a WQE that touches GPU memory as a copy or a one-thread atomic kernel on a CUDA
+stream of its own, while the kernels that posted it spin on the device until the data lands. CUDA
+multiplexes a context's streams onto a few hardware work queues (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 by
+default; under the MPS daemon the clients of a GPU share one pool of them), and work on one queue runs
+in order: a softnic copy that lands in the queue of a spinning kernel waits for that kernel, which waits
+for the copy, until the kernel's timeout marks a live peer dead. Seen on an H200 with two ranks sharing
+it under MPS: 3 of 8 softnic drills marked a live rank; with 32 connections, 10 of 10 passed. The value
+is read when the CUDA context is created, so it has to be in the environment before any CUDA call:
+`pyep launch`, `pyep drill` and the test workers set it for ranks that use the softnic; a program of
+your own sets it before it imports torch (or before its first CUDA call)."""
+from __future__ import annotations
+
+import os
+from typing import MutableMapping, Optional
+
+VARIABLE = "CUDA_DEVICE_MAX_CONNECTIONS"
+RECOMMENDED = 32
+
+
+def softnic_cuda_env(env: MutableMapping[str, str]) -> None:
+    """Give a process that will use the softnic from GPU kernels enough hardware queues, unless the
+    caller chose a value."""
+    env.setdefault(VARIABLE, str(RECOMMENDED))
+
+
+def cuda_connections_warning(environ: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
+    """A sentence when this process's setting can put softnic work behind a spinning kernel, else None."""
+    env = os.environ if environ is None else environ
+    raw = env.get(VARIABLE)
+    try:
+        value = int(raw) if raw is not None else None
+    except ValueError:
+        value = None
+    if value is not None and value >= RECOMMENDED:
+        return None
+    have = "unset (CUDA's default, 8)" if raw is None else repr(raw)
+    return (f"{VARIABLE} is {have}: the softnic's copies can queue behind a kernel that waits for them "
+            f"(a live peer then times out; likely when ranks share a GPU under MPS). Set "
+            f"{VARIABLE}={RECOMMENDED} before CUDA starts (docs/softnic.md)")
