@@ -177,6 +177,8 @@ def test_ssh_remote_command_survives_a_real_shell(tmp_path) -> None:
         code = proc.wait(60)
     finally:
         proc.stdin.close()
+        if proc.poll() is None:
+            proc.kill()
     stdout, stderr = proc.stdout.read(), proc.stderr.read()
     assert code == 0, stderr
     weird, argv, hexed, mode, path = json.loads(stdout)

@@ -128,14 +128,18 @@ class StoreControl:
         self.store.set(key, self.seal(key, payload, call))
 
     def open(self, key: str, raw: Any, writers: Iterable[int], max_payload: int, *, generation: Optional[int] = None,
-             current: bool = False, call: Optional[int] = None) -> Optional[Record]:
+             current: bool = False, call: Optional[int] = None,
+             check: Optional[Callable[[Record], None]] = None) -> Optional[Record]:
         """The record in `raw`, or None when it is refused (logged). `current`: the writer's generation
-        must be the one this process knows for it (not a dead process's record)."""
+        must be the one this process knows for it (not a dead process's record). `check`: the payload's
+        own rules (sizes, ranges), raising RecordRejected."""
         try:
             rec = self.codec.open(key, raw, max_payload, writers, generation, call)
             if current and rec.generation != self.generations[rec.writer]:
                 raise RecordRejected(key, f"written by generation {rec.generation} of rank {rec.writer}; its "
                                           f"current generation is {self.generations[rec.writer]}")
+            if check is not None:
+                check(rec)
             return rec
         except RecordRejected as exc:
             self.rejects.add(exc, raw)
@@ -179,8 +183,9 @@ class StoreControl:
     def claim(self, key: str, payload: bytes, writers: Iterable[int], max_payload: int, tries: int = 8,
               **expect: Any) -> Tuple[Optional[Record], bool]:
         """Set `key` to our record unless it holds a valid one already (compare_set: one winner among
-        the ranks). A value that is not a valid record is replaced. Returns (the record the key holds,
-        whether it is ours); (None, False) when a writer kept replacing it with invalid values."""
+        the ranks). A value that is not a valid record (`expect` as for open) is replaced. Returns (the
+        record the key holds, whether it is ours); (None, False) when a writer kept replacing it with
+        invalid values."""
         writers = tuple(writers)
         mine = self.seal(key, payload, generation=expect.get("generation"))
         expected = b""

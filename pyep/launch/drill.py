@@ -188,13 +188,13 @@ def run_drill(cfg: DrillConfig, index: int, phase: str, echo: bool = False,
     victim = cfg.victim_rank
     procs: Dict[str, subprocess.Popen] = {}
     readers: Dict[str, _Reader] = {}
-    for r in range(cfg.world):
-        tag = f"rank {r}"
-        procs[tag] = _spawn(_rank_args(cfg, r, store.port, prefix, phase), secret_file)
-        readers[tag] = _Reader(procs[tag], tag, echo, say)
     deadline = time.monotonic() + cfg.drill_timeout_s
     restart_time = 0.0
     try:
+        for r in range(cfg.world):
+            tag = f"rank {r}"
+            procs[tag] = _spawn(_rank_args(cfg, r, store.port, prefix, phase), secret_file)
+            readers[tag] = _Reader(procs[tag], tag, echo, say)
         while time.monotonic() < deadline:
             alive = [t for t, p in procs.items() if p.poll() is None]
             dead_victim = procs[f"rank {victim}"].poll()

@@ -18,9 +18,10 @@ import logging
 import math
 import struct
 import time
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from ..errors import RecordRejected
+from ..records import Record, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +31,12 @@ POLL_S = 0.0005
 HEARTBEAT_S = 0.05      # a waiting rank refreshes its alive key this often
 MAX_MAIL = 1 << 30      # bytes of one row set (the store holds it whole)
 _TIME = struct.Struct("<d")
+
+
+def _check_time(rec: Record) -> None:
+    """A heartbeat holds one finite time."""
+    if not math.isfinite(unpack(rec, _TIME)[0]):
+        raise RecordRejected(rec.key, "the heartbeat's time is not a finite number")
 
 
 class StoreMailbox:
@@ -43,28 +50,23 @@ class StoreMailbox:
     def _key(self, dst: int, tag: str, src: int, gen: int) -> str:
         return self.c.key("mail", dst, tag, f"{src}.{gen}")
 
-    def _read(self, key: str, src: int, max_payload: int) -> Any:
+    def _read(self, key: str, src: int, max_payload: int, check: Callable[[Record], None]) -> Optional[Record]:
         if not self.store.check([key]):
             return None
-        return self.c.open(key, self.store.get(key), (src,), max_payload, generation=self.generations[src])
+        return self.c.open(key, self.store.get(key), (src,), max_payload, generation=self.generations[src],
+                           check=check)
 
     def _beating(self, src: int) -> bool:
-        rec = self._read(self.c.key("alive", src), src, _TIME.size)
-        if rec is None or len(rec.payload) != _TIME.size:
-            return False
-        t = _TIME.unpack(rec.payload)[0]
-        return math.isfinite(t) and time.time() - t < 4 * HEARTBEAT_S
+        rec = self._read(self.c.key("alive", src), src, _TIME.size, _check_time)
+        return rec is not None and time.time() - _TIME.unpack(rec.payload)[0] < 4 * HEARTBEAT_S
 
     def _rows(self, key: str, src: int, row: int) -> Optional[bytes]:
         """Whole rows from src, or None when the key holds none (yet) or what it holds is refused."""
-        rec = self._read(key, src, MAX_MAIL)
-        if rec is None:
-            return None
-        if row and len(rec.payload) % row:
-            self.c.rejects.add(RecordRejected(key, f"{len(rec.payload)} bytes are not whole rows of {row}"),
-                               rec.payload)
-            return None
-        return rec.payload
+        def whole_rows(rec: Record) -> None:
+            if row and len(rec.payload) % row:
+                raise RecordRejected(key, f"{len(rec.payload)} bytes are not whole rows of {row}")
+        rec = self._read(key, src, MAX_MAIL, whole_rows)
+        return rec.payload if rec is not None else None
 
     def forget(self, rank: int) -> None:
         """Nothing to release per peer (mail of an older generation is simply never read)."""

@@ -257,19 +257,17 @@ class Membership:
         before it gets there; compare_set makes its pick the only one."""
         key = self.k("at", p.rank, p.generation)
         survivors = self._others(p.rank)
-        rec = self.c.fetch(key, survivors, _AT.size, current=True)
+        rec = self.c.fetch(key, survivors, _AT.size, current=True, check=_check_at)
         if rec is None:
             keys = [self.k("prepared", p.rank, p.generation, s) for s in survivors]
             if not all(self.c.fetch(k, (s,), 0, current=True) is not None for k, s in zip(keys, survivors)):
                 return
             at = next_call + lead
             rec, _ = self.c.claim(key, _AT.pack(at, self.backend.next_half(next_call, at)), survivors, _AT.size,
-                                  current=True)
+                                  current=True, check=_check_at)
             if rec is None:
                 return
-        at, half = _parse_at(self.c, rec)
-        if at is not None:
-            p.at, p.half = at, half
+        p.at, p.half = _AT.unpack(rec.payload)
 
     def due(self, next_call: int) -> List[int]:
         """Ranks whose call #A is the next call (activate them now); raises when one was missed."""
@@ -320,11 +318,10 @@ class Membership:
         at: Optional[int] = None
         half = 0
         while at is None:
-            rec = self.c.fetch(at_key, others, _AT.size, current=True)
+            rec = self.c.fetch(at_key, others, _AT.size, current=True, check=_check_at)
             if rec is not None:
-                at, half = _parse_at(self.c, rec)
-                if at is not None:
-                    break
+                at, half = _AT.unpack(rec.payload)
+                break
             rej = self.c.fetch(self.k("reject", r, g), others, MAX_REJECT, current=True)
             if rej is not None:
                 raise BadAnnouncement(rej.payload.decode("utf-8", errors="replace"))
@@ -353,13 +350,8 @@ class Membership:
         return at
 
 
-def _parse_at(c: StoreControl, rec: Record) -> Tuple[Optional[int], int]:
-    """(call #A, half) from an `at` record; (None, 0) -- logged as refused -- when out of range."""
-    try:
-        at, half = unpack(rec, _AT)
-        if not 1 <= at < 1 << 62 or half not in (0, 1):
-            raise RecordRejected(rec.key, f"call #{at} / half {half} out of range")
-    except RecordRejected as exc:
-        c.rejects.add(exc, rec.payload)
-        return None, 0
-    return int(at), int(half)
+def _check_at(rec: Record) -> None:
+    """An `at` record holds (call #A, half): one call number and half 0 or 1."""
+    at, half = unpack(rec, _AT)
+    if not 1 <= at < 1 << 62 or half not in (0, 1):
+        raise RecordRejected(rec.key, f"call #{at} / half {half} out of range")
