@@ -260,6 +260,20 @@ def _drill_cfg(**kw: Any) -> Any:
     return DrillConfig(**a)
 
 
+# The pause tests: a rank starts one call PAUSE_MS late. That call has a short timeout (the pause is 5 of
+# them: without the window under test the late rank is marked), the window is REJOIN_CALL_TIMEOUT_US
+# (the pause leaves 1.5 s of it for a loaded machine's scheduling), and every other call has the
+# drills' 1.5 s timeout: no call but the paused one is exposed to a short timeout (a loaded 2-core CI
+# machine stalls a rank for hundreds of ms; 300 ms timeouts on every call made these tests flake).
+PAUSE_TIMEOUT_US, PAUSE_MS = 100_000, 500.0
+
+
+def _paused() -> Dict[str, Any]:
+    from pyep.ep.elastic.membership import REJOIN_CALL_TIMEOUT_US
+    assert 5 * PAUSE_TIMEOUT_US / 1e3 <= PAUSE_MS <= REJOIN_CALL_TIMEOUT_US / 1e3 - 1500
+    return {"pause_timeout_us": PAUSE_TIMEOUT_US}
+
+
 @pytest.mark.parametrize("phase", ["dispatch", "combine", "between"])
 def test_drill_kill_restart_rejoin_reference(phase: str) -> None:
     """A real rank process is SIGKILLed (mid-exchange for dispatch / combine), the survivors mark it
@@ -283,11 +297,8 @@ def test_drill_call_a_survives_a_pause_after_admission() -> None:
     marked inactive at the end`). The reference's heartbeat does not cover it: a pausing rank is not
     waiting, so it does not beat."""
     from pyep.launch.drill import run_drill
-    from pyep.ep.elastic.membership import REJOIN_CALL_TIMEOUT_US
-    timeout_us, pause_ms = 300_000, 1200.0
-    assert 2 * timeout_us / 1e3 < pause_ms < REJOIN_CALL_TIMEOUT_US / 1e3 - 500
-    out = run_drill(_drill_cfg(world=2, experts=4, timeout_us=timeout_us, phases=("between",), rounds_after=4,
-                              pause_after_admit_ms=pause_ms), 0, "between")
+    out = run_drill(_drill_cfg(world=2, experts=4, phases=("between",), rounds_after=4, **_paused(),
+                               pause_after_admit_ms=PAUSE_MS), 0, "between")
     assert out.ok, out.why
     assert all(r["final_active"] == [1, 1] for r in out.ranks), [r["final_active"] for r in out.ranks]
 
@@ -300,11 +311,10 @@ def test_drill_newcomer_late_after_call_a_stays_admitted() -> None:
     the second GPU drill (nvlink, kills in combine and between calls). Calls #A .. #A +
     REJOIN_GRACE_CALLS - 1 wait at least REJOIN_CALL_TIMEOUT_US on every member."""
     from pyep.launch.drill import run_drill
-    from pyep.ep.elastic.membership import REJOIN_CALL_TIMEOUT_US, REJOIN_GRACE_CALLS
-    timeout_us, pause_ms = 300_000, 1200.0
-    assert 2 * timeout_us / 1e3 < pause_ms < REJOIN_CALL_TIMEOUT_US / 1e3 - 500 and REJOIN_GRACE_CALLS >= 2
-    out = run_drill(_drill_cfg(world=2, experts=4, timeout_us=timeout_us, phases=("between",), rounds_after=4,
-                              newcomer_pause_ms=pause_ms), 0, "between")
+    from pyep.ep.elastic.membership import REJOIN_GRACE_CALLS
+    assert REJOIN_GRACE_CALLS >= 2
+    out = run_drill(_drill_cfg(world=2, experts=4, phases=("between",), rounds_after=4, **_paused(),
+                               newcomer_pause_ms=PAUSE_MS), 0, "between")
     assert out.ok, out.why
     assert all(r["final_active"] == [1, 1] for r in out.ranks), [r["final_active"] for r in out.ranks]
     assert not out.later_marks, out.later_marks
@@ -317,11 +327,8 @@ def test_drill_first_call_waits_for_a_late_starter() -> None:
     REJOIN_CALL_TIMEOUT_US, so nobody is marked before the victim dies; the drill fails when a rank was
     marked before the kill."""
     from pyep.launch.drill import run_drill
-    from pyep.ep.elastic.membership import REJOIN_CALL_TIMEOUT_US
-    timeout_us, pause_ms = 300_000, 1200.0
-    assert 2 * timeout_us / 1e3 < pause_ms < REJOIN_CALL_TIMEOUT_US / 1e3 - 500
-    out = run_drill(_drill_cfg(world=2, experts=4, timeout_us=timeout_us, phases=("between",), rounds_after=4,
-                              first_call_pause_ms=pause_ms), 0, "between")
+    out = run_drill(_drill_cfg(world=2, experts=4, phases=("between",), rounds_after=4, **_paused(),
+                               first_call_pause_ms=PAUSE_MS), 0, "between")
     assert out.ok, out.why
     assert all(r["death_call"] >= 20 for r in out.ranks if r["generation"] == 1)
 

@@ -56,6 +56,7 @@ class DrillConfig:
     pause_after_admit_ms: float = 0.0    # survivors pause between admitting the restarted rank and its first call
     newcomer_pause_ms: float = 0.0       # the restarted rank pauses after its first call (cold host code)
     first_call_pause_ms: float = 0.0     # rank 0 starts the first call this late
+    pause_timeout_us: int = 0            # the timeout of the calls those pauses delay (0: timeout_us)
 
     def __post_init__(self) -> None:
         from ..ep.elastic.membership import REJOIN_GRACE_CALLS
@@ -124,7 +125,7 @@ def _rank_args(cfg: DrillConfig, rank: int, port: int, prefix: str, phase: str) 
             "victim": cfg.victim_rank, "kill_call": cfg.kill_call, "phase": phase,
             "rounds_after": cfg.rounds_after, "join_timeout_s": cfg.join_timeout_s, "wall_s": cfg.drill_timeout_s,
             "pause_after_admit_ms": cfg.pause_after_admit_ms, "newcomer_pause_ms": cfg.newcomer_pause_ms,
-            "first_call_pause_ms": cfg.first_call_pause_ms}
+            "first_call_pause_ms": cfg.first_call_pause_ms, "pause_timeout_us": cfg.pause_timeout_us}
 
 
 def _spawn(args: Dict[str, Any], secret_file: str) -> subprocess.Popen:
