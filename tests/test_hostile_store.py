@@ -461,3 +461,26 @@ def test_mail_rows_of_a_dead_generation_or_not_whole_are_not_read() -> None:
     assert box._rows(key, 1, 8) is None and "not whole rows of 8" in str(c0.rejects.entries[-1])
     c0.store.set(key, c0.codec.seal(key, 1, 2, 0, b"\x00" * 16))
     assert box._rows(key, 1, 8) == b"\x00" * 16
+
+
+def test_generation_slot_fought_over_is_a_typed_error() -> None:
+    """A writer that replaces the generation slot with junk before every claim: after the bound, a
+    MembershipError naming the slot (never a hang or a raw error); on a store left alone, generation 1."""
+    from pyep.ep.elastic.slots import claim_generation
+    from pyep.ep.errors import MembershipError
+    master = _master()
+
+    class Fought:
+        def __init__(self, store: Any) -> None:
+            self.inner = store
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+            self.inner.set(key, b"junk")
+            return b"junk"
+    c = StoreControl(Fought(_client(master.port)), 0, 2, "t/fought", SECRET)
+    with pytest.raises(MembershipError, match="t/fought/gen/0/1 kept holding invalid records"):
+        claim_generation(c, 0.2)
+    assert claim_generation(StoreControl(_client(master.port), 0, 2, "t/fought", SECRET), 5.0) == 1

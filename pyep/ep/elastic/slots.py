@@ -45,6 +45,8 @@ def claim_generation(c: "StoreControl", timeout_s: float) -> int:
         elif time.monotonic() > deadline:
             raise MembershipError(f"rank {r}: generation slot {c.key('gen', r, g)} kept holding invalid records for "
                                   f"{timeout_s:g} s (see the reject log); cannot take a generation")
+        else:
+            time.sleep(0.002)           # another writer keeps replacing the slot: try again shortly
 
 
 def newest_generation(c: "StoreControl", r: int, known: int) -> int:
