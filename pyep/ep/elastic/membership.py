@@ -25,7 +25,7 @@ import logging
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ..control import ControlTimeout, StoreControl
 from ..errors import BadAnnouncement, MembershipError, RecordRejected, StaleAnnouncement
