@@ -124,43 +124,68 @@ def test_ssh_argv_and_quoting() -> None:
         assert cmd.argv[13:19] == ["-l", "alice", "-o", "StrictHostKeyChecking=accept-new", host, "--"]
         remote = cmd.argv[19]
         assert len(cmd.argv) == 20
-        # What the remote shell will execute, word by word:
+        # What the remote shell will execute, word by word: no environment values (they go on stdin).
         words = shlex.split(remote)
         assert words[:4] == ["cd", "/opt/my pyep", "&&", "exec"]
-        assert words[4] == "env"
-        assert "WEIRD=it's $(touch /tmp/pwned) `x` \"q\" ;&|" in words
-        assert "PYEP_RUN_DIR=/opt/my pyep/runs/s" in words
-        assert "CUDA_VISIBLE_DEVICES=0,1" in words
+        assert not any("=" in w and w.split("=", 1)[0].isupper() for w in words[:words.index("--")])
+        assert "touch /tmp/pwned" not in remote and "PYEP_RUN_DIR" not in remote
+        assert cmd.env["WEIRD"] == "it's $(touch /tmp/pwned) `x` \"q\" ;&|"
+        assert cmd.env["PYEP_RUN_DIR"] == "/opt/my pyep/runs/s" and cmd.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+        assert "PYEP_JOB_SECRET_FILE" not in cmd.env          # the guard makes the node's own
         g = words.index("pyep.launch.guard")
-        assert words[g - 2:g + 6] == ["/opt/venv/bin/python", "-m", "pyep.launch.guard", "--grace", "15",
-                                      "--expect-gpus", "2", "--"]
-        tr = words[g + 6:]
+        assert words[g - 2:g + 7] == ["/opt/venv/bin/python", "-m", "pyep.launch.guard", "--grace", "15",
+                                      "--env-stdin", "--expect-gpus", "2", "--"]
+        tr = words[g + 7:]
         assert tr[:3] == ["/opt/venv/bin/python", "-m", "torch.distributed.run"]
         assert tr[tr.index("--node-rank") + 1] == str(i)
         assert tr[-5:] == ["script", "tools/my job.py", "--name", "a b", "$HOME"]
 
 
 def test_ssh_remote_command_survives_a_real_shell(tmp_path) -> None:
-    """Run the remote command's `env K=V ...` through /bin/sh with a probe in place of the guard:
-    every value and argument arrives literally, nothing is expanded or executed."""
+    """Run the remote command through /bin/sh with the real guard and a probe in place of torchrun, the
+    environment and the job secret on its stdin as the launcher sends them: every value and argument
+    arrives literally, nothing is expanded or executed, the secret reaches the ranks as a 0600 file
+    that is gone when the guard exits."""
     import json
+    from pyep.launch.guard import stdin_payload
     cfg = _cfg(SSH_TEXT)
-    remote = build_plan(cfg, "runs/s", GPU_BOX, parent_env={}).commands[0].argv[-1]
-    env_and_cmd = remote.split(" && exec ", 1)[1]
-    assert env_and_cmd.startswith("env ")
-    probe = shlex.join([sys.executable, "-c", "import os,sys,json; print(json.dumps([os.environ['WEIRD'], sys.argv[1:]]))"])
-    # Keep the quoted env assignments exactly as generated; swap only the program they run.
-    prog = shlex.quote("/opt/venv/bin/python") + " -m pyep.launch.guard"
-    assert prog in env_and_cmd
-    cmd = env_and_cmd.replace(prog, probe, 1)
+    cmd0 = build_plan(cfg, "runs/s", GPU_BOX, parent_env={}).commands[0]
+    remote = cmd0.argv[-1]
+    prog = remote.split(" && exec ", 1)[1]
+    probe = shlex.join([sys.executable, "-c",
+                        "import os,sys,json,stat; p=os.environ['PYEP_JOB_SECRET_FILE']; "
+                        "print(json.dumps([os.environ['WEIRD'], sys.argv[1:], open(p).read().strip(), "
+                        "oct(stat.S_IMODE(os.stat(p).st_mode)), p]))"])
+    # Keep the guard and the quoted arguments exactly as generated; swap only the program torchrun runs.
+    torchrun = shlex.quote("/opt/venv/bin/python") + " -m torch.distributed.run"
+    assert torchrun in prog
+    head, tail = prog.split(" -- ", 1)
+    head = head.replace(shlex.quote("/opt/venv/bin/python"), shlex.quote(sys.executable), 1)
+    head = head.replace(" --expect-gpus 2", "")            # this machine has no GPU
+    tail = probe + " " + tail.split(" -m pyep.launch.rank ", 1)[1]
     marker = tmp_path / "pwned"
-    out = subprocess.run(["/bin/sh", "-c", cmd.replace("/tmp/pwned", str(marker))], capture_output=True, text=True,
-                         timeout=30, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    weird, argv = json.loads(out.stdout)
+    cmd = (head + " -- " + tail).replace("/tmp/pwned", str(marker))
+    env = {k: v.replace("/tmp/pwned", str(marker)) for k, v in cmd0.env.items()}
+    secret = bytes(range(32))
+    # stdin stays open while the guard runs, as ssh's does (its EOF means "the launcher is gone").
+    proc = subprocess.Popen(["/bin/sh", "-c", cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.stdin is not None
+    proc.stdin.write(stdin_payload(env, secret))
+    proc.stdin.flush()
+    try:
+        code = proc.wait(60)
+    finally:
+        proc.stdin.close()
+        if proc.poll() is None:
+            proc.kill()
+    stdout, stderr = proc.stdout.read(), proc.stderr.read()
+    assert code == 0, stderr
+    weird, argv, hexed, mode, path = json.loads(stdout)
     assert weird == f"it's $(touch {marker}) `x` \"q\" ;&|"
     assert argv[-3:] == ["--name", "a b", "$HOME"]
-    assert not marker.exists()
+    assert hexed == secret.hex() and mode == "0o600"
+    assert not marker.exists() and not os.path.exists(path)
 
 
 def test_slurm_script_and_node_commands(tmp_path) -> None:
@@ -220,7 +245,9 @@ def test_cli_dry_run_prints_commands(capsys, tmp_path) -> None:
     out = capsys.readouterr().out.splitlines()
     ssh_lines = [ln for ln in out if ln.startswith("ssh ")]
     assert len(ssh_lines) == 2
-    assert all("PYEP_EP_TIMEOUT_US=123" in ln for ln in ssh_lines)
+    assert not any("PYEP_EP_TIMEOUT_US" in ln for ln in ssh_lines)     # environment values go on stdin
+    env_lines = [ln for ln in out if ln.startswith("# sent on the connection's stdin")]
+    assert len(env_lines) == 2 and all("PYEP_EP_TIMEOUT_US=123" in ln for ln in env_lines)
     assert not os.path.exists(tmp_path / "r"), "a dry run creates nothing"
     assert _cli([os.path.join(CONFIGS, "four_nodes.yaml"), "--dry-run"]) == 0
     out = capsys.readouterr().out

@@ -38,7 +38,7 @@ def test_drill_ranks_on_the_softnic_get_it(monkeypatch) -> None:
     for transport, expect in (("emulated", str(RECOMMENDED)), ("nvlink", None)):
         seen.clear()
         try:
-            drill._spawn({"backend": "native", "transport": transport})
+            drill._spawn({"backend": "native", "transport": transport}, "/nonexistent/secret")
         except RuntimeError:
             pass
         assert seen.get(VARIABLE) == expect

@@ -82,7 +82,8 @@ def barrier_bounded(group: "dist.ProcessGroup", device: "torch.device", timeout_
 
 def all_gather_bytes(group: "dist.ProcessGroup", payload: bytes, timeout_s: float, what: str) -> List[bytes]:
     """Every rank's byte string (index = rank). Two bounded all-gathers: the lengths, then the padded
-    payloads; each wait names what it waited for."""
+    payloads; each wait names what it waited for. A peer's length outside 0 .. MAX_GATHER_BYTES is
+    refused (PeerSizeRejected naming the rank) before the payload buffers are allocated."""
     import torch
     import torch.distributed as dist
     if len(payload) > MAX_GATHER_BYTES:
@@ -93,7 +94,12 @@ def all_gather_bytes(group: "dist.ProcessGroup", payload: bytes, timeout_s: floa
     lens = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
     _wait(dist.all_gather(lens, mine, group=group, async_op=True), int(timeout_s * 1e6), f"{what} (sizes)", range(n),
           any_error_is_timeout=True)
+    # The sizes are peer data: bound each one before anything of that size is allocated.
     sizes = [int(t.item()) for t in lens]
+    for r, size in enumerate(sizes):
+        if not 0 <= size <= MAX_GATHER_BYTES:
+            from .records import PeerSizeRejected
+            raise PeerSizeRejected(f"{what} (sizes)", r, size, MAX_GATHER_BYTES)
     width = max(1, max(sizes))
     buf = torch.zeros(width, dtype=torch.uint8, device="cpu")
     if payload:

@@ -99,7 +99,7 @@ class PeerSet:
         """Store-based buffers keep each member's latest RankInfo in the store: a restarted rank reads
         the survivors' from there (they never set up again)."""
         if self.control.kind == "store":
-            self.control.store.set(self.control.key("member", "info", self.rank), self.infos[self.rank].encode())
+            self.control.put(self.control.key("member", "info", self.rank), self.infos[self.rank].encode())
 
     def gpu_identities(self, me: Tuple[str, str]) -> List[Any]:
         """(host, GPU uuid) of every rank: how many ranks share our GPU decides the kernels' grid."""
@@ -107,23 +107,30 @@ class PeerSet:
         if self.control.kind != "store":
             raw = self.control.all_gather_bytes(mine, self.timeout_s, "GPU identities")
         else:
-            from .control import store_wait
             c = self.control
-            c.store.set(c.key("member", "gpu", self.rank), mine)
+            c.put(c.key("member", "gpu", self.rank), mine)
             keys = [c.key("member", "gpu", r) for r in range(self.num_ranks)]
-            store_wait(c.store, keys, list(range(self.num_ranks)), self.timeout_s, "GPU identities")
-            raw = [bytes(c.store.get(k)) for k in keys]
-        return [tuple(json.loads(b.decode())) for b in raw]
+            raw = [rec.payload for rec in c.wait_records(keys, list(range(self.num_ranks)), self.timeout_s,
+                                                         "GPU identities", 4096, current=True)]
+        out = []
+        for r, b in enumerate(raw):
+            try:
+                host, uuid = json.loads(b.decode())
+                out.append((str(host), str(uuid)))
+            except (ValueError, TypeError, RecursionError):
+                from .errors import RecordRejected
+                raise RecordRejected(f"GPU identities (rank {r})", "not a [host, uuid] pair") from None
+        return out
 
     def prepare_join(self) -> bytes:
         """A restarted rank: our description, the plan from the survivors' stored descriptions, fresh
         QPs towards everyone (INIT). Returns the announcement payload."""
-        from .control import store_wait
         c = self.control
         keys = [c.key("member", "info", r) for r in range(self.num_ranks)]
         others = [r for r in range(self.num_ranks) if r != self.rank]
-        store_wait(c.store, [keys[r] for r in others], others, self.timeout_s, "survivors' transport descriptions")
-        stored = {r: RankInfo.decode(bytes(c.store.get(keys[r])), r) for r in others}
+        recs = c.wait_records([keys[r] for r in others], others, self.timeout_s, "survivors' transport descriptions",
+                              c.MAX_PAYLOAD, current=True)
+        stored = {r: RankInfo.decode(rec.payload, r) for r, rec in zip(others, recs)}
         first = self._my_info([])
         infos = [first if r == self.rank else stored[r] for r in range(self.num_ranks)]
         mine = self._my_info(self._p2p_row(infos))

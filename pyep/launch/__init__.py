@@ -2,10 +2,12 @@
 
 Modules: plan (the exact commands), supervisor (run, stream, tear down), display (progress bar and
 summary), rundir (run directory), slurm (sbatch script and node entry), rank (per-rank wrapper),
-guard (remote teardown), progress (the PYEP_PROGRESS protocol workloads print), demo (the
-reference-demo workload), elastic_demo (the elastic workload), drill (`pyep drill`: runs, kills and
-restarts the ranks of the elastic drill and judges the outcome). This package imports nothing heavy so that workloads can import
-`pyep.launch.progress` for free; `launch()` and `LaunchOptions` load the runner on first use.
+guard (remote teardown; an ssh node's environment and job secret arrive on its stdin), secret (the
+per-job secret and the 0600 files), store (the job store, on one interface), progress (the
+PYEP_PROGRESS protocol workloads print), demo (the reference-demo workload), elastic_demo (the elastic
+workload), drill (`pyep drill`: runs, kills and restarts the ranks of the elastic drill and judges the
+outcome). This package imports nothing heavy so that workloads can import `pyep.launch.progress` for
+free; `launch()` and `LaunchOptions` load the runner on first use.
 """
 from __future__ import annotations
 

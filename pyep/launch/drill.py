@@ -14,7 +14,6 @@ and `why` say what happened).
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import statistics
@@ -24,6 +23,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .secret import SECRET_FILE_VAR, remove_secret_dir, temp_job_secret
+from .store import JobStore
 
 PHASES = ("dispatch", "combine", "between")
 
@@ -54,6 +56,7 @@ class DrillConfig:
     pause_after_admit_ms: float = 0.0    # survivors pause between admitting the restarted rank and its first call
     newcomer_pause_ms: float = 0.0       # the restarted rank pauses after its first call (cold host code)
     first_call_pause_ms: float = 0.0     # rank 0 starts the first call this late
+    pause_timeout_us: int = 0            # the timeout of the calls those pauses delay (0: timeout_us)
 
     def __post_init__(self) -> None:
         from ..ep.elastic.membership import REJOIN_GRACE_CALLS
@@ -122,14 +125,15 @@ def _rank_args(cfg: DrillConfig, rank: int, port: int, prefix: str, phase: str) 
             "victim": cfg.victim_rank, "kill_call": cfg.kill_call, "phase": phase,
             "rounds_after": cfg.rounds_after, "join_timeout_s": cfg.join_timeout_s, "wall_s": cfg.drill_timeout_s,
             "pause_after_admit_ms": cfg.pause_after_admit_ms, "newcomer_pause_ms": cfg.newcomer_pause_ms,
-            "first_call_pause_ms": cfg.first_call_pause_ms}
+            "first_call_pause_ms": cfg.first_call_pause_ms, "pause_timeout_us": cfg.pause_timeout_us}
 
 
-def _spawn(args: Dict[str, Any]) -> subprocess.Popen:
+def _spawn(args: Dict[str, Any], secret_file: str) -> subprocess.Popen:
     env = dict(os.environ)
     if args.get("backend") == "native" and str(args.get("transport", "")).startswith("emulated"):
         from ..softnic.cuda_env import softnic_cuda_env
         softnic_cuda_env(env)
+    env[SECRET_FILE_VAR] = secret_file      # the path only: the secret stays off every command line
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     return subprocess.Popen([sys.executable, "-u", "-m", "pyep.ep.elastic.drill_rank", json.dumps(args)], env=env,
@@ -179,21 +183,22 @@ def run_drill(cfg: DrillConfig, index: int, phase: str, echo: bool = False,
               say: Callable[[str], None] = _say) -> DrillOutcome:
     """Drill number `index` with the kill in `phase`. `say` gets the progress lines (the restart, and
     with `echo` every line the ranks print)."""
-    import torch.distributed as dist
     out = DrillOutcome(index, phase, ok=False)
-    store = dist.TCPStore("127.0.0.1", 0, cfg.world, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+    # The drill's store listens on 127.0.0.1 only, and each drill has its own secret (docs/elastic.md).
+    job = JobStore("127.0.0.1", 0, cfg.world, 60.0)
+    secret_file = temp_job_secret()
+    store = job.store
     prefix = f"pyep/drill/{os.getpid()}/{index}"
     victim = cfg.victim_rank
     procs: Dict[str, subprocess.Popen] = {}
     readers: Dict[str, _Reader] = {}
-    for r in range(cfg.world):
-        tag = f"rank {r}"
-        procs[tag] = _spawn(_rank_args(cfg, r, store.port, prefix, phase))
-        readers[tag] = _Reader(procs[tag], tag, echo, say)
     deadline = time.monotonic() + cfg.drill_timeout_s
     restart_time = 0.0
     try:
+        for r in range(cfg.world):
+            tag = f"rank {r}"
+            procs[tag] = _spawn(_rank_args(cfg, r, store.port, prefix, phase), secret_file)
+            readers[tag] = _Reader(procs[tag], tag, echo, say)
         while time.monotonic() < deadline:
             alive = [t for t, p in procs.items() if p.poll() is None]
             dead_victim = procs[f"rank {victim}"].poll()
@@ -203,7 +208,7 @@ def run_drill(cfg: DrillConfig, index: int, phase: str, echo: bool = False,
                                        + " | ".join(readers[f"rank {victim}"].lines[-5:]))
                 say(f"pyep drill #{index}: rank {victim} killed ({phase}); restarting it")
                 restart_time = time.time()
-                procs["restart"] = _spawn(_rank_args(cfg, victim, store.port, prefix, phase))
+                procs["restart"] = _spawn(_rank_args(cfg, victim, store.port, prefix, phase), secret_file)
                 readers["restart"] = _Reader(procs["restart"], f"rank {victim}'", echo, say)
                 continue
             failed = [t for t, p in procs.items() if t != f"rank {victim}" and p.poll() not in (None, 0)]
@@ -235,6 +240,8 @@ def run_drill(cfg: DrillConfig, index: int, phase: str, echo: bool = False,
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+        remove_secret_dir(secret_file, levels=2)
+        job.close()
     return out
 
 

@@ -1,8 +1,10 @@
 """Turns a resolved ClusterConfig into the exact commands a launch runs (one torchrun per node).
 
 Commands are argv lists. Config values never pass through a local shell; for ssh the one string the
-remote shell must parse is built with shlex.quote on every element, and everything in it (hosts, env
-names, paths) was validated by pyep.config first.
+remote shell must parse is built with shlex.quote on every element, and everything in it (hosts,
+paths) was validated by pyep.config first. Environment values are never on a command line: local
+commands get them in their environment, ssh commands on the connection's stdin (pyep.launch.guard
+--env-stdin reads them there), together with the job secret (pyep.launch.secret).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..config import ClusterConfig, HostFacts, ep_env
 from ..config.host import visible_gpu_ids
+from .secret import SECRET_FILE_VAR, secret_path
 
 TORCHRUN_MODULE = "torch.distributed.run"
 
@@ -25,7 +28,7 @@ class NodeCommand:
     index: int
     host: str
     argv: List[str]
-    env: Dict[str, str]          # variables added for this node (local: on top of ours; ssh: inside the command)
+    env: Dict[str, str]          # variables added for this node (local: on top of ours; ssh: sent on stdin)
     cwd: str
     remote: bool
     nproc: int                   # ranks torchrun starts on this node
@@ -90,13 +93,16 @@ def torchrun_argv(cfg: ClusterConfig, node_index: int, python: str, master_addr:
 
 
 def node_env(cfg: ClusterConfig, node_index: int, run_dir: str, local: bool,
-             parent_env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """Variables a node's ranks get on top of the environment torchrun inherits (see pyep.config.env)."""
+             parent_env: Optional[Dict[str, str]] = None, secret_file: bool = True) -> Dict[str, str]:
+    """Variables a node's ranks get on top of the environment torchrun inherits (see pyep.config.env).
+    `secret_file`: the job secret's path in the run directory (ssh nodes get theirs from the guard)."""
     node = cfg.nodes[node_index]
     env: Dict[str, str] = {str(k): str(v) for k, v in cfg.env.items()}
     env.update(ep_env(cfg.ep))
     env["PYEP_RUN_DIR"] = run_dir
     env["PYEP_CONFIG"] = os.path.join(run_dir, "config.yaml")
+    if secret_file:
+        env[SECRET_FILE_VAR] = secret_path(run_dir)
     gpus = list(node.gpus) if isinstance(node.gpus, list) else []
     if gpus:
         ids = [str(g) for g in gpus]
@@ -148,9 +154,9 @@ def ssh_argv(cfg: ClusterConfig, host: str, remote_command: str) -> List[str]:
     return argv + [host, "--", remote_command]
 
 
-def remote_command(workdir: str, env: Dict[str, str], argv: List[str]) -> str:
-    """`cd DIR && exec env K=V ... ARGV`, every element shell-quoted."""
-    return f"cd {shlex.quote(workdir)} && exec " + shlex.join(["env", *[f"{k}={v}" for k, v in env.items()], *argv])
+def remote_command(workdir: str, argv: List[str]) -> str:
+    """`cd DIR && exec ARGV`, every element shell-quoted (the environment goes on stdin)."""
+    return f"cd {shlex.quote(workdir)} && exec " + shlex.join(argv)
 
 
 def build_plan(cfg: ClusterConfig, run_dir_rel: str, facts: HostFacts,
@@ -185,13 +191,13 @@ def build_plan(cfg: ClusterConfig, run_dir_rel: str, facts: HostFacts,
             plan.commands.append(NodeCommand(i, node.host, argv, env, facts.cwd, False, nproc, first))
             continue
         ssh = cfg.launcher.ssh
-        env = node_env(cfg, i, remote_run_dir, False)
+        env = node_env(cfg, i, remote_run_dir, False, secret_file=False)
         inner = torchrun_argv(cfg, i, ssh.python, cfg.rendezvous.master_addr, port, run_id)
         gpus = len(node.gpus) if isinstance(node.gpus, list) else 0
-        guard = [ssh.python, "-m", "pyep.launch.guard", "--grace", f"{cfg.launcher.grace_s:g}"]
+        guard = [ssh.python, "-m", "pyep.launch.guard", "--grace", f"{cfg.launcher.grace_s:g}", "--env-stdin"]
         if gpus:
             guard += ["--expect-gpus", str(gpus)]
-        cmd = remote_command(str(ssh.workdir), env, guard + ["--", *inner])
+        cmd = remote_command(str(ssh.workdir), guard + ["--", *inner])
         plan.commands.append(NodeCommand(i, node.host, ssh_argv(cfg, node.host, cmd), env, facts.cwd, True,
                                          nproc, first))
     return plan
@@ -222,5 +228,7 @@ def _per_rank_commands(plan: LaunchPlan, cfg: ClusterConfig, facts: HostFacts, p
 
 def collect_argv(cfg: ClusterConfig, host: str, remote_run_dir: str) -> List[str]:
     """ssh command that streams a node's run directory back as a tar archive (logs and results)."""
-    # nodes/ holds earlier copies when the run directory is shared; never copy those again.
-    return ssh_argv(cfg, host, shlex.join(["tar", "-C", remote_run_dir, "--exclude=./nodes", "-cf", "-", "."]))
+    # nodes/ holds earlier copies when the run directory is shared; never copy those again. private/
+    # holds the job secret where the node shares the launcher's run directory: it stays where it is.
+    return ssh_argv(cfg, host, shlex.join(["tar", "-C", remote_run_dir, "--exclude=./nodes", "--exclude=./private",
+                                           "-cf", "-", "."]))

@@ -1,7 +1,8 @@
 """The run directory: runs/<YYYYmmdd-HHMMSS>-<name>/ holding everything one launch produced.
 
-    config.yaml      the resolved config (what actually ran; loadable again)
-    launch.json      the exact commands, per node
+    config.yaml      the resolved config (what actually ran; loadable again), mode 0600
+    launch.json      the exact commands, per node, mode 0600 (both hold the config's env: values)
+    private/         the job secret (0700; removed when a local or ssh job ends)
     logs/            rank-NNNNN.log per rank (written by the ranks), node-I-HOST.log per node
     summary.json     exit codes, durations, result files
     events.jsonl     failures, restarts and rejoins of single ranks (launcher.restart.policy: rank)
@@ -19,6 +20,7 @@ from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..config import ClusterConfig, dump_config
+from .secret import write_private
 
 RESULT_SUFFIXES = (".json", ".png", ".svg", ".pdf", ".csv", ".txt", ".md", ".html")
 _OWN_FILES = {"config.yaml", "launch.json", "summary.json", "events.jsonl"}
@@ -44,11 +46,12 @@ def create(path: str) -> None:
 
 
 def write_launch_files(run_dir: str, cfg: ClusterConfig, commands: List[Dict[str, Any]], source: str) -> None:
-    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
-        fh.write(f"# resolved by pyep launch from {source}\n")
-        fh.write(dump_config(cfg))
-    with open(os.path.join(run_dir, "launch.json"), "w", encoding="utf-8") as fh:
-        json.dump({"source": source, "launcher": cfg.launcher.kind, "commands": commands}, fh, indent=2)
+    """config.yaml and launch.json, mode 0600: both hold the config's `env:` values (tokens, passwords)."""
+    write_private(os.path.join(run_dir, "config.yaml"),
+                  (f"# resolved by pyep launch from {source}\n" + dump_config(cfg)).encode("utf-8"))
+    write_private(os.path.join(run_dir, "launch.json"),
+                  json.dumps({"source": source, "launcher": cfg.launcher.kind, "commands": commands},
+                             indent=2).encode("utf-8"))
 
 
 def result_files(run_dir: str) -> List[Tuple[str, int]]:

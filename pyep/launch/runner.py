@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shlex
 import subprocess
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -13,7 +14,10 @@ from rich.console import Console
 from ..config import ClusterConfig, HostFacts
 from . import rundir, slurm
 from .display import LaunchDisplay, rank_rows, render_summary
-from .plan import LaunchPlan, build_plan, collect_argv
+from ..ep.records import new_job_secret
+from .plan import STORE_ADDR, LaunchPlan, build_plan, collect_argv
+from .secret import create_job_secret, remove_secret_dir
+from .store import JobStore
 from .supervisor import RestartPolicy, SuperviseResult, Supervisor
 
 log = logging.getLogger("pyep.launch")
@@ -60,8 +64,19 @@ def _collect(plan: LaunchPlan, console: Console) -> None:
 
 
 def run_plan(plan: LaunchPlan, console: Console, opts: LaunchOptions) -> SuperviseResult:
-    cfg = plan.config
     rundir.create(plan.run_dir)
+    # One fresh secret per job (pyep.ep.records): local ranks read it from <run dir>/private, ssh nodes
+    # get it on stdin; it is removed when the job ends.
+    job_secret = new_job_secret()
+    secret_file = create_job_secret(plan.run_dir, job_secret)
+    try:
+        return _run_plan(plan, console, opts, job_secret)
+    finally:
+        remove_secret_dir(secret_file)
+
+
+def _run_plan(plan: LaunchPlan, console: Console, opts: LaunchOptions, job_secret: bytes) -> SuperviseResult:
+    cfg = plan.config
     rundir.write_launch_files(plan.run_dir, cfg, _commands_json(plan), opts.source)
     hosts = [c.host if sum(1 for d in plan.commands if d.host == c.host) == 1 else f"{c.host}#{c.index}"
              for c in plan.commands]
@@ -70,20 +85,20 @@ def run_plan(plan: LaunchPlan, console: Console, opts: LaunchOptions) -> Supervi
     restart = None
     store = None
     if cfg.launcher.restart.policy == "rank":
-        # The job's store lives here, not in a rank: it must outlive any single rank.
-        import datetime
-
-        import torch.distributed as dist
-        store = dist.TCPStore("127.0.0.1", plan.master_port, plan.total_ranks, is_master=True,
-                              wait_for_workers=False, timeout=datetime.timedelta(seconds=cfg.launcher.timeout_s))
+        # The job's store lives here, not in a rank: it must outlive any single rank. It listens on the
+        # ranks' address only (docs/elastic.md, "Threat model").
+        store = JobStore(STORE_ADDR, plan.master_port, plan.total_ranks, cfg.launcher.timeout_s)
         restart = RestartPolicy(cfg.launcher.restart.max_restarts, cfg.launcher.restart.delay_s, plan.run_dir)
         console.print(f"pyep launch: single-rank restarts (at most {restart.max_restarts} per rank); job store on "
-                      f"127.0.0.1:{plan.master_port}", markup=False, highlight=False)
-    with LaunchDisplay(console, hosts, quiet=opts.quiet) as display:
-        sup = Supervisor(plan.commands, display, timeout_s=cfg.launcher.timeout_s, grace_s=cfg.launcher.grace_s,
-                         log_dir=os.path.join(plan.run_dir, "logs"), restart=restart)
-        result = sup.run()
-    del store
+                      f"{STORE_ADDR}:{plan.master_port}", markup=False, highlight=False)
+    try:
+        with LaunchDisplay(console, hosts, quiet=opts.quiet) as display:
+            sup = Supervisor(plan.commands, display, timeout_s=cfg.launcher.timeout_s, grace_s=cfg.launcher.grace_s,
+                             log_dir=os.path.join(plan.run_dir, "logs"), restart=restart, job_secret=job_secret)
+            result = sup.run()
+    finally:
+        if store is not None:
+            store.close()
     if cfg.launcher.kind == "ssh" and cfg.launcher.ssh.collect_results:
         _collect(plan, console)
     static = cfg.rendezvous.endpoint is None
@@ -114,6 +129,9 @@ def launch(cfg: ClusterConfig, opts: LaunchOptions, facts: HostFacts, console: O
         for cmd in plan.commands:
             print(f"# node {cmd.index} ({cmd.host})")
             print(cmd.shell_line())
+            if cmd.remote:
+                print("# sent on the connection's stdin with the job secret (never on the command line): "
+                      + shlex.join(["env", *[f"{k}={v}" for k, v in cmd.env.items()]]))
         return 0
     return run_plan(plan, console, opts).exit_code
 
@@ -133,6 +151,8 @@ def _slurm(cfg: ClusterConfig, opts: LaunchOptions, facts: HostFacts, console: C
             print(line)
         return 0
     rundir.create(local_dir)
+    # The nodes read the secret from the run directory (private/, 0700) as they read the config.
+    create_job_secret(local_dir)
     rundir.write_launch_files(local_dir, cfg, [{"sbatch": script}], opts.source)
     path = os.path.join(local_dir, "job.sbatch")
     with open(path, "w", encoding="utf-8") as fh:

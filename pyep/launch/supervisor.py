@@ -1,7 +1,8 @@
 """Runs a plan's node commands, streams their output, and tears every node down when one fails.
 
 Each node command (torchrun, or ssh running torchrun remotely) starts in its own session, so a whole
-node can be signalled as a process group. Termination order on failure, timeout or Ctrl-C:
+node can be signalled as a process group. A remote node's first stdin line is its environment and the
+job secret (pyep.launch.guard --env-stdin). Termination order on failure, timeout or Ctrl-C:
 remote nodes get their ssh stdin closed (the remote guard then stops torchrun), every node gets
 SIGTERM (torchrun forwards it to its ranks), and whatever is alive `grace_s` later gets SIGKILL. Every
 wait here is bounded.
@@ -19,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Protocol, TextIO
 
+from .guard import stdin_payload
 from .plan import NodeCommand
 from .progress import Progress, parse_progress
 from .rank import RankExit, parse_exit, parse_rank_line
@@ -67,7 +69,7 @@ class SuperviseResult:
 class Supervisor:
     def __init__(self, commands: List[NodeCommand], sink: OutputSink, *, timeout_s: float, grace_s: float,
                  log_dir: Optional[str] = None, base_env: Optional[Dict[str, str]] = None,
-                 restart: Optional[RestartPolicy] = None):
+                 restart: Optional[RestartPolicy] = None, job_secret: Optional[bytes] = None):
         self.commands = commands
         self.sink = sink
         self.timeout_s = timeout_s
@@ -82,6 +84,7 @@ class Supervisor:
         self._logs: List[Optional[TextIO]] = [None] * len(commands)
         self._start = 0.0
         self.restart = restart
+        self._secret = job_secret        # for remote nodes: sent on their stdin (pyep.launch.guard)
         self.restarts: Dict[int, int] = {}
         self.events: List[Dict[str, object]] = []
 
@@ -96,6 +99,13 @@ class Supervisor:
                                 stdin=subprocess.PIPE if cmd.remote else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.procs[i] = proc
+        if cmd.remote and proc.stdin is not None:
+            # The node's environment and the job secret go on stdin, never on the ssh command line.
+            try:
+                proc.stdin.write(stdin_payload(cmd.env, self._secret))
+                proc.stdin.flush()
+            except OSError as exc:       # ssh already gone: its exit status says why
+                log.warning("node %d (%s): could not send its environment: %s", i, cmd.host, exc)
         if self.log_dir:
             path = os.path.join(self.log_dir, f"node-{i}-{cmd.host}.log")
             self._logs[i] = open(path, "a", encoding="utf-8", errors="replace")

@@ -151,6 +151,22 @@ def _trace_summary(buf: Any) -> Dict[str, List[Any]]:
                 for p in summarize(stamps[i])] for i, k in enumerate(KERNELS)}
 
 
+def _call_timeout_us(a: Dict[str, Any], call: int, first: Optional[int]) -> int:
+    """The timeout of `call`. With pause_timeout_us, a call that one of the drill's pauses delays gets
+    that (short) timeout -- the pause must be well over it, and the window under test well over the
+    pause -- and every other call the drill's timeout, so that on a loaded machine only the paused call
+    is exposed to a short timeout (first: call #A, the restarted rank's first call, once known)."""
+    short = a.get("pause_timeout_us") or 0
+    if not short:
+        return int(a["timeout_us"])
+    paused = {1} if a.get("first_call_pause_ms") else set()
+    if first is not None and a.get("pause_after_admit_ms"):
+        paused.add(first)
+    if first is not None and a.get("newcomer_pause_ms"):
+        paused.add(first + 1)
+    return int(short) if call in paused else int(a["timeout_us"])
+
+
 def _die() -> None:
     sys.stdout.flush()
     from .mps import terminate_own_gpu_work
@@ -276,6 +292,7 @@ def run(a: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[st
         mine = rank == victim and buf.generation == 1 and call == kill_call
         if mine and phase == "between":
             _die()
+        t_us = _call_timeout_us(a, call, admit_call or res.get("joined_at"))
         t_admit = time.monotonic()
         x, idx, w = (t.to(dev) for t in _inputs(a["seed"], call, rank, a["T"], a["H"], a["E"], a["K"]))
         before = active.tolist()
@@ -291,7 +308,7 @@ def run(a: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[st
         if mine and phase == "dispatch" and not native:
             _arm_reference_kill(buf)
         t_launch = [time.monotonic()]
-        recv, cnt, handle, _, _ = buf.dispatch(x, idx, use_fp8=False, active_ranks=active, timeout_us=a["timeout_us"])
+        recv, cnt, handle, _, _ = buf.dispatch(x, idx, use_fp8=False, active_ranks=active, timeout_us=t_us)
         if mine and phase == "dispatch":
             _die()                                   # native: the kernel is in flight
         if native:
@@ -303,7 +320,7 @@ def run(a: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[st
         if native:
             ev[2].record()
         t_launch.append(time.monotonic())
-        out, _, _ = buf.combine(y, idx, w, handle, active_ranks=active, timeout_us=a["timeout_us"])
+        out, _, _ = buf.combine(y, idx, w, handle, active_ranks=active, timeout_us=t_us)
         t_launch.append(time.monotonic())
         if mine and phase == "combine":
             _die()

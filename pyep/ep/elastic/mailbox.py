@@ -6,12 +6,22 @@ active source until the call's deadline; a source whose key is missing then is m
 caller's active_ranks, and the backend's own mask), exactly as the native kernels mark a peer that
 timed out, and counts as having sent nothing. The generation in the key keeps mail of a dead process
 from being read as its restarted successor's. A receiver deletes what it read.
+
+Rows and heartbeats are authenticated records (pyep.ep.records) of the source's current generation; a
+value that is refused (forged, another process's, not whole rows) is logged in the control's reject
+log and counts as not there yet: the real source's write replaces it, or the wait runs out as it
+would for a source that never wrote.
 """
 from __future__ import annotations
 
 import logging
+import math
+import struct
 import time
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+
+from ..errors import RecordRejected
+from ..records import Record, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +29,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("pyep.ep.elastic.mailbox")
 POLL_S = 0.0005
 HEARTBEAT_S = 0.05      # a waiting rank refreshes its alive key this often
+MAX_MAIL = 1 << 30      # bytes of one row set (the store holds it whole)
+_TIME = struct.Struct("<d")
+
+
+def _check_time(rec: Record) -> None:
+    """A heartbeat holds one finite time."""
+    if not math.isfinite(unpack(rec, _TIME)[0]):
+        raise RecordRejected(rec.key, "the heartbeat's time is not a finite number")
 
 
 class StoreMailbox:
@@ -32,11 +50,23 @@ class StoreMailbox:
     def _key(self, dst: int, tag: str, src: int, gen: int) -> str:
         return self.c.key("mail", dst, tag, f"{src}.{gen}")
 
-    def _beating(self, src: int) -> bool:
-        key = self.c.key("alive", src)
+    def _read(self, key: str, src: int, max_payload: int, check: Callable[[Record], None]) -> Optional[Record]:
         if not self.store.check([key]):
-            return False
-        return time.time() - float(bytes(self.store.get(key)).decode()) < 4 * HEARTBEAT_S
+            return None
+        return self.c.open(key, self.store.get(key), (src,), max_payload, generation=self.generations[src],
+                           check=check)
+
+    def _beating(self, src: int) -> bool:
+        rec = self._read(self.c.key("alive", src), src, _TIME.size, _check_time)
+        return rec is not None and time.time() - _TIME.unpack(rec.payload)[0] < 4 * HEARTBEAT_S
+
+    def _rows(self, key: str, src: int, row: int) -> Optional[bytes]:
+        """Whole rows from src, or None when the key holds none (yet) or what it holds is refused."""
+        def whole_rows(rec: Record) -> None:
+            if row and len(rec.payload) % row:
+                raise RecordRejected(key, f"{len(rec.payload)} bytes are not whole rows of {row}")
+        rec = self._read(key, src, MAX_MAIL, whole_rows)
+        return rec.payload if rec is not None else None
 
     def forget(self, rank: int) -> None:
         """Nothing to release per peer (mail of an older generation is simply never read)."""
@@ -58,7 +88,8 @@ class StoreMailbox:
             if dst == self.rank:
                 mine = part
             elif on[dst]:
-                self.store.set(self._key(dst, tag, self.rank, self.generations[self.rank]), part)
+                key = self._key(dst, tag, self.rank, self.generations[self.rank])
+                self.store.set(key, self.c.seal(key, part))
         got = {self.rank: mine}
         waiting = {src: self._key(self.rank, tag, src, self.generations[src])
                    for src in range(self.world) if src != self.rank and on[src]}
@@ -71,7 +102,8 @@ class StoreMailbox:
             now = time.monotonic()
             if now - beat > HEARTBEAT_S:
                 beat = now
-                self.store.set(self.c.key("alive", self.rank), repr(time.time()).encode())
+                key = self.c.key("alive", self.rank)
+                self.store.set(key, self.c.seal(key, _TIME.pack(time.time())))
             if now > deadline and not extended:
                 # A late source may be alive and itself waiting out the timeout on a dead third rank
                 # (it saw less of the dead rank's last messages than we did): marking it would drop a
@@ -80,8 +112,9 @@ class StoreMailbox:
                 if any(self._beating(src) for src in waiting):
                     deadline = now + timeout_us / 1e6
             for src, key in list(waiting.items()):
-                if self.store.check([key]):
-                    got[src] = bytes(self.store.get(key))
+                rows = self._rows(key, src, row)
+                if rows is not None:
+                    got[src] = rows
                     self.store.delete_key(key)
                     del waiting[src]
             if not waiting or (time.monotonic() > deadline and extended):

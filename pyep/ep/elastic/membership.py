@@ -1,18 +1,18 @@
 """Elastic membership of a store-based EpBuffer: a killed rank is survived, restarted and re-admitted,
 and only the links to it are rebuilt (docs/elastic.md is the protocol; this is its implementation).
 
-Keys (under the buffer's store prefix):
-    gen/<r>                 counter: the membership generation of rank r (1 = first process, each
-                            restarted process of r adds 1 when it creates its buffer)
+Keys (under the buffer's store prefix; every value an authenticated record, pyep.ep.records):
+    gen/<r>/<g>             slot: held by the process of rank r that has generation g (1 = first
+                            process; a restarted process claims the next free slot: slots.py)
     ann/<r>/<g>             rank r's announcement for generation g (Announcement, validated by peers)
-    anncount, annidx/<i>    announcements in order: i-th one is "r:g" (one counter read per poll)
+    annidx/<i>              slot: the i-th announcement, written by its newcomer (writer r, generation g)
     reject/<r>/<g>          why a survivor refused the announcement (the newcomer raises it)
     blob/<r>/<g>/<s>        survivor s's connect data for the newcomer (its new QPs towards r, ...)
-    prepared/<r>/<g>        counter: survivors whose links to r are rebuilt and whose stale signals
-                            from r are cleared
-    at/<r>/<g>              "A:H": the newcomer's first dispatch is call #A, on buffer half H
-    act/<r>/<g>/<s>         survivor s is at call #A with r active and its stream drained
-    ready/<r>/<g>           the newcomer saw every act key; its first dispatch follows
+    prepared/<r>/<g>/<s>    survivor s rebuilt its links to r and cleared r's stale signals
+    at/<r>/<g>              (A, H): the newcomer's first dispatch is call #A, on buffer half H; set
+                            once (compare_set) by the first survivor that sees every `prepared`
+    act/<r>/<g>/<s>         survivor s is at call #A with r active and its stream drained (call A)
+    ready/<r>/<g>           the newcomer saw every act key; its first dispatch follows (call A)
 
 Every wait is bounded and names the ranks it waited for; survivors never block on a newcomer except
 for the bounded handshake at call #A.
@@ -22,12 +22,15 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from ..control import ControlTimeout, StoreControl, store_wait
-from ..errors import BadAnnouncement, MembershipError, StaleAnnouncement
+from ..control import ControlTimeout, StoreControl
+from ..errors import BadAnnouncement, MembershipError, RecordRejected, StaleAnnouncement
+from ..records import Record, unpack
+from .slots import claim_generation, claim_index_slot, newest_generation, read_index
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("pyep.ep.elastic.membership")
 FORMAT = "pyep-member/1"
 MAX_ANNOUNCEMENT = 1 << 20
+MAX_REJECT = 4096
+_AT = struct.Struct("<QB")      # call #A, buffer half
 DEFAULT_LEAD_CALLS = 8
 # Call #A (the newcomer's first call) waits at least this long on every member (EpBuffer._rejoin_timeout).
 REJOIN_CALL_TIMEOUT_US = 2_000_000
@@ -80,11 +85,12 @@ def decode_announcement(raw: Any, expect_rank: int, world_size: int, fingerprint
         raise BadAnnouncement(f"{who}: not a byte string of at most {MAX_ANNOUNCEMENT} bytes")
     try:
         doc = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadAnnouncement(f"{who}: not a pyep membership document ({exc})") from None
+    except (ValueError, RecursionError) as exc:     # UnicodeDecodeError, JSONDecodeError, nesting
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise BadAnnouncement(f"{who}: not a pyep membership document ({why})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise BadAnnouncement(f"{who}: field 'format' is {doc.get('format') if isinstance(doc, dict) else doc!r}, "
-                              f"expected {FORMAT!r}")
+        got = doc.get("format") if isinstance(doc, dict) else doc
+        raise BadAnnouncement(f"{who}: field 'format' is {repr(got)[:80]}, expected {FORMAT!r}")
     for name in ("rank", "world_size", "generation"):
         v = doc.get(name)
         if isinstance(v, bool) or not isinstance(v, int):
@@ -138,7 +144,9 @@ class Rejoin:
 class Membership:
     """The membership protocol of one store-based EpBuffer (both the survivor and the newcomer side).
     `backend` provides member_payload(), prepare_peer(r, payload) -> bytes, prepare_done(r) -> bool,
-    activate_peer(r, active), join(blobs, half) and next_half(seq_next) (docs/elastic.md)."""
+    activate_peer(r, active), join(blobs, half) and next_half(seq_next) (docs/elastic.md). Every
+    store value it reads is an authenticated record (pyep.ep.records); one that is refused is logged in
+    the control's reject log and counts as absent."""
 
     def __init__(self, control: StoreControl, fingerprint: str, timeout_s: float,
                  lead_calls: int = DEFAULT_LEAD_CALLS) -> None:
@@ -149,13 +157,18 @@ class Membership:
         self.timeout_s = timeout_s
         self.lead_calls = lead_calls
         self.rank, self.world = control.rank, control.world_size
-        self.generation = int(self.store.add(control.key("gen", self.rank), 1))
+        self.generation = claim_generation(control, timeout_s)
+        control.generation = self.generation
         self.admitted: List[int] = [1] * self.world
         self.admitted[self.rank] = self.generation
+        if self.generation > 1:
+            # A restarted process: the survivors' current processes (their records, member/info
+            # included, must come from them, not from a process of theirs that died before).
+            self.admitted = [self.generation if s == self.rank else newest_generation(control, s, 1)
+                             for s in range(self.world)]
+        control.generations = self.admitted      # the same list: record checks follow admissions
         self._seen = 0
         self._pending: Dict[int, _Pending] = {}
-        self.rejected: List[str] = []
-
         self._joined = self.generation == 1
 
     def attach(self, backend: Any) -> None:
@@ -168,21 +181,24 @@ class Membership:
     def joining(self) -> bool:
         return not self._joined
 
+    @property
+    def rejected(self) -> List[str]:
+        """Why records and announcements were refused (the control's reject log), oldest first."""
+        return [str(e) for e in self.c.rejects.entries]
+
     def k(self, *parts: Any) -> str:
         return self.c.key(*parts)
+
+    def _others(self, r: int) -> List[int]:
+        return [s for s in range(self.world) if s != r]
 
     # ------------------------------------------------------------------ survivor side
     def poll(self, next_call: int, lead_calls: Optional[int] = None) -> List[Rejoin]:
         """Non-blocking: read new announcements, rebuild links for them, count this survivor as
         prepared when its stale-signal clear has completed, and learn call #A. One store round trip
         when nothing is going on."""
-        count = int(self.store.add(self.k("anncount"), 0))
-        while self._seen < count:
-            idx = self.k("annidx", self._seen + 1)
-            if not self.store.check([idx]):
-                break                                    # the newcomer is still writing it
-            self._seen += 1
-            r, g = (int(x) for x in bytes(self.store.get(idx)).decode().split(":"))
+        self._seen, found = read_index(self.c, self._seen)
+        for r, g in found:
             self._consider(r, g)
         lead = self.lead_calls if lead_calls is None else lead_calls
         for p in list(self._pending.values()):
@@ -192,11 +208,18 @@ class Membership:
     def _consider(self, r: int, g: int) -> None:
         if r == self.rank or not 0 <= r < self.world:
             return
-        newest = int(self.store.add(self.k("gen", r), 0))
+        # Only an authentic announcement gets an answer: a refusal written for a forged one would make
+        # the real newcomer of that generation give up.
+        rec = self.c.fetch(self.k("ann", r, g), (r,), MAX_ANNOUNCEMENT, generation=g)
+        if rec is None:
+            return
+        newest = newest_generation(self.c, r, self.admitted[r])
         try:
-            raw = bytes(self.store.get(self.k("ann", r, g)))
-            ann = decode_announcement(raw, r, self.world, self.fingerprint, self.backend.name, newest,
+            ann = decode_announcement(rec.payload, r, self.world, self.fingerprint, self.backend.name, newest,
                                       self.admitted[r])
+            if ann.generation != g:
+                raise BadAnnouncement(f"rejoin announcement of rank {r}: field 'generation' is {ann.generation}, "
+                                      f"its record is generation {g}'s")
         except BadAnnouncement as exc:
             self._refuse(r, g, exc)
             return
@@ -209,9 +232,8 @@ class Membership:
 
     def _refuse(self, r: int, g: int, exc: Exception) -> None:
         msg = f"rank {self.rank} refused: {exc}"
-        log.error("%s", msg)
-        self.rejected.append(msg)
-        self.store.set(self.k("reject", r, g), msg.encode())
+        self.c.rejects.add(RecordRejected(self.k("ann", r, g), msg))
+        self.c.put(self.k("reject", r, g), msg.encode()[:MAX_REJECT])
 
     def _advance(self, p: _Pending, next_call: int, lead: int) -> None:
         if p.stage == "announced":
@@ -221,22 +243,31 @@ class Membership:
                 self._refuse(p.rank, p.generation, exc)
                 del self._pending[p.rank]
                 return
-            self.store.set(self.k("blob", p.rank, p.generation, self.rank), blob)
+            self.c.put(self.k("blob", p.rank, p.generation, self.rank), blob)
             p.stage = "rebuilt"
         if p.stage == "rebuilt" and self.backend.prepare_done(p.rank):
-            n = int(self.store.add(self.k("prepared", p.rank, p.generation), 1))
+            self.c.put(self.k("prepared", p.rank, p.generation, self.rank), b"")
             p.stage = "counted"
-            if n == self.world - 1:
-                # The last survivor to get ready picks call #A far enough ahead that every survivor,
-                # polling once per call, learns it before it gets there.
-                at = next_call + lead
-                half = self.backend.next_half(next_call, at)
-                self.store.set(self.k("at", p.rank, p.generation), f"{at}:{half}".encode())
         if p.stage == "counted" and p.at is None:
-            key = self.k("at", p.rank, p.generation)
-            if self.store.check([key]):
-                a, h = bytes(self.store.get(key)).decode().split(":")
-                p.at, p.half = int(a), int(h)
+            self._learn_at(p, next_call, lead)
+
+    def _learn_at(self, p: _Pending, next_call: int, lead: int) -> None:
+        """Call #A: read it, or -- once every survivor is prepared -- pick it. The first survivor to see
+        them all picks call #A far enough ahead that every survivor, polling once per call, learns it
+        before it gets there; compare_set makes its pick the only one."""
+        key = self.k("at", p.rank, p.generation)
+        survivors = self._others(p.rank)
+        rec = self.c.fetch(key, survivors, _AT.size, current=True, check=_check_at)
+        if rec is None:
+            keys = [self.k("prepared", p.rank, p.generation, s) for s in survivors]
+            if not all(self.c.fetch(k, (s,), 0, current=True) is not None for k, s in zip(keys, survivors)):
+                return
+            at = next_call + lead
+            rec, _ = self.c.claim(key, _AT.pack(at, self.backend.next_half(next_call, at)), survivors, _AT.size,
+                                  current=True, check=_check_at)
+            if rec is None:
+                return
+        p.at, p.half = _AT.unpack(rec.payload)
 
     def due(self, next_call: int) -> List[int]:
         """Ranks whose call #A is the next call (activate them now); raises when one was missed."""
@@ -260,10 +291,10 @@ class Membership:
             raise MembershipError(f"rank {self.rank}: at call #{next_call} this buffer uses half {expect}, the "
                                   f"agreed half is {p.half}: the survivors' call sequences differ")
         self.backend.activate_peer(r, active)
-        self.store.set(self.k("act", r, p.generation, self.rank), b"1")
-        store_wait(self.store, [self.k("ready", r, p.generation)], [r], self.timeout_s,
-                   f"rank {self.rank} admitting rank {r} (generation {p.generation}) at call #{next_call}",
-                   max_poll_s=HANDSHAKE_POLL_S)
+        self.c.put(self.k("act", r, p.generation, self.rank), b"", call=next_call)
+        self.c.wait_records([self.k("ready", r, p.generation)], [r], self.timeout_s,
+                            f"rank {self.rank} admitting rank {r} (generation {p.generation}) at call #{next_call}",
+                            0, max_poll_s=HANDSHAKE_POLL_S, generation=p.generation, call=next_call)
         self.admitted[r] = p.generation
         del self._pending[r]
         log.warning("rank %d: rank %d (generation %d) admitted at call #%d", self.rank, r, p.generation, next_call)
@@ -272,39 +303,55 @@ class Membership:
     def announce(self) -> None:
         ann = Announcement(self.rank, self.world, self.generation, self.fingerprint, self.backend.name,
                            self.backend.member_payload())
-        self.store.set(self.k("ann", self.rank, self.generation), ann.encode())
-        i = int(self.store.add(self.k("anncount"), 1))
-        self.store.set(self.k("annidx", i), f"{self.rank}:{self.generation}".encode())
+        self.c.put(self.k("ann", self.rank, self.generation), ann.encode())
+        # Announcements before our slot are older than this process: not ours to answer.
+        self._seen = claim_index_slot(self.c, self.timeout_s)
         log.warning("rank %d: announced generation %d (rejoin), waiting to be admitted", self.rank, self.generation)
 
     def join(self, timeout_s: float) -> int:
         """Wait (bounded) until the survivors admit us; returns call #A, the number our next dispatch
         carries. Raises the survivors' refusal, or ControlTimeout naming the survivors that are late."""
         r, g = self.rank, self.generation
-        others = [s for s in range(self.world) if s != r]
+        others = self._others(r)
         deadline = time.monotonic() + timeout_s
         at_key = self.k("at", r, g)
-        while not self.store.check([at_key]):
-            rej = self.k("reject", r, g)
-            if self.store.check([rej]):
-                raise BadAnnouncement(bytes(self.store.get(rej)).decode())
+        at: Optional[int] = None
+        half = 0
+        while at is None:
+            rec = self.c.fetch(at_key, others, _AT.size, current=True, check=_check_at)
+            if rec is not None:
+                at, half = _AT.unpack(rec.payload)
+                break
+            rej = self.c.fetch(self.k("reject", r, g), others, MAX_REJECT, current=True)
+            if rej is not None:
+                raise BadAnnouncement(rej.payload.decode("utf-8", errors="replace"))
             if time.monotonic() > deadline:
                 done = [s for s in others if self.store.check([self.k("blob", r, g, s)])]
                 raise ControlTimeout(f"rank {r} (generation {g}) waiting to be admitted (no survivor may be "
                                      f"polling: poll_rejoin() / admit_pending() / update_ep_member())",
-                                     [s for s in others if s not in done], timeout_s)
+                                     [s for s in others if s not in done], timeout_s,
+                                     [k for k in self.c.rejects.keys() if k.startswith(self.k("at", r, g))])
             time.sleep(0.005)
-        a, h = bytes(self.store.get(at_key)).decode().split(":")
-        at, half = int(a), int(h)
-        blobs = {s: bytes(self.store.get(self.k("blob", r, g, s))) for s in others}
+        left = max(1.0, deadline - time.monotonic())
+        recs = self.c.wait_records([self.k("blob", r, g, s) for s in others], others, left,
+                                   f"rank {r} (generation {g}) reading the survivors' connect data",
+                                   MAX_ANNOUNCEMENT, current=True)
+        blobs = {s: rec.payload for s, rec in zip(others, recs)}
         for s in others:
-            self.admitted[s] = int(self.store.add(self.k("gen", s), 0))
+            self.admitted[s] = newest_generation(self.c, s, self.admitted[s])
         self.backend.join(blobs, half)
         left = max(1.0, deadline - time.monotonic())
-        store_wait(self.store, [self.k("act", r, g, s) for s in others], others, left,
-                   f"rank {r} (generation {g}) waiting for the survivors to reach call #{at}",
-                   max_poll_s=HANDSHAKE_POLL_S)
-        self.store.set(self.k("ready", r, g), b"1")
+        self.c.wait_records([self.k("act", r, g, s) for s in others], others, left,
+                            f"rank {r} (generation {g}) waiting for the survivors to reach call #{at}", 0,
+                            max_poll_s=HANDSHAKE_POLL_S, current=True, call=at)
+        self.c.put(self.k("ready", r, g), b"", call=at)
         self._joined = True
         log.warning("rank %d: admitted (generation %d); first call #%d on half %d", r, g, at, half)
         return at
+
+
+def _check_at(rec: Record) -> None:
+    """An `at` record holds (call #A, half): one call number and half 0 or 1."""
+    at, half = unpack(rec, _AT)
+    if not 1 <= at < 1 << 62 or half not in (0, 1):
+        raise RecordRejected(rec.key, f"call #{at} / half {half} out of range")

@@ -141,22 +141,23 @@ class EpBuffer(EpBufferMembership):
                  num_buffer_bytes: Optional[int] = None, max_topk: int = MAX_TOPK,
                  ranks_per_node: Optional[int] = None, check_values: Union[bool, str] = True,
                  store: Any = None, rank: Optional[int] = None, world_size: Optional[int] = None,
-                 store_prefix: str = "pyep/ep", rejoin_lead_calls: int = DEFAULT_LEAD_CALLS) -> None:
+                 store_prefix: str = "pyep/ep", rejoin_lead_calls: int = DEFAULT_LEAD_CALLS,
+                 job_secret: Optional[bytes] = None) -> None:
         config = EpConfig(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=hidden,
                           num_experts=num_experts, max_topk=max_topk, transport=transport,
                           allow_nvlink=allow_nvlink, device_name=device_name, timeout_us=timeout_us,
                           num_qps_per_peer=num_qps_per_peer, num_buffer_bytes=num_buffer_bytes,
                           ranks_per_node=ranks_per_node, backend=backend, check_values=check_values)
-        self._init(make_control(group, store, rank, world_size, store_prefix), config, rejoin_lead_calls)
+        self._init(make_control(group, store, rank, world_size, store_prefix, job_secret), config, rejoin_lead_calls)
 
     @classmethod
     def from_config(cls, config: EpConfig, group: Optional["dist.ProcessGroup"] = None, *, store: Any = None,
                     rank: Optional[int] = None, world_size: Optional[int] = None, store_prefix: str = "pyep/ep",
-                    rejoin_lead_calls: int = DEFAULT_LEAD_CALLS) -> "EpBuffer":
+                    rejoin_lead_calls: int = DEFAULT_LEAD_CALLS, job_secret: Optional[bytes] = None) -> "EpBuffer":
         if not isinstance(config, EpConfig):
             raise TypeError(f"config must be an EpConfig, got {type(config).__name__}")
         self = cls.__new__(cls)
-        self._init(make_control(group, store, rank, world_size, store_prefix), config, rejoin_lead_calls)
+        self._init(make_control(group, store, rank, world_size, store_prefix, job_secret), config, rejoin_lead_calls)
         return self
 
     def _init(self, control: ControlPlane, config: EpConfig, lead_calls: int) -> None:

@@ -86,6 +86,13 @@ class EpBufferMembership:
         return self._member.generation if self._member is not None else 0
 
     @property
+    def rejected_records(self) -> List[Any]:
+        """Store records this buffer refused (pyep.ep.errors.RecordRejected, each naming its key; the
+        newest REJECT_LOG_SIZE): forged, malformed or stale. Empty for a buffer on a process group."""
+        rejects = getattr(self._control, "rejects", None)
+        return rejects.entries if rejects is not None else []
+
+    @property
     def joining(self) -> bool:
         """A restarted rank that has not been admitted yet (call join())."""
         return self._member is not None and self._member.joining
