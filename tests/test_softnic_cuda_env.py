@@ -42,3 +42,15 @@ def test_drill_ranks_on_the_softnic_get_it(monkeypatch) -> None:
         except RuntimeError:
             pass
         assert seen.get(VARIABLE) == expect
+
+
+def test_launch_gives_softnic_ranks_the_setting() -> None:
+    import pathlib
+
+    from pyep.config import parse_config
+    from pyep.launch.plan import node_env
+    path = pathlib.Path(__file__).resolve().parent.parent / "configs" / "two_virtual_nodes.yaml"
+    cfg, _ = parse_config(path.read_text(), str(path))
+    assert str(cfg.ep.transport).startswith("emulated")
+    assert node_env(cfg, 0, "/tmp/run", True, parent_env={})[VARIABLE] == str(RECOMMENDED)
+    assert VARIABLE not in node_env(cfg, 0, "/tmp/run", True, parent_env={VARIABLE: "8"})

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..config import ClusterConfig, HostFacts, ep_env
 from ..config.host import visible_gpu_ids
+from ..softnic.cuda_env import VARIABLE as CUDA_CONNECTIONS_VAR, softnic_cuda_env
 from .secret import SECRET_FILE_VAR, secret_path
 
 TORCHRUN_MODULE = "torch.distributed.run"
@@ -113,6 +114,9 @@ def node_env(cfg: ClusterConfig, node_index: int, run_dir: str, local: bool,
     if isinstance(node.nics, dict) and node.nics:
         # Keyed by CUDA ordinal as a rank sees it (position in `gpus`), i.e. by LOCAL_RANK.
         env["PYEP_NIC_MAP"] = ",".join(f"{gpus.index(g)}={dev}" for g, dev in sorted(node.nics.items()))
+    if str(getattr(cfg.ep, "transport", "")).startswith("emulated") and \
+            CUDA_CONNECTIONS_VAR not in (parent_env or os.environ):
+        softnic_cuda_env(env)    # before CUDA starts in the ranks (pyep/softnic/cuda_env.py)
     return env
 
 
