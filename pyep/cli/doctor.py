@@ -26,7 +26,10 @@ def run(args: argparse.Namespace) -> int:
         path = getattr(args, flag)
         if not os.path.isdir(path):
             raise CliError(f"--{flag} {path!r} is not a directory")
-    checks = run_doctor(DoctorInputs(sysfs=args.sysfs, proc=args.proc, dev=args.dev))
+    try:
+        checks = run_doctor(DoctorInputs(sysfs=args.sysfs, proc=args.proc, dev=args.dev))
+    except (ValueError, TypeError) as exc:      # a saved tree the discovery refuses
+        raise CliError(str(exc)) from None
     status = exit_status(checks)
     if args.json:
         print(json.dumps({"checks": as_json(checks), "exit_status": status}, indent=2))
