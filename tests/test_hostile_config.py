@@ -109,7 +109,7 @@ def _missing(path: Any) -> None:
 FILE_KINDS = {
     "non-utf8": (_non_utf8, "is not UTF-8 text (byte 9 is 0xe9)"),
     "utf16-with-bom": (_utf16, "is not UTF-8 text (byte 0 is 0xff)"),
-    "over-1-MiB": (_oversized, f"is larger than the limit of {MAX_CONFIG_BYTES} bytes"),
+    "over-the-size-limit": (_oversized, f"is larger than the limit of {MAX_CONFIG_BYTES} bytes"),
     "directory": (_directory, "is a directory, not a file"),
     "fifo": (_fifo, "is a FIFO, not a regular file"),
     "missing": (_missing, "no such config file"),

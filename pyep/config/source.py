@@ -6,11 +6,11 @@ the same tree and remember the override text instead. Errors then read
 `configs/x.yaml:12: ep.num_experts: ...`.
 
 A config is input from whoever wrote the file, so the loader bounds it before building anything: at
-most MAX_CONFIG_BYTES of text, mappings and lists nested at most MAX_DEPTH deep, and no anchors or
-aliases at all (`&name` / `*name`, and so no `<<: *name` merges). An alias is a pointer: nine of them
-nested nine deep ("billion laughs", 700 bytes) expand to 9^9 values, and one that points at its own
-parent never ends. pyep's configs are short; write repeated values out, or override them on the
-command line.
+most MAX_CONFIG_BYTES (64 KiB) of text, mappings and lists nested at most MAX_DEPTH deep, and no
+anchors or aliases at all (`&name` / `*name`, and so no `<<: *name` merges). An alias is a pointer:
+nine of them nested nine deep ("billion laughs", 700 bytes) expand to 9^9 values, and one that points
+at its own parent never ends. pyep's configs are short; write repeated values out, or override them on
+the command line.
 """
 from __future__ import annotations
 
@@ -86,7 +86,9 @@ class Locations:
         return Problem(self.where(path), dotted(path), message)
 
 
-MAX_CONFIG_BYTES = 1 << 20
+# pyep's configs are a few KiB (64 nodes listed one per line: 3 KiB). PyYAML's pure-Python reader takes
+# seconds per 100 KiB on a loaded machine, so the bound also bounds the time: about a second.
+MAX_CONFIG_BYTES = 64 << 10
 MAX_DEPTH = 32
 
 
