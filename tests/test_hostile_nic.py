@@ -205,3 +205,28 @@ def test_tree_root_that_is_a_fifo(host: str, tmp_path: Any, flag: str, monkeypat
         rc, _, err = run_cli([cmd, *argv], monkeypatch, capsys)
         assert_refused(rc, err, flag, "is not a directory")
     assert doctor_json(host, monkeypatch, capsys)["RDMA devices"]["status"] == "PASS"
+
+
+@pytest.mark.parametrize("cmd", ["nic", "doctor"])
+def test_markup_and_terminal_escapes_in_the_tree_are_printed_as_text(host: str, cmd: str, monkeypatch: MonkeyPatch,
+                                                                     capsys: CaptureFixture[str]) -> None:
+    path = real(host, f"{PORT}/rate")
+    saved = open(path).read()
+    with open(path, "w") as f:
+        f.write("[/bogus] 400 \x1b[2J")    # a rich closing tag raised MarkupError; ESC would reach the terminal
+    monkeypatch.setenv("COLUMNS", "400")
+    rc, out, err = run_cli([cmd, *roots(host)], monkeypatch, capsys)
+    assert rc == 0 and "[/bogus] 400 \ufffd[2J" in out and "\x1b" not in out and "Traceback" not in err, err
+    restore(path, saved)
+    rc, out, _ = run_cli([cmd, *roots(host)], monkeypatch, capsys)
+    assert rc == 0 and "400 Gb/sec (4X NDR)" in out
+
+
+def test_tree_path_with_markup(tmp_path: Any, monkeypatch: MonkeyPatch, capsys: CaptureFixture[str]) -> None:
+    root = tmp_path / "[/x]"
+    (root / "sys").mkdir(parents=True)
+    rc, out, err = run_cli(["nic", "--sysfs", str(root / "sys")], monkeypatch, capsys)
+    assert rc == 0 and "no RDMA device found" in out and "Traceback" not in err, err
+    shutil.copytree(os.path.join(HOSTS, "ib_host", "sys"), str(root / "sys2"), symlinks=True)
+    rc, out, _ = run_cli(["nic", "--sysfs", str(root / "sys2"), "--json"], monkeypatch, capsys)
+    assert rc == 0 and len(json.loads(out)["devices"]) == 3

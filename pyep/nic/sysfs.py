@@ -24,15 +24,17 @@ MAX_ATTRIBUTE_BYTES = 1 << 16
 
 
 def read_attribute(path: str, limit: int = MAX_ATTRIBUTE_BYTES) -> Optional[str]:
-    """A sysfs/procfs file's text (undecodable bytes replaced); None when missing, unreadable (sysfs
-    denies some attributes), not a regular file or larger than `limit`."""
+    """A sysfs/procfs file's text, undecodable bytes and control characters (a terminal escape planted
+    in a saved tree) replaced by U+FFFD; None when missing, unreadable (sysfs denies some attributes),
+    not a regular file or larger than `limit`."""
     try:
         raw = read_bytes(path, limit)
     except FileRejected as exc:
         quiet = exc.reason in ("no such file", "permission denied")
         log.log(logging.DEBUG if quiet else logging.WARNING, "ignoring %s", exc)
         return None
-    return raw.decode("utf-8", errors="replace")
+    text = raw.decode("utf-8", errors="replace")
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else "\ufffd" for ch in text)
 
 
 def index_name(name: str, max_digits: int = 6) -> Optional[int]:
