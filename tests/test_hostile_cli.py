@@ -75,6 +75,7 @@ MALFORMED = {
                                     "field qps[0].provider.kind is missing"),
     "json-nested-100000": ("[" * 100000 + "]" * 100000, "not a pyep QP dump"),
     "integer-of-5000-digits": ('{"format": "pyep-qp-dump/1", "rank": ' + "1" * 5000 + "}", "is not JSON"),
+    "terminal-escape-in-host": (broken("host", "node\x1b]0;owned\x07"), "field host: expected a string of printable"),
     "wrong-format": (broken("format", "pyep-qp-dump/0"), "is not a pyep QP dump"),
     "empty-file": ("", "is not JSON"),
 }

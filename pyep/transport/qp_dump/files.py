@@ -65,7 +65,8 @@ def _name(kind: Any) -> str:
         return "an object"
     if isinstance(kind, list):
         return "a list"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", None: "null"}[kind]
+    return {int: "an integer", float: "a number", str: "a string of printable characters", bool: "true or false",
+            None: "null"}[kind]
 
 
 def _matches(value: Any, kind: Any) -> bool:
@@ -79,6 +80,8 @@ def _matches(value: Any, kind: Any) -> bool:
         return isinstance(value, dict)
     if isinstance(kind, list):
         return isinstance(value, list)
+    if kind is str:     # printed on a terminal: no escape sequences (an error message may span lines)
+        return type(value) is str and all(ch.isprintable() or ch in "\n\t" for ch in value)
     return type(value) is kind
 
 
