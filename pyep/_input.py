@@ -22,10 +22,11 @@ _CHUNK = 1 << 16
 
 class FileRejected(ValueError):
     """A file that cannot be used as input: missing, not a regular file, unreadable, too large, or not
-    UTF-8 text. `path` and `reason` are the two halves of the message."""
+    UTF-8 text. `path` and `reason` are the two halves of the message; `os_error` says the OS refused
+    (missing, permission, I/O error) rather than pyep (the file's kind, size or encoding)."""
 
-    def __init__(self, path: str, reason: str) -> None:
-        self.path, self.reason = path, reason
+    def __init__(self, path: str, reason: str, os_error: bool = False) -> None:
+        self.path, self.reason, self.os_error = path, reason, os_error
         super().__init__(f"{path}: {reason}")
 
 
@@ -73,7 +74,7 @@ def read_bytes(path: str, limit: int, follow_symlinks: bool = True) -> bytes:
         flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
         fd = os.open(path, flags)
     except OSError as exc:
-        raise FileRejected(path, _os_reason(exc)) from None
+        raise FileRejected(path, _os_reason(exc), os_error=True) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):      # swapped between the stat and the open
@@ -87,7 +88,7 @@ def read_bytes(path: str, limit: int, follow_symlinks: bool = True) -> bytes:
             chunks.append(chunk)
             got += len(chunk)
     except OSError as exc:
-        raise FileRejected(path, _os_reason(exc)) from None
+        raise FileRejected(path, _os_reason(exc), os_error=True) from None
     finally:
         os.close(fd)
     if got > limit:

@@ -180,7 +180,8 @@ def parse_yaml(text: str, source: str) -> Tuple[Any, Locations]:
         message = str(exc.problem or exc)
         if exc.context and exc.context_mark is not None and exc.context_mark is not mark:
             message += f" ({exc.context} on line {exc.context_mark.line + 1})"
-        raise (ConfigRefused if isinstance(exc, _Refused) else ConfigError)([Problem(where, "<yaml>", message)]) from None
+        error = ConfigRefused if isinstance(exc, _Refused) else ConfigError
+        raise error([Problem(where, "<yaml>", message)]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([Problem(source, "<yaml>", str(exc))]) from None
     finally:

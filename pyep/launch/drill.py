@@ -96,7 +96,8 @@ class DrillConfig:
             raise ValueError(f"--experts {self.experts} is not divisible by --world {self.world}")
         _bound("--topk", self.topk, 1, min(MAX_TOPK, self.experts), f"(at most {MAX_TOPK} and at most --experts)")
         _bound("--seed", self.seed, 0, (1 << 31) - 1)
-        for flag, value, lo, hi in (("--slack-ms", self.slack_ms, 0.0, 3.6e6), ("--max-slowdown", self.max_slowdown, 1.0, 1e6),
+        for flag, value, lo, hi in (("--slack-ms", self.slack_ms, 0.0, 3.6e6),
+                                    ("--max-slowdown", self.max_slowdown, 1.0, 1e6),
                                     ("--join-timeout-s", self.join_timeout_s, 1e-3, 86400.0),
                                     ("--drill-timeout-s", self.drill_timeout_s, 1e-3, 86400.0),
                                     ("--pause-after-admit-ms", self.pause_after_admit_ms, 0.0, 3.6e6),

@@ -30,8 +30,9 @@ def read_attribute(path: str, limit: int = MAX_ATTRIBUTE_BYTES) -> Optional[str]
     try:
         raw = read_bytes(path, limit)
     except FileRejected as exc:
-        quiet = exc.reason in ("no such file", "permission denied")
-        log.log(logging.DEBUG if quiet else logging.WARNING, "ignoring %s", exc)
+        # The live /sys denies or fails some reads (EACCES, EINVAL on a down port): routine. A FIFO, a
+        # device or an oversized file is not something sysfs holds: say so.
+        log.log(logging.DEBUG if exc.os_error else logging.WARNING, "ignoring %s", exc)
         return None
     text = raw.decode("utf-8", errors="replace")
     return "".join(ch if ch.isprintable() or ch in "\n\t" else "\ufffd" for ch in text)

@@ -14,13 +14,14 @@ them (any device), or its address (host or device memory), and `provider` is a p
 or a DevX provider (optional).
 
 Triggers in running jobs (`install_dump_triggers`): with PYEP_QP_DUMP_SIGNAL=SIGUSR1 (any signal
-name or number) the signal writes `qp_dump-rank<r>.json` into $PYEP_QP_DUMP_DIR, else $PYEP_RUN_DIR,
+name or number a handler can catch: not SIGKILL or SIGSTOP) the signal writes `qp_dump-rank<r>.json` into $PYEP_QP_DUMP_DIR, else $PYEP_RUN_DIR,
 else the working directory; with PYEP_QP_DUMP_TRIGGER=<file> a watcher thread does the same whenever
 that file is created or touched (`pyep qp dump --trigger FILE` does that and waits for the dumps).
 
 Modules: capture (reading QPs into dump documents, the softnic demo), files (writing dumps safely into
 a shared directory, loading them back with every field checked), triggers (the signal / trigger-file
-side in the ranks, and waiting for fresh dumps), text (a document as plain text). `pyep qp dump` (pyep.cli.qp) only parses its flags and prints what these return.
+side in the ranks, and waiting for fresh dumps), text (a document as plain text). `pyep qp dump`
+(pyep.cli.qp) only parses its flags and prints what these return.
 """
 from __future__ import annotations
 
