@@ -5,7 +5,8 @@ included; only `if TYPE_CHECKING:` blocks are left out (they never run). `from A
 module A.b when that is a module, else on A itself (a package's `__init__`).
 
 Layers, lowest first (CONTRIBUTING.md, "Layers"):
-  0 the native engine binding (pyep._native) and the version (pyep._version)
+  0 the native engine binding (pyep._native), the version (pyep._version), reading untrusted input
+    (pyep._input)
   1 softnic, wqe, nic, config
   2 transport
   3 ep: shared modules (pyep/ep/*.py) < elastic < ll, normal (ll and normal never import each other)
@@ -28,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "pyep"
 # ep/elastic and the shared ep modules but not the other way round. An ep sublayer key is a dotted path
 # under pyep.ep; the longest one that prefixes a module decides its layer.
 LAYERS: Dict[str, float] = {
-    "_native": 0, "_version": 0, "softnic": 1, "wqe": 1, "nic": 1, "config": 1, "transport": 2, "ep": 3.0,
+    "_native": 0, "_version": 0, "_input": 0, "softnic": 1, "wqe": 1, "nic": 1, "config": 1, "transport": 2, "ep": 3.0,
     "compat": 4, "bench": 4, "launch": 4, "doctor": 4, "cli": 5,
 }
 EP_SUBLAYERS: Dict[str, float] = {"elastic": 3.1, "ll": 3.2, "normal": 3.2, "elastic.drill_rank": 3.3}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import List, Optional
 
@@ -23,6 +24,25 @@ COMMANDS = {
 
 class CliError(Exception):
     """Bad input on the command line: printed without a traceback, exit status 2."""
+
+
+def check_output(path: str, flag: str, directory: bool) -> None:
+    """CliError now for an output path (`directory`: a directory made later, else a file written later)
+    that cannot be one, so a long run does not end in a traceback when it saves its results."""
+    full = os.path.abspath(path)
+    if os.path.exists(full):
+        if os.path.isdir(full) != directory:
+            raise CliError(f"{flag} {path!r} is {'not a directory' if directory else 'a directory'}")
+        return
+    parent = os.path.dirname(full)
+    if not directory:
+        if not os.path.isdir(parent):
+            raise CliError(f"{flag} {path!r}: there is no directory {parent!r} to write it in")
+        return
+    while not os.path.exists(parent):       # makedirs creates the missing ones
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise CliError(f"{flag} {path!r}: {parent!r} is not a directory")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from ..bench.config import BENCH_BACKENDS, DISPATCH_DTYPES, SWEEP_TOKENS, BenchConfig, RoutingSpec
 from ..bench.normal import DEFAULT_SWEEP_SMS as NORMAL_SWEEP_SMS
 from ..bench.normal import NormalBenchConfig
-from . import CliError
+from . import CliError, check_output
 
 log = logging.getLogger("pyep.bench")
 
@@ -165,6 +165,10 @@ def _init_distributed(device: str, dist_backend: str, timeout_s: float,
 
 def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> int:
     env = os.environ if environ is None else environ
+    if args.out:
+        check_output(args.out, "--out", directory=True)
+    if args.deepep_json and not os.path.isfile(args.deepep_json):
+        raise CliError(f"--deepep-json {args.deepep_json!r} is not a file")
     if getattr(args, "mode", "ll") == "normal":
         return _run_normal(args, env)
     for flag, given in (("--num-sms", args.num_sms), ("--sweep-sms", args.sweep_sms),

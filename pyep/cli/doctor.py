@@ -26,25 +26,30 @@ def run(args: argparse.Namespace) -> int:
         path = getattr(args, flag)
         if not os.path.isdir(path):
             raise CliError(f"--{flag} {path!r} is not a directory")
-    checks = run_doctor(DoctorInputs(sysfs=args.sysfs, proc=args.proc, dev=args.dev))
+    try:
+        checks = run_doctor(DoctorInputs(sysfs=args.sysfs, proc=args.proc, dev=args.dev))
+    except (ValueError, TypeError) as exc:      # a saved tree the discovery refuses
+        raise CliError(str(exc)) from None
     status = exit_status(checks)
     if args.json:
         print(json.dumps({"checks": as_json(checks), "exit_status": status}, indent=2))
         return status
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
     table = Table(title="pyep doctor", show_lines=False)
     table.add_column("check", no_wrap=True)
     table.add_column("status", no_wrap=True)
     table.add_column("detail")
     table.add_column("fix")
     for c in checks:
-        table.add_row(c.name, f"[{_STYLE[c.status]}]{c.status}[/]", c.detail, c.fix)
-    console = Console()
+        table.add_row(c.name, Text(c.status, style=_STYLE[c.status]), c.detail, c.fix)
+    # No markup: the details quote the (possibly saved) tree, where "[/x]" would be read as a tag.
+    console = Console(markup=False, highlight=False)
     console.print(table)
     fails = [c.name for c in checks if c.status == "FAIL"]
     if fails:
-        console.print(f"[bold red]{len(fails)} check(s) failed:[/] {', '.join(fails)}")
+        console.print(Text(f"{len(fails)} check(s) failed:", style="bold red") + Text(f" {', '.join(fails)}"))
     else:
-        console.print("[green]no failures[/]")
+        console.print(Text("no failures", style="green"))
     return status

@@ -10,7 +10,8 @@ middle of dispatch, of combine or between calls, restarts that one process, and 
   from the last rank's start of each call (so the ranks' host-loop skew is not counted as call time).
 
 One line per drill and a summary (drills passed, hangs, detection / rejoin / per-call times); exit
-status 0 only if every drill passed. --json FILE writes every drill's numbers.
+status 0 only if every drill passed. --json FILE writes every drill's numbers. Every option is checked
+against the others (DrillConfig) before the store or any rank starts: a bad one exits 2 with one line.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import json
 from typing import Any, List
 
 from ..launch.drill import PHASES, DrillConfig, DrillOutcome, run_drill
-from . import CliError
+from . import CliError, check_output
 
 
 def add_parser(sub: Any) -> None:
@@ -79,6 +80,8 @@ def _line(cfg: DrillConfig, o: DrillOutcome) -> str:
 
 def _main(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
+    if ns.json:
+        check_output(ns.json, "--json", directory=False)
     ns.experts = cfg.experts   # --json records the resolved default
     outcomes: List[DrillOutcome] = []
     for i in range(cfg.drills):

@@ -69,12 +69,15 @@ _NO_NIC = ("no RDMA device found: the NIC path (IBGDA) is off on this host; pyep
 
 
 def _print(host: Any, selection: List[Dict[str, Any]], resolved: Any) -> None:
+    # No markup: device names, rates and paths come from the (possibly saved) tree and the command line,
+    # and a "[/x]" in them would be read as a tag. Colour goes through Text styles instead.
     from rich.console import Console
     from rich.table import Table
-    console = Console()
+    from rich.text import Text
+    console = Console(markup=False, highlight=False)
     if not host.nics:
-        console.print(f"[yellow]{_NO_NIC}[/] (looked in {host.sysfs_root}/class/infiniband; "
-                      f"{len(host.gpus)} GPU(s) on the PCI bus)")
+        console.print(Text(_NO_NIC, style="yellow") + Text(f" (looked in {host.sysfs_root}/class/infiniband; "
+                                                           f"{len(host.gpus)} GPU(s) on the PCI bus)"))
         return
     dev = Table(title=f"RDMA devices ({host.sysfs_root})")
     for col in ("device", "port", "state", "link", "rate", "MTU", "LID", "PCI", "NUMA", "nearest GPU", "DevX",
@@ -85,8 +88,8 @@ def _print(host: Any, selection: List[Dict[str, Any]], resolved: Any) -> None:
             mtu: Optional[str] = str(p.active_mtu) if p.active_mtu else "?"
             near = f"GPU{n.nearest_gpu} ({n.gpu_distance})" if n.nearest_gpu is not None else "-"
             devx = "yes" if n.devx and n.devx_access is not False else ("no access" if n.devx else "no")
-            ready = "[green]ready[/]" if n.ibgda_ready else "[red]" + "; ".join(n.ibgda_blockers) + "[/]"
-            state = f"[green]{p.state}[/]" if p.active else f"[red]{p.state}[/]"
+            ready = Text("ready", style="green") if n.ibgda_ready else Text("; ".join(n.ibgda_blockers), style="red")
+            state = Text(p.state, style="green" if p.active else "red")
             dev.add_row(n.name, str(p.num), state, "IB" if not p.roce else f"RoCE ({p.netdev or '?'})", p.rate,
                         mtu, hex(p.lid) if not p.roce else "-", n.pci.address if n.pci else "?",
                         str(n.pci.numa_node) if n.pci else "?", near, devx, ready)

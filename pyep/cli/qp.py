@@ -123,9 +123,21 @@ def _configure_decode(what: str) -> Callable[[argparse.ArgumentParser], None]:
     return configure
 
 
+# 128 hex digits with separators fit many times over; more on stdin is not one WQE or CQE.
+_MAX_STDIN_BYTES = 1 << 16
+
+
 def _read_hex(parts: List[str], what: str, nbytes: int) -> bytes:
-    text = sys.stdin.read() if parts == ["-"] else " ".join(parts)
+    from .._input import decode_text
     try:
+        if parts == ["-"]:
+            # Bytes where stdin has them (a text stream would raise UnicodeDecodeError on non-UTF-8).
+            raw = (getattr(sys.stdin, "buffer", None) or sys.stdin).read(_MAX_STDIN_BYTES + 1)
+            if len(raw) > _MAX_STDIN_BYTES:
+                raise ValueError(f"stdin: more than {_MAX_STDIN_BYTES} bytes; a {what} is 128 hex digits")
+            text = decode_text(raw, "stdin") if isinstance(raw, bytes) else raw
+        else:
+            text = " ".join(parts)
         return _wqe_module().parse_hex(text, nbytes, what)
     except ValueError as exc:
         raise CliError(str(exc)) from None
@@ -176,23 +188,34 @@ def _load_dumps(paths: List[str]) -> List[Dict[str, Any]]:
     from ..transport.qp_dump import load_documents
     try:
         return load_documents(paths)
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         raise CliError(str(exc)) from None
+
+
+# Linux's largest pid_max. kill() reads 0 as "my process group" and -1 as "every process I may
+# signal": a PID list must never reach it with either.
+_MAX_PID = 1 << 22
+
+
+def _pids(text: str) -> List[int]:
+    from .._input import parse_uint
+    pids = [parse_uint(p, 7) for p in text.split(",") if p.strip()]
+    if not pids or any(p is None or not 0 < p <= _MAX_PID for p in pids):
+        raise CliError(f"--signal takes PIDs (1..{_MAX_PID}, comma-separated), got {text!r}")
+    return [p for p in pids if p is not None]
 
 
 def _fresh_dumps(args: argparse.Namespace) -> List[str]:
     """Signals the ranks or touches their trigger file, then waits for their fresh dumps."""
-    from ..transport.qp_dump import dump_dir, parse_signal, wait_fresh
+    from ..transport.qp_dump import dump_dir, parse_signal, touch_trigger, wait_fresh
     out_dir, since = dump_dir(args.dir), time.time() - 0.01
     if not args.pids:
-        with open(args.trigger, "a"):
-            pass
-        os.utime(args.trigger)
+        try:
+            touch_trigger(args.trigger)
+        except ValueError as exc:
+            raise CliError(f"--trigger: {exc}") from None
         return wait_fresh(out_dir, since, args.ranks or 1, args.wait, f"trigger {args.trigger}")
-    try:
-        pids = [int(p) for p in args.pids.split(",") if p.strip()]
-    except ValueError:
-        raise CliError(f"--signal takes PIDs, got {args.pids!r}") from None
+    pids = _pids(args.pids)
     try:
         sig = parse_signal(args.sig or os.environ.get("PYEP_QP_DUMP_SIGNAL") or "SIGUSR1")
     except ValueError as exc:
@@ -202,6 +225,8 @@ def _fresh_dumps(args: argparse.Namespace) -> List[str]:
             os.kill(pid, sig)
         except ProcessLookupError:
             raise CliError(f"--signal: no process {pid}") from None
+        except PermissionError:
+            raise CliError(f"--signal: not allowed to signal process {pid}") from None
     return wait_fresh(out_dir, since, len(pids), args.wait, f"{sig.name} to {len(pids)} rank(s)")
 
 
@@ -212,8 +237,10 @@ def _run_dump(args: argparse.Namespace) -> int:
         raise CliError("give exactly one of: dump PATHs, --signal PIDs, --trigger FILE, --demo")
     if not 0 < args.wait <= 3600:
         raise CliError(f"--wait must be in (0, 3600] seconds, got {args.wait}")
-    if args.ranks < 0:
-        raise CliError(f"--ranks must be positive, got {args.ranks}")
+    if not 0 <= args.ranks <= _MAX_PID:
+        raise CliError(f"--ranks must be in 1..{_MAX_PID} (0: 1), got {args.ranks}")
+    if args.dir and not os.path.isdir(args.dir):
+        raise CliError(f"--dir {args.dir!r} is not a directory")
     if args.demo:
         docs = [demo_document()]
     elif args.paths:

@@ -46,11 +46,12 @@ def parse_sizes(text: str) -> Tuple[int, ...]:
 
 
 def parse_gpus(text: str) -> Tuple[int, int]:
-    parts = [p.strip() for p in text.split(",")]
-    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
+    from .._input import parse_uint
+    nums = [parse_uint(p, 4) for p in text.split(",")]
+    gpus = [n for n in nums if n is not None]
+    if len(nums) not in (1, 2) or len(gpus) != len(nums):
         raise CliError(f"--gpus must be one or two GPU indices (e.g. 0 or 0,1), got {text!r}")
-    g = [int(p) for p in parts]
-    return (g[0], g[-1])
+    return (gpus[0], gpus[-1])
 
 
 def _configure(p: argparse.ArgumentParser) -> None:

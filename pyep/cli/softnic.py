@@ -116,13 +116,26 @@ def _writes(lb: Loopback, iterations: int, rng: random.Random) -> str:
     return f"{iterations} writes + signals landed byte-exact, signal = {int(sig[0])}"
 
 
+WRAPS = 10
+
+
 def _wrap(lb: Loopback) -> str:
+    """The ring must have wrapped WRAPS times. A short run of writes (--iterations below about 40) does
+    not get there, so signaled NOPs make up the rest: every WQEBB slot is then reused WRAPS times, which
+    only works when completions free the slots (CQ-driven flow control)."""
     ring = 1 << lb.spec.log_sq
     resv = lb.poster.counters()["resv"]
+    nops = max(0, WRAPS * ring - resv)
+    for i in range(nops):
+        # Signal every quarter ring: the poster reclaims slots only from CQEs.
+        lb.poster.check(lb.poster.post_nop(signaled=i % (ring // 4 or 1) == 0 or i == nops - 1), f"nop {i}")
+    lb.poster.check(lb.poster.quiet(), "quiet")
+    resv = lb.poster.counters()["resv"]
     wraps = resv // ring
-    if wraps < 10:
-        raise AssertionError(f"ring of {ring} WQEBBs wrapped only {wraps} times")
-    return f"ring of {ring} WQEBBs wrapped {wraps} times (CQ-driven flow control)"
+    if wraps < WRAPS:
+        raise AssertionError(f"ring of {ring} WQEBBs wrapped only {wraps} times after {nops} NOPs")
+    return (f"ring of {ring} WQEBBs wrapped {wraps} times (CQ-driven flow control"
+            + (f"; {nops} NOPs after the writes)" if nops else ")"))
 
 
 def _fa64(lb: Loopback, rng: random.Random) -> str:

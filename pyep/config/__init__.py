@@ -3,21 +3,24 @@
     cfg = load_config("configs/two_nodes.yaml", overrides=["ep.timeout_us=5000000"])
 
 Every problem (unknown key, wrong type, impossible value) raises ConfigError (a ValueError) whose
-lines read `configs/two_nodes.yaml:12: ep.num_experts: 250 is not divisible by world size 16`.
+lines read `configs/two_nodes.yaml:12: ep.num_experts: 250 is not divisible by world size 16`. A file
+that is not a regular UTF-8 file of at most MAX_CONFIG_BYTES, nests deeper than MAX_DEPTH or uses YAML
+anchors/aliases raises ConfigRefused (a ConfigError) before anything is built from it.
 """
 from __future__ import annotations
 
-import os
 from typing import Iterable, Optional, Tuple
 
 import yaml
 
+from .._input import FileRejected, read_text
 from .convert import convert, to_plain
 from .env import ep_env, ep_from_env, nic_map_env, parse_nic_map, virtual_node_size
 from .host import HostFacts, valid_host
 from .schema import (MANDATORY_ENV, ClusterConfig, EpConfig, IbConfig, LauncherConfig, NodeConfig,
                      RendezvousConfig, SlurmConfig, SshConfig, WorkloadConfig)
-from .source import ConfigError, Locations, Problem, apply_override, parse_yaml
+from .source import (MAX_CONFIG_BYTES, MAX_DEPTH, ConfigError, ConfigRefused, Locations, Problem, apply_override,
+                     parse_yaml)
 from .validate import local_default_config, resolve
 
 
@@ -46,10 +49,11 @@ def load_config(path: Optional[str], overrides: Iterable[str] = (), facts: Optio
         text = yaml.safe_dump(to_plain(base), sort_keys=False)
         source = "<default config>"
     else:
-        if not os.path.isfile(path):
-            raise ConfigError([Problem(path, "<file>", "no such config file")])
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        try:
+            text = read_text(path, MAX_CONFIG_BYTES)
+        except FileRejected as exc:
+            reason = "no such config file" if exc.reason == "no such file" else exc.reason
+            raise ConfigRefused([Problem(path, "<file>", reason)]) from None
         source = path
     cfg, locs = parse_config(text, source, overrides)
     return resolve(cfg, locs, facts or HostFacts.detect())
@@ -63,8 +67,8 @@ def dump_config(cfg: ClusterConfig) -> str:
 
 
 __all__ = [
-    "ClusterConfig", "ConfigError", "EpConfig", "HostFacts", "IbConfig", "LauncherConfig", "Locations",
-    "MANDATORY_ENV", "NodeConfig", "Problem", "RendezvousConfig", "SlurmConfig", "SshConfig",
+    "ClusterConfig", "ConfigError", "ConfigRefused", "EpConfig", "HostFacts", "IbConfig", "LauncherConfig", "Locations",
+    "MANDATORY_ENV", "MAX_CONFIG_BYTES", "MAX_DEPTH", "NodeConfig", "Problem", "RendezvousConfig", "SlurmConfig", "SshConfig",
     "WorkloadConfig", "dump_config", "ep_env", "ep_from_env", "load_config", "local_default_config",
     "nic_map_env", "parse_config", "parse_nic_map", "resolve", "valid_host", "virtual_node_size",
 ]

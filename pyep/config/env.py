@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from typing import Dict, Mapping, Optional, get_args
 
+from .._input import parse_uint
 from .schema import DistBackend, EpBackend, EpConfig, IbConfig, Transport
 
 _EP_VARS = {
@@ -59,9 +60,10 @@ def parse_nic_map(text: str) -> Dict[int, str]:
     out: Dict[int, str] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         gpu, sep, dev = item.partition("=")
-        if not sep or not gpu.strip().isdigit() or not dev.strip():
+        index = parse_uint(gpu, 6)
+        if not sep or index is None or not dev.strip():
             raise ValueError(f"PYEP_NIC_MAP entry {item!r} is not GPU=DEVICE")
-        out[int(gpu)] = dev.strip()
+        out[index] = dev.strip()
     return out
 
 
@@ -94,6 +96,7 @@ def virtual_node_size(environ: Optional[Mapping[str, str]] = None) -> Optional[i
     raw = env.get("PYEP_VIRTUAL_NODE_SIZE")
     if raw is None or raw == "":
         return None
-    if not raw.isdigit() or int(raw) < 1:
+    size = parse_uint(raw, 9) if raw == raw.strip() else None
+    if size is None or size < 1:
         raise ValueError(f"PYEP_VIRTUAL_NODE_SIZE={raw!r} must be a positive integer")
-    return int(raw)
+    return size

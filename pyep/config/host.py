@@ -84,7 +84,8 @@ class HostFacts:
 
 _HOST_LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
 HOSTNAME_RE = re.compile(rf"{_HOST_LABEL}(\.{_HOST_LABEL})*\.?")
-IPV4_RE = re.compile(r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(\.(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}")
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"      # ASCII digits: \d also takes '٣'
+IPV4_RE = re.compile(rf"{_OCTET}(\.{_OCTET}){{3}}")
 
 
 def valid_host(host: str) -> bool:

@@ -11,6 +11,7 @@ import os
 import re
 from typing import Dict, List
 
+from .._input import parse_uint
 from .host import HostFacts, valid_host
 from .schema import MANDATORY_ENV, ClusterConfig, NodeConfig
 from .source import ConfigError, Locations, Problem
@@ -20,7 +21,7 @@ ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DEVICE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 SLURM_WORD_RE = re.compile(r"[A-Za-z0-9_.,-]+")
-SLURM_TIME_RE = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}")
+SLURM_TIME_RE = re.compile(r"([0-9]+-)?[0-9]+(:[0-9]{1,2}){0,2}")   # ASCII: \d also takes '٣'
 SBATCH_FLAG_RE = re.compile(r"--[a-z][a-z0-9-]*(=[^\n\r\x00]+)?")
 SSH_OPTION_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*=[^\n\r\x00]+")
 USER_RE = re.compile(r"[a-z_][a-z0-9_.-]{0,31}\$?", re.IGNORECASE)
@@ -156,7 +157,8 @@ def _check_rendezvous(cfg: ClusterConfig, all_local: bool, bad) -> None:
         if rv.master_addr is not None:
             bad(("rendezvous", "endpoint"), "give either endpoint (c10d) or master_addr (static), not both")
         host, _, port = rv.endpoint.rpartition(":")
-        if not valid_host(host.strip("[]")) or not port.isdigit() or not 0 < int(port) < 65536:
+        number = parse_uint(port, 5) if port == port.strip() else None
+        if not valid_host(host.strip("[]")) or number is None or not 0 < number < 65536:
             bad(("rendezvous", "endpoint"), f"{rv.endpoint!r} is not HOST:PORT")
     if rv.id is not None and not NAME_RE.fullmatch(rv.id):
         bad(("rendezvous", "id"), f"{rv.id!r} is not a valid rendezvous id")

@@ -30,6 +30,16 @@ from .store import JobStore
 PHASES = ("dispatch", "combine", "between")
 
 
+# Each rank is a process sharing the host (and usually one GPU); each call is a loop iteration.
+MAX_WORLD = 64
+MAX_CALLS = 1_000_000
+
+
+def _bound(flag: str, value: object, lo: int, hi: int, note: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{flag} must be an integer in [{lo}, {hi}]{' ' + note if note else ''}, got {value!r}")
+
+
 @dataclass
 class DrillConfig:
     """One `pyep drill` run. The fields are that command's options, so the errors name them as its
@@ -59,18 +69,45 @@ class DrillConfig:
     pause_timeout_us: int = 0            # the timeout of the calls those pauses delay (0: timeout_us)
 
     def __post_init__(self) -> None:
+        # Every option against the others, before a store or a rank is started.
+        from ..ep.config import FP8_GROUP, MAX_HIDDEN, MAX_TOPK, TRANSPORTS
         from ..ep.elastic.membership import REJOIN_GRACE_CALLS
         self.phases = tuple(self.phases)
         if not self.phases or any(x not in PHASES for x in self.phases):
             raise ValueError(f"--phases must name some of {', '.join(PHASES)}")
-        if self.world < 2:
-            raise ValueError("--world must be >= 2")
+        if self.backend not in ("native", "reference"):
+            raise ValueError(f"--backend must be native or reference, got {self.backend!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        _bound("--world", self.world, 2, MAX_WORLD)
+        _bound("--victim", self.victim, -1, self.world - 1, "(-1: the last rank)")
+        _bound("--drills", self.drills, 1, 10_000)
+        _bound("--kill-call", self.kill_call, REJOIN_GRACE_CALLS + 3, MAX_CALLS,
+               f"(calls 1 .. {REJOIN_GRACE_CALLS} are the start's grace window: they wait at least 2 s, "
+               "docs/elastic.md; the next ones give the healthy time)")
+        _bound("--rounds-after", self.rounds_after, 1, MAX_CALLS)
+        _bound("--lead-calls", self.lead_calls, 0, MAX_CALLS)
+        _bound("--timeout-us", self.timeout_us, 1, 3_600_000_000)
+        _bound("--tokens", self.tokens, 1, 65536)
+        _bound("--hidden", self.hidden, FP8_GROUP, MAX_HIDDEN, f"(a multiple of {FP8_GROUP})")
+        if self.hidden % FP8_GROUP:
+            raise ValueError(f"--hidden must be a multiple of {FP8_GROUP}, got {self.hidden}")
         if self.experts == 0:
             self.experts = 4 * self.world
-        if self.kill_call < REJOIN_GRACE_CALLS + 3:
-            raise ValueError(f"--kill-call must be >= {REJOIN_GRACE_CALLS + 3}: calls 1 .. {REJOIN_GRACE_CALLS} are "
-                             f"the start's grace window (they wait at least 2 s, docs/elastic.md), the next ones "
-                             f"give the healthy time")
+        _bound("--experts", self.experts, self.world, 1 << 16, f"(0: 4 per rank; divisible by --world {self.world})")
+        if self.experts % self.world:
+            raise ValueError(f"--experts {self.experts} is not divisible by --world {self.world}")
+        _bound("--topk", self.topk, 1, min(MAX_TOPK, self.experts), f"(at most {MAX_TOPK} and at most --experts)")
+        _bound("--seed", self.seed, 0, (1 << 31) - 1)
+        for flag, value, lo, hi in (("--slack-ms", self.slack_ms, 0.0, 3.6e6),
+                                    ("--max-slowdown", self.max_slowdown, 1.0, 1e6),
+                                    ("--join-timeout-s", self.join_timeout_s, 1e-3, 86400.0),
+                                    ("--drill-timeout-s", self.drill_timeout_s, 1e-3, 86400.0),
+                                    ("--pause-after-admit-ms", self.pause_after_admit_ms, 0.0, 3.6e6),
+                                    ("--newcomer-pause-ms", self.newcomer_pause_ms, 0.0, 3.6e6),
+                                    ("--first-call-pause-ms", self.first_call_pause_ms, 0.0, 3.6e6)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+                raise ValueError(f"{flag} must be a number in [{lo:g}, {hi:g}], got {value!r}")
 
     @property
     def victim_rank(self) -> int:

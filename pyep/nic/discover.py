@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .host import HostFacts
-from .sysfs import SysfsView
+from .sysfs import SysfsView, index_name
 from .topology import Affinity, Distance, GpuInfo, PciDevice, distance, gpus, pci_device_of
 
 log = logging.getLogger("pyep.nic")
@@ -122,8 +122,8 @@ def roce_mtu(netdev_mtu: Optional[int]) -> Optional[int]:
 
 def _gid_entries(view: SysfsView, base: str, link_layer: str) -> List[GidEntry]:
     out: List[GidEntry] = []
-    names = [n for n in view.listdir(f"{base}/gids") if n.isdigit()]
-    for name in sorted(names, key=int):
+    for index in sorted(_numbered(view, f"{base}/gids")):
+        name = str(index)
         gid = view.read(f"{base}/gids/{name}")
         if not gid or set(gid.replace(":", "")) <= {"0"}:
             continue  # empty slot
@@ -140,7 +140,20 @@ def _gid_entries(view: SysfsView, base: str, link_layer: str) -> List[GidEntry]:
                 ipv4 = str(addr.ipv4_mapped)
         except ValueError:
             log.debug("unparsable GID %r in %s", gid, base)
-        out.append(GidEntry(int(name), gid, gtype, ndev, ipv4))
+        out.append(GidEntry(index, gid, gtype, ndev, ipv4))
+    return out
+
+
+def _numbered(view: SysfsView, rel: str) -> List[int]:
+    """The entries of `rel` (ports/, gids/) named by a number; others (a port directory named '²' or
+    '٣') are logged and left out: the kernel writes these names in plain ASCII digits."""
+    out = []
+    for name in view.listdir(rel):
+        num = index_name(name)
+        if num is None:
+            log.warning("ignoring %s/%s: not a number", rel, name)
+        else:
+            out.append(num)
     return out
 
 
@@ -171,7 +184,7 @@ def discover(view: SysfsView, facts: Optional[HostFacts] = None, dev_root: Optio
     for name in view.listdir("class/infiniband"):
         base = f"class/infiniband/{name}"
         pci = pci_device_of(view, f"{base}/device")
-        ports = [_port(view, name, int(p)) for p in view.listdir(f"{base}/ports") if p.isdigit()]
+        ports = [_port(view, name, num) for num in sorted(_numbered(view, f"{base}/ports"))]
         uverbs = next(iter(view.listdir(f"{base}/device/infiniband_verbs")), None)
         driver = view.basename_of_link(f"{base}/device/driver") or ""
         nic = NicInfo(name=name, driver=driver, hca_type=view.read(f"{base}/hca_type") or "",

@@ -8,6 +8,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
+from .._input import parse_uint
+from .sysfs import read_attribute
+
 PEERMEM_MODULES = ("nvidia_peermem", "nv_peer_mem")
 DMABUF_MIN_KERNEL = (5, 12)
 
@@ -45,12 +48,12 @@ class HostFacts:
         return self.regkey("PeerMappingOverride") == "1"
 
 
+# /proc/modules of a busy host is tens of KiB; a saved copy larger than this is not a /proc file.
+_MAX_PROC_FILE = 1 << 20
+
+
 def _read(path: str) -> Optional[str]:
-    try:
-        with open(path, "r", encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return None
+    return read_attribute(path, _MAX_PROC_FILE)
 
 
 def parse_registry_dwords(text: str) -> Dict[str, str]:
@@ -72,8 +75,8 @@ def parse_memlock(limits_text: str) -> Tuple[Optional[int], Optional[int], bool]
     for line in limits_text.splitlines():
         if line.startswith("Max locked memory"):
             fields = line[len("Max locked memory"):].split()
-            if len(fields) >= 2:
-                conv = [None if f == "unlimited" else int(f) for f in fields[:2]]
+            conv = [None if f == "unlimited" else parse_uint(f) for f in fields[:2]]
+            if len(fields) >= 2 and all(c is not None or f == "unlimited" for c, f in zip(conv, fields)):
                 return conv[0], conv[1], True
     return None, None, False
 
@@ -86,7 +89,7 @@ def read_host_facts(proc_root: str = "/proc") -> HostFacts:
     release = (_read(os.path.join(proc_root, "sys", "kernel", "osrelease")) or "").strip()
     if not release and proc_root == "/proc":
         release = os.uname().release
-    m = re.match(r"(\d+)\.(\d+)", release)
+    m = re.match(r"([0-9]{1,6})\.([0-9]{1,6})", release)
     kernel = (int(m.group(1)), int(m.group(2))) if m else None
     version = (_read(os.path.join(proc_root, "driver", "nvidia", "version")) or "").strip()
     first = version.splitlines()[0] if version else ""

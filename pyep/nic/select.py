@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .._input import parse_uint
 from .discover import GidEntry, Host, NicInfo, PortInfo
 from .topology import Distance
 
@@ -49,9 +50,10 @@ def parse_hca_filter(text: str) -> HcaFilter:
         if not name or any(c.isspace() for c in name) or name.startswith(("^", "=")):
             raise ValueError(f"HCA filter {text!r}: bad device name in {item!r}")
         if sep:
-            if not port.strip().isdigit() or not 1 <= int(port) <= 255:
+            num = parse_uint(port, 3)
+            if num is None or not 1 <= num <= 255:
                 raise ValueError(f"HCA filter {text!r}: port in {item!r} must be 1..255")
-            entries.append((name, int(port)))
+            entries.append((name, num))
         else:
             entries.append((name, None))
     if not entries:

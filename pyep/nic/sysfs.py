@@ -3,13 +3,46 @@
 A saved tree keeps sysfs's symlinks (class/infiniband/mlx5_0 -> ../../devices/pci.../infiniband/mlx5_0).
 Links are resolved inside the tree: relative ones as usual, absolute ones ("/sys/devices/...", as a
 plain `cp -a` of /sys would keep them) re-rooted at the tree, so a fixture never reads the host's /sys.
+
+A saved tree is input: an attribute is read only when it is a regular file, at most MAX_ATTRIBUTE_BYTES,
+without ever blocking (a FIFO or a device in the tree reads as missing, with a warning), and directory
+entries whose names are not UTF-8 are skipped (no sysfs name is; they could not be printed).
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import List, Optional
 
+from .._input import FileRejected, parse_uint, read_bytes
+
+log = logging.getLogger("pyep.nic")
+
 _MAX_LINKS = 64
+# A sysfs attribute is one page (PAGE_SIZE); 64 KiB leaves room for the largest and no more.
+MAX_ATTRIBUTE_BYTES = 1 << 16
+
+
+def read_attribute(path: str, limit: int = MAX_ATTRIBUTE_BYTES) -> Optional[str]:
+    """A sysfs/procfs file's text, undecodable bytes and control characters (a terminal escape planted
+    in a saved tree) replaced by U+FFFD; None when missing, unreadable (sysfs denies some attributes),
+    not a regular file or larger than `limit`."""
+    try:
+        raw = read_bytes(path, limit)
+    except FileRejected as exc:
+        # The live /sys denies or fails some reads (EACCES, EINVAL on a down port): routine. A FIFO, a
+        # device or an oversized file is not something sysfs holds: say so.
+        log.log(logging.DEBUG if exc.os_error else logging.WARNING, "ignoring %s", exc)
+        return None
+    text = raw.decode("utf-8", errors="replace")
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else "\ufffd" for ch in text)
+
+
+def index_name(name: str, max_digits: int = 6) -> Optional[int]:
+    """A directory name that is a number as the kernel writes it (ports/1, gids/0) as an int; None for
+    anything else: '²', '٣', '01', ' 1'."""
+    num = parse_uint(name, max_digits)
+    return num if num is not None and str(num) == name else None
 
 
 class SysfsView:
@@ -61,11 +94,8 @@ class SysfsView:
         real = self.resolve(rel)
         if real is None:
             return None
-        try:
-            with open(os.path.join(self.root, real), "r", encoding="utf-8", errors="replace") as f:
-                return f.read().strip()
-        except OSError:
-            return None
+        text = read_attribute(os.path.join(self.root, real))
+        return None if text is None else text.strip()
 
     def read_int(self, rel: str, base: int = 10) -> Optional[int]:
         text = self.read(rel)
@@ -81,10 +111,20 @@ class SysfsView:
         if real is None:
             return []
         try:
-            return sorted(os.listdir(os.path.join(self.root, real)))
+            names = os.listdir(os.path.join(self.root, real))
         except OSError:
             return []
+        return sorted(n for n in names if _utf8(n))
 
     def basename_of_link(self, rel: str) -> Optional[str]:
         real = self.resolve(rel)
         return real.rsplit("/", 1)[-1] if real else None
+
+
+def _utf8(name: str) -> bool:
+    try:
+        os.fsencode(name).decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        log.warning("ignoring a sysfs entry whose name is not UTF-8: %r", name)
+        return False

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .sysfs import SysfsView
+from .sysfs import SysfsView, read_attribute
 
 NVIDIA_VENDOR = "0x10de"
 GPU_CLASSES = ("0x0302", "0x0300")  # 3D controller (data-center GPUs), VGA controller
@@ -123,14 +123,10 @@ def _gpu_model(proc_root: Optional[str], address: str) -> str:
     if not proc_root:
         return ""
     import os
-    path = os.path.join(proc_root, "driver", "nvidia", "gpus", address, "information")
-    try:
-        with open(path, "r", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("Model:"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    text = read_attribute(os.path.join(proc_root, "driver", "nvidia", "gpus", address, "information")) or ""
+    for line in text.splitlines():
+        if line.startswith("Model:"):
+            return line.split(":", 1)[1].strip()
     return ""
 
 

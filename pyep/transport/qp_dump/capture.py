@@ -1,10 +1,9 @@
 """Reading a job's QPs into dump documents (see the package docstring): the QP contexts, the send CQ
-rings and the providers' views, decoded with pyep.wqe's names; writing and loading the documents; and
-a live demo on two softnics.
+rings and the providers' views, decoded with pyep.wqe's names; and a live demo on two softnics.
+Writing and loading the documents is pyep.transport.qp_dump.files.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -14,7 +13,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 log = logging.getLogger("pyep.transport.qp_dump")
 
-FORMAT = "pyep-qp-dump/1"
+from .files import FORMAT
+
 ERROR_KINDS = {0: "none", 1: "error CQE", 2: "no ring space in time (completions stopped)",
                3: "doorbell order timeout (an earlier poster never rang)",
                4: "quiet timeout (posted WQEs never completed)"}
@@ -253,53 +253,6 @@ def dump_document(obj: Any, rank: int = 0, reason: str = "api") -> Dict[str, Any
         log.exception("QP dump of rank %d failed", rank)
         doc.update(qps=[], peers=[], error=f"{type(exc).__name__}: {exc}")
     return doc
-
-
-def write_document(doc: Mapping[str, Any], path: str) -> str:
-    """Atomically (readers never see half a file)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
-    return path
-
-
-def dump_paths(out_dir: str) -> List[str]:
-    """The dump files in a directory, in rank order."""
-    names = [n for n in os.listdir(out_dir) if n.startswith("qp_dump-rank") and n.endswith(".json")]
-
-    def key(n: str) -> Any:
-        digits = "".join(ch for ch in n[len("qp_dump-rank"):].split("-")[0].split(".")[0] if ch.isdigit())
-        return (int(digits) if digits else 0, n)
-    return [os.path.join(out_dir, n) for n in sorted(names, key=key)]
-
-
-def load_document(path: str) -> Dict[str, Any]:
-    with open(path) as f:
-        try:
-            doc = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a pyep QP dump (format {FORMAT})")
-    return doc
-
-
-def load_documents(paths: Sequence[str]) -> List[Dict[str, Any]]:
-    """The dumps in `paths` (files, or directories holding qp_dump-rank*.json); ValueError or OSError
-    naming a path that is missing, holds no dumps or is not a dump."""
-    files: List[str] = []
-    for p in paths:
-        if os.path.isdir(p):
-            found = dump_paths(p)
-            if not found:
-                raise ValueError(f"{p} holds no qp_dump-rank*.json files")
-            files.extend(found)
-        elif os.path.isfile(p):
-            files.append(p)
-        else:
-            raise ValueError(f"{p}: no such file or directory")
-    return [load_document(f) for f in files]
 
 
 def demo_document() -> Dict[str, Any]:

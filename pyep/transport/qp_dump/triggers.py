@@ -6,12 +6,15 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import threading
 import time
 import weakref
 from typing import Any, List, Mapping, Optional
 
-from .capture import dump_document, dump_paths, write_document
+from ..._input import parse_uint
+from .capture import dump_document
+from .files import dump_paths, write_document
 
 log = logging.getLogger("pyep.transport.qp_dump")
 
@@ -21,12 +24,21 @@ DIR_ENV = "PYEP_QP_DUMP_DIR"
 TRIGGER_POLL_S = 0.5
 
 
+# No handler can be installed for these, so a dump could never follow them.
+_UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
+
+
 def parse_signal(text: str) -> signal.Signals:
     t = text.strip().upper()
+    num = parse_uint(t, 3)
     try:
-        return signal.Signals(int(t)) if t.isdigit() else signal.Signals[t if t.startswith("SIG") else "SIG" + t]
+        sig = signal.Signals(num) if num is not None else signal.Signals[t if t.startswith("SIG") else "SIG" + t]
     except (KeyError, ValueError):
         raise ValueError(f"${SIGNAL_ENV}={text!r} is not a signal name or number (e.g. SIGUSR1)") from None
+    if sig in _UNCATCHABLE:
+        raise ValueError(f"${SIGNAL_ENV}={text!r}: {sig.name} cannot be caught, so it cannot trigger a dump "
+                         "(use SIGUSR1 or SIGUSR2)")
+    return sig
 
 
 class DumpTriggers:
@@ -59,7 +71,10 @@ class DumpTriggers:
         return path
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.dump(f"signal {signal.Signals(signum).name}")
+        try:
+            self.dump(f"signal {signal.Signals(signum).name}")
+        except OSError:   # raised here it would surface in whatever the rank was doing
+            log.exception("rank %d: QP dump on signal failed", self.rank)
         prev = self._previous
         if callable(prev) and prev not in (signal.default_int_handler,):
             prev(signum, frame)
@@ -118,12 +133,35 @@ def install_dump_triggers(source: Any, rank: int, environ: Optional[Mapping[str,
     return DumpTriggers(source, rank, where, sig, trigger, tag)
 
 
+def touch_trigger(path: str) -> None:
+    """Creates or touches the trigger file the ranks watch. Never blocks (opening a FIFO for writing
+    would wait for a reader) and touches only a regular file; ValueError says what is in the way."""
+    try:
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise ValueError(f"trigger file {path} is not a regular file")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ValueError(f"trigger file {path}: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"trigger file {path} is not a regular file")
+        os.utime(fd)
+    finally:
+        os.close(fd)
+
+
+def _mtime_or_zero(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:     # removed between the listing and the stat
+        return 0.0
+
+
 def wait_fresh(out_dir: str, since: float, count: int, wait_s: float, what: str) -> List[str]:
     """Waits for `count` dump files in out_dir written after `since`; TimeoutError names what is missing."""
     deadline = time.monotonic() + wait_s
     while True:
-        fresh = [p for p in (dump_paths(out_dir) if os.path.isdir(out_dir) else [])
-                 if os.stat(p).st_mtime >= since]
+        fresh = [p for p in (dump_paths(out_dir) if os.path.isdir(out_dir) else []) if _mtime_or_zero(p) >= since]
         if len(fresh) >= count:
             return fresh
         if time.monotonic() > deadline:
