@@ -180,6 +180,28 @@ def test_missing_deepep_is_a_note(tmp_path) -> None:  # type: ignore[no-untyped-
     assert doc["figures"]["combine"]["gbps"] == 289.0 and str(path) in note
 
 
+def test_baseline_reads_the_full_log_of_either_library(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A stand-in deepep_v1.sh that behaves like the real one: full log in $OUT/<on>_<mode>_<n>.log,
+    stdout grepped down to the Best lines, the MPS line when it starts the daemon. The sweeps and the
+    layout time come from the full log; DEEPEP_ON reaches the script."""
+    tool = dr.load_baseline_tool()
+    (tmp_path / ".anchors" / "deepep" / "csrc").mkdir(parents=True)
+    (tmp_path / "log.txt").write_text(INTRANODE_LOG)
+    (tmp_path / ".anchors" / "deepep_v1.sh").write_text(
+        'echo "(ranks share 1 GPU(s); MPS daemon started)"\n'
+        f'cp {tmp_path / "log.txt"} "$OUT/${{DEEPEP_ON}}_$1_$2.log"\n'
+        f'grep Best {tmp_path / "log.txt"}\n')
+    for on in ("deepep", "pyep"):
+        doc = tool.run("intranode", 2, root=str(tmp_path), out_dir=str(tmp_path / on), on=on)
+        assert doc["ok"] and doc["rc"] == 0 and doc["on"] == on and doc["mps_started"]
+        assert doc["log"] == str(tmp_path / on / f"{on}_intranode_2.log")
+        f = doc["figures"]
+        assert len(f["sweeps"]["dispatch_fp8"]) == 3 and f["layout_us"] == pytest.approx(52.0)
+        assert ("shim" in doc["source"]) == (on == "pyep")
+    with pytest.raises(ValueError, match="on must be one of"):
+        tool.run("intranode", 2, root=str(tmp_path), on="nccl")
+
+
 # ---------------------------------------------------------------------- tables and JSON
 def _shared_env(world: int, mps: bool = True) -> dict:
     from pyep.bench.sharing import MpsStatus, Sharing
@@ -455,19 +477,39 @@ class FakeNormalBuffer:
         return out.to(torch.bfloat16), out_w, None
 
 
-def _suite(corrupt: bool) -> Any:
+def _suite(corrupt: bool, gpu_sms: int = 0) -> Any:
+    """gpu_sms > 0: the ranks pretend to share one GPU of that many SMs (native rows that do not fit it
+    must be skipped, not run)."""
     import torch.distributed as dist
     from pyep.bench.normal import NormalSuite, exit_code
+    from pyep.bench.sharing import MpsStatus, Sharing
     FakeNormalBuffer.corrupt = corrupt
-    cfg = NormalBenchConfig(tokens=24, hidden=256, topk=3, experts=8, num_sms=(4, 6), backends=("reference",),
-                            iters=2, warmup=1, wait_timeout_s=60.0, plot=False)
-    rows = NormalSuite(cfg, dist.group.WORLD, torch.device("cpu"), buffer_class=FakeNormalBuffer).run()
-    return [r.as_dict() for r in rows], exit_code(rows), FakeNormalBuffer.num_sms
+    cfg = NormalBenchConfig(tokens=24, hidden=256, topk=3, experts=8, num_sms=(4, 6),
+                            backends=("native",) if gpu_sms else ("reference",),
+                            iters=2, warmup=1, wait_timeout_s=60.0, plot=False, copy_mb=1)
+    suite = NormalSuite(cfg, dist.group.WORLD, torch.device("cpu"), buffer_class=FakeNormalBuffer)
+    if gpu_sms:
+        suite.sharing = Sharing(True, ["fake GPU"] * 2, ["h/gpu0"] * 2, gpu_sms, MpsStatus(True, "fake"))
+    rows = suite.run()
+    copy = suite.copy.as_dict() if suite.copy is not None else None
+    return [r.as_dict() for r in rows], exit_code(rows), FakeNormalBuffer.num_sms, copy
+
+
+def test_suite_skips_rows_that_do_not_fit_a_shared_gpu(pool2) -> None:  # type: ignore[no-untyped-def]
+    # 2 ranks x 6 SMs = 12 > 10 SMs: the 6-SM row is skipped with the reason; 2 x 4 = 8 fits and runs.
+    res = pool2.run(_suite, False, 10, timeout_s=120)
+    rows, code, _sms, _copy = res[0]
+    assert code == 0 and [r["num_sms"] for r in rows] == [4, 6]
+    assert rows[0]["check"]["status"] == "PASS" and rows[0]["skipped"] is None
+    assert "2 ranks x 6 SMs = 12 SMs exceed the 10 SMs of the shared GPU" in rows[1]["skipped"]
+    assert [r["num_sms"] for r in res[1][0]] == [4, 6] and res[1][0][1]["skipped"]
 
 
 def test_suite_with_stand_in_buffer(pool2) -> None:  # type: ignore[no-untyped-def]
     res = pool2.run(_suite, False, timeout_s=120)
-    rows, code, sms_after = res[0]
+    rows, code, sms_after, copy = res[0]
+    assert copy["device"] == "cpu" and copy["bytes"] == 1 << 20 and copy["best_gbps"] > 0
+    assert res[1][3] is None                             # rank 0 measures, the others wait
     assert code == 0 and sms_after == 24                    # set_num_sms restored after the sweep
     assert [r["num_sms"] for r in rows] == [4, 6]
     for r in rows:
@@ -483,7 +525,7 @@ def test_suite_with_stand_in_buffer(pool2) -> None:  # type: ignore[no-untyped-d
 
 def test_guard_catches_a_wrong_row(pool2) -> None:  # type: ignore[no-untyped-def]
     res = pool2.run(_suite, True, timeout_s=120)
-    rows, code, _ = res[0]
+    rows, code, _, _ = res[0]
     assert code == 1
     for r in rows:
         assert r["check"]["status"] == "FAIL" and r["check"]["failed_ranks"] == [0]
@@ -491,17 +533,32 @@ def test_guard_catches_a_wrong_row(pool2) -> None:  # type: ignore[no-untyped-de
     assert "recv_x" in res[0][0][0]["check"]["detail"] or "failed on rank" in rows[0]["check"]["detail"]
 
 
-def test_cli_reference_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("world", [2, 4])
+def test_cli_reference_end_to_end(tmp_path, world: int) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("pyep.ep.normal.buffer", reason="NormalBuffer (pyep/ep/normal/buffer.py) not there yet")
-    from test_bench_run import _run_ranks
+    from test_bench_run import _check_plot, _check_words_and_width, _run_ranks
     res = _run_ranks(["--mode", "normal", "--backend", "reference", "--tokens", "32", "--hidden", "256",
                       "--experts", "8", "--topk", "4", "--sweep-sms", "4,8", "--iters", "2", "--warmup", "1",
-                      "--out", str(tmp_path)], world=2)
+                      "--copy-mb", "2", "--out", str(tmp_path)], world=world)
     for rank, (rc, so, se) in enumerate(res):
         assert rc == 0, f"rank {rank} exited {rc}\nstdout:\n{so}\nstderr:\n{se}"
     doc = json.loads((tmp_path / "bench_normal.json").read_text())
     assert [r["num_sms"] for r in doc["rows"]] == [4, 8]
     assert all(r["check"]["status"] == "PASS" for r in doc["rows"])
+    assert all(len(r["recv_tokens_per_rank"]) == world for r in doc["rows"])
+    _check_words_and_width(res[0][1], (tmp_path / "bench_normal.txt").read_text(), world)
+    _check_plot(tmp_path / "bench_normal.png", doc, res)
+    # The sweep and the copy rate of the same run: the host's memory here, all ranks on it.
+    copy = doc["copy_rate"]
+    assert copy["device"] == "cpu" and copy["bytes"] == 2 << 20 and copy["best_gbps"] > 0
+    entries = doc["sweep"]["entries"]
+    assert [e["num_sms"] for e in entries] == [4, 8] and doc["sweep"]["time"] == "wall"
+    for e, r in zip(entries, doc["rows"]):
+        g = r["gbps"]["wall"]["cached_bf16"]
+        assert e["gbps"]["dispatch_bf16"] == pytest.approx(g)
+        assert e["of_copy_rate"]["dispatch_bf16"] == pytest.approx(g * world * 2 / copy["best_gbps"])
+        assert e["vs_deepep"]["dispatch_bf16"] is None          # no DeepEP on a CPU run
+    assert "SM sweep" in res[0][1] and "copy rate:" in res[0][1]
     assert "pyep bench --mode normal" in res[0][1] and "pyep bench" not in res[1][1]
     # one node: none of the internode output (tests/test_bench_normal_nodes.py)
     assert "internode" not in doc and "internode_model" not in doc and "real-NIC" not in res[0][1]

@@ -141,13 +141,15 @@ def size_hint_line(cfg: BenchConfig, world_size: int, tokens: int, hint: Optiona
 
 
 def outlier_lines(r: CaseRow, ratio: float = 1.1) -> List[str]:
-    """A note for each per-kernel mean that a few slow iterations pulled well above the median."""
+    """A note for each per-kernel mean (the call's, on a CPU run) that a few slow iterations pulled well
+    above the median."""
+    what = "call" if r.kernel_source.startswith("wall") else "per-kernel"
     out = []
     for m, st in r.kernel.items():
         if st is None or math.isnan(st.mean) or math.isnan(st.p50) or st.p50 <= 0:
             continue
         if st.mean > ratio * st.p50:
-            out.append(f"note: {r.backend}/{r.transport} {r.routing} T={r.tokens} {m}: per-kernel mean "
+            out.append(f"note: {r.backend}/{r.transport} {r.routing} T={r.tokens} {m}: {what} mean "
                        f"{st.mean:.1f} us is pulled up by outliers (median {st.p50:.1f} us, p99 {st.p99:.1f} us)")
     return out
 

@@ -238,10 +238,13 @@ def _run(cfg: BenchConfig, args: argparse.Namespace, environ: Mapping[str, str],
 
 
 def _results_line(console: Any, json_path: str, png: Optional[str], wanted: bool) -> None:
-    from ..bench.plot import NO_MATPLOTLIB
-    from ..bench.plot import pyplot
-    tail = f", {png}" if png else (f" ({NO_MATPLOTLIB})" if wanted and pyplot(json_path) is None else "")
-    console.print(f"results: {json_path}{tail}", markup=False, highlight=False)
+    """The files, one a line and never broken (a path is copied from here)."""
+    from ..bench.plot import NO_MATPLOTLIB, pyplot
+    console.print(f"results: {json_path}", markup=False, highlight=False, soft_wrap=True)
+    if png:
+        console.print(f"plot: {png}", markup=False, highlight=False, soft_wrap=True)
+    elif wanted and pyplot(json_path) is None:
+        console.print(NO_MATPLOTLIB, markup=False, highlight=False)
 
 
 def _run_normal(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
