@@ -76,7 +76,7 @@ def test_local_world_decides_the_sharing_across_nodes() -> None:
 def _fake_control(tmp_path, answer: str) -> str:  # type: ignore[no-untyped-def]
     """A nvidia-cuda-mps-control that answers get_server_list with `answer` (as the real one reads
     commands on stdin)."""
-    d = tmp_path / f"bin-{len(answer)}"
+    d = tmp_path / f"bin-{len(list(tmp_path.iterdir()))}"
     d.mkdir()
     exe = d / MPS_CONTROL
     exe.write_text("#!/bin/sh\nread cmd\n[ \"$cmd\" = get_server_list ] && printf '%s\\n' " + repr(answer) + "\n")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 from typing import List
 
 import pytest
 
 from pyep.bench.dist import plan_distributed
-from pyep.bench.sharing import MPS_CONTROL, Sharing, detect_mps
+from pyep.bench.sharing import Sharing, detect_mps
+from test_bench_sharing import _fake_control
 
 
 class _Sync:
@@ -111,16 +111,9 @@ def test_deepep_on_unknown_library(tmp_path) -> None:  # type: ignore[no-untyped
 @pytest.mark.parametrize("answer", ["Cannot find MPS control daemon process", "12x 4242-"],
                          ids=["control-error-text", "control-garbage-pids"])
 def test_mps_control_answers_garbage(tmp_path, monkeypatch, answer: str) -> None:  # type: ignore[no-untyped-def]
-    def fake(text: str) -> str:
-        d = tmp_path / f"bin{abs(hash(text))}"
-        d.mkdir()
-        exe = d / MPS_CONTROL
-        exe.write_text("#!/bin/sh\nread cmd\nprintf '%s\\n' " + repr(text) + "\n")
-        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-        return str(d)
     path = os.environ.get("PATH", "")
-    monkeypatch.setenv("PATH", fake(answer) + os.pathsep + path)
+    monkeypatch.setenv("PATH", _fake_control(tmp_path, answer) + os.pathsep + path)
     got = detect_mps({})
     assert got.on is False and "no MPS server" in got.how
-    monkeypatch.setenv("PATH", fake("777") + os.pathsep + path)
+    monkeypatch.setenv("PATH", _fake_control(tmp_path, "777") + os.pathsep + path)
     assert detect_mps({}).on is True

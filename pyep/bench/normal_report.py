@@ -110,7 +110,7 @@ def render(console: Any, cfg: NormalBenchConfig, env: Dict[str, Any], rows: Sequ
             t.add_row(f"[italic]DeepEP {label}[/italic]", "/".join(map(str, sms)), "n/a", "-", layout, "-",
                       *cells, "-")
         emit(console, f"pyep bench --mode normal: {what}; {shape}", t,
-             "us / GB/s: mean over iterations, max over ranks; GB/s per rank as test_intranode.py counts NVLink "
+             "us / GB/s: mean over iterations, max over ranks; GB/s per rank as DeepEP's test_intranode.py counts "
              "bytes (received rows x 2H; FP8 x (1+4/128)/2); cached = dispatch with the handle")
     for r in rows:
         if r.skipped:

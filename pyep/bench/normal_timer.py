@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from contextlib import nullcontext
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import kineto
 from .normal_check import GuardInputs
-from .sync import PROFILED_SLEEP_CYCLES, Sync, WallTimer
+from .sync import Sync, timed_call
 
 log = logging.getLogger("pyep.bench")
 
@@ -60,20 +58,11 @@ class PhaseTimer:
         }
 
     def _iteration(self, it: int, out: Optional[Dict[str, Dict[str, List[float]]]], ranged: bool) -> None:
-        import torch
         for phase, fn in self._calls().items():
-            self.sync.barrier(f"before {phase} of {self.label}, iteration {it}")
-            self.sync.align(PROFILED_SLEEP_CYCLES if ranged else 0)
-            timer = WallTimer(self.sync.cuda)
-            ctx = torch.profiler.record_function(kineto.range_name(phase, it)) if ranged else nullcontext()
-            with ctx, timer.measure():
-                t0 = time.perf_counter()
-                fn()
-                t1 = time.perf_counter()
-            self.sync.device_wait(f"{phase} of {self.label}, iteration {it}")
+            _result, wall_us, host_us = timed_call(self.sync, phase, it, self.label, fn, ranged)
             if out is not None:
-                out["wall"][phase].append(timer.elapsed_us())
-                out["host"][phase].append((t1 - t0) * 1e6)
+                out["wall"][phase].append(wall_us)
+                out["host"][phase].append(host_us)
 
     def run(self, warmup: int, iters: int, use_kineto: bool) -> Tuple[Dict[str, Dict[str, List[float]]], str, Dict[str, Any]]:
         for it in range(warmup):

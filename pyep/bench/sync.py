@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import datetime
 import time
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
 
 if TYPE_CHECKING:
     import torch
@@ -202,6 +202,25 @@ class Sync:
             n = int(row[0])
             out.append(bytes(row[1:1 + n].tolist()).decode("utf-8", errors="replace"))
         return out
+
+
+def timed_call(sync: Sync, phase: str, it: int, label: str, fn: Callable[[], Any],
+               ranged: bool) -> Tuple[Any, float, float]:
+    """One timed call as both modes' timing loops take it: barrier, align, the call (inside the kineto
+    range of (phase, it) when `ranged`), bounded device wait. (result, wall us, host us in the call)."""
+    import torch
+
+    from . import kineto
+    sync.barrier(f"before {phase} of {label}, iteration {it}")
+    sync.align(PROFILED_SLEEP_CYCLES if ranged else 0)
+    timer = WallTimer(sync.cuda)
+    ctx = torch.profiler.record_function(kineto.range_name(phase, it)) if ranged else nullcontext()
+    with ctx, timer.measure():
+        t0 = time.perf_counter()
+        result = fn()
+        t1 = time.perf_counter()
+    sync.device_wait(f"{phase} of {label}, iteration {it}")
+    return result, timer.elapsed_us(), (t1 - t0) * 1e6
 
 
 class WallTimer:
