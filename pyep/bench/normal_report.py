@@ -109,7 +109,7 @@ def render(console: Any, cfg: NormalBenchConfig, env: Dict[str, Any], rows: Sequ
             layout = num(figs.get("layout_us", math.nan)) if label == "best" else "-"
             t.add_row(f"[italic]DeepEP {label}[/italic]", "/".join(map(str, sms)), "n/a", "-", layout, "-",
                       *cells, "-")
-        emit(console, f"pyep bench --mode normal: {what}; {shape}", t,
+        emit(console, f"pyep bench --mode normal: {what}\n{shape}", t,
              "us / GB/s: mean over iterations, max over ranks; GB/s per rank as DeepEP's test_intranode.py counts "
              "bytes (received rows x 2H; FP8 x (1+4/128)/2); cached = dispatch with the handle")
     for r in rows:
@@ -165,7 +165,8 @@ def render_sweep(console: Any, cfg: NormalBenchConfig, env: Dict[str, Any], rows
         caption.append("of copy rate = GB/s x ranks x 2 / copy rate" if one else
                        "of copy rate: only for ranks on one device (separate GPUs are bound by NVLink)")
     beside = " beside DeepEP's harness of the same run" if with_deepep else ""
-    emit(console, f"SM sweep: GB/s per rank from the wall time ({clock}){beside}; {where(env)}", t, "; ".join(caption))
+    emit(console, f"SM sweep: GB/s per rank from the wall time ({clock}){beside}\n{where(env)}", t,
+         "; ".join(caption))
 
 
 def one_device(env: Dict[str, Any]) -> bool:

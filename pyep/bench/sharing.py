@@ -140,8 +140,9 @@ class Sharing:
         """Lines printed under the tables about how the ranks shared devices."""
         out: List[str] = []
         if self.shared_gpu:
-            out.append(f"{self.world_size} ranks on {self.devices_in_use} GPU(s), up to {self.ranks_per_device} "
-                       f"per GPU: bytes move HBM to HBM through CUDA IPC, a proxy for NVLink; {self.collectives}")
+            gpus = "one GPU" if self.devices_in_use == 1 else f"{self.devices_in_use} GPUs"
+            out.append(f"{self.world_size} ranks on {gpus}, up to {self.ranks_per_device} per GPU: bytes move HBM "
+                       f"to HBM through CUDA IPC, a proxy for NVLink; {self.collectives}")
             if self.mps.on:
                 out.append(f"MPS on ({self.mps.how}): the ranks' kernels run side by side")
             else:
