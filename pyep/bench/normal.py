@@ -1,8 +1,10 @@
 """`pyep bench --mode normal`: the normal (high-throughput) mode's benchmark, DeepEP tests/test_intranode.py's
 setting by default (4096 tokens per rank, H=7168, K=8, E=256, uniformly random distinct experts).
 
-Per SM count (one row each; --sweep-sms), after the correctness guard (normal_check) passes, every
-iteration times these calls, each behind a barrier and Sync.align() and followed by a device wait:
+Before the rows, rank 0 measures the device's copy rate (copy_rate.py) while the others wait. Per SM
+count (one row each; --sweep-sms; with ranks sharing a GPU, counts whose ranks x SMs exceed its SMs are
+skipped, sharing.sm_fit), after the correctness guard (normal_check) passes, every iteration times
+these calls (normal_timer.py), each behind a barrier and Sync.align() and followed by a device wait:
   layout        get_dispatch_layout
   dispatch      FP8 dispatch with top-k and the layout's counts (notify + dispatch kernels)
   cached_fp8    FP8 dispatch with the handle    } what DeepEP's tuning loop times, and
