@@ -1,8 +1,9 @@
 """CPU tests of `pyep bench --mode normal`: the byte counting against a hand count, the contract oracle
 against a hand-worked example, DeepEP log parsing (sample text in test_intranode.py's and
-test_low_latency.py's print formats), the tables and JSON, the flags, and the whole suite on two gloo
-ranks with a stand-in buffer (a per-token Python implementation of the contract, written apart from
-the oracle), including one that corrupts a row and must fail the guard and not be timed."""
+test_low_latency.py's print formats), the flags, and the whole suite on two gloo ranks with a stand-in
+buffer (a per-token Python implementation of the contract, written apart from the oracle), including
+one that corrupts a row and must fail the guard and not be timed, and rows that do not fit a shared
+GPU. The tables, JSON and plot: tests/test_bench_normal_report.py."""
 from __future__ import annotations
 
 import argparse
@@ -13,14 +14,13 @@ from typing import Any, List, Optional
 
 import pytest
 import torch
-from rich.console import Console
 
 from pyep.bench import normal_check as nc
 from pyep.bench.guard import CheckResult
 from pyep.bench.metrics import summarize
 from pyep.bench.normal import PHASES, SAMPLE_KINDS, NormalBenchConfig, NormalRow, bytes_per_rank
+from pyep.bench import deepep_run as dr
 from pyep.bench import normal_report as nr
-from pyep.bench.report import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,7 +140,7 @@ LL_LOG = """[rank 0] Dispatch + combine bandwidth: 199.00 GB/s, avg_t=110.50 us,
 
 
 def test_parse_intranode() -> None:
-    tool = nr.load_baseline_tool()
+    tool = dr.load_baseline_tool()
     f = tool.parse_intranode(INTRANODE_LOG)
     assert f["dispatch_fp8"] == {"num_sms": 24, "nvl_chunk": 20, "gbps": 247.12, "t_us": 1093.40}
     assert f["dispatch_bf16"] == {"num_sms": 24, "nvl_chunk": 8, "gbps": 340.0, "t_us": 1500.0}
@@ -155,7 +155,7 @@ def test_parse_intranode() -> None:
 
 
 def test_parse_ll() -> None:
-    tool = nr.load_baseline_tool()
+    tool = dr.load_baseline_tool()
     f = tool.parse_ll(LL_LOG)
     assert f["dispatch_combine"] == {"gbps": 199.0, "avg_us": 110.5, "min_us": 108.0, "max_us": 115.2}
     assert f["kernels"]["dispatch_us"] == 31.8 and f["kernels"]["combine_gbps"] == 290.0
@@ -164,48 +164,19 @@ def test_parse_ll() -> None:
 
 
 def test_missing_deepep_is_a_note(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    tool = nr.load_baseline_tool()
+    tool = dr.load_baseline_tool()
     with pytest.raises(tool.DeepEpUnavailable, match="deepep_v1.sh is missing"):
         tool.run("intranode", 2, root=str(tmp_path))
     (tmp_path / ".anchors").mkdir()
     (tmp_path / ".anchors" / "deepep_v1.sh").write_text("exit 2\n")
     with pytest.raises(tool.DeepEpUnavailable, match="no DeepEP checkout"):
         tool.run("intranode", 2, root=str(tmp_path))
-    doc, note = nr.deepep_figures("intranode", 2, [], str(tmp_path), json_path=str(tmp_path / "absent.json"))
+    doc, note = dr.deepep_figures("intranode", 2, [], str(tmp_path), json_path=str(tmp_path / "absent.json"))
     assert doc is None and "unavailable" in note
     path = tmp_path / "deepep.json"
     tool.write(str(path), {"ok": True, "figures": tool.parse_intranode(INTRANODE_LOG)})
-    doc, note = nr.deepep_figures("intranode", 2, [], str(tmp_path), json_path=str(path))
+    doc, note = dr.deepep_figures("intranode", 2, [], str(tmp_path), json_path=str(path))
     assert doc["figures"]["combine"]["gbps"] == 289.0 and str(path) in note
-
-
-# ---------------------------------------------------------------------- tables and JSON
-def test_render_and_document(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    cfg = NormalBenchConfig(num_sms=(20, 24))
-    env = {"world_size": 2, "device_names": ["NVIDIA H200"] * 2, "dist_backend": "nccl"}
-    rows = [_row({"cached_bf16": 200.0}, [8000, 8000]),
-            NormalRow("native", 24, 4096, 7168, "uniform", check=CheckResult(False, "recv_x [bad]"),
-                      recv_tokens=[8000, 8000], kernel_source="not timed (guard failed)"),
-            NormalRow("reference", 24, 4096, 7168, "uniform", skipped="BackendUnavailable: no")]
-    deepep = {"ok": True, "figures": nr.load_baseline_tool().parse_intranode(INTRANODE_LOG)}
-    console = Console(record=True, width=300, file=open(os.devnull, "w"))
-    nr.render(console, cfg, env, rows, ["a note"], deepep)
-    text = console.export_text()
-    assert "PASS" in text and "FAIL" in text and "not timed" in text and "skipped" in text
-    assert "recv_x [bad]" in text                     # markup in details is escaped, not eaten
-    assert "1093.4 / 247 (c20)" in text and "1764.7 / 289 (c7)" in text and "DeepEP default cfg" in text
-    assert "200.0 / 573" in text                      # 8000 x 14336 B in 200 us
-    doc = nr.document(cfg, env, rows, ["a note"], deepep)
-    path = tmp_path / "b.json"
-    write_json(str(path), doc)
-    back = json.loads(path.read_text())
-    assert back["schema"] == "pyep-bench-normal/1" and back["config"]["routing"] == "uniform"
-    r0 = back["rows"][0]
-    assert r0["bytes_per_rank"]["cached_bf16"] == [8000 * 14336] * 2
-    assert r0["gbps"]["wall"]["cached_bf16"] == pytest.approx(8000 * 14336 / 200e-6 / 1e9)
-    assert r0["wall_us"]["cached_bf16"]["mean"] == 200.0 and r0["check"]["status"] == "PASS"
-    assert back["rows"][1]["check"]["status"] == "FAIL" and back["rows"][2]["skipped"].startswith("Backend")
-    assert back["deepep"]["figures"]["dispatch_fp8"]["gbps"] == 247.12
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -220,7 +191,7 @@ def test_flags() -> None:
     assert (cfg.tokens, cfg.hidden, cfg.topk, cfg.experts, cfg.backends) == (4096, 7168, 8, 256, ("native",))
     assert len(cfg.num_sms) == 1
     cfg, notes = nr.config_from_args(_args("--mode", "normal", "--sweep-sms"), cuda=False)
-    assert cfg.num_sms == (8, 12, 16, 20, 24, 32) and cfg.backends == ("reference",) and notes
+    assert cfg.num_sms == (4, 6, 8, 12, 16, 24) and cfg.backends == ("reference",) and notes
     cfg, _ = nr.config_from_args(_args("--mode", "normal", "--sweep-sms", "8,16", "--backend", "both"), cuda=True)
     assert cfg.num_sms == (8, 16) and cfg.backends == ("native", "reference")
     for bad in (["--num-sms", "24", "--sweep-sms"], ["--num-sms", "7"], ["--tokens-sweep"], ["--routing", "uniform,hot"],
@@ -372,19 +343,39 @@ class FakeNormalBuffer:
         return out.to(torch.bfloat16), out_w, None
 
 
-def _suite(corrupt: bool) -> Any:
+def _suite(corrupt: bool, gpu_sms: int = 0) -> Any:
+    """gpu_sms > 0: the ranks pretend to share one GPU of that many SMs (native rows that do not fit it
+    must be skipped, not run)."""
     import torch.distributed as dist
     from pyep.bench.normal import NormalSuite, exit_code
+    from pyep.bench.sharing import MpsStatus, Sharing
     FakeNormalBuffer.corrupt = corrupt
-    cfg = NormalBenchConfig(tokens=24, hidden=256, topk=3, experts=8, num_sms=(4, 6), backends=("reference",),
-                            iters=2, warmup=1, wait_timeout_s=60.0, plot=False)
-    rows = NormalSuite(cfg, dist.group.WORLD, torch.device("cpu"), buffer_class=FakeNormalBuffer).run()
-    return [r.as_dict() for r in rows], exit_code(rows), FakeNormalBuffer.num_sms
+    cfg = NormalBenchConfig(tokens=24, hidden=256, topk=3, experts=8, num_sms=(4, 6),
+                            backends=("native",) if gpu_sms else ("reference",),
+                            iters=2, warmup=1, wait_timeout_s=60.0, plot=False, copy_mb=1)
+    suite = NormalSuite(cfg, dist.group.WORLD, torch.device("cpu"), buffer_class=FakeNormalBuffer)
+    if gpu_sms:
+        suite.sharing = Sharing(True, ["fake GPU"] * 2, ["h/gpu0"] * 2, gpu_sms, MpsStatus(True, "fake"))
+    rows = suite.run()
+    copy = suite.copy.as_dict() if suite.copy is not None else None
+    return [r.as_dict() for r in rows], exit_code(rows), FakeNormalBuffer.num_sms, copy
+
+
+def test_suite_skips_rows_that_do_not_fit_a_shared_gpu(pool2) -> None:  # type: ignore[no-untyped-def]
+    # 2 ranks x 6 SMs = 12 > 10 SMs: the 6-SM row is skipped with the reason; 2 x 4 = 8 fits and runs.
+    res = pool2.run(_suite, False, 10, timeout_s=120)
+    rows, code, _sms, _copy = res[0]
+    assert code == 0 and [r["num_sms"] for r in rows] == [4, 6]
+    assert rows[0]["check"]["status"] == "PASS" and rows[0]["skipped"] is None
+    assert "2 ranks x 6 SMs = 12 SMs exceed the 10 SMs of the shared GPU" in rows[1]["skipped"]
+    assert [r["num_sms"] for r in res[1][0]] == [4, 6] and res[1][0][1]["skipped"]
 
 
 def test_suite_with_stand_in_buffer(pool2) -> None:  # type: ignore[no-untyped-def]
     res = pool2.run(_suite, False, timeout_s=120)
-    rows, code, sms_after = res[0]
+    rows, code, sms_after, copy = res[0]
+    assert copy["device"] == "cpu" and copy["bytes"] == 1 << 20 and copy["best_gbps"] > 0
+    assert res[1][3] is None                             # rank 0 measures, the others wait
     assert code == 0 and sms_after == 24                    # set_num_sms restored after the sweep
     assert [r["num_sms"] for r in rows] == [4, 6]
     for r in rows:
@@ -400,7 +391,7 @@ def test_suite_with_stand_in_buffer(pool2) -> None:  # type: ignore[no-untyped-d
 
 def test_guard_catches_a_wrong_row(pool2) -> None:  # type: ignore[no-untyped-def]
     res = pool2.run(_suite, True, timeout_s=120)
-    rows, code, _ = res[0]
+    rows, code, _, _ = res[0]
     assert code == 1
     for r in rows:
         assert r["check"]["status"] == "FAIL" and r["check"]["failed_ranks"] == [0]
@@ -408,17 +399,32 @@ def test_guard_catches_a_wrong_row(pool2) -> None:  # type: ignore[no-untyped-de
     assert "recv_x" in res[0][0][0]["check"]["detail"] or "failed on rank" in rows[0]["check"]["detail"]
 
 
-def test_cli_reference_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("world", [2, 4])
+def test_cli_reference_end_to_end(tmp_path, world: int) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("pyep.ep.normal.buffer", reason="NormalBuffer (pyep/ep/normal/buffer.py) not there yet")
-    from test_bench_run import _run_ranks
+    from test_bench_run import _check_plot, _check_words_and_width, _run_ranks
     res = _run_ranks(["--mode", "normal", "--backend", "reference", "--tokens", "32", "--hidden", "256",
                       "--experts", "8", "--topk", "4", "--sweep-sms", "4,8", "--iters", "2", "--warmup", "1",
-                      "--out", str(tmp_path)], world=2)
+                      "--copy-mb", "2", "--out", str(tmp_path)], world=world)
     for rank, (rc, so, se) in enumerate(res):
         assert rc == 0, f"rank {rank} exited {rc}\nstdout:\n{so}\nstderr:\n{se}"
     doc = json.loads((tmp_path / "bench_normal.json").read_text())
     assert [r["num_sms"] for r in doc["rows"]] == [4, 8]
     assert all(r["check"]["status"] == "PASS" for r in doc["rows"])
+    assert all(len(r["recv_tokens_per_rank"]) == world for r in doc["rows"])
+    _check_words_and_width(res[0][1], (tmp_path / "bench_normal.txt").read_text(), world)
+    _check_plot(tmp_path / "bench_normal.png", doc, res)
+    # The sweep and the copy rate of the same run: the host's memory here, all ranks on it.
+    copy = doc["copy_rate"]
+    assert copy["device"] == "cpu" and copy["bytes"] == 2 << 20 and copy["best_gbps"] > 0
+    entries = doc["sweep"]["entries"]
+    assert [e["num_sms"] for e in entries] == [4, 8] and doc["sweep"]["time"] == "wall"
+    for e, r in zip(entries, doc["rows"]):
+        g = r["gbps"]["wall"]["cached_bf16"]
+        assert e["gbps"]["dispatch_bf16"] == pytest.approx(g)
+        assert e["of_copy_rate"]["dispatch_bf16"] == pytest.approx(g * world * 2 / copy["best_gbps"])
+        assert e["vs_deepep"]["dispatch_bf16"] is None          # no DeepEP on a CPU run
+    assert "SM sweep" in res[0][1] and "copy rate:" in res[0][1]
     assert "pyep bench --mode normal" in res[0][1] and "pyep bench" not in res[1][1]
     # one node: none of the internode output (tests/test_bench_normal_nodes.py)
     assert "internode" not in doc and "internode_model" not in doc and "real-NIC" not in res[0][1]

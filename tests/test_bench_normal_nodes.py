@@ -144,7 +144,7 @@ def test_summary_and_render_label_the_emulator() -> None:
     nir.render(out, doc)
     text = out.export_text()
     assert "measure the emulator, not a NIC" in text and "43-58" in text and "model, 50 GB/s NIC" in text
-    line = next(ln for ln in text.splitlines() if ln.startswith("│ native"))
+    line = next(ln for ln in text.splitlines() if ln.startswith("native"))
     # columns FP8, BF16, combine: 7000 (RDMA) / 30000 (NVL) rows x 14336 B (x 1.03125/2 for FP8)
     assert line.index("1000.0 / 51.7 / 221.8") < line.index("1500.0 / 66.9 / 286.7") < line.index("2000.0 / 50.2 / 215.0")
     exp = doc["model_expectation"]["phases"]
@@ -170,16 +170,16 @@ def test_plot_draws_rdma_and_the_model(tmp_path, monkeypatch) -> None:  # type: 
     mpl = types.SimpleNamespace(use=lambda b: None, pyplot=plt)
     monkeypatch.setitem(sys.modules, "matplotlib", mpl)
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", plt)
-    from pyep.bench import normal_report as nr
+    from pyep.bench import normal_plot
     cfg = NormalBenchConfig()
     row = _row([30000, 30000], [7000, 7000])
     section = nir.summary(cfg, [row], 4, 2, {"native": "emulated"})
-    assert nr.plot(str(tmp_path / "p.png"), cfg, [row], None, "t", section) == str(tmp_path / "p.png")
+    assert normal_plot.plot(str(tmp_path / "p.png"), [row], None, "t", section) == str(tmp_path / "p.png")
     labels = [lab for _, lab in calls if lab]
     assert "pyep native RDMA (kernel)" in labels and labels.count("model RDMA (real NIC)") == 3
     assert labels.count("DeepEP internode RDMA, published") == 3
     calls.clear()
-    nr.plot(str(tmp_path / "q.png"), cfg, [_row([1, 1], [])], None, "t")
+    normal_plot.plot(str(tmp_path / "q.png"), [_row([1, 1], [])], None, "t")
     assert not any("RDMA" in (lab or "") for _, lab in calls)
 
 

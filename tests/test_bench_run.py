@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def test_two_rank_reference_run(tmp_path) -> None:  # type: ignore[no-untyped-de
         assert rc == 0, f"rank {rank} exited {rc}\nstdout:\n{so}\nstderr:\n{se}"
         assert "PYEP_PROGRESS 4/4 done" in so
     so0 = res[0][1]
-    assert "PASS" in so0 and "FAIL" not in so0 and "buffer size hint (T=8" in so0
+    assert "PASS" in so0 and "FAIL" not in so0 and "buffer size hint, T=8" in so0
     assert "DeepEP (measured" not in so0          # only on 8x H200 with the DeepEP shape
     assert "pyep bench" not in res[1][1]          # rank 1 prints no table
 
@@ -114,14 +115,54 @@ def test_two_rank_reference_run(tmp_path) -> None:  # type: ignore[no-untyped-de
             assert len(r["samples_us"]["eager"][metric]) == 2
         assert r["eager_us"]["pair"]["mean"] >= r["eager_us"]["host_dispatch"]["mean"]
         assert r["eager_pair_vs_kernels"] > 0
-    assert "eager loop" in so0 and "host dispatch us" in so0
+    assert "eager loop" in so0 and "host us" in so0 and "calls us" in so0
+    _check_words_and_width(so0, (out_dir / "bench.txt").read_text(), 2)
+    assert env["device"] == "cpu" and env["where"] == f"2 ranks on the CPU ({platform.machine()})"
+    assert env["sharing"]["devices_in_use"] == 1 and env["sharing"]["mps"] is None
+    _check_plot(out_dir / "bench.png", doc, res)
+
+
+def _check_words_and_width(stdout: str, saved: str, world: int) -> None:
+    """A CPU run's output: within 120 columns, no GPU words, the rank count spelled right."""
+    from test_bench_report import assert_fits
+    table_text = "\n".join(ln for ln in stdout.splitlines() if not ln.startswith("PYEP_PROGRESS"))
+    assert_fits(table_text)
+    assert_fits(saved)
+    for word in ("kernel", "kineto", "CUDA", "GPU"):
+        assert word not in table_text, word
+    assert f"{world} rank{'s' if world > 1 else ''} on the CPU" in " ".join(table_text.split())
+    assert "1 ranks" not in table_text
+
+
+def _check_plot(png, doc, res) -> None:  # type: ignore[no-untyped-def]
+    """A PNG whenever matplotlib is importable; else one line of the output says so and nothing warns."""
     try:
         import matplotlib
         assert matplotlib is not None
-        assert (out_dir / "bench.png").stat().st_size > 1000 and doc["files"]["plot"] == "bench.png"
+        assert png.stat().st_size > 1000 and doc["files"]["plot"] == png.name
     except ImportError:
-        assert not (out_dir / "bench.png").exists() and doc["files"]["plot"] is None
-        assert "matplotlib is not importable" in res[0][2]
+        assert not png.exists() and doc["files"]["plot"] is None
+        out = res[0][1] + res[0][2]
+        assert sum("matplotlib" in ln for ln in out.splitlines()) == 1
+        assert "no PNG: matplotlib is not installed" in res[0][1]
+    for _rc, _so, se in res:
+        assert "WARNING" not in se, se
+
+
+def test_four_rank_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """4 gloo ranks on the CPU: one table for 4 ranks, every rank's figures in the JSON."""
+    out_dir = tmp_path / "bench4"
+    res = _run_ranks([*SMALL, "--tokens", "4", "--backend", "reference", "--iters", "2", "--no-hook",
+                      "--out", str(out_dir)], world=4)
+    for rank, (rc, so, se) in enumerate(res):
+        assert rc == 0, f"rank {rank} exited {rc}\nstdout:\n{so}\nstderr:\n{se}"
+    doc = json.loads((out_dir / "bench.json").read_text())
+    assert doc["environment"]["world_size"] == 4 and doc["environment"]["sharing"]["devices_in_use"] == 1
+    (row,) = doc["rows"]
+    assert row["check"]["status"] == "PASS" and len(row["num_valid_per_rank"]) == 4
+    assert len(row["wall_us"]["dispatch"]["per_rank_mean"]) == 4
+    _check_words_and_width(res[0][1], (out_dir / "bench.txt").read_text(), 4)
+    _check_plot(out_dir / "bench.png", doc, res)
 
 
 def test_native_unavailable_is_reported_not_hidden(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -134,6 +175,7 @@ def test_native_unavailable_is_reported_not_hidden(tmp_path) -> None:  # type: i
     (row,) = doc["rows"]
     assert row["backend"] == "native" and "native" in row["skipped"] and "check" not in row
     assert "no benchmark row could be measured" in se
+    assert "1 rank on the CPU" in " ".join(so.split()) and "1 ranks" not in so
 
 
 def test_launcher_environment_and_run_dir(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -1,10 +1,16 @@
 #!/usr/bin/env python3
 """DeepEP V1's own figures, measured on this machine in the same job as ours: runs
 `bash .anchors/deepep_v1.sh {intranode|ll} N [args]` (DeepEP built from .anchors/deepep on first use),
-parses what its test prints and writes the figures as JSON.
+parses what its test prints and writes the figures as JSON. `--on pyep` runs the same unchanged test
+file on pyep's DeepEP shim instead (DEEPEP_ON=pyep): one harness, both libraries.
 
   python tools/deepep_baseline.py intranode 2 --out DIR [-- --num-tokens 4096 --hidden 7168 ...]
+  python tools/deepep_baseline.py intranode 2 --on pyep --out DIR
   python tools/deepep_baseline.py ll 2 --out DIR [-- --num-tokens 128]
+
+More ranks than GPUs: the script lets the ranks share the GPUs (its .anchors/onegpu: cuda:<rank> ->
+rank % GPUs, a gloo group with CUDA tensors staged through host memory) and starts the CUDA MPS daemon
+when none runs; the document says so ("mps_started"). DeepEP's LL test cannot share a GPU (NVSHMEM).
 
 intranode (tests/test_intranode.py): the "[tuning] Best dispatch (FP8|BF16)" and "Best combine" lines
 (SMs, NVL chunk, GB/s counted as NVLink bytes received/sent by rank 0, time per call in us), the
@@ -32,6 +38,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(".anchors", "deepep_v1.sh")
 SCHEMA = "pyep-deepep-baseline/1"
 MODES = ("intranode", "ll")
+ON = ("deepep", "pyep")
+# What deepep_v1.sh prints when it starts the MPS daemon for ranks that share GPUs.
+_MPS_STARTED = re.compile(r"ranks share \d+ GPU\(s\); MPS daemon started")
 # torchrun's variables: DeepEP's init_dist reads WORLD_SIZE/RANK as the *node* count/rank, so a
 # baseline started from inside a torchrun job must not inherit them.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -145,11 +154,19 @@ def check_available(root: str = ROOT) -> None:
                                 f"{SCRIPT}; on the GPU machine, carry .anchors)")
 
 
+def log_name(on: str, mode: str, num_ranks: int) -> str:
+    """The full log deepep_v1.sh writes into $OUT (its tag: library, mode, ranks)."""
+    return f"{on}_{mode}_{num_ranks}.log"
+
+
 def run(mode: str, num_ranks: int, extra: Sequence[str] = (), out_dir: Optional[str] = None,
-        timeout_s: float = 900.0, root: str = ROOT) -> Dict[str, Any]:
-    """Runs DeepEP's test and returns the JSON document (figures under "figures")."""
+        timeout_s: float = 900.0, root: str = ROOT, on: str = "deepep") -> Dict[str, Any]:
+    """Runs DeepEP's test (on DeepEP, or with on="pyep" on pyep's shim) and returns the JSON document
+    (figures under "figures")."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if on not in ON:
+        raise ValueError(f"on must be one of {ON}, got {on!r}")
     if num_ranks < 1:
         raise ValueError(f"number of ranks must be >= 1, got {num_ranks}")
     check_available(root)
@@ -158,6 +175,7 @@ def run(mode: str, num_ranks: int, extra: Sequence[str] = (), out_dir: Optional[
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
     env["OUT"] = os.path.abspath(out_dir)            # the script's full logs land here
     env["MASTER_PORT"] = str(_free_port())            # DeepEP's rendezvous, away from ours
+    env["DEEPEP_ON"] = on
     cmd = ["bash", SCRIPT, mode, str(num_ranks), *extra]
     log.info("running %s (logs in %s)", " ".join(cmd), out_dir)
     t0 = time.monotonic()
@@ -166,7 +184,8 @@ def run(mode: str, num_ranks: int, extra: Sequence[str] = (), out_dir: Optional[
         rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as exc:
         rc, stdout, stderr = 124, _text(exc.stdout), _text(exc.stderr) + f"\ntimed out after {timeout_s:g} s"
-    full_log = os.path.join(out_dir, "deepep_intranode.log" if mode == "intranode" else "deepep_ll.log")
+    # The script greps its stdout down to a few lines; the figures of the tuning sweeps are in its log.
+    full_log = os.path.join(out_dir, log_name(on, mode, num_ranks))
     text = stdout
     if os.path.isfile(full_log):
         with open(full_log, encoding="utf-8", errors="replace") as fh:
@@ -174,10 +193,13 @@ def run(mode: str, num_ranks: int, extra: Sequence[str] = (), out_dir: Optional[
     if rc == 2 and "no DeepEP checkout" in stdout:
         raise DeepEpUnavailable(stdout.strip())
     figures = parse_intranode(text) if mode == "intranode" else parse_ll(text)
-    doc = {"schema": SCHEMA, "mode": mode, "num_ranks": num_ranks, "command": cmd, "rc": rc, "out_dir": out_dir,
-           "seconds": round(time.monotonic() - t0, 1), "log": full_log if os.path.isfile(full_log) else None,
-           "source": "DeepEP V1 (.anchors/deepep), " + ("tests/test_intranode.py" if mode == "intranode"
-                                                        else "tests/test_low_latency.py"),
+    test = "tests/test_intranode.py" if mode == "intranode" else "tests/test_low_latency.py"
+    doc = {"schema": SCHEMA, "mode": mode, "num_ranks": num_ranks, "on": on, "command": cmd, "rc": rc,
+           "out_dir": out_dir, "seconds": round(time.monotonic() - t0, 1),
+           "log": full_log if os.path.isfile(full_log) else None,
+           "mps_started": bool(_MPS_STARTED.search(stdout)),
+           "source": (f"DeepEP V1 (.anchors/deepep), {test}" if on == "deepep"
+                      else f"pyep's DeepEP shim under DeepEP V1's {test} (DEEPEP_ON=pyep)"),
            "ok": rc == 0 and has_figures(mode, figures), "figures": figures,
            "output_tail": (stdout + stderr)[-4000:]}
     return doc
@@ -201,6 +223,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=MODES)
     p.add_argument("num_ranks", type=int)
+    p.add_argument("--on", choices=ON, default="deepep", help="whose library runs the test (default deepep)")
     p.add_argument("--out", help="directory for DeepEP's logs and deepep_<mode>.json (default runs/deepep-<time>)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound of the whole DeepEP run (build included)")
     p.add_argument("--parse", metavar="LOG", help="only parse an existing DeepEP log and print the JSON")
@@ -214,11 +237,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(figures, indent=1))
         return 0 if has_figures(args.mode, figures) else 1
     try:
-        doc = run(args.mode, args.num_ranks, args.extra, args.out, args.timeout_s)
+        doc = run(args.mode, args.num_ranks, args.extra, args.out, args.timeout_s, on=args.on)
     except DeepEpUnavailable as exc:
         print(f"deepep_baseline: DeepEP not available: {exc}", file=sys.stderr)
         return 2
-    path = os.path.join(doc["out_dir"], f"deepep_{args.mode}.json")
+    path = os.path.join(doc["out_dir"], f"deepep_{args.mode}_on_{args.on}.json")
     write(path, doc)
     print(json.dumps(doc["figures"], indent=1))
     print(f"DeepEP {args.mode}: rc={doc['rc']}, {'figures parsed' if doc['ok'] else 'NO FIGURES'}; {path}")

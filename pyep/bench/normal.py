@@ -1,8 +1,10 @@
 """`pyep bench --mode normal`: the normal (high-throughput) mode's benchmark, DeepEP tests/test_intranode.py's
 setting by default (4096 tokens per rank, H=7168, K=8, E=256, uniformly random distinct experts).
 
-Per SM count (one row each; --sweep-sms), after the correctness guard (normal_check) passes, every
-iteration times these calls, each behind a barrier and Sync.align() and followed by a device wait:
+Before the rows, rank 0 measures the device's copy rate (copy_rate.py) while the others wait. Per SM
+count (one row each; --sweep-sms; with ranks sharing a GPU, counts whose ranks x SMs exceed its SMs are
+skipped, sharing.sm_fit), after the correctness guard (normal_check) passes, every iteration times
+these calls (normal_timer.py), each behind a barrier and Sync.align() and followed by a device wait:
   layout        get_dispatch_layout
   dispatch      FP8 dispatch with top-k and the layout's counts (notify + dispatch kernels)
   cached_fp8    FP8 dispatch with the handle    } what DeepEP's tuning loop times, and
@@ -25,17 +27,18 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import kineto, metrics
+from . import copy_rate, metrics
 from .config import RoutingSpec
+from .copy_rate import DEFAULT_MB as DEFAULT_COPY_MB
 from .guard import CheckResult
 from .normal_check import GuardInputs, run_guard
 from .routing import make_batch
-from .sync import PROFILED_SLEEP_CYCLES, Sync, WallTimer
+from .normal_timer import PHASES, SAMPLE_KINDS, PhaseTimer, gather_samples
+from .sharing import Sharing, sm_fit
+from .sync import Sync
 
 if TYPE_CHECKING:
     import torch
@@ -43,22 +46,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pyep.bench")
 
-PHASES = ("layout", "dispatch", "cached_fp8", "cached_bf16", "combine", "eager")
-# Kernels counted as a phase's main work (lower-case substrings of the kernel name); "aux" kernels
-# (the count exchange before a dispatch, the layout kernel) are taken out first and kept apart
-# whatever the phase, so the layout phase's main time is 0 and its time is its aux time.
-MAIN_WORDS: Dict[str, Tuple[str, ...]] = {
-    "layout": ("layout",), "dispatch": ("dispatch",), "cached_fp8": ("dispatch",),
-    "cached_bf16": ("dispatch",), "combine": ("combine",), "eager": ("dispatch", "combine")}
-AUX_WORDS = ("notify", "layout")
-# Across nodes the call also runs the relay, the route/pack/reduce kernels and torch bookkeeping: all
-# of it is the phase's main work but the count exchanges (the node's notify, the relay's counts).
-INTERNODE_AUX_WORDS = AUX_WORDS + ("relay_counts",)
-SAMPLE_KINDS = ("wall", "kernel", "aux", "host")
-DEFAULT_SWEEP_SMS: Tuple[int, ...] = (8, 12, 16, 20, 24, 32)
+# Issue 23's sweep: DeepEP V1 uses 24 SMs; V2 claims the same bandwidth with 4-6.
+DEFAULT_SWEEP_SMS: Tuple[int, ...] = (4, 6, 8, 12, 16, 24)
 NORMAL_BACKENDS = ("native", "reference")
 FP8_FACTOR = (1 + 4 / 128) / 2      # test_intranode.py: FP8 bytes per BF16 byte (payload + fp32 scales)
-PROFILER_WARMUP = 2
 
 
 @dataclass(frozen=True)
@@ -80,12 +71,13 @@ class NormalBenchConfig:
     timeout_us: int = 10_000_000
     wait_timeout_s: float = 120.0
     plot: bool = True
+    copy_mb: int = DEFAULT_COPY_MB             # the copy-rate measurement (copy_rate.py); 0 skips it
 
     def __post_init__(self) -> None:
         from ..ep.normal.config import MAX_TOPK
         for name, lo, hi in (("tokens", 0, 1 << 20), ("hidden", 128, 1 << 16), ("topk", 1, MAX_TOPK),
                              ("experts", 1, 1 << 16), ("iters", 1, 100_000), ("warmup", 0, 100_000),
-                             ("seed", 0, 2**31 - 1), ("timeout_us", 1, 1 << 40)):
+                             ("seed", 0, 2**31 - 1), ("timeout_us", 1, 1 << 40), ("copy_mb", 0, 1 << 16)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {v!r}")
@@ -229,9 +221,15 @@ class NormalSuite:
         self.nodes = detect_node_layout(group, None, cfg.timeout_us)
         cfg.check_world(self.world_size, self.nodes.ranks_per_node)
         self.sync = Sync(group, device, cfg.wait_timeout_s)
+        if self.sync.staged and "reference" in cfg.backends:
+            raise ValueError("--backend reference: on a gloo group the reference backend works on host tensors, "
+                             "and this run keeps its data on the GPU (ranks sharing a GPU measure the native "
+                             "backend); add --device cpu to measure the reference")
+        self.sharing = Sharing.gather(self.sync, device)
         self.cls = buffer_class if buffer_class is not None else _buffer_class()
         self.progress = progress
         self.notes: List[str] = []
+        self.copy: Optional[copy_rate.CopyRate] = None
 
     @property
     def ranks_per_node(self) -> Optional[int]:
@@ -297,17 +295,29 @@ class NormalSuite:
         return GuardInputs(b.x, (q.contiguous(), s.contiguous()), b.topk_idx.contiguous(),
                            b.topk_weights.to(torch.float32).contiguous(), c.experts)
 
+    def measure_copy_rate(self) -> Optional[copy_rate.CopyRate]:
+        """Rank 0 copies while the other ranks wait (the device is otherwise idle); None elsewhere."""
+        if not self.cfg.copy_mb:
+            return None
+        self.sync.barrier("before the copy-rate measurement")
+        rate = copy_rate.measure(self.device, self.cfg.copy_mb, self.sync.device_wait) if self.rank == 0 else None
+        self.sync.barrier("after rank 0's copy-rate measurement")
+        return rate
+
     def run(self) -> List[NormalRow]:
         rows: List[NormalRow] = []
+        self.copy = self.measure_copy_rate()
         inp = self.inputs()
         total = len(self.cfg.backends) * len(self.cfg.num_sms)
+        share = self.sharing
         for backend in self.cfg.backends:
             buf, why = self._build(backend)
             try:
                 for n in self.cfg.num_sms:
-                    if buf is None:
+                    too_many = sm_fit(n, share.ranks_per_device, share.sms) if share.shared_gpu and backend == "native" else ""
+                    if buf is None or too_many:
                         rows.append(NormalRow(backend, n, self.cfg.tokens, self.cfg.hidden,
-                                              self.cfg.routing.label, skipped=why or "not built"))
+                                              self.cfg.routing.label, skipped=too_many or why or "not built"))
                     else:
                         rows.append(self._row(buf, backend, n, inp))
                     if self.progress is not None:
@@ -345,7 +355,7 @@ class NormalSuite:
             timer = PhaseTimer(buf, inp, reuse, self.sync, backend, f"{backend} {num_sms} SMs",
                                internode=self.nodes.internode)
             samples, source, info = timer.run(c.warmup, c.iters, c.kineto)
-            gathered = _gather(samples, c.iters, self.sync)
+            gathered = gather_samples(samples, c.iters, self.sync)
             row.samples, row.kernel_source, row.kineto = gathered, source, info
             row.stats = {k: {p: metrics.summarize(gathered[k][p]) for p in PHASES} for k in SAMPLE_KINDS}
             return row
@@ -372,110 +382,6 @@ def _buffer_bytes(buf: Any) -> Optional[int]:
 def _cfg_dict(cfg: Any) -> Dict[str, Any]:
     import dataclasses
     return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {"repr": repr(cfg)}
-
-
-class PhaseTimer:
-    """The timed calls of one row (see the module docstring), wall pass then profiled pass."""
-
-    def __init__(self, buf: Any, inp: GuardInputs, reuse: Dict[str, Any], sync: Sync, backend: str,
-                 label: str, internode: bool = False) -> None:
-        self.buf, self.inp, self.reuse, self.sync, self.label = buf, inp, reuse, sync, label
-        self.native = backend == "native"
-        self.internode = internode
-
-    def _calls(self) -> Dict[str, Callable[[], Any]]:
-        b, i, r = self.buf, self.inp, self.reuse
-        counts, handle = r["counts"], r["handle"]
-
-        def eager() -> Any:
-            n_rank, n_rdma, n_exp, in_rank, _ = b.get_dispatch_layout(i.topk_idx, i.num_experts)
-            recv, _idx, w, _cnt, h, _ev = b.dispatch(i.x_fp8, num_tokens_per_rank=n_rank,
-                                                      num_tokens_per_rdma_rank=n_rdma, is_token_in_rank=in_rank,
-                                                      num_tokens_per_expert=n_exp, topk_idx=i.topk_idx,
-                                                      topk_weights=i.topk_weights)
-            return b.combine(r["expert_out"], h, topk_weights=w)
-        return {
-            "layout": lambda: b.get_dispatch_layout(i.topk_idx, i.num_experts),
-            "dispatch": lambda: b.dispatch(i.x_fp8, topk_idx=i.topk_idx, topk_weights=i.topk_weights, **counts),
-            "cached_fp8": lambda: b.dispatch(i.x_fp8, handle=handle),
-            "cached_bf16": lambda: b.dispatch(i.x, handle=handle),
-            "combine": lambda: b.combine(r["expert_out"], handle),
-            "eager": eager,
-        }
-
-    def _iteration(self, it: int, out: Optional[Dict[str, Dict[str, List[float]]]], ranged: bool) -> None:
-        import torch
-        for phase, fn in self._calls().items():
-            self.sync.barrier(f"before {phase} of {self.label}, iteration {it}")
-            self.sync.align(PROFILED_SLEEP_CYCLES if ranged else 0)
-            timer = WallTimer(self.sync.cuda)
-            ctx = torch.profiler.record_function(kineto.range_name(phase, it)) if ranged else nullcontext()
-            with ctx, timer.measure():
-                t0 = time.perf_counter()
-                fn()
-                t1 = time.perf_counter()
-            self.sync.device_wait(f"{phase} of {self.label}, iteration {it}")
-            if out is not None:
-                out["wall"][phase].append(timer.elapsed_us())
-                out["host"][phase].append((t1 - t0) * 1e6)
-
-    def run(self, warmup: int, iters: int, use_kineto: bool) -> Tuple[Dict[str, Dict[str, List[float]]], str, Dict[str, Any]]:
-        for it in range(warmup):
-            self._iteration(it, None, False)
-        s: Dict[str, Dict[str, List[float]]] = {k: {p: [] for p in PHASES} for k in SAMPLE_KINDS}
-        for it in range(iters):
-            self._iteration(it, s, False)
-        nan = [math.nan] * iters
-        if not self.sync.cuda:
-            s["kernel"] = {p: list(v) for p, v in s["wall"].items()}
-            s["aux"] = {p: list(nan) for p in PHASES}
-            return s, "wall (no GPU: kernel times are the wall times of the calls)", {}
-        if not use_kineto:
-            s["kernel"], s["aux"] = {p: list(nan) for p in PHASES}, {p: list(nan) for p in PHASES}
-            return s, "none (--no-kineto)", {}
-        prof = kineto.Profiler()
-        with prof:
-            for it in range(min(PROFILER_WARMUP, max(warmup, 1))):
-                self._iteration(it, None, False)
-            for it in range(iters):
-                self._iteration(it, None, True)
-        ranges, kernels = prof.collect()
-        internode = self.native and self.internode
-        aux_words = INTERNODE_AUX_WORDS if internode else AUX_WORDS
-        words: Dict[str, Tuple[str, ...]] = {p: () for p in PHASES} if internode else dict(MAIN_WORDS)
-        if self.native:
-            aux = [k for k in kernels if any(w in k.name.lower() for w in aux_words)]
-            main = [k for k in kernels if not any(w in k.name.lower() for w in aux_words)]
-            att_main = kineto.attribute(ranges, main, words)
-            att_aux = kineto.attribute(ranges, aux, {p: () for p in PHASES})
-        else:
-            # The reference's work is NCCL and torch kernels with generic names: count all of it.
-            att_main = kineto.attribute(ranges, kernels, {p: () for p in PHASES})
-            att_aux = kineto.attribute(ranges, [], {})
-        s["kernel"] = {p: att_main.samples(p, iters) for p in PHASES}
-        s["aux"] = {p: (att_aux.samples(p, iters) if att_aux.counted.get(p) else list(nan)) for p in PHASES}
-        missing = [p for p in PHASES if p != "layout" and not att_main.counted.get(p)]
-        if missing:
-            log.warning("%s: kineto saw no main kernels in phases %s (other kernels: %s)", self.label, missing,
-                        {p: sorted(att_main.ignored.get(p, {})) for p in missing})
-            for p in missing:
-                s["kernel"][p] = list(nan)
-        info = {"counted": att_main.counted, "counted_us": att_main.counted_us, "aux_counted": att_aux.counted,
-                "ignored": att_main.ignored,
-                "unlinked_kernels": att_main.unlinked + att_aux.unlinked,
-                "kernels_outside_ranges": att_main.outside, "main_words": words,
-                "aux_words": aux_words}
-        return s, "kineto", info
-
-
-def _gather(s: Dict[str, Dict[str, List[float]]], iters: int, sync: Sync) -> Dict[str, Dict[str, List[List[float]]]]:
-    """{kind: {phase: [rank][iteration]}} on every rank."""
-    import torch
-    t = torch.tensor([[s[k][p] if len(s[k][p]) == iters else [math.nan] * iters for p in PHASES]
-                      for k in SAMPLE_KINDS], dtype=torch.float64)
-    per_rank = sync.gather(t, "normal-mode benchmark samples")
-    return {k: {p: [r[i, j].tolist() for r in per_rank] for j, p in enumerate(PHASES)}
-            for i, k in enumerate(SAMPLE_KINDS)}
 
 
 def exit_code(rows: Sequence[NormalRow]) -> int:

@@ -269,16 +269,14 @@ class GuardInputs:
 
 def gather_inputs(inp: GuardInputs, sync: Any) -> Tuple[List["torch.Tensor"], List["torch.Tensor"], List["torch.Tensor"]]:
     """Every rank's (x, topk_idx, weights) on this rank's device. Bytes travel as uint8/int64 so any
-    process-group backend can carry them; waits are bounded by the Sync."""
+    process-group backend can carry them (through host memory where the group cannot reach the
+    device); waits are bounded by the Sync."""
     import torch
-    import torch.distributed as dist
 
     def gather(t: "torch.Tensor", what: str) -> List["torch.Tensor"]:
         src = t.contiguous()
         flat = src.view(torch.uint8) if src.dtype != torch.int64 else src
-        outs = [torch.empty_like(flat) for _ in range(sync.world_size)]
-        sync.wait_work(dist.all_gather(outs, flat, group=sync.group, async_op=True), what)
-        return [o.view(src.dtype) for o in outs]
+        return [o.view(src.dtype) for o in sync.gather_on_device(flat, what)]
     return (gather(inp.x, "guard: tokens"), gather(inp.topk_idx, "guard: top-k ids"),
             gather(inp.topk_weights, "guard: top-k weights"))
 

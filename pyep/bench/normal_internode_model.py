@@ -98,18 +98,17 @@ def model(tokens: int, hidden: int, topk: int, experts: int, num_ranks: int, ran
 
 
 def render(console: Any, doc: Dict[str, Any]) -> None:
-    from rich.table import Table
-    t = Table(title=f"real-NIC model: {doc['num_nodes']} nodes x {doc['ranks_per_node']} ranks, "
-                    f"{doc['nic_gbps']:.0f} GB/s per NIC, {doc['nvl_gbps']:.0f} GB/s NVLink (not measured)",
-              caption=f"DeepEP internode normal mode, published: {doc['deepep_rdma_gbps'][0]:.0f}-"
-                      f"{doc['deepep_rdma_gbps'][1]:.0f} GB/s RDMA per rank; the softnic figures above time "
-                      f"the emulator, not a NIC")
-    for col in ("stage", "MB per NIC", "MB per NVLink", "RDMA us", "NVLink us", "staged us", "pipelined us",
-                "RDMA GB/s (staged)", "DeepEP-count RDMA / NVL GB/s"):
+    from .tables import emit, table
+    t = table()
+    for col in ("stage", "MB per\nNIC", "MB per\nNVLink", "RDMA\nus", "NVLink\nus", "staged\nus", "pipelined\nus",
+                "RDMA GB/s\n(staged)", "DeepEP-count GB/s\nRDMA / NVL"):
         t.add_column(col, justify="right")
     for key in ("dispatch_bf16", "dispatch_fp8", "combine"):
         s = doc[key]
         t.add_row(key, f"{s['rdma_bytes'] / 1e6:.2f}", f"{s['nvl_bytes'] / 1e6:.2f}", f"{s['rdma_us']:.1f}",
                   f"{s['nvl_us']:.1f}", f"{s['staged_us']:.1f}", f"{s['pipelined_us']:.1f}",
                   f"{s['rdma_gbps_staged']:.1f}", f"{s['deepep_rdma_gbps']:.1f} / {s['deepep_nvl_gbps']:.1f}")
-    console.print(t)
+    emit(console, f"real-NIC model: {doc['num_nodes']} nodes x {doc['ranks_per_node']} ranks, "
+                  f"{doc['nic_gbps']:.0f} GB/s per NIC, {doc['nvl_gbps']:.0f} GB/s NVLink (not measured)", t,
+         f"DeepEP internode normal mode, published: {doc['deepep_rdma_gbps'][0]:.0f}-"
+         f"{doc['deepep_rdma_gbps'][1]:.0f} GB/s RDMA per rank; the softnic figures above time the emulator, not a NIC")

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Mapping, Sequence
 from .normal import NormalBenchConfig, NormalRow
 from .normal_internode_model import model
 from .reference_numbers import DEEPEP_INTERNODE_LABEL, DEEPEP_INTERNODE_RDMA_GBPS
+from .tables import emit, table
 
 TRANSPORT_LABELS = {
     "emulated": "emulated: the softnic between virtual nodes -- these figures measure the emulator, not a NIC",
@@ -76,17 +77,14 @@ def _fmt(v: Any, digits: int = 1) -> str:
 
 def render(console: Any, doc: Dict[str, Any]) -> None:
     from rich.markup import escape
-    from rich.table import Table
     exp = doc["model_expectation"]
     pub = doc["deepep_published"]["rdma_gbps"]
-    t = Table(title=f"pyep bench --mode normal across {doc['num_nodes']} nodes x {doc['ranks_per_node']} ranks: "
-                    f"us / RDMA GB/s / NVL GB/s per rank (DeepEP test_internode.py's byte count)",
-              caption="RDMA bytes: node fan-out (own node included) x 2H; NVL bytes: received rows x 2H; FP8 x "
-                      "(1+4/128)/2. Model: expected on real NICs, not measured.")
+    t = table()
     for col in ("row", "SMs", "figures", "time"):
-        t.add_column(col, no_wrap=True)
-    for col in ("dispatch FP8 (cached)", "dispatch BF16 (cached)", "combine"):
-        t.add_column(col, justify="right", no_wrap=True)
+        t.add_column(col)
+    for col in ("dispatch FP8 (cached)\nus / RDMA / NVL", "dispatch BF16 (cached)\nus / RDMA / NVL",
+                "combine\nus / RDMA / NVL"):
+        t.add_column(col, justify="right")
     for r in doc["rows"]:
         cells = [f"{_fmt(f['us'])} / {_fmt(f['rdma_gbps'])} / {_fmt(f['nvl_gbps'])}"
                  for f in (r["phases"][p] for p, _ in SHOWN)]
@@ -97,7 +95,10 @@ def render(console: Any, doc: Dict[str, Any]) -> None:
     band = f"{pub[0]:g}-{pub[1]:g}"
     t.add_row("[italic]DeepEP published[/italic]", "-", "real NIC", "-", f"- / {band} / -", f"- / {band} / -",
               f"- / {band} / -")
-    console.print(t)
+    emit(console, f"pyep bench --mode normal across {doc['num_nodes']} nodes x {doc['ranks_per_node']} ranks: "
+                  f"us / RDMA GB/s / NVL GB/s per rank (DeepEP test_internode.py's byte count)", t,
+         "RDMA bytes: node fan-out (own node included) x 2H; NVL bytes: received rows x 2H; FP8 x (1+4/128)/2. "
+         "Model: expected on real NICs, not measured.")
     for backend, tr in doc["transports"].items():
         console.print(escape(f"figures of the {backend} backend -- {tr['label']}"))
     if not exp["applies"]:

@@ -1,111 +1,94 @@
-"""What rank 0 of `pyep bench --mode normal` shows and writes: the tables (rich), DeepEP's figures of the
-same run beside ours (tools/deepep_baseline.py), bench_normal.json and the PNG plot (matplotlib,
-when installed); plus the flags -> NormalBenchConfig translation (ValueError on bad input). The
-command (`pyep bench --mode normal`) drives the run and prints what these return."""
+"""What rank 0 of `pyep bench --mode normal` shows and writes: the tables (rich, 120 columns), the SM
+sweep beside DeepEP's own harness of the same run and the memory copy rate, bench_normal.json; plus
+the flags -> NormalBenchConfig translation (ValueError on bad input). The command (`pyep bench --mode
+normal`) drives the run and prints what these return; normal_plot.py draws the PNG."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import json
-import logging
 import math
-import os
-import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from . import copy_rate
 from .normal import DEFAULT_SWEEP_SMS, PHASES, NormalBenchConfig, NormalRow
-from .report import _clean
+from .report import _clean, run_lines, where
+from .tables import emit, gbps, num, percent, ratio, table
 
-log = logging.getLogger("pyep.bench")
-SCHEMA = "pyep-bench-normal/1"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASELINE_TOOL = os.path.join(ROOT, "tools", "deepep_baseline.py")
+SCHEMA = "pyep-bench-normal/2"
 DEEPEP_LABEL = "DeepEP V1 (same machine, its test_intranode.py)"
 # (our phase, DeepEP's figure) pairs shown side by side.
 DEEPEP_COLUMNS = (("cached_fp8", "dispatch_fp8"), ("cached_bf16", "dispatch_bf16"), ("combine", "combine"))
+# What the sweep compares: wall time (CUDA events around each call), as DeepEP's bench() times its calls.
+SWEEP_KIND = "wall"
 
 
-# ---------------------------------------------------------------------- DeepEP's figures
-def load_baseline_tool() -> Any:
-    """tools/deepep_baseline.py as a module (it lives beside the package in a checkout)."""
-    if not os.path.isfile(BASELINE_TOOL):
-        raise FileNotFoundError(f"{BASELINE_TOOL} is missing: --deepep needs a pyep checkout")
-    spec = importlib.util.spec_from_file_location("pyep_deepep_baseline", BASELINE_TOOL)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+# ---------------------------------------------------------------------- the sweep's figures
+def _best(doc: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    return (doc or {}).get("figures") or {}
 
 
-def deepep_figures(mode: str, num_ranks: int, extra: Sequence[str], out_dir: str,
-                   json_path: Optional[str] = None) -> Tuple[Optional[Dict[str, Any]], str]:
-    """(DeepEP document, note). Loads json_path when given, else runs DeepEP now. Never raises for a
-    missing DeepEP: the note says what happened and the table goes on without it."""
-    try:
-        if json_path:
-            with open(json_path, encoding="utf-8") as fh:
-                doc = json.load(fh)
-            return doc, f"DeepEP figures from {json_path}"
-        tool = load_baseline_tool()
-        doc = tool.run(mode, num_ranks, list(extra), os.path.join(out_dir, "deepep"))
-        tool.write(os.path.join(out_dir, f"deepep_{mode}.json"), doc)
-    except (OSError, ValueError) as exc:
-        return None, f"DeepEP figures unavailable: {exc}"
-    except Exception as exc:  # noqa: BLE001 - DeepEpUnavailable and friends: a note, not a crash
-        return None, f"DeepEP figures unavailable: {type(exc).__name__}: {exc}"
-    if not doc.get("ok"):
-        return doc, (f"DeepEP ran (rc={doc.get('rc')}) but printed no complete figures; see "
-                     f"{doc.get('log') or 'its output'}")
-    return doc, f"DeepEP {mode} measured in this run ({doc.get('seconds', '?')} s, log {doc.get('log')})"
+def sweep(rows: Sequence[NormalRow], world: int, deepep: Optional[Dict[str, Any]] = None,
+          shim: Optional[Dict[str, Any]] = None, copy: Optional[copy_rate.CopyRate] = None,
+          one_device: bool = False) -> List[Dict[str, Any]]:
+    """One entry per measured row, then DeepEP's best and pyep's shim's best under DeepEP's harness
+    (where they ran): GB/s of FP8 / BF16 dispatch and combine (wall time), the ratio to DeepEP's best
+    of the same run, and the share of the copy rate (ranks on one device only)."""
+    figs = _best(deepep)
+    out: List[Dict[str, Any]] = []
+
+    def entry(label: str, sms: Any, gbps: Dict[str, float]) -> Dict[str, Any]:
+        vs = {k: (gbps[k] / figs[k]["gbps"] if figs.get(k) and not math.isnan(gbps[k]) else math.nan)
+              for _, k in DEEPEP_COLUMNS}
+        of = {k: (copy_rate.fraction(gbps[k], world, copy) if one_device else math.nan) for _, k in DEEPEP_COLUMNS}
+        return {"label": label, "num_sms": sms, "gbps": gbps, "vs_deepep": vs, "of_copy_rate": of}
+    for r in rows:
+        if r.skipped or not r.stats:
+            continue
+        g = r.gbps(SWEEP_KIND)
+        out.append(entry(f"pyep {r.backend}", r.num_sms, {k: g.get(p, math.nan) for p, k in DEEPEP_COLUMNS}))
+    for label, doc in (("pyep via DeepEP's test", shim), ("DeepEP", deepep)):
+        f = _best(doc)
+        if all(f.get(k) for _, k in DEEPEP_COLUMNS):
+            sms = sorted({f[k]["num_sms"] for _, k in DEEPEP_COLUMNS})
+            out.append(entry(label, "/".join(map(str, sms)), {k: float(f[k]["gbps"]) for _, k in DEEPEP_COLUMNS}))
+    return out
 
 
 # ---------------------------------------------------------------------- tables
-def _us(v: float) -> str:
-    return "-" if v is None or math.isnan(v) else f"{v:.1f}"
-
-
-def _g(v: Optional[float]) -> str:
-    return "-" if v is None or math.isnan(v) else f"{v:.0f}"
-
-
-def _cell(r: NormalRow, kind: str, phase: str, g: Dict[str, float]) -> str:
-    t = r.time_us(kind, phase)
-    return f"{_us(t)} / {_g(g.get(phase))}"
-
-
 def _split(r: NormalRow, phase: str) -> str:
     """Kernel table: main + aux (notify) where the phase launched aux kernels."""
     main = r.stats.get("kernel", {}).get(phase)
     aux = r.stats.get("aux", {}).get(phase)
     m = main.mean if main is not None else math.nan
     a = aux.mean if aux is not None else math.nan
-    return _us(m) if math.isnan(a) else f"{_us(m)} + {_us(a)}"
+    return num(m) if math.isnan(a) else f"{num(m)} + {num(a)}"
+
+
+def _cell(r: NormalRow, kind: str, phase: str, g: Dict[str, float]) -> str:
+    return f"{num(r.time_us(kind, phase))} / {gbps(g.get(phase))}"
 
 
 def render(console: Any, cfg: NormalBenchConfig, env: Dict[str, Any], rows: Sequence[NormalRow],
-           notes: Sequence[str], deepep: Optional[Dict[str, Any]] = None) -> None:
+           notes: Sequence[str], deepep: Optional[Dict[str, Any]] = None,
+           copy: Optional[copy_rate.CopyRate] = None, shim: Optional[Dict[str, Any]] = None) -> None:
     from rich.markup import escape
-    from rich.table import Table
-    world, gpu = env["world_size"], (env["device_names"][0] if env["device_names"] else "")
     measured = [r for r in rows if not r.skipped and r.stats]
     on_cpu = bool(measured) and all(r.kernel_source.startswith("wall") for r in measured)
-    figs = (deepep or {}).get("figures") or {}
+    figs = _best(deepep)
+    shape = f"N={cfg.tokens} H={cfg.hidden} K={cfg.topk} E={cfg.experts} {cfg.routing.label}, {where(env)}"
+    run_lines(console, env)
     for kind in (["wall"] if on_cpu else ["kernel", "wall"]):
         what = ("per-kernel GPU time (kineto; main + notify/layout kernels)" if kind == "kernel" else
-                "wall time of the call (" + ("host clock, CPU run" if on_cpu else "CUDA events") + ")")
-        t = Table(title=f"pyep bench --mode normal: {what}; N={cfg.tokens} H={cfg.hidden} K={cfg.topk} "
-                        f"E={cfg.experts} {cfg.routing.label}, {world} ranks on {gpu}",
-                  caption="us / GB/s: mean over iterations, max over ranks; GB/s as test_intranode.py counts "
-                          "NVLink bytes (received rows x 2H; FP8 x (1+4/128)/2); cached = dispatch with the handle")
-        for col in ("backend", "SMs", "check", "recv rows"):
-            t.add_column(col, no_wrap=True)
-        for col in ("layout us", "dispatch FP8 us", "cached FP8 us / GB/s", "cached BF16 us / GB/s",
-                    "combine us / GB/s", "eager l+d+c us / GB/s"):
-            t.add_column(col, justify="right", no_wrap=True)
+                "wall time per call (" + ("host clock" if on_cpu else "CUDA events") + ")")
+        t = table()
+        for col in ("backend", "SMs", "check", "recv\nrows"):
+            t.add_column(col)
+        disp = "dispatch FP8\nmain + notify us" if kind == "kernel" else "dispatch\nFP8 us"
+        for col in ("layout\nus", disp, "FP8 cached\nus / GB/s", "BF16 cached\nus / GB/s", "combine\nus / GB/s",
+                    "eager l+d+c\nus / GB/s"):
+            t.add_column(col, justify="right")
         for r in rows:
             if r.skipped:
-                t.add_row(r.backend, str(r.num_sms), "skipped", escape(r.skipped[:60]), "", "", "", "", "", "")
+                t.add_row(r.backend, str(r.num_sms), "skipped", "", "", "", "", "", "", "")
                 continue
             assert r.check is not None
             check = "[green]PASS[/green]" if r.check.passed else "[bold red]FAIL[/bold red]"
@@ -114,35 +97,86 @@ def render(console: Any, cfg: NormalBenchConfig, env: Dict[str, Any], rows: Sequ
                 t.add_row(r.backend, str(r.num_sms), check, recv, "not timed", "", "", "", "", "")
                 continue
             g = r.gbps(kind)
-            disp = _split(r, "dispatch") if kind == "kernel" else _us(r.time_us(kind, "dispatch"))
-            t.add_row(r.backend, str(r.num_sms), check, recv, _us(r.time_us(kind, "layout")), disp,
+            d = _split(r, "dispatch") if kind == "kernel" else num(r.time_us(kind, "dispatch"))
+            t.add_row(r.backend, str(r.num_sms), check, recv, num(r.time_us(kind, "layout")), d,
                       *(_cell(r, kind, p, g) for p in ("cached_fp8", "cached_bf16", "combine", "eager")))
         for label, source in (("best", figs), ("default cfg", figs.get("default") or {})):
-            if not any(source.get(k) for _, k in DEEPEP_COLUMNS):
+            if kind != "wall" or not any(source.get(k) for _, k in DEEPEP_COLUMNS):
                 continue
-            cells = []
-            for _ours, key in DEEPEP_COLUMNS:
-                f = source.get(key)
-                cells.append("-" if not f else f"{f['t_us']:.1f} / {f['gbps']:.0f} (c{f['nvl_chunk'] or 'dflt'})")
+            cells = ["-" if not source.get(k) else f"{source[k]['t_us']:.1f} / {source[k]['gbps']:.0f}"
+                     for _, k in DEEPEP_COLUMNS]
             sms = sorted({source[k]["num_sms"] for _, k in DEEPEP_COLUMNS if source.get(k)})
-            layout = _us(figs.get("layout_us", math.nan)) if label == "best" else "-"
+            layout = num(figs.get("layout_us", math.nan)) if label == "best" else "-"
             t.add_row(f"[italic]DeepEP {label}[/italic]", "/".join(map(str, sms)), "n/a", "-", layout, "-",
                       *cells, "-")
-        console.print(t)
+        emit(console, f"pyep bench --mode normal: {what}\n{shape}", t,
+             "us / GB/s: mean over iterations, max over ranks; GB/s per rank as DeepEP's test_intranode.py counts "
+             "bytes (received rows x 2H; FP8 x (1+4/128)/2); cached = dispatch with the handle")
+    for r in rows:
+        if r.skipped:
+            console.print(escape(f"skipped: {r.backend} {r.num_sms} SMs: {r.skipped}"))
+    render_sweep(console, cfg, env, rows, deepep, copy, shim)
     for r in rows:
         if r.check is not None and not r.check.passed:
             console.print(f"[bold red]correctness FAIL[/bold red] {r.backend} {r.num_sms} SMs (not timed): "
                           f"{escape(r.check.detail)}")
     if figs:
-        console.print(escape(f"{DEEPEP_LABEL}: times are CUDA events around back-to-back calls (its bench()), "
-                             f"so compare them with the wall table; (cN) = its NVL chunk"))
+        chunks = ", ".join(f"{k} c{figs[k]['nvl_chunk']}" for _, k in DEEPEP_COLUMNS if figs.get(k))
+        console.print(escape(f"{DEEPEP_LABEL}: CUDA events around back-to-back calls (its bench()), so it "
+                             f"compares with the wall figures; its best NVL chunks: {chunks}"))
     for n in notes:
         console.print(f"note: {escape(n)}")
 
 
+def render_sweep(console: Any, cfg: NormalBenchConfig, env: Dict[str, Any], rows: Sequence[NormalRow],
+                 deepep: Optional[Dict[str, Any]], copy: Optional[copy_rate.CopyRate],
+                 shim: Optional[Dict[str, Any]]) -> None:
+    """The SM sweep in one table: GB/s, x DeepEP's best of this run, share of the copy rate."""
+    from rich.text import Text
+    world = int(env["world_size"])
+    one = one_device(env)
+    measured = [r for r in rows if not r.skipped and r.stats]
+    clock = "host clock" if measured and all(r.kernel_source.startswith("wall") for r in measured) else "CUDA events"
+    entries = sweep(rows, world, deepep, shim, copy, one)
+    if not entries:
+        return
+    if copy is not None:
+        console.print(Text(f"copy rate: {copy.best_gbps:.0f} GB/s (best of {copy.reps}; median "
+                           f"{copy.median_gbps:.0f}), {copy.what}, {copy.bytes >> 20} MB, {copy_rate.COUNTING}"))
+    ks = [k for _, k in DEEPEP_COLUMNS]
+    with_deepep = any(not math.isnan(e["vs_deepep"][k]) for e in entries for k in ks)
+    t = table()
+    for col in ("row", "SMs"):
+        t.add_column(col)
+    cols = [("GB/s per rank\nFP8 / BF16 / combine", lambda e: " / ".join(gbps(e["gbps"][k]) for k in ks))]
+    if with_deepep:
+        cols.append(("x DeepEP best\nFP8 / BF16 / combine", lambda e: " / ".join(ratio(e["vs_deepep"][k]) for k in ks)))
+    if copy is not None:
+        cols.append(("of copy rate\nFP8 / BF16 / combine",
+                     lambda e: " / ".join(percent(e["of_copy_rate"][k]) for k in ks)))
+    for name, _fn in cols:
+        t.add_column(name, justify="right")
+    for e in entries:
+        t.add_row(e["label"], str(e["num_sms"]), *(fn(e) for _name, fn in cols))
+    caption = []
+    if with_deepep:
+        caption.append("x DeepEP best = GB/s over DeepEP's best (its SMs, its chunk sweep) in this run")
+    if copy is not None:
+        caption.append("of copy rate = GB/s x ranks x 2 / copy rate" if one else
+                       "of copy rate: only for ranks on one device (separate GPUs are bound by NVLink)")
+    beside = " beside DeepEP's harness of the same run" if with_deepep else ""
+    emit(console, f"SM sweep: GB/s per rank from the wall time ({clock}){beside}\n{where(env)}", t,
+         "; ".join(caption))
+
+
+def one_device(env: Dict[str, Any]) -> bool:
+    return (env.get("sharing") or {}).get("devices_in_use") == 1
+
+
 # ---------------------------------------------------------------------- JSON
 def document(cfg: NormalBenchConfig, env: Dict[str, Any], rows: Sequence[NormalRow], notes: Sequence[str],
-             deepep: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+             deepep: Optional[Dict[str, Any]] = None, copy: Optional[copy_rate.CopyRate] = None,
+             shim: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     config = dataclasses.asdict(cfg)
     config["routing"] = cfg.routing.label
     return _clean({
@@ -154,58 +188,11 @@ def document(cfg: NormalBenchConfig, env: Dict[str, Any], rows: Sequence[NormalR
         "byte_model": {"bf16": "received rows x 2H (dispatch BF16, combine)", "fp8": "bf16 x (1 + 4/128) / 2",
                        "eager": "fp8 + bf16", "source": "DeepEP tests/test_intranode.py"},
         "rows": [r.as_dict() for r in rows],
-        "deepep": deepep})
-
-
-# ---------------------------------------------------------------------- plot
-def plot(path: str, cfg: NormalBenchConfig, rows: Sequence[NormalRow], deepep: Optional[Dict[str, Any]],
-         title: str, internode: Optional[Dict[str, Any]] = None) -> Optional[str]:
-    """GB/s per SM count; across nodes (internode: normal_internode_report.summary) also the RDMA GB/s,
-    the model's expectation and DeepEP's published band."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        log.warning("no plot: matplotlib is not importable (%s); `pip install matplotlib` for %s", exc, path)
-        return None
-    measured = [r for r in rows if not r.skipped and r.stats]
-    if not measured:
-        log.warning("no plot: no row was measured")
-        return None
-    fig, axes = plt.subplots(1, len(DEEPEP_COLUMNS), figsize=(15, 4.5), sharey=True)
-    figs = (deepep or {}).get("figures") or {}
-    for ax, (phase, key) in zip(axes, DEEPEP_COLUMNS):
-        for backend in sorted({r.backend for r in measured}):
-            rs = sorted((r for r in measured if r.backend == backend), key=lambda r: r.num_sms)
-            for kind, style in (("kernel", "o-"), ("wall", "s--")):
-                ys = [r.gbps(kind).get(phase, math.nan) for r in rs]
-                if all(math.isnan(y) for y in ys):
-                    continue
-                ax.plot([r.num_sms for r in rs], ys, style, label=f"pyep {backend} ({kind})")
-                if internode is not None:
-                    ys = [r.gbps(kind, rdma=True).get(phase, math.nan) for r in rs]
-                    if not all(math.isnan(y) for y in ys):
-                        ax.plot([r.num_sms for r in rs], ys, style[0] + ":", label=f"pyep {backend} RDMA ({kind})")
-        if internode is not None:
-            exp = internode["model_expectation"]["phases"][phase]
-            ax.axhline(exp["rdma_gbps"], color="g", linestyle="-.", label="model RDMA (real NIC)")
-            lo, hi = internode["deepep_published"]["rdma_gbps"]
-            ax.axhspan(lo, hi, color="g", alpha=0.1, label="DeepEP internode RDMA, published")
-        if figs.get(key):
-            f = figs[key]
-            ax.axhline(f["gbps"], color="k", linestyle=":", label=f"DeepEP best ({f['num_sms']} SMs)")
-        ax.set_title({"cached_fp8": "dispatch FP8", "cached_bf16": "dispatch BF16", "combine": "combine BF16"}[phase])
-        ax.set_xlabel("SMs")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0].set_ylabel("GB/s per rank (NVLink bytes, DeepEP's count)" if internode is None else
-                       "GB/s per rank (NVL and RDMA bytes, test_internode.py's counts)")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        "copy_rate": copy.as_dict() if copy is not None else None,
+        "sweep": {"time": SWEEP_KIND, "copy_fraction": "per-rank GB/s x ranks x 2 / copy_rate.best_gbps (ranks on "
+                                                       "one device only)",
+                  "entries": sweep(rows, int(env["world_size"]), deepep, shim, copy, one_device(env))},
+        "deepep": deepep, "deepep_harness_on_pyep": shim})
 
 
 # ---------------------------------------------------------------------- command line
@@ -237,7 +224,8 @@ def config_from_args(args: Any, cuda: bool) -> Tuple[NormalBenchConfig, List[str
         drop_fraction=args.drop_fraction, iters=args.iters, warmup=args.warmup, kineto=not args.no_kineto,
         seed=args.seed, transport=args.transport or "auto",
         timeout_us=args.timeout_us if args.timeout_us is not None else 10_000_000,
-        wait_timeout_s=args.wait_timeout_s, plot=not args.no_plot)
+        wait_timeout_s=args.wait_timeout_s, plot=not args.no_plot,
+        copy_mb=NormalBenchConfig.copy_mb if args.copy_mb is None else args.copy_mb)
     if backend == "auto" and not cuda:
         notes.append("no CUDA device: measuring the reference backend only")
     return cfg, notes
@@ -252,4 +240,4 @@ def _default_num_sms() -> int:
         return DEFAULT_NUM_SMS
 
 
-__all__ = ["render", "document", "plot", "config_from_args", "deepep_figures", "DEFAULT_SWEEP_SMS"]
+__all__ = ["render", "document", "sweep", "config_from_args", "DEFAULT_SWEEP_SMS"]

@@ -2,19 +2,35 @@
 
 With several T values: dispatch and combine time against T per row group (log-log), DeepEP's measured
 sweep points beside them where they apply. With one T: grouped bars of dispatch, combine and
-dispatch+combine per row, and DeepEP's figures as a labelled bar group where they apply.
+dispatch+combine per row, and DeepEP's figures as a labelled bar group where they apply; when DeepEP
+ran in the same job (--deepep), its bars and a ratio panel (pyep / DeepEP) beside them.
+Without matplotlib there is no PNG and one line of the output says so (NO_MATPLOTLIB).
 """
 from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import reference_numbers as refnum
 from .config import BenchConfig
 from .suite import CaseRow
 
 log = logging.getLogger("pyep.bench")
+NO_MATPLOTLIB = "no PNG: matplotlib is not installed (pip install matplotlib)"
+
+
+def pyplot(path: str) -> Any:
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib is not importable (the caller's
+    results line says so, once: NO_MATPLOTLIB)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        log.debug("no plot for %s: %s", path, exc)
+        return None
+    return plt
 
 
 def _time(row: CaseRow, metric: str) -> Tuple[float, str]:
@@ -26,31 +42,42 @@ def _time(row: CaseRow, metric: str) -> Tuple[float, str]:
     return (w.mean if w is not None else math.nan), "wall"
 
 
-def plot(path: str, cfg: BenchConfig, rows: Sequence[CaseRow], world_size: int, gpu: str) -> Optional[str]:
-    """Writes the PNG and returns its path, or returns None (with a logged warning) without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        log.warning("no plot: matplotlib is not importable (%s); `pip install matplotlib` for %s", exc, path)
+def plot(path: str, cfg: BenchConfig, rows: Sequence[CaseRow], world_size: int, gpu: str,
+         deepep: Optional[Dict[str, Any]] = None, where: str = "") -> Optional[str]:
+    """Writes the PNG and returns its path, or returns None without matplotlib or measured rows.
+    deepep: tools/deepep_baseline.py's LL document of this run (its figures beside ours)."""
+    plt = pyplot(path)
+    if plt is None:
         return None
     measured = [r for r in rows if not r.skipped]
     if not measured:
-        log.warning("no plot: no row was measured")
+        log.info("no plot: no row was measured")
         return None
     fmt = "FP8" if cfg.use_fp8 else "BF16"
     title = (f"pyep low-latency EP: {fmt} dispatch / BF16 combine, H={cfg.hidden} K={cfg.topk} "
-             f"E={cfg.experts}, {world_size} ranks ({gpu})")
+             f"E={cfg.experts}, {where or f'{world_size} ranks ({gpu})'}")
     if len(cfg.tokens) > 1:
         fig = _sweep(plt, cfg, measured, world_size, gpu)
     else:
-        fig = _bars(plt, cfg, measured, world_size, gpu)
+        fig = _bars(plt, cfg, measured, world_size, gpu, measured_deepep(deepep))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def measured_deepep(doc: Optional[Dict[str, Any]]) -> Optional[List[float]]:
+    """DeepEP's dispatch / combine kernel us and its back-to-back pair us from a deepep_baseline `ll`
+    document, or None where it did not print them."""
+    figs = (doc or {}).get("figures") or {}
+    k, dc = figs.get("kernels"), figs.get("dispatch_combine")
+    if not isinstance(k, dict) or not isinstance(dc, dict):
+        return None
+    try:
+        return [float(k["dispatch_us"]), float(k["combine_us"]), float(dc["avg_us"])]
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _sweep(plt, cfg: BenchConfig, rows: Sequence[CaseRow], world_size: int, gpu: str):  # type: ignore[no-untyped-def]
@@ -90,7 +117,8 @@ def _deepep_sweep(cfg: BenchConfig, world_size: int, gpu: str, which: int) -> Li
     return sorted((t, v) for t, v in pts.items() if lo <= t <= hi)
 
 
-def _bars(plt, cfg: BenchConfig, rows: Sequence[CaseRow], world_size: int, gpu: str):  # type: ignore[no-untyped-def]
+def _bars(plt, cfg: BenchConfig, rows: Sequence[CaseRow], world_size: int, gpu: str,  # type: ignore[no-untyped-def]
+          deepep: Optional[List[float]] = None):
     metrics = (("dispatch", "dispatch"), ("combine", "combine"), ("dc", "dispatch+combine (wall)"))
     labels: List[str] = []
     values: List[List[float]] = []
@@ -103,7 +131,14 @@ def _bars(plt, cfg: BenchConfig, rows: Sequence[CaseRow], world_size: int, gpu: 
         labels.append("DeepEP (measured\nseparately; range\nmidpoints)")
         values.append([refnum.midpoint(ref.dispatch_us), refnum.midpoint(ref.combine_us),
                        ref.dispatch_combine_us])
-    fig, ax = plt.subplots(figsize=(max(9.0, 1.6 * len(labels) + 2), 5))
+    if deepep is not None:
+        labels.append("DeepEP\n(this run)")
+        values.append(list(deepep))
+    if deepep is not None:
+        fig, (ax, rax) = plt.subplots(1, 2, figsize=(max(9.0, 1.6 * len(labels) + 2) + 5, 5),
+                                      gridspec_kw={"width_ratios": [max(2.0, len(labels)), 2.0]})
+    else:
+        fig, ax = plt.subplots(figsize=(max(9.0, 1.6 * len(labels) + 2), 5))
     width = 0.8 / len(metrics)
     for j, (_m, name) in enumerate(metrics):
         xs = [i + (j - (len(metrics) - 1) / 2) * width for i in range(len(labels))]
@@ -118,4 +153,24 @@ def _bars(plt, cfg: BenchConfig, rows: Sequence[CaseRow], world_size: int, gpu: 
     ax.set_ylabel(f"time, us (T={cfg.tokens[0]}; per kernel where measured, else wall)")
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
+    if deepep is not None:
+        _ratio_bars(rax, rows, values[:len(rows)], deepep, [name for _m, name in metrics])
     return fig
+
+
+def _ratio_bars(ax, rows: Sequence[CaseRow], values: List[List[float]], deepep: List[float],  # type: ignore[no-untyped-def]
+                names: List[str]) -> None:
+    """DeepEP's time over pyep's per metric (above 1: pyep faster), the native rows only."""
+    natives = [(r, v) for r, v in zip(rows, values) if r.backend == "native"]
+    width = 0.8 / max(1, len(natives))
+    for i, (r, v) in enumerate(natives):
+        ys = [d / x if x and not math.isnan(x) else 0.0 for d, x in zip(deepep, v)]
+        xs = [j + (i - (len(natives) - 1) / 2) * width for j in range(len(names))]
+        ax.bar(xs, ys, width, label=f"{r.transport} {r.routing}")
+    ax.axhline(1.0, color="k", linestyle=":")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels([n.replace(" (wall)", "") for n in names], fontsize=8)
+    ax.set_ylabel("DeepEP time / pyep time (same run)")
+    ax.set_title("speed-up over DeepEP", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)

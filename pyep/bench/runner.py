@@ -16,13 +16,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from . import kineto
 from .routing import RoutedBatch
-from .sync import PROFILED_SLEEP_CYCLES, Sync, WallTimer
+from .sync import Sync, timed_call
 
 if TYPE_CHECKING:
     import torch
@@ -87,20 +86,11 @@ class CaseRunner:
 
     def _step(self, phase: str, it: int, fn: Callable[[], Any], samples: Optional[Dict[str, List[float]]],
               ranged: bool, host: Optional[Dict[str, List[float]]] = None) -> Any:
-        import torch
-        self.sync.barrier(f"before {phase} of {self.label}, iteration {it}")
-        self.sync.align(PROFILED_SLEEP_CYCLES if ranged else 0)
-        timer = WallTimer(self.sync.cuda)
-        ctx = torch.profiler.record_function(kineto.range_name(phase, it)) if ranged else nullcontext()
-        with ctx, timer.measure():
-            t0 = time.perf_counter()
-            result = fn()
-            t1 = time.perf_counter()
-        self.sync.device_wait(f"{phase} of {self.label}, iteration {it}")
+        result, wall_us, host_us = timed_call(self.sync, phase, it, self.label, fn, ranged)
         if samples is not None:
-            samples[phase].append(timer.elapsed_us())
+            samples[phase].append(wall_us)
         if host is not None:
-            host[phase].append((t1 - t0) * 1e6)
+            host[phase].append(host_us)
         return result
 
     def iteration(self, it: int, samples: Optional[Dict[str, List[float]]], ranged: bool,

@@ -13,6 +13,7 @@ from .config import BenchConfig, RoutingSpec
 from .guard import CheckResult, run_guard
 from .routing import make_batch
 from .runner import EAGER_METRICS, METRICS, NATIVE_KEYWORDS, CaseRunner, gather_samples
+from .sharing import Sharing
 from .sync import Sync
 
 if TYPE_CHECKING:
@@ -117,6 +118,11 @@ class Suite:
         self.notes: List[str] = []
         self.specs: Optional[List[BufferSpec]] = None   # decided when the first buffer is built
         cfg.check_world(self.world_size)
+        if self.sync.staged and cfg.backend in ("reference", "both"):
+            raise ValueError(f"--backend {cfg.backend}: on a gloo group the reference backend works on host "
+                             "tensors, and this run keeps its data on the GPU (ranks sharing a GPU measure the "
+                             "native backend); add --device cpu to measure the reference")
+        self.sharing = Sharing.gather(self.sync, device)
 
     # ------------------------------------------------------------------ buffers
     def _new_buffer(self, backend: str, transport: str, tokens: int) -> Any:
@@ -146,6 +152,10 @@ class Suite:
         ref = BufferSpec("reference", self.dist_backend)
         natives = [BufferSpec("native", t) for t in c.transports]
         built: List[Tuple[BufferSpec, Any, str]] = []
+        if self.specs is None and c.backend == "auto" and self.sync.staged:
+            self.specs = natives
+            self.notes.append("the reference backend is not measured: on a gloo group it works on host tensors "
+                              "(--device cpu measures it)")
         if self.specs is None and c.backend == "auto":
             first, why = self._build(natives[0], tokens, backend_arg="auto")
             if first is not None and first.backend_name == "native":

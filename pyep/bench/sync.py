@@ -1,11 +1,17 @@
 """Bounded synchronisation for the benchmark: barriers between phases, waits for the device, and
-gathers of results to rank 0. Every wait has a deadline and its error names what it waited for."""
+gathers of results to rank 0. Every wait has a deadline and its error names what it waited for.
+
+The group's collectives take tensors on the group's device (pyep.ep._dist.group_device): the GPU for
+NCCL, host memory for gloo. Ranks that share a GPU run a gloo group (NCCL refuses two ranks on one
+GPU) with their data on the GPU: every collective here then stages its tensors through host memory,
+and the start of a timed call is lined up on the host clock instead of by an all-reduce on the stream
+(see align)."""
 from __future__ import annotations
 
 import datetime
 import time
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, List, Optional
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
 
 if TYPE_CHECKING:
     import torch
@@ -22,23 +28,38 @@ ALIGN_SLEEP_CYCLES = 2_000_000
 # and the others' kernels count the wait: combine p99 of ~235 us against a 51 us median on 4 H200s);
 # the profiled pass sleeps longer.
 PROFILED_SLEEP_CYCLES = 8_000_000
+# The staged start gate (align on a gloo group): the start time the ranks agree on lies this far after
+# the slowest rank's proposal, more than a loopback gloo all-reduce takes to release every rank, so
+# each rank reaches the gate before the agreed moment and leaves it within microseconds of the others.
+GATE_LEAD_NS = 2_000_000
+# A start time further ahead than this is clock skew between hosts (the gate is meant for one host):
+# the rank waits this long at most and the start counts as late.
+GATE_MAX_WAIT_NS = 50_000_000
 
 
 class Sync:
-    """Barriers and device waits on one process group. On CUDA the barrier is an all-reduce on the
+    """Barriers and device waits on one process group. On NCCL the barrier is an all-reduce on the
     current stream followed by a polled event, so the host wait is bounded and every rank leaves the
-    barrier as soon as its GPU has seen all peers (a few microseconds apart)."""
+    barrier as soon as its GPU has seen all peers (a few microseconds apart). On gloo it is a host
+    all-reduce with a bounded wait; `staged` says the data lives on a GPU the group cannot reach."""
 
     def __init__(self, group: "dist.ProcessGroup", device: "torch.device", timeout_s: float) -> None:
         import torch
         import torch.distributed as dist
+
+        from ..ep._dist import group_device
         self.group = group
         self.device = device
         self.timeout_s = timeout_s
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group)).lower()
         self.cuda = device.type == "cuda"
-        self._token = torch.ones(1, dtype=torch.int32, device=device)
+        self.comm = group_device(group)
+        self.staged = self.cuda and self.comm.type != "cuda"
+        self.gates = 0          # staged start gates passed, and how many of them this rank reached late
+        self.late_starts = 0
+        self._token = torch.ones(1, dtype=torch.int32, device=self.comm)
         if self.cuda:
             self._flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
             self._lhs = torch.randn(GEMM_N, GEMM_N, device=device).to(torch.bfloat16)
@@ -49,7 +70,7 @@ class Sync:
         return list(range(self.world_size))
 
     def wait_work(self, work: "dist.Work", what: str) -> None:
-        if self.cuda:
+        if self.comm.type == "cuda":
             # NCCL: wait() only orders the current stream after the collective; the bounded host wait
             # is the spinning device_wait. (A wait(timeout=...) would poll with millisecond sleeps
             # and let the ranks leave the barrier milliseconds apart.)
@@ -102,24 +123,72 @@ class Sync:
         with torch.profiler.record_function("pyep_bench::align"):
             self._flush.zero_()
             torch.mm(self._lhs, self._rhs, out=self._prod)
+            if self.staged:
+                # gloo cannot order the stream, so the host lines the ranks up: flush and GEMM done,
+                # every rank leaves the gate at one agreed host-clock moment (ranks sharing a GPU share
+                # the host's clock), then the device sleep holds the stream while the host queues the
+                # whole timed call behind it. The starts differ by the launch of one sleep kernel.
+                self.device_wait("the alignment's L2 flush and GEMM")
+                self.gate("start gate")
+                torch.cuda._sleep(sleep_cycles or ALIGN_SLEEP_CYCLES)
+                return
             torch.cuda._sleep(sleep_cycles or ALIGN_SLEEP_CYCLES)
             dist.all_reduce(self._token, op=dist.ReduceOp.MIN, group=self.group)
+
+    def gate(self, what: str, clock: "Callable[[], int]" = time.time_ns) -> None:
+        """Host-side start gate (bounded): the ranks agree on a moment GATE_LEAD_NS after the latest of
+        their proposals and spin until it. CLOCK_REALTIME is one clock for every process of a host;
+        across hosts it is only NTP-close, and a wait past GATE_MAX_WAIT_NS is cut short."""
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([clock() + GATE_LEAD_NS], dtype=torch.int64)
+        self.wait_work(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                       f"barrier ({what})")
+        start = int(t.item())
+        now = clock()
+        self.gates += 1
+        if now >= start or start - now > GATE_MAX_WAIT_NS:
+            self.late_starts += 1
+            if now >= start:
+                return
+            start = now + GATE_MAX_WAIT_NS
+        while clock() < start:
+            pass
+
+    def gate_note(self) -> Optional[str]:
+        """Collective: how often a rank reached the staged start gate after the agreed moment (its call
+        then started late and the others' kernels counted the wait); None when never, or no gate ran."""
+        import torch
+        counts = self.gather(torch.tensor([self.late_starts, self.gates], dtype=torch.int64), "start-gate counts")
+        late = {r: int(c[0]) for r, c in enumerate(counts) if int(c[0])}
+        gates = max(int(c[1]) for c in counts)
+        if not late or not gates:
+            return None
+        return (f"start gate: rank(s) {', '.join(f'{r} ({n})' for r, n in late.items())} of {gates} timed calls "
+                f"reached it late; their calls started up to a host hiccup behind the others")
 
     def all_min(self, value: int, what: str) -> int:
         import torch
         import torch.distributed as dist
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        t = torch.tensor([value], dtype=torch.int64, device=self.comm)
         self.wait_work(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True), what)
         return int(t.item())
 
-    def gather(self, t: "torch.Tensor", what: str) -> List["torch.Tensor"]:
-        """Every rank's copy of a same-shaped tensor (returned on all ranks, as CPU tensors)."""
+    def _gather(self, t: "torch.Tensor", what: str) -> List["torch.Tensor"]:
         import torch
         import torch.distributed as dist
-        src = t.to(self.device).contiguous()
+        src = t.to(self.comm).contiguous()
         outs = [torch.empty_like(src) for _ in range(self.world_size)]
         self.wait_work(dist.all_gather(outs, src, group=self.group, async_op=True), what)
-        return [o.cpu() for o in outs]
+        return outs
+
+    def gather(self, t: "torch.Tensor", what: str) -> List["torch.Tensor"]:
+        """Every rank's copy of a same-shaped tensor (returned on all ranks, as CPU tensors)."""
+        return [o.cpu() for o in self._gather(t, what)]
+
+    def gather_on_device(self, t: "torch.Tensor", what: str) -> List["torch.Tensor"]:
+        """gather(), the copies on this rank's device (staged through host memory on a gloo group)."""
+        return [o.to(self.device) for o in self._gather(t, what)]
 
     def gather_strings(self, text: str, what: str, width: int = 256) -> List[str]:
         import torch
@@ -133,6 +202,25 @@ class Sync:
             n = int(row[0])
             out.append(bytes(row[1:1 + n].tolist()).decode("utf-8", errors="replace"))
         return out
+
+
+def timed_call(sync: Sync, phase: str, it: int, label: str, fn: Callable[[], Any],
+               ranged: bool) -> Tuple[Any, float, float]:
+    """One timed call as both modes' timing loops take it: barrier, align, the call (inside the kineto
+    range of (phase, it) when `ranged`), bounded device wait. (result, wall us, host us in the call)."""
+    import torch
+
+    from . import kineto
+    sync.barrier(f"before {phase} of {label}, iteration {it}")
+    sync.align(PROFILED_SLEEP_CYCLES if ranged else 0)
+    timer = WallTimer(sync.cuda)
+    ctx = torch.profiler.record_function(kineto.range_name(phase, it)) if ranged else nullcontext()
+    with ctx, timer.measure():
+        t0 = time.perf_counter()
+        result = fn()
+        t1 = time.perf_counter()
+    sync.device_wait(f"{phase} of {label}, iteration {it}")
+    return result, timer.elapsed_us(), (t1 - t0) * 1e6
 
 
 class WallTimer:

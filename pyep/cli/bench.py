@@ -1,7 +1,10 @@
-"""`pyep bench`: the low-latency EP benchmark (`--mode normal`: the normal mode's, pyep/bench/normal.py). Run one process per GPU (torchrun or `pyep launch`); a
-plain `pyep bench` runs a single rank. Settings come from the flags, else from the PYEP_EP_* variables
-`pyep launch` exports, else the defaults (T=128, H=7168, K=8, E=288, FP8 dispatch / BF16 combine).
-Rank 0 prints the tables and writes bench.json, bench.txt and bench.png into --out.
+"""`pyep bench`: the low-latency EP benchmark (`--mode normal`: the normal mode's, pyep/bench/normal.py).
+Run one process per rank (torchrun or `pyep launch`); a plain `pyep bench` runs a single rank. More
+ranks than GPUs share them: rank r on cuda:(r % GPUs), a gloo group, kernels side by side under the
+CUDA MPS daemon (start it first: nvidia-cuda-mps-control -d; the output says when it is off).
+Settings come from the flags, else from the PYEP_EP_* variables `pyep launch` exports, else the
+defaults (T=128, H=7168, K=8, E=288, FP8 dispatch / BF16 combine).
+Rank 0 prints the tables (120 columns) and writes bench.json, bench.txt and bench.png into --out.
 Exit status: 0 all measured rows passed the correctness guard, 1 a row failed it or nothing could be
 measured, 2 bad input."""
 from __future__ import annotations
@@ -42,9 +45,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-sms", nargs="?", const=",".join(map(str, NORMAL_SWEEP_SMS)), metavar="LIST",
                    help=f"one row per SM count (default list {','.join(map(str, NORMAL_SWEEP_SMS))})")
     g.add_argument("--deepep", action="store_true",
-                   help="also run DeepEP V1 (.anchors/deepep, tools/deepep_baseline.py) and show its figures")
+                   help="also run DeepEP V1's own test (.anchors/deepep, tools/deepep_baseline.py) after ours and "
+                        "show its figures; normal mode: its test_intranode.py on DeepEP and on pyep's shim")
     g.add_argument("--deepep-json", metavar="PATH", help="show DeepEP figures from an earlier "
                                                           "tools/deepep_baseline.py run instead")
+    g.add_argument("--copy-mb", type=int, help="MB of the device's copy-rate measurement (default 256; 0 skips it)")
     g = p.add_argument_group("shape")
     g.add_argument("--tokens", help="max dispatch tokens per rank T, or a comma list (default 128; "
                                     "normal mode: tokens per rank, default 4096)")
@@ -152,15 +157,23 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Tu
     return cfg, dist_backend, notes
 
 
+def _device_choice(device: str, dist_backend: str, backends: Tuple[str, ...]) -> str:
+    """A gloo run of the reference backend alone stays on the CPU (gloo's reference works on host
+    tensors); everything else keeps --device."""
+    if device == "auto" and dist_backend == "gloo" and set(backends) == {"reference"}:
+        return "cpu"
+    return device
+
+
 def _init_distributed(device: str, dist_backend: str, timeout_s: float,
                       environ: Mapping[str, str]) -> Tuple[Any, Any, bool]:
     """pyep.bench.dist.init_distributed with bad flags or variables as CliError."""
     from ..bench.dist import plan_distributed, start_distributed
     try:
         plan = plan_distributed(device, dist_backend, environ)
+        return start_distributed(plan, timeout_s, device)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    return start_distributed(plan, timeout_s)
 
 
 def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> int:
@@ -172,11 +185,12 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     if getattr(args, "mode", "ll") == "normal":
         return _run_normal(args, env)
     for flag, given in (("--num-sms", args.num_sms), ("--sweep-sms", args.sweep_sms),
-                        ("--deepep-json", args.deepep_json)):
+                        ("--deepep-json", args.deepep_json), ("--copy-mb", args.copy_mb)):
         if given is not None:
             raise CliError(f"{flag} is a normal-mode option: add --mode normal")
     cfg, dist_backend, notes = config_from_args(args, env)
-    group, device, owned = _init_distributed(args.device, dist_backend, cfg.wait_timeout_s, env)
+    group, device, owned = _init_distributed(_device_choice(args.device, dist_backend, (cfg.backend,)),
+                                             dist_backend, cfg.wait_timeout_s, env)
     try:
         return _run(cfg, args, env, group, device, notes)
     finally:
@@ -187,29 +201,27 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
 
 def _run(cfg: BenchConfig, args: argparse.Namespace, environ: Mapping[str, str], group, device,  # type: ignore[no-untyped-def]
          notes: List[str]) -> int:
-    from rich.console import Console
-
     from ..bench import plot as plotting
     from ..bench import report
-    from ..bench.dist import device_name, progress
+    from ..bench.dist import progress
     from ..bench.suite import Suite
+    from ..bench.tables import console as new_console
     try:
         suite = Suite(cfg, group, device, progress=progress)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    names = suite.sync.gather_strings(device_name(device), "device names")
     rows = suite.run()
+    gate = suite.sync.gate_note()
     if suite.rank != 0:
         return _exit_code(rows)
-    notes = notes + suite.notes
-    env_info = report.environment(names, suite.dist_backend)
+    notes = notes + suite.notes + ([gate] if gate else [])
+    env_info = report.environment(suite.sharing.device_names, suite.dist_backend, suite.sharing)
     out_dir = args.out or environ.get("PYEP_RUN_DIR") or os.path.join(
         "runs", "bench-" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
-    width = None if sys.stdout.isatty() else 200
-    console = Console(record=True, width=width)
-    deepep_doc, deepep_note = (_deepep_ll_run(cfg, suite.world_size, out_dir, device) if args.deepep
-                               else (None, ""))
+    console = new_console()
+    deepep_doc, deepep_note = (_deepep_ll_run(cfg, suite.world_size, out_dir, device, suite.sharing.shared_gpu)
+                               if args.deepep else (None, ""))
     deepep_pair = report.deepep_eager_pair(deepep_doc)
     report.render(console, cfg, env_info, rows, notes, deepep_pair)
     doc = report.bench_document(cfg, env_info, rows, notes)
@@ -220,12 +232,23 @@ def _run(cfg: BenchConfig, args: argparse.Namespace, environ: Mapping[str, str],
     json_path = os.path.join(out_dir, "bench.json")
     png: Optional[str] = None
     if cfg.plot:
-        png = plotting.plot(os.path.join(out_dir, "bench.png"), cfg, rows, suite.world_size, names[0])
+        png = plotting.plot(os.path.join(out_dir, "bench.png"), cfg, rows, suite.world_size,
+                            suite.sharing.device_names[0], deepep_doc, env_info["where"])
     doc["files"] = {"json": "bench.json", "text": "bench.txt", "plot": os.path.basename(png) if png else None}
     report.write_json(json_path, doc)
-    console.print(f"results: {json_path}" + (f", {png}" if png else ""), markup=False, highlight=False)
+    _results_line(console, json_path, png, cfg.plot)
     console.save_text(os.path.join(out_dir, "bench.txt"))
     return _exit_code(rows)
+
+
+def _results_line(console: Any, json_path: str, png: Optional[str], wanted: bool) -> None:
+    """The files, one a line and never broken (a path is copied from here)."""
+    from ..bench.plot import NO_MATPLOTLIB, pyplot
+    console.print(f"results: {json_path}", markup=False, highlight=False, soft_wrap=True)
+    if png:
+        console.print(f"plot: {png}", markup=False, highlight=False, soft_wrap=True)
+    elif wanted and pyplot(json_path) is None:
+        console.print(NO_MATPLOTLIB, markup=False, highlight=False)
 
 
 def _run_normal(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -239,7 +262,8 @@ def _run_normal(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     except (ValueError, TypeError) as exc:
         raise CliError(str(exc)) from None
     dist_backend = args.dist_backend or "auto"
-    group, device, owned = _init_distributed(args.device, dist_backend, cfg.wait_timeout_s, environ)
+    group, device, owned = _init_distributed(_device_choice(args.device, dist_backend, cfg.backends),
+                                             dist_backend, cfg.wait_timeout_s, environ)
     try:
         return _run_normal_rank(cfg, args, environ, group, device, notes)
     finally:
@@ -250,38 +274,33 @@ def _run_normal(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
 def _run_normal_rank(cfg: NormalBenchConfig, args: argparse.Namespace, environ: Mapping[str, str], group: Any,
                      device: Any, notes: List[str]) -> int:
-    import torch
-    from rich.console import Console
-
-    from ..bench.dist import device_name, progress
+    from ..bench.dist import progress
     from ..bench.normal import NormalSuite, exit_code
-    from ..bench.normal_report import deepep_figures, document, plot, render
+    from ..bench.normal_plot import plot
+    from ..bench.normal_report import document, render
     from ..bench.report import environment, write_json
+    from ..bench.tables import console as new_console
     try:
         suite = NormalSuite(cfg, group, device, progress=progress)
     except (ValueError, ImportError) as exc:
         raise CliError(str(exc)) from None
-    names = suite.sync.gather_strings(device_name(device), "device names")
     rows = suite.run()
+    gate = suite.sync.gate_note()
     code = exit_code(rows)
     if suite.rank != 0:
         return code   # the other ranks are done: rank 0 alone runs DeepEP (the GPUs are free now)
     out_dir = args.out or environ.get("PYEP_RUN_DIR") or os.path.join("runs", "bench-normal-" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
-    deepep = None
-    if args.deepep and not args.deepep_json and device.type != "cuda":
-        notes.append("--deepep: DeepEP runs on GPUs only; not run")
-    elif args.deepep or args.deepep_json:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        extra = ["--num-tokens", str(cfg.tokens), "--hidden", str(cfg.hidden), "--num-topk", str(cfg.topk),
-                 "--num-experts", str(cfg.experts)]
-        deepep, note = deepep_figures("intranode", suite.world_size, extra, out_dir, args.deepep_json)
-        notes.append(note)
-    env_info = environment(names, suite.dist_backend)
-    console = Console(record=True, width=None if sys.stdout.isatty() else 220)
-    render(console, cfg, env_info, rows, notes + suite.notes, deepep)
-    doc = document(cfg, env_info, rows, notes + suite.notes, deepep)
+    sharing = suite.sharing
+    deepep, shim = _deepep_normal_run(cfg, args, suite.world_size, out_dir, device, notes)
+    if deepep is not None and deepep.get("mps_started") and sharing.time_sliced:
+        notes.append("DeepEP ran under MPS (deepep_v1.sh started the daemon) while pyep's rows were time-sliced: "
+                     "not the same conditions; start the MPS daemon before the benchmark")
+    notes = notes + suite.notes + ([gate] if gate else [])
+    env_info = environment(sharing.device_names, suite.dist_backend, sharing)
+    console = new_console()
+    render(console, cfg, env_info, rows, notes, deepep, suite.copy, shim)
+    doc = document(cfg, env_info, rows, notes, deepep, suite.copy, shim)
     internode = None
     if suite.ranks_per_node is not None:
         from ..bench.normal_internode_report import attach
@@ -290,23 +309,50 @@ def _run_normal_rank(cfg: NormalBenchConfig, args: argparse.Namespace, environ: 
     png = None
     if cfg.plot:
         nodes = "" if internode is None else f" in {internode['num_nodes']} nodes"
-        png = plot(os.path.join(out_dir, "bench_normal.png"), cfg, rows, deepep,
+        png = plot(os.path.join(out_dir, "bench_normal.png"), rows, deepep,
                    f"pyep normal mode: N={cfg.tokens} H={cfg.hidden} K={cfg.topk} E={cfg.experts}, "
-                   f"{suite.world_size} ranks{nodes} ({names[0]})", internode)
+                   f"{env_info['where']}{nodes}", internode, shim)
     doc["files"] = {"json": "bench_normal.json", "text": "bench_normal.txt", "plot": os.path.basename(png) if png else None}
-    write_json(os.path.join(out_dir, "bench_normal.json"), doc)
-    console.print(f"results: {os.path.join(out_dir, 'bench_normal.json')}" + (f", {png}" if png else ""),
-                  markup=False, highlight=False)
+    json_path = os.path.join(out_dir, "bench_normal.json")
+    write_json(json_path, doc)
+    _results_line(console, json_path, png, cfg.plot)
     console.save_text(os.path.join(out_dir, "bench_normal.txt"))
     return code
 
 
-def _deepep_ll_run(cfg: BenchConfig, world_size: int, out_dir: str, device) -> Tuple[Optional[dict], str]:  # type: ignore[no-untyped-def]
+def _deepep_normal_run(cfg: NormalBenchConfig, args: argparse.Namespace, world: int, out_dir: str, device: Any,
+                       notes: List[str]) -> Tuple[Optional[dict], Optional[dict]]:
+    """(DeepEP's document, pyep's shim under DeepEP's harness): DeepEP's test_intranode.py on both
+    libraries, after our ranks left the GPUs; --deepep-json loads DeepEP's from a file instead."""
+    from ..bench.deepep_run import deepep_figures
+    if not (args.deepep or args.deepep_json):
+        return None, None
+    if args.deepep and not args.deepep_json and device.type != "cuda":
+        notes.append("--deepep: DeepEP runs on GPUs only; not run")
+        return None, None
+    if device.type == "cuda":
+        import torch
+        torch.cuda.empty_cache()
+    extra = ["--num-tokens", str(cfg.tokens), "--hidden", str(cfg.hidden), "--num-topk", str(cfg.topk),
+             "--num-experts", str(cfg.experts)]
+    deepep, note = deepep_figures("intranode", world, extra, out_dir, args.deepep_json)
+    notes.append(note)
+    shim = None
+    if args.deepep and deepep is not None and device.type == "cuda":
+        shim, note = deepep_figures("intranode", world, extra, out_dir, on="pyep")
+        notes.append(note)
+    return deepep, shim
+
+
+def _deepep_ll_run(cfg: BenchConfig, world_size: int, out_dir: str, device, shared: bool) -> Tuple[Optional[dict], str]:  # type: ignore[no-untyped-def]
     """DeepEP's LL test on the same GPUs (rank 0, after the other ranks left): (document, note); a
     missing DeepEP is a note. Run before our tables are printed, so its eager pair sits beside ours."""
-    from ..bench.normal_report import deepep_figures
+    from ..bench.deepep_run import deepep_figures
     if device.type != "cuda":
         return None, "--deepep: DeepEP runs on GPUs only; not run"
+    if shared:
+        return None, ("--deepep: DeepEP's low-latency mode cannot run ranks that share a GPU (NVSHMEM finds no "
+                      "path between them and its kernel faults); not run")
     import torch
     torch.cuda.empty_cache()
     extra = ["--num-tokens", str(cfg.tokens[0]), "--hidden", str(cfg.hidden), "--num-topk", str(cfg.topk),
