@@ -77,19 +77,33 @@ def _expected_combine(topk_idx: torch.Tensor, gidx: torch.Tensor, bias: Any, nod
     return acc.to(torch.bfloat16)
 
 
-def _make_buffer(nodes: int) -> Any:
+def _make_buffer(nodes: int, backend: str) -> Any:
     if nodes > 1:
         os.environ["PYEP_VIRTUAL_NODE_SIZE"] = str(dist.get_world_size() // nodes)
     try:
         return deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=T_MAX, hidden=HIDDEN,
-                                     explicitly_destroy=True, backend="reference")
+                                     explicitly_destroy=True, backend=backend)
     finally:
         os.environ.pop("PYEP_VIRTUAL_NODE_SIZE", None)
 
 
-def check_test_ep_flow(nodes: int, cpu_sync: bool) -> Dict[str, Any]:
+def _to(v: Any, dev: torch.device) -> Any:
+    return tuple(t.to(dev) for t in v) if isinstance(v, tuple) else v.to(dev)
+
+
+def _cpu(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return tuple(_cpu(t) for t in v)
+    return v.cpu() if isinstance(v, torch.Tensor) else v
+
+
+def check_test_ep_flow(nodes: int, cpu_sync: bool, backend: str = "reference") -> Dict[str, Any]:
+    """Inputs are made on the CPU and passed on the backend's device (rank_device); outputs are
+    checked on the CPU."""
+    from ep_native_cases import rank_device
     rank, r_n = dist.get_rank(), dist.get_world_size()
-    buffer = _make_buffer(nodes)
+    dev = rank_device(backend)
+    buffer = _make_buffer(nodes, backend)
     assert buffer.get_logical_domain_size() == (nodes, r_n // nodes)
     e_l = EXPERTS // r_n
     num_sms = buffer.get_theoretical_num_sms(EXPERTS, TOPK)
@@ -124,33 +138,36 @@ def check_test_ep_flow(nodes: int, cpu_sync: bool) -> Dict[str, Any]:
         def launch(name: str, **params: Any) -> Any:
             if with_previous_event:
                 params.update(previous_event=buffer.capture())
+            params = {k: (v.to(dev) if isinstance(v, torch.Tensor) else
+                          tuple(t.to(dev) for t in v) if isinstance(v, tuple) else v) for k, v in params.items()}
             values = getattr(buffer, name)(async_with_compute_stream=async_mode,
                                            allocate_on_comm_stream=allocate, **params)
             values[-1].current_stream_wait() if async_mode else ()
-            return values
+            return tuple(_cpu(v) for v in values)
 
-        dispatch_args = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, num_sms=num_sms, num_qps=num_qps,
+        x_d, topk_idx_d, topk_weights_d = _to(x, dev), topk_idx.to(dev), topk_weights.to(dev)
+        dispatch_args = dict(x=x_d, topk_idx=topk_idx_d, topk_weights=topk_weights_d, num_sms=num_sms, num_qps=num_qps,
                              num_max_tokens_per_rank=T_MAX, num_experts=EXPERTS, expert_alignment=expert_alignment,
                              do_handle_copy=copy, do_cpu_sync=cpu_sync)
         recv_x, recv_topk_idx, recv_topk_weights, handle, _ = launch('dispatch', **dispatch_args)
         e_recv_x, e_recv_topk_idx, e_recv_topk_weights, e_handle, _ = launch(
             'dispatch', **dispatch_args, do_expand=True, use_tma_aligned_col_major_sf=True)
-        c_recv_x, c_recv_topk_idx, _, c_handle, _ = launch('dispatch', x=x, num_sms=num_sms, num_qps=num_qps,
+        c_recv_x, c_recv_topk_idx, _, c_handle, _ = launch('dispatch', x=x_d, num_sms=num_sms, num_qps=num_qps,
                                                            handle=handle)
-        ce_recv_x, _, ce_recv_w, _, _ = launch('dispatch', x=x, topk_weights=topk_weights, handle=e_handle,
+        ce_recv_x, _, ce_recv_w, _, _ = launch('dispatch', x=x_d, topk_weights=topk_weights_d, handle=e_handle,
                                               do_expand=True, use_tma_aligned_col_major_sf=True,
                                               do_zero_padding=True)
         num_recv = handle.psum_num_recv_tokens_per_scaleup_rank[-1].item()
         assert num_recv == rows == e_handle.psum_num_recv_tokens_per_scaleup_rank[-1].item()
         assert (recv_topk_idx.shape[0] == rows) == cpu_sync
         # Handle copies, cached handle, scale-up prefix sum.
-        assert (topk_idx.data_ptr() != handle.topk_idx.data_ptr()) == bool(copy) and c_handle is handle
+        assert (topk_idx_d.data_ptr() != handle.topk_idx.data_ptr()) == bool(copy) and c_handle is handle
         counts = [sum(per_source[s] for s in range(j, r_n, buffer.num_scaleup_ranks))
                   for j in range(buffer.num_scaleup_ranks)]
         assert handle.psum_num_recv_tokens_per_scaleup_rank.tolist() == torch.tensor(counts).cumsum(0).tolist()
         # Rows, bit for bit, in (source, token) order (= sorted by recv_src_metadata[:, 0]).
         data = recv_x[0] if use_fp8 else recv_x
-        assert torch.equal(handle.recv_src_metadata[:rows, 0], ref_src_t)
+        assert torch.equal(handle.recv_src_metadata[:rows, 0].cpu(), ref_src_t)
         if use_fp8:
             assert torch.equal(data[:rows].view(torch.uint8), torch.cat(ref_x).view(torch.uint8))
             assert torch.equal(recv_x[1][:rows], torch.cat(ref_sf))
@@ -171,8 +188,8 @@ def check_test_ep_flow(nodes: int, cpu_sync: bool) -> Dict[str, Any]:
         # Expanded rows: every slot of a row holds that row; padding of the cached zero-padded one is 0.
         assert e_recv_topk_idx is None and e_recv_topk_weights.dim() == 1
         e_data, ce_data = (e_recv_x[0], ce_recv_x[0]) if use_fp8 else (e_recv_x, ce_recv_x)
-        slots = e_handle.recv_src_metadata[:rows, 2:]
-        assert torch.equal(e_handle.recv_src_metadata[:rows, 0], ref_src_t)
+        slots = e_handle.recv_src_metadata[:rows, 2:].cpu()
+        assert torch.equal(e_handle.recv_src_metadata[:rows, 0].cpu(), ref_src_t)
         for k in range(TOPK):
             valid = slots[:, k] >= 0
             sl = slots[valid, k].long()
@@ -194,9 +211,9 @@ def check_test_ep_flow(nodes: int, cpu_sync: bool) -> Dict[str, Any]:
                 assert (pos >= 0) == bool(((topk_idx[t] >= d * e_l) & (topk_idx[t] < (d + 1) * e_l)).any())
                 assert pos < 0 or metas[d][pos] == rank * T_MAX + t
         # Cumulative stats: the unaligned per-expert counts, added by every dispatch that takes them.
-        stats = torch.zeros((e_l,), dtype=torch.int)
+        stats = torch.zeros((e_l,), dtype=torch.int, device=dev)
         launch('dispatch', **dispatch_args, cumulative_local_expert_recv_stats=stats)
-        launch('dispatch', x=x, handle=handle, cumulative_local_expert_recv_stats=stats)
+        launch('dispatch', x=x_d, handle=handle, cumulative_local_expert_recv_stats=stats)
         assert stats.tolist() == [2 * c for c in ref_counts]
         # Combine: each rank returns its top-k outputs reduced in top-k order.
         y = pre_combine(ref_src_t.long(), TOPK, HIDDEN)
@@ -326,3 +343,45 @@ def check_api_surface() -> Dict[str, Any]:
 
 def test_api_surface(pool2: Any) -> None:
     assert sum(r["rows"] for r in pool2.run(check_api_surface)) > 0
+
+
+def check_graph_capture(backend: str = "native") -> Dict[str, Any]:
+    """do_cpu_sync=False on a GPU: no host synchronisation (torch's sync debug mode set to error) and a
+    dispatch + combine captured in a CUDA graph replays to the eager results on new inputs."""
+    from ep_native_cases import rank_device
+    dev = rank_device(backend)
+    rank = dist.get_rank()
+    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=T_MAX, hidden=HIDDEN, explicitly_destroy=True,
+                                backend=backend)
+
+    def step(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> Any:
+        recv, _, r_w, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=EXPERTS,
+                                               do_cpu_sync=False)
+        out, out_w, _ = buf.combine((recv.float() * 0.5).to(torch.bfloat16), handle, topk_weights=r_w)
+        return out, out_w
+
+    first = [t.to(dev) for t in _inputs(rank, 0, 1)[1:]]     # the same N per rank: the graph's static shapes
+    second = [t.to(dev) for t in _inputs(rank, 0, 2)[1:]]
+    eager = [t.cpu() for t in step(*second)]
+    torch.cuda.synchronize(dev)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(*first)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    static = [t.clone() for t in first]
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        step(*static)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(*static)
+    for dst, src in zip(static, second):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    assert torch.equal(outs[0].cpu(), eager[0]) and torch.equal(outs[1].cpu(), eager[1])
+    buf.destroy()
+    return {"tokens": int(first[0].shape[0])}
