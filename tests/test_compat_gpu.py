@@ -5,7 +5,8 @@ on 2 ranks (DistPool over gloo; rank r on GPU r % device_count, so one GPU is en
 profiling contract: one low-latency dispatch call and one combine call each show exactly one CUDA kernel
 whose name contains "dispatch" / "combine" (with the receive hook: one per launch), and no other kernel
 of the call matches those words; and DeepEP's per-source wait statistics on the kernels (a late rank
-stands out). Small shapes (T <= 16 in the API checks, T=64 H=2048 E=32 in the
+stands out); DeepEP V2's ElasticBuffer flow (tests/test_compat_elastic.py) on the native backend, and
+do_cpu_sync=False without host synchronisation and inside a CUDA graph. Small shapes (T <= 16 in the API checks, T=64 H=2048 E=32 in the
 profile) keep the file under two minutes on one shared GPU.
 """
 from __future__ import annotations
@@ -192,3 +193,16 @@ def test_profiler_one_kernel_per_launch(pool: Any, return_recv_hook: bool) -> No
     assert all(len(r["launches"]) == want for r in res)
     for name, names in res[0]["launches"].items():
         log.info("%s: %s", name, names)
+
+
+# ------------------------------------------------------------------- DeepEP V2 (deep_ep.ElasticBuffer)
+@pytest.mark.parametrize("cpu_sync", [True, False])
+def test_elastic_test_ep_flow(pool: Any, cpu_sync: bool) -> None:
+    from test_compat_elastic import check_test_ep_flow
+    res = pool.run(check_test_ep_flow, 1, cpu_sync, "native", timeout_s=RUN_S)
+    assert all(r["cases"] == 12 for r in res)
+
+
+def test_elastic_no_host_sync_and_cuda_graph(pool: Any) -> None:
+    from test_compat_elastic import check_graph_capture
+    assert all(r["tokens"] > 0 for r in pool.run(check_graph_capture, "native", timeout_s=RUN_S))

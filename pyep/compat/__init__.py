@@ -1,5 +1,6 @@
-"""Drop-in shims for code written against other EP libraries: `pyep.compat.deep_ep` (DeepEP V1's
-`deep_ep` module) and `pyep.compat.mooncake.Buffer` (Mooncake EP's `mooncake.mooncake_ep_buffer`).
+"""Drop-in shims for code written against other EP libraries: `pyep.compat.deep_ep` (DeepEP's `deep_ep`
+module: V1's Buffer, V2's ElasticBuffer) and `pyep.compat.mooncake.Buffer` (Mooncake EP's
+`mooncake.mooncake_ep_buffer`).
 
 Existing code keeps its imports after one opt-in line, run before it imports them:
 
@@ -57,10 +58,11 @@ def _install(aliases: Dict[str, types.ModuleType], top: str, force: bool) -> Lis
 
 
 def install_deep_ep_alias(force: bool = False) -> List[str]:
-    """Make `import deep_ep` (and deep_ep.buffer / deep_ep.utils) resolve to pyep.compat.deep_ep.
+    """Make `import deep_ep` (and deep_ep.buffer) resolve to pyep.compat.deep_ep and deep_ep.utils (its
+    EventOverlap and EventHandle, which Megatron-LM imports from there) to pyep.compat._events.
     Returns the module names installed; raises AliasConflict if a real DeepEP is importable."""
-    from . import deep_ep
-    return _install({"deep_ep": deep_ep, "deep_ep.buffer": deep_ep, "deep_ep.utils": deep_ep}, "deep_ep", force)
+    from . import _events, deep_ep
+    return _install({"deep_ep": deep_ep, "deep_ep.buffer": deep_ep, "deep_ep.utils": _events}, "deep_ep", force)
 
 
 def install_mooncake_alias(force: bool = False) -> List[str]:

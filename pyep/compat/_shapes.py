@@ -1,12 +1,14 @@
 """Shared by the drop-in shims: DeepEP and Mooncake pass the shape (T, E; H from x) on every call
 instead of at construction, so a shim keeps one EpBuffer per shape, created on first use (a
-collective, like the call that triggers it). Also the event wrapper both libraries return, the
-shared active-rank mask of DeepEP's shrink mode, and raw views of a native buffer."""
+collective, like the call that triggers it) -- at most `max_shapes` of them: past that the least
+recently used one is destroyed (docs/compat.md, "Low-latency buffers per shape"). Also the shared
+active-rank mask of DeepEP's shrink mode, and raw views of a native buffer."""
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, List, Optional, Set, Tuple, Union
 
 from ..ep.ll.buffer import EpBuffer
 from ..ep.config import MAX_TOPK
@@ -22,6 +24,10 @@ ShapeKey = Tuple[int, int, int]   # (num_max_dispatch_tokens_per_rank, hidden, n
 # pyep's kernels pick a peer's QP as `local expert % QPs per peer`, so QPs beyond one per local expert
 # carry nothing; 64 is EpConfig's upper bound.
 MAX_QPS_PER_PEER = 64
+# Low-latency buffers one shim instance keeps (each holds num_rdma_bytes / its size hint). DeepEP
+# and Mooncake size one buffer for every shape; a shape that varies per call (vLLM's padded batch
+# sizes, say) would otherwise pin one buffer per value for the life of the process.
+DEFAULT_MAX_SHAPES = 4
 
 
 def hidden_of(x: Any) -> int:
@@ -51,35 +57,57 @@ def qps_per_peer(requested: Optional[int], num_local_experts: int) -> Optional[i
     return nqp
 
 
+def check_max_shapes(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"max_ll_shapes must be an int >= 1 (low-latency buffers kept per Buffer), got {v!r}")
+    return v
+
+
 @dataclass
 class ShapeBuffers:
-    """EpBuffers of one shim instance, keyed by shape."""
+    """EpBuffers of one shim instance, keyed by shape, least recently used first. Every rank makes the
+    same calls with the same shapes (they are collectives), so every rank evicts the same buffer at
+    the same call and the eviction's destroy() pairs up across ranks."""
 
     group: Optional["dist.ProcessGroup"]
     template: EpConfig                      # transport/backend settings; shape fields replaced
     qps_per_rank: Optional[int] = None      # the caller's QP count, mapped per shape (qps_per_peer)
-    buffers: Dict[ShapeKey, EpBuffer] = field(default_factory=dict)
+    max_shapes: int = DEFAULT_MAX_SHAPES
+    buffers: "OrderedDict[ShapeKey, EpBuffer]" = field(default_factory=OrderedDict)
+    evicted: Set[ShapeKey] = field(default_factory=set)
     destroyed: bool = False
+
+    def __post_init__(self) -> None:
+        check_max_shapes(self.max_shapes)
 
     def get(self, key: ShapeKey, what: str) -> EpBuffer:
         if self.destroyed:
             raise RuntimeError(f"{what}() called after destroy()")
         buf = self.buffers.get(key)
-        if buf is None:
-            import torch.distributed as dist
-            from ..ep._dist import resolve_group
-            t, h, e = key
-            r_n = dist.get_world_size(resolve_group(self.group))
-            tpl = self.template
-            cfg = EpConfig(num_max_dispatch_tokens_per_rank=t, hidden=h, num_experts=e,
-                           max_topk=tpl.max_topk, transport=tpl.transport, allow_nvlink=tpl.allow_nvlink,
-                           device_name=tpl.device_name, timeout_us=tpl.timeout_us,
-                           num_qps_per_peer=qps_per_peer(self.qps_per_rank, max(1, e // r_n)),
-                           num_buffer_bytes=tpl.num_buffer_bytes, ranks_per_node=tpl.ranks_per_node,
-                           backend=tpl.backend, check_values=tpl.check_values)
-            buf = EpBuffer.from_config(cfg, self.group)
-            log.debug("created EpBuffer for T=%d H=%d E=%d", t, h, e)
-            self.buffers[key] = buf
+        if buf is not None:
+            self.buffers.move_to_end(key)
+            return buf
+        while len(self.buffers) >= self.max_shapes:
+            old_key, old = self.buffers.popitem(last=False)
+            log.info("low-latency buffer of shape T=%d H=%d E=%d evicted (max_ll_shapes=%d reached by "
+                     "T=%d H=%d E=%d); its handles are no longer valid", *old_key, self.max_shapes, *key)
+            self.evicted.add(old_key)
+            old.destroy()
+        import torch.distributed as dist
+        from ..ep._dist import resolve_group
+        t, h, e = key
+        r_n = dist.get_world_size(resolve_group(self.group))
+        tpl = self.template
+        cfg = EpConfig(num_max_dispatch_tokens_per_rank=t, hidden=h, num_experts=e,
+                       max_topk=tpl.max_topk, transport=tpl.transport, allow_nvlink=tpl.allow_nvlink,
+                       device_name=tpl.device_name, timeout_us=tpl.timeout_us,
+                       num_qps_per_peer=qps_per_peer(self.qps_per_rank, max(1, e // r_n)),
+                       num_buffer_bytes=tpl.num_buffer_bytes, ranks_per_node=tpl.ranks_per_node,
+                       backend=tpl.backend, check_values=tpl.check_values)
+        buf = EpBuffer.from_config(cfg, self.group)
+        log.debug("created EpBuffer for T=%d H=%d E=%d", t, h, e)
+        self.buffers[key] = buf
+        self.evicted.discard(key)
         return buf
 
     def for_handle(self, handle: Any, what: str) -> EpBuffer:
@@ -88,8 +116,15 @@ class ShapeBuffers:
             raise RuntimeError(f"{what}() called after destroy()")
         buf = self.buffers.get(key)
         if buf is None:
+            if key in self.evicted:
+                raise ValueError(f"{what}: the buffer of shape T={key[0]}, H={key[1]}, E={key[2]} that issued this "
+                                 f"handle was evicted (more than max_ll_shapes={self.max_shapes} shapes in use); "
+                                 f"dispatch again, or raise max_ll_shapes")
             raise ValueError(f"{what}: handle was issued by another Buffer (no buffer of shape "
                              f"T={key[0]}, H={key[1]}, E={key[2]} here)")
+        # A handle of an evicted buffer whose shape was made again is refused by the new buffer (its
+        # owner token differs).
+        self.buffers.move_to_end(key)
         return buf
 
     def destroy(self) -> None:
@@ -107,33 +142,6 @@ def template_config(*, backend: str, transport: str, device_name: str, timeout_u
                     transport=transport, allow_nvlink=allow_nvlink, device_name=device_name,
                     timeout_us=timeout_us, num_buffer_bytes=num_buffer_bytes, backend=backend,
                     check_values=check_values)
-
-
-class EventOverlap:
-    """DeepEP/Mooncake's event wrapper: `event`, `extra_tensors` (kept alive until the wrapper goes,
-    as DeepEP does for async calls), current_stream_wait() and `with event:` overlap blocks."""
-
-    def __init__(self, event: Any = None, extra_tensors: Optional[Tuple[Any, ...]] = None) -> None:
-        self.event = event
-        self.extra_tensors = extra_tensors
-
-    def current_stream_wait(self) -> None:
-        if self.event is None:
-            raise RuntimeError("EventOverlap.current_stream_wait(): this wrapper holds no event")
-        self.event.current_stream_wait()
-
-    def wait(self) -> None:
-        """pyep extension: block the host until the work finished (bounded), then raise errors the
-        device recorded for it."""
-        if self.event is not None:
-            self.event.wait()
-
-    def __enter__(self) -> "EventOverlap":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.event is not None:
-            self.event.current_stream_wait()
 
 
 class ActiveMask:

@@ -1,32 +1,41 @@
-"""Drop-in for DeepEP V1's `deep_ep` module (Buffer, Config, EventOverlap, topk_idx_t) on top of pyep:
-the low-latency mode, shrink mode, and the normal (high-throughput) mode within one node.
+"""Drop-in for DeepEP's `deep_ep` module on top of pyep: V1's `Buffer` (low-latency mode, shrink mode,
+and the normal mode inside a node and across nodes), V2's `ElasticBuffer` / `EPHandle`
+(pyep.compat.elastic), `Config`, `EventOverlap`, `EventHandle`, `topk_idx_t`.
 
     from pyep.compat.deep_ep import Buffer, Config          # or: pyep.compat.install_deep_ep_alias()
-    buf = Buffer(group, num_nvl_bytes=int(1e9))             # normal mode (intranode)
-    ntpr, _, ntpe, is_token_in_rank, event = buf.get_dispatch_layout(topk_idx, E)
+    buf = Buffer(group, num_nvl_bytes=int(1e9))             # normal mode
+    ntpr, ntprr, ntpe, is_token_in_rank, event = buf.get_dispatch_layout(topk_idx, E)
     recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
-        x, num_tokens_per_rank=ntpr, is_token_in_rank=is_token_in_rank, num_tokens_per_expert=ntpe,
-        topk_idx=topk_idx, topk_weights=topk_weights)
+        x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprr, is_token_in_rank=is_token_in_rank,
+        num_tokens_per_expert=ntpe, topk_idx=topk_idx, topk_weights=topk_weights)
     combined_x, combined_w, event = buf.combine(y, handle, topk_weights=recv_w)
     buf = Buffer(group, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T, H, R, E),
                  low_latency_mode=True, num_qps_per_rank=E // R)   # low-latency mode
     recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(x, topk_idx, T, E)
     out, event, hook = buf.low_latency_combine(y, topk_idx, topk_weights, handle)
 
-Like DeepEP's, one Buffer serves both modes. docs/compat.md lists every name and what differs.
+Like DeepEP's, one Buffer serves both modes. The normal-mode handle unpacks like DeepEP's: the 6-tuple
+inside a node, the 10-tuple across nodes (pyep.compat._v1_internode). docs/compat.md lists every name
+and what differs.
 """
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
 
-from ..ep.config import DEFAULT_TIMEOUT_US, MAX_HIDDEN
+from ..ep.config import DEFAULT_TIMEOUT_US
 from ..ep.ll.layout import size_hint as _size_hint
 from ..ep.ll.handle import Handle
 from ..ep.normal.buffer import NormalBuffer
 from ..ep.normal.config import Config
 from ..ep.normal.handle import NormalHandle
-from ._shapes import ActiveMask, EventOverlap, ShapeBuffers, hidden_of, raw_buffer_tensor, template_config
+from . import _events as utils  # noqa: F401 - deep_ep.utils (EventOverlap, EventHandle)
+from ._configs import normal_config, normal_hidden
+from ._events import EventHandle, EventOverlap
+from ._shapes import (DEFAULT_MAX_SHAPES, ActiveMask, ShapeBuffers, check_max_shapes, hidden_of, raw_buffer_tensor,
+                      template_config)
+from ._v1_internode import InternodeHandle, native_forward_stage, reference_forward_stage, unwrap
+from .elastic import ElasticBuffer, EPHandle
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +45,8 @@ log = logging.getLogger("pyep.compat.deep_ep")
 RecvX = Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]]
 Bias = Union[None, "torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]]
 Hook = Optional[Callable[[], None]]
-__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "ElasticBuffer", "EPHandle", "topk_idx_t"]
+NormalHandles = Union[NormalHandle, InternodeHandle]
 
 
 def __getattr__(name: str) -> Any:
@@ -45,16 +55,6 @@ def __getattr__(name: str) -> Any:
         import torch
         return torch.int64
     raise AttributeError(f"module 'pyep.compat.deep_ep' has no attribute {name!r}")
-
-
-def normal_hidden(num_nvl_bytes: int, num_ranks: int) -> int:
-    """The largest hidden (a multiple of 128, <= MAX_HIDDEN) whose default-config native buffer fits in
-    num_nvl_bytes. DeepEP sizes its normal mode by bytes alone and takes any hidden that fits; pyep's
-    NormalBuffer wants an upper bound on hidden, and this is the one those bytes give. 0 if none fits."""
-    for hidden in range(MAX_HIDDEN, 0, -128):
-        if NormalBuffer.size_hint(hidden, num_ranks) <= num_nvl_bytes:
-            return hidden
-    return 0
 
 
 def _check_bytes(name: str, v: Any) -> int:
@@ -77,7 +77,8 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm: Optional[Any] = None, *, backend: str = "auto", transport: str = "auto",
-                 device_name: str = "mlx5_0", timeout_us: int = DEFAULT_TIMEOUT_US) -> None:
+                 device_name: str = "mlx5_0", timeout_us: int = DEFAULT_TIMEOUT_US,
+                 max_ll_shapes: int = DEFAULT_MAX_SHAPES) -> None:
         import torch.distributed as dist
         from ..ep._dist import resolve_group
         _check_bytes("num_nvl_bytes", num_nvl_bytes)
@@ -86,6 +87,7 @@ class Buffer:
             raise ValueError(f"num_qps_per_rank must be an int >= 1, got {num_qps_per_rank!r}")
         if low_latency_mode and num_qps_per_rank < 1:
             raise ValueError("num_qps_per_rank must be >= 1 in low-latency mode (DeepEP asserts the same)")
+        check_max_shapes(max_ll_shapes)
         if group is None and comm is not None:
             raise NotImplementedError("comm (an mpi4py communicator) is not supported: pyep sets its buffers "
                                       "up over torch.distributed; call init_process_group() and pass "
@@ -105,7 +107,7 @@ class Buffer:
         self.group = resolve_group(group)
         self.rank: int = dist.get_rank(self.group)
         self.group_size: int = dist.get_world_size(self.group)
-        self._buffers = ShapeBuffers(self.group, template, qps_per_rank=num_qps_per_rank)
+        self._buffers = ShapeBuffers(self.group, template, qps_per_rank=num_qps_per_rank, max_shapes=max_ll_shapes)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -144,11 +146,13 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        return NormalBuffer.get_dispatch_config(num_ranks)
+        """pyep's tuned config for one node of 1, 2, 4 or 8 ranks; across nodes (a multiple of 8 ranks)
+        the 8-rank node's. Its get_rdma_buffer_size_hint is 0: pyep sizes the relay rings itself."""
+        return normal_config(num_ranks, NormalBuffer.num_sms, combine=False)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        return NormalBuffer.get_combine_config(num_ranks)
+        return normal_config(num_ranks, NormalBuffer.num_sms, combine=True)
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -240,7 +244,7 @@ class Buffer:
             topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream)
         return ntpr, rdma, ntpe, in_rank, EventOverlap(event)
 
-    def dispatch(self, x: RecvX, handle: Optional[NormalHandle] = None,
+    def dispatch(self, x: RecvX, handle: Optional[NormalHandles] = None,
                  num_tokens_per_rank: Optional["torch.Tensor"] = None,
                  num_tokens_per_rdma_rank: Optional["torch.Tensor"] = None,
                  is_token_in_rank: Optional["torch.Tensor"] = None,
@@ -250,21 +254,34 @@ class Buffer:
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False
                  ) -> Tuple[RecvX, Optional["torch.Tensor"], Optional["torch.Tensor"], Optional[List[int]],
-                            Optional[NormalHandle], EventOverlap]:
-        *rest, event = self._normal_buffer("dispatch").dispatch(
-            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
-            topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-            allocate_on_comm_stream)
+                            Optional[NormalHandles], EventOverlap]:
+        """DeepEP's dispatch. Across nodes the new handle is DeepEP's internode 10-tuple
+        (InternodeHandle); cached dispatch and combine take either kind back."""
+        nb = self._normal_buffer("dispatch")
+        *rest, event = nb.dispatch(
+            x, unwrap(handle), num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+            previous_event, async_finish, allocate_on_comm_stream)
         recv_x, recv_idx, recv_w, counts, new_handle = rest
+        if new_handle is not None and nb.num_nodes > 1:
+            new_handle = self._internode_handle(nb, new_handle)
         return recv_x, recv_idx, recv_w, counts, new_handle, EventOverlap(event)
 
-    def combine(self, x: "torch.Tensor", handle: NormalHandle, topk_weights: Optional["torch.Tensor"] = None,
+    def _internode_handle(self, nb: NormalBuffer, h: NormalHandle) -> InternodeHandle:
+        if h.internode is not None:
+            forward = native_forward_stage(h.internode)
+        else:
+            forward = reference_forward_stage(h.is_token_in_rank, self.rank, nb.num_nodes, nb.ranks_per_node,
+                                              h.num_channels, nb.group, self._normal_kwargs["timeout_us"])
+        return InternodeHandle(h, self.rank, forward)
+
+    def combine(self, x: "torch.Tensor", handle: NormalHandles, topk_weights: Optional["torch.Tensor"] = None,
                 bias: Bias = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False
                 ) -> Tuple["torch.Tensor", Optional["torch.Tensor"], EventOverlap]:
         combined_x, combined_w, event = self._normal_buffer("combine").combine(
-            x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream)
+            x, unwrap(handle), topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream)
         return combined_x, combined_w, EventOverlap(event)
 
     def internode_dispatch(self, *args: Any, **kwargs: Any) -> Any:

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple, Union
 from ..ep.config import DEFAULT_TIMEOUT_US
 from ..ep.ll.layout import size_hint as _size_hint
 from ..ep.ll.handle import Handle
-from ._shapes import EventOverlap, ShapeBuffers, hidden_of, template_config
+from ._events import EventOverlap
+from ._shapes import DEFAULT_MAX_SHAPES, ShapeBuffers, check_max_shapes, hidden_of, template_config
 
 if TYPE_CHECKING:
     import torch
@@ -42,12 +43,14 @@ class Buffer:
 
     def __init__(self, group: Optional["dist.ProcessGroup"] = None, num_ep_buffer_bytes: int = 0, *,
                  backend: str = "auto", transport: str = "auto", device_name: str = "mlx5_0",
-                 timeout_us: int = DEFAULT_TIMEOUT_US, allow_nvlink: bool = True) -> None:
+                 timeout_us: int = DEFAULT_TIMEOUT_US, allow_nvlink: bool = True,
+                 max_ll_shapes: int = DEFAULT_MAX_SHAPES) -> None:
         import torch.distributed as dist
         from ..ep._dist import resolve_group
         if isinstance(num_ep_buffer_bytes, bool) or not isinstance(num_ep_buffer_bytes, int) \
                 or num_ep_buffer_bytes < 0:
             raise ValueError(f"num_ep_buffer_bytes must be an int >= 0, got {num_ep_buffer_bytes!r}")
+        check_max_shapes(max_ll_shapes)
         template = template_config(backend=backend, transport=transport, device_name=device_name,
                                    timeout_us=timeout_us, allow_nvlink=allow_nvlink,
                                    num_buffer_bytes=num_ep_buffer_bytes or None)
@@ -57,7 +60,7 @@ class Buffer:
         self.group_size: int = dist.get_world_size(self.group)
         self.num_ep_buffer_bytes = num_ep_buffer_bytes
         self._unbounded_logged = False
-        self._buffers = ShapeBuffers(self.group, template)
+        self._buffers = ShapeBuffers(self.group, template, max_shapes=max_ll_shapes)
 
     def _timeout(self, timeout_us: Any) -> int:
         if isinstance(timeout_us, bool) or not isinstance(timeout_us, int):
