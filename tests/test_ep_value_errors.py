@@ -212,7 +212,7 @@ class _StubBackend:
         self.device, self.e_l, self.r_n = device, e_l, r_n
         self.pending: Any = None
 
-    def take_error(self) -> Any:
+    def take_error(self, latest_call: Any = None) -> Any:
         err, self.pending = self.pending, None
         return err
 

@@ -10,60 +10,16 @@ from __future__ import annotations
 
 import datetime
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from pyep.ep.errors import CallMismatch
 from pyep.ep.ll import EpBuffer
 from pyep.ep.ll.errors import CombineOfFailedDispatch, LLCallMismatch, PeerRefusedCall
 
-T, H, K = 8, 256, 2
-
-
-def _inputs(step: int, rank: int, e: int):
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    n = 3 + (step + rank) % 5
-    x = torch.randn(n, H, generator=gen).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(e, generator=gen)[:K] for _ in range(n)])
-    idx[0, 1] = -1                                         # an unused slot
-    return x, idx, torch.rand(n, K, generator=gen)
-
-
-def _scale(e: torch.Tensor) -> torch.Tensor:
-    """Expert e multiplies its rows by 2^-(e % 4): exact in bf16, and different per expert, so a row
-    combined from the wrong call or expert changes the result."""
-    return torch.pow(2.0, -(e % 4).to(torch.float32))
-
-
-def _expected(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The reference definition: fp32 accumulation over k ascending, one bf16 rounding at the end."""
-    acc = torch.zeros(x.shape[0], H)
-    for k in range(idx.shape[1]):
-        y = (x.float() * _scale(idx[:, k].clamp_min(0))[:, None]).to(torch.bfloat16).float()
-        acc = torch.where(idx[:, k:k + 1] >= 0, acc + w[:, k:k + 1] * y, acc)
-    return acc.to(torch.bfloat16)
-
-
-def _experts(buf: EpBuffer, recv: torch.Tensor) -> torch.Tensor:
-    first = buf.rank * buf.num_local_experts
-    e = torch.arange(first, first + buf.num_local_experts)
-    return (recv.float() * _scale(e)[:, None, None]).to(torch.bfloat16)
-
-
-def _step(buf: EpBuffer, step: int, refuse: Optional[str] = None) -> str:
-    """One dispatch + combine of step `step`; refuse: "dispatch" / "combine" makes this rank's call fail
-    validation. Returns what happened: "ok", the exception type's name (refused, or raised for a peer)."""
-    x, idx, w = _inputs(step, buf.rank, buf.config.num_experts)
-    try:
-        recv, _, h, _, _ = buf.dispatch(x.float() if refuse == "dispatch" else x, idx, use_fp8=False)
-        out, _, _ = buf.combine(_experts(buf, recv), idx, w.double() if refuse == "combine" else w, h)
-    except (TypeError, ValueError, CallMismatch) as exc:
-        return type(exc).__name__
-    assert torch.equal(out, _expected(x, idx, w)), f"rank {buf.rank} step {step}: wrong result, no exception"
-    return "ok"
+from ll_steps import H, T, experts as _experts, inputs as _inputs, step as _step
 
 
 def _not_marked(buf: EpBuffer) -> None:

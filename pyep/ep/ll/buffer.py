@@ -26,7 +26,7 @@ from ..control import ControlPlane, make_control
 from .contract import CombineOptions, DispatchOptions, EpBackend
 from ..backend import profiled_range, CompletedEvent, EventLike, PeerTransport
 from ..config import DEFAULT_TIMEOUT_US, MAX_TOPK
-from .config import EpConfig
+from .config import MAX_REJOIN_LEAD_CALLS, EpConfig
 from ..elastic.membership import DEFAULT_LEAD_CALLS, Membership, MembershipError, buffer_fingerprint
 from .buffer_calls import CheckedEvent, CheckedHook, EpBufferCalls
 from .buffer_member import EpBufferMembership
@@ -142,8 +142,10 @@ class EpBuffer(EpBufferMembership, EpBufferCalls):
         # rank already had one is a restarted rank and joins the running job instead of setting up.
         self._member: Optional[Membership] = None
         if control.kind == "store":
-            if isinstance(lead_calls, bool) or not isinstance(lead_calls, int) or lead_calls < 0:
-                raise ValueError(f"rejoin_lead_calls must be an int >= 0, got {lead_calls!r}")
+            if isinstance(lead_calls, bool) or not isinstance(lead_calls, int):
+                raise TypeError(f"rejoin_lead_calls must be an int, got {type(lead_calls).__name__}")
+            if not 0 <= lead_calls <= MAX_REJOIN_LEAD_CALLS:
+                raise ValueError(f"rejoin_lead_calls must be in [0, {MAX_REJOIN_LEAD_CALLS}], got {lead_calls}")
             self._member = Membership(control, buffer_fingerprint(config, self._num_ranks),
                                       max(60.0, 3 * config.timeout_us / 1e6), lead_calls)
             control.joining = self._member.joining
@@ -152,7 +154,7 @@ class EpBuffer(EpBufferMembership, EpBufferCalls):
             self._member.attach(self._backend)
         # Backends report what their calls recorded -- bad expert ids (unless check_values is False), failed
         # exchanges (always) -- through take_error(), without a device sync.
-        self._take_error: Optional[Callable[[], Optional[Exception]]] = getattr(self._backend, "take_error", None)
+        self._take_error: Optional[Callable[..., Optional[Exception]]] = getattr(self._backend, "take_error", None)
         self._device = self._backend.device
         self._init_fast(config)
         self._destroyed = False
@@ -244,7 +246,7 @@ class EpBuffer(EpBufferMembership, EpBufferCalls):
         it is visible yet. Reads pinned host words: no device synchronisation."""
         take = self._take_error
         if take is not None:
-            err = take()
+            err = take(latest_call=self._seq)
             if err is not None:
                 raise err
 

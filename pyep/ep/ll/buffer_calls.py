@@ -114,7 +114,7 @@ class EpBufferCalls:
         so this one raises before it sends anything: the dispatch's own error if it is still pending,
         else CombineOfFailedDispatch."""
         peek = getattr(self._backend, "pending_call_error", None)
-        err = peek() if peek is not None else None
+        err = peek(latest_call=self._seq) if peek is not None else None
         if err is not None and getattr(err, "kind", "") == "dispatch" and err.my_call == handle.seq:
             self._raise_pending()    # call errors are taken first: this is `err`
         failed = handle.extras.get(CALL_ERROR)

@@ -18,6 +18,9 @@ MAX_TOKENS_PER_RANK = 0x7FFE
 MAX_EXPERTS = 8192
 MAX_BUFFER_BYTES = 1 << 39
 MAX_TIMEOUT_US = 3_600_000_000
+# A rejoin's call #A is the survivors' next call plus this many (docs/elastic.md): beyond it a newcomer
+# would wait longer than any membership timeout for a call that far ahead.
+MAX_REJOIN_LEAD_CALLS = 10_000
 
 
 @dataclass(frozen=True)

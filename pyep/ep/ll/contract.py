@@ -81,7 +81,8 @@ its exchange anyway with an abort marker (no payload, no output), receiving and 
 messages of that call. A backend that refuses a call itself (an exception before it sent anything)
 sends the marker itself. A receiver that meets an abort marker or another call's tag uses nothing of
 that peer and reports PeerRefusedCall / CallMismatch (pyep.ep.ll.errors) through ``take_error()``
-(call errors first; ``pending_call_error()`` peeks without clearing). Every rank of a dispatch that
+(call errors first; ``pending_call_error()`` peeks without clearing; both take ``latest_call``, the
+front's latest dispatch number, where a record holds only low bits of it). Every rank of a dispatch that
 failed skips its combine: a backend that knows it on the host puts the error in the handle's extras
 under CALL_ERROR (the front then refuses that combine before anything is sent), the native kernels skip
 it on the device. ``set_generations(list)``: the membership's shared list of each rank's generation.

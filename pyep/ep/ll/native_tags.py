@@ -36,20 +36,22 @@ class NativeCallTags:
         rec = self._err
         return None if rec is None else rec[RECORD_WORDS:]
 
-    def pending_call_error(self) -> Optional[LLCallMismatch]:
-        """The call error the kernels recorded, if it is visible yet, without clearing it."""
+    def pending_call_error(self, latest_call: Optional[int] = None) -> Optional[LLCallMismatch]:
+        """The call error the kernels recorded, if it is visible yet, without clearing it. The record
+        holds the low 32 bits of the call number: latest_call (the front's latest dispatch) completes it."""
         rec = self._call_record()
         if rec is None or rec[0] == 0:
             return None
-        return call_error_from_record([int(w) for w in rec[:6]], self.rank, self._last_seq)
+        latest = self._last_seq if latest_call is None else latest_call
+        return call_error_from_record([int(w) for w in rec[:6]], self.rank, latest)
 
-    def take_error(self) -> Optional[Exception]:
+    def take_error(self, latest_call: Optional[int] = None) -> Optional[Exception]:
         """The error a kernel recorded, if it is visible yet (a call error first, then a bad expert id);
         clears it. Reads pinned host memory only: no device synchronisation."""
         rec = self._err
         if rec is None:
             return None
-        call = self.pending_call_error()
+        call = self.pending_call_error(latest_call)
         if call is not None:
             rec[RECORD_WORDS] = 0        # the kernels write a new call record only while this word is 0
             return call

@@ -83,7 +83,7 @@ class ReferenceBackend(ReferenceExchange):
         # gloo: counts travel peer to peer, so each source's arrival is seen (and timed) on the host.
         self._p2p_counts = "gloo" in self._backend_name.lower()
 
-    def take_error(self) -> Optional[Exception]:
+    def take_error(self, latest_call: Optional[int] = None) -> Optional[Exception]:
         """The first failed exchange, else the first bad expert id, not reported yet (cleared by reading)."""
         if self._call_error is not None:
             call, self._call_error = self._call_error, None
@@ -91,7 +91,7 @@ class ReferenceBackend(ReferenceExchange):
         err, self._error = self._error, None
         return err
 
-    def pending_call_error(self) -> Optional[LLCallMismatch]:
+    def pending_call_error(self, latest_call: Optional[int] = None) -> Optional[LLCallMismatch]:
         return self._call_error
 
     def _record(self, topk_idx: "torch.Tensor") -> None:
