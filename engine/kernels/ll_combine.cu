@@ -215,8 +215,8 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrRecvCopied);
     if (last_recv) {
         int* sig = reinterpret_cast<int*>(hb + off_csig(s, half, 0));
-        if (tid == 0)
-            record_call(s, state, kKindCombine, c.seq, c.abort != 0, [&](int r) { return (uint32_t)ld_relaxed_sys(sig + r); });
+        record_call(s, state, sm.flag + 2, kKindCombine, c.seq, c.abort != 0,
+                    [&](int r) { return (uint32_t)ld_relaxed_sys(sig + r); });
         __syncthreads();
         for (int r = tid; r < R; r += blockDim.x) sig[r] = 0;
         finish_decisions(state, active, R);

@@ -394,15 +394,16 @@ __device__ __forceinline__ int resolve_flag(int* state, const int* active, int r
 // half for blocks that adopt its verdict), and one more only if this block adopted "arrived" for a
 // word it had not seen and had to read it afterwards. With `stats` (WaitStats), waited [R] (shared)
 // collects, per source, the latest moment a word this block had to wait for was seen, counted from
-// this thread's entry; the deciding block adds it (add_wait). tags [R] (shared): the tag expected of
-// each source; a word with another tag, or an abort marker, decides its source as kMismatch / kAborted
-// (every one of its words counts 0), and stops this block's wait for its other words.
+// this thread's entry; the deciding block adds it (add_wait). A word that is not call `seq`'s tag from
+// its source (generation from `gens`, LLStatic::peer_gen, or 0), or is its abort marker, decides the
+// source as kMismatch / kAborted (every one of its words counts 0) and stops this block's wait for its
+// other words; the generation is loaded in the same round trip as the first poll.
 enum CountFlag : int { kSeenAll = 0, kUnseen = 1, kLate = 2, kInactiveSrc = 4, kAbortSeen = 8, kTagBad = 16 };
 
 __device__ __forceinline__ void wait_counts(int* state, const int* active, const int* sig, int num_ranks,
                                             int num_pairs, int max_rows, uint64_t timeout_ns, int* src_state,
                                             int* flags, int* cnt, uint64_t stats, unsigned long long* waited,
-                                            const int* tags) {
+                                            uint32_t seq, const int* gens) {
     const int R = num_ranks;
     const uint64_t entry = stats ? gda::now_ns() : 0;
     for (int r = threadIdx.x; r <= R; r += blockDim.x) {
@@ -412,6 +413,7 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
     __syncthreads();
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
         const int r = p % R;
+        const int gen = gens ? __ldg(gens + r) : 0;     // the host changes it between calls only
         const int on = ld_volatile(active + r);
         const int st = ld_volatile(state + r);
         int v = ld_relaxed_sys(sig + p);
@@ -442,7 +444,7 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
         if (v == 0) {
             atomicOr(flags + r, kUnseen);
         } else if (on != 0) {
-            const int j = judge_signal((uint32_t)v, (uint32_t)tags[r], 1);
+            const int j = judge_signal((uint32_t)v, call_tag(seq, gen), 1);
             if (j != kArrived) atomicOr(flags + r, j == kAborted ? kAbortSeen : kTagBad);
         }
     }
@@ -520,20 +522,31 @@ __device__ __forceinline__ bool write_call_record(const LLStatic& s, int code, i
     return true;
 }
 
-// Last block of a receive phase, thread 0, before the decisions are cleared: the first source (by rank)
-// whose exchange failed goes into the call record. word(r): source r's offending signal word. A rank
-// that refused the call itself (`refused`: its host already raised) records only mismatches. Returns
-// whether any source failed.
+// Last block of a receive phase, every thread, before the decisions are cleared: whether any source's
+// exchange failed in this call (one parallel pass over the decisions; `scratch`: a shared int), and if
+// one did, thread 0 writes the first (by rank) into the call record. word(r): source r's offending
+// signal word. A rank that refused the call itself (`refused`: its host already raised) records only
+// mismatches. The caller syncs before it clears the words word(r) reads.
 template <typename Word>
-__device__ bool record_call(const LLStatic& s, const int* state, int kind, uint32_t seq, bool refused, Word word) {
-    bool failed = false, recorded = false;
-    for (int r = 0; r < s.num_ranks; ++r) {
+__device__ bool record_call(const LLStatic& s, const int* state, int* scratch, int kind, uint32_t seq, bool refused,
+                            Word word) {
+    if (threadIdx.x == 0) *scratch = 0;
+    __syncthreads();
+    for (int r = threadIdx.x; r < s.num_ranks; r += blockDim.x) {
         const int st = ld_volatile(state + r);
-        if (st != kAborted && st != kMismatch) continue;
-        failed = true;
-        if (!recorded && !(refused && st == kAborted))
-            recorded = write_call_record(s, st == kAborted ? kCallPeerAborted : kCallMismatch, kind, seq, r, word(r),
-                                         call_tag(seq, gen_of(s, r)));
+        if (st == kAborted || st == kMismatch) atomicOr(scratch, 1);
+    }
+    __syncthreads();
+    const bool failed = *(volatile int*)scratch != 0;
+    if (failed && threadIdx.x == 0) {     // the rare path: a serial walk is fine
+        for (int r = 0; r < s.num_ranks; ++r) {
+            const int st = ld_volatile(state + r);
+            if ((st == kAborted && !refused) || st == kMismatch) {
+                write_call_record(s, st == kAborted ? kCallPeerAborted : kCallMismatch, kind, seq, r, word(r),
+                                  call_tag(seq, gen_of(s, r)));
+                break;
+            }
+        }
     }
     return failed;
 }

@@ -59,7 +59,6 @@ struct DispatchSmem {
     int* srcoff;        // [E + 1] source_offsets()
     int* scan;          // [scan_scratch_ints(E)]
     int* src_state;     // [R] receive: the decision about each source
-    int* tag;           // [R] receive: the call tag expected of each source
     int* wflags;        // [R + 1] receive: wait_counts scratch
 };
 
@@ -83,7 +82,6 @@ __device__ DispatchSmem carve_dispatch(uint8_t* p, int R, int E) {
     m.srcoff = q; q += E + 1;
     m.scan = q; q += scan_scratch_ints(E);
     m.src_state = q; q += R;
-    m.tag = q; q += R;
     m.wflags = q;
     return m;
 }
@@ -411,27 +409,25 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
     uint8_t* hb = reinterpret_cast<uint8_t*>(s.buf);
     trace_point(s, kTraceDispatch, kTrRecvBegin);
     const int* sig = reinterpret_cast<const int*>(hb + off_dsig(s, half, 0, 0));
-    for (int r = tid; r < R; r += blockDim.x) sm.tag[r] = (int)call_tag(c.seq, gen_of(s, r));   // wait_counts syncs
 
     wait_counts(state, active, sig, R, E, T, c.timeout_ns, sm.src_state, sm.wflags, sm.cnt, c.wait_stats, sm.waited,
-                sm.tag);
+                c.seq, reinterpret_cast<const int*>(s.peer_gen));
     trace_point(s, kTraceDispatch, kTrRecvReady);
     // A call this rank refused: the peers' words are awaited and cleared below, nothing is written out.
     if (!c.abort) dispatch_unpack<kFp8>(s, c, sm);
     const bool last_recv = arrive_last(ws_counter(s, half, kDispatchRecvDone), sm.flag, false);
     trace_point(s, kTraceDispatch, kTrRecvCopied);
     if (last_recv) {
-        if (tid == 0) {
-            // The first failed source into the call record, and whether this call's combine is skipped.
-            const bool failed = record_call(s, state, kKindDispatch, c.seq, c.abort != 0, [&](int r) {
-                for (int le = 0; le < El; ++le) {
-                    const uint32_t v = (uint32_t)ld_relaxed_sys(sig + le * R + r);
-                    if (v != 0 && judge_signal(v, (uint32_t)sm.tag[r], 1) != kArrived) return v;
-                }
-                return 0u;
-            });
-            *ws_dfail(s, half) = (failed || c.abort) ? 1 : 0;
-        }
+        // The first failed source into the call record, and whether this call's combine is skipped.
+        const bool failed = record_call(s, state, sm.flag + 2, kKindDispatch, c.seq, c.abort != 0, [&](int r) {
+            const uint32_t tag = call_tag(c.seq, gen_of(s, r));
+            for (int le = 0; le < El; ++le) {
+                const uint32_t v = (uint32_t)ld_relaxed_sys(sig + le * R + r);
+                if (v != 0 && judge_signal(v, tag, 1) != kArrived) return v;
+            }
+            return 0u;
+        });
+        if (tid == 0) *ws_dfail(s, half) = (failed || c.abort) ? 1 : 0;
         __syncthreads();
         // Every block has read this half's counts: clear them for the call after next, which peers
         // can only start after they have this call's results from us.
@@ -458,7 +454,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch(LLStatic s, LLDi
 
 int dispatch_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
-    return 16 * kMaxTopk + 8 * R + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + 4 * R + 1 + 5 * E + 3 + scan_scratch_ints(E));
+    return 16 * kMaxTopk + 8 * R + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + 3 * R + 1 + 5 * E + 3 + scan_scratch_ints(E));
 }
 
 #if !defined(PYEP_LL_CPU_SIM)

@@ -49,8 +49,8 @@ class NativeCallTags:
         """The error a kernel recorded, if it is visible yet (a call error first, then a bad expert id);
         clears it. Reads pinned host memory only: no device synchronisation."""
         rec = self._err
-        if rec is None:
-            return None
+        if rec is None or (rec[RECORD_WORDS] == 0 and rec[0] == 0):
+            return None              # the common case, after every combine: two pinned words
         call = self.pending_call_error(latest_call)
         if call is not None:
             rec[RECORD_WORDS] = 0        # the kernels write a new call record only while this word is 0
