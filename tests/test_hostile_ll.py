@@ -154,10 +154,13 @@ CASES: Dict[str, Tuple[Callable[[EpBuffer], None], Any]] = {
     "combine stale handle": (_combine(_stale), ValueError),
     "combine async and hook": (_combine(lambda b, y, i, w, h: b.combine(y, i, w, h, async_finish=True,
                                                                         return_recv_hook=True)), ValueError),
-    "combine out of the wrong shape": (_combine(lambda b, y, i, w, h: b.combine(y, i, w, h,
-                                                                                out=torch.zeros(1, H, dtype=torch.bfloat16))),
+    "combine out of the wrong shape": (_combine(lambda b, y, i, w, h: b.combine(y, i, w, h, out=_short_out())),
                                        ValueError),
 }
+
+
+def _short_out() -> torch.Tensor:
+    return torch.zeros(1, H, dtype=torch.bfloat16)
 
 
 def _other(h: Any) -> Any:

@@ -104,7 +104,8 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         const uint32_t tag = call_tag(c.seq, gen_of(s, s.rank));
         const uint32_t first = c.abort ? sig_word(tag, kSigAbort | (uint32_t)c.abort) : sig_word(tag, 1);
         for (int r = tid; r < R; r += blockDim.x)
-            if (sm.active[r] == kPeerStore) st_relaxed_sys(reinterpret_cast<int*>(peer_base(s, r) + off_csig(s, half, s.rank)), (int)first);
+            if (sm.active[r] == kPeerStore)
+                st_relaxed_sys(reinterpret_cast<int*>(peer_base(s, r) + off_csig(s, half, s.rank)), (int)first);
         // NIC: a +1 on every QP of the peer, so the flag completes only after the data of all of them; the
         // add on QP 0 also brings the tag (or, alone, the abort marker).
         for (int i = warp; i < R * s.num_qps_per_peer; i += kWarps) {
@@ -154,8 +155,9 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     for (int r = tid; r < R; r += blockDim.x) {
         const int* sig = reinterpret_cast<const int*>(hb + off_csig(s, half, r));
         const uint32_t tag = call_tag(c.seq, gen_of(s, r)), need = (uint32_t)max(1, expect[r]);
-        const int st = resolve_signal(state, active, r, sig, [tag, need](uint32_t v) { return judge_signal(v, tag, need); },
-                                      c.timeout_ns, c.wait_stats);
+        const int st = resolve_signal(state, active, r, sig,
+                                      [tag, need](uint32_t v) { return judge_signal(v, tag, need); }, c.timeout_ns,
+                                      c.wait_stats);
         // Re-read with acquire: when another block decided, this block still needs its own edge to
         // the data the flag publishes.
         sm.ok[r] = st == kArrived && ld_acquire_sys(sig) != 0;

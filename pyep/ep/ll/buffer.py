@@ -341,7 +341,8 @@ class EpBuffer(EpBufferMembership, EpBufferCalls):
                        combine_wait_recv_cost_stats)
             if res is not None:
                 self._raise_pending()    # after the exchange: this combine's peers are served
-                return res, CheckedEvent(CompletedEvent(f"combine of dispatch #{handle.seq}"), self._raise_pending), None
+                done = CompletedEvent(f"combine of dispatch #{handle.seq}")
+                return res, CheckedEvent(done, self._raise_pending), None
         self._check_alive("combine")
         known = self._handle_ok(handle)
         if known:

@@ -1,4 +1,5 @@
-"""The reference backend's exchange (an all-to-all on a group, the store mailbox on a store) and its call headers (docs/elastic.md, "Call-tagged exchanges"): every rank's message to
+"""The reference backend's exchange (an all-to-all on a group, the store mailbox on a store) and its call
+headers (docs/elastic.md, "Call-tagged exchanges"): every rank's message to
 every other rank in a call -- over an all-to-all or a store mailbox -- begins with a 32-byte header naming
 the call (kind, call number, the sender's generation), whether the sender refused it (the abort marker:
 a header alone), and the rows that follow. A receiver checks each source's header before it uses a byte
@@ -132,8 +133,9 @@ class ReferenceExchange:
         max_rows = cfg.num_max_dispatch_tokens_per_rank * cfg.max_topk
         max_width = 2 * cfg.hidden + 4 * (cfg.hidden // 128) + 64     # any message of this shape
         send, sizes = frame(kind, seq, self._generation(self.rank), reason, rows, counts)
-        recv, got, waits = self._exchange(send, torch.tensor(sizes, dtype=torch.int64, device="cpu"), CALL_HEADER_BYTES +
-                                          max_rows * max_width, timeout_us, what, tag, active, marks)
+        recv, got, waits = self._exchange(send, torch.tensor(sizes, dtype=torch.int64, device=self.device),
+                                          CALL_HEADER_BYTES + max_rows * max_width, timeout_us, what, tag, active,
+                                          marks)
         lengths = [int(n) for n in got.tolist()]
         keep: List["torch.Tensor"] = []
         per_src = [0] * self.num_ranks
@@ -158,7 +160,7 @@ class ReferenceExchange:
         if first is not None and self._call_error is None and not (reason and isinstance(first, PeerRefusedCall)):
             self._call_error = first
         data = torch.cat(keep) if keep else torch.empty((0, width), dtype=torch.uint8, device=self.device)
-        return data, torch.tensor(per_src, dtype=torch.int64, device="cpu"), waits, first
+        return data, torch.tensor(per_src, dtype=torch.int64, device=self.device), waits, first
 
     def _counts_timed(self, recv_counts: "torch.Tensor", send_counts: "torch.Tensor", timeout_us: int,
                       what: str) -> List[int]:
