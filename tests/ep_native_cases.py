@@ -284,10 +284,9 @@ def repeated_combine(nat: Any, ref: Any, shape: Shape, times: int = 6) -> None:
 
 def device_value_checks(transport: str) -> Dict[str, Any]:
     """check_values=True on the GPU: a bad expert id is found by the dispatch kernel, routed as -1 and
-    raised from the pinned error record at the next call (which then does nothing), at event.wait() and
-    at the receive hook, naming row, slot and value; the outputs equal the reference on the sanitised
-    routing; the buffer works afterwards. Every rank has a bad id in the same calls, so all of them
-    raise at the same point and the calls stay collective."""
+    raised from the pinned error record when the next combine has done its exchange (its output stands),
+    at event.wait() and at the receive hook, naming row, slot and value; the outputs equal the reference
+    on the sanitised routing; the buffer works afterwards."""
     import torch
     import torch.distributed as dist
     from pyep.ep.ll.errors import DuplicateExpertIndex, InvalidExpertIndex
@@ -305,30 +304,34 @@ def device_value_checks(transport: str) -> Dict[str, Any]:
         got = nat.dispatch(x.cuda(), topk.cuda(), use_fp8=False, **kw)
         return got, clean
 
-    def finish(tag, got, x, topk, clean, w):
+    def finish(tag, got, x, topk, clean, w, raises=None):
         want = ref.dispatch(x, clean, use_fp8=False)
         torch.cuda.synchronize()
         compare_dispatch(tag, got, want, False)
         y_n = expert_fn(got[0], got[1], rank * nat.num_local_experts)
-        out = nat.combine(y_n, topk.cuda(), w.cuda(), got[2])[0]   # bad ids: -1 in combine too
+        out = torch.empty(x.shape[0], s.H, dtype=torch.bfloat16, device="cuda")
+        if raises is None:
+            nat.combine(y_n, topk.cuda(), w.cuda(), got[2], out=out)   # bad ids: -1 in combine too
+        else:
+            with pytest.raises(raises) as ei:
+                nat.combine(y_n, topk.cuda(), w.cuda(), got[2], out=out)
+            seen["next_call"] = str(ei.value)
         ref_out = ref.combine(expert_fn(want[0], want[1], rank * nat.num_local_experts), clean, w, want[2])[0]
         torch.cuda.synchronize()
         check_no_timeouts(tag, nat)
         compare_combine(tag, out, ref_out)
 
-    # 1. The next call raises (the test synchronises first so the record is surely visible; the
-    #    library itself never does).
+    # 1. The next combine raises once its exchange is done (the test synchronises first so the record is
+    #    surely visible; the library itself never does). Not the next dispatch: its peers' combine of
+    #    that dispatch would wait for a handle this rank never got.
     x, topk, w = make_inputs(41, rank, s, s.T, "uniform")
     bad = topk.clone()
     bad[rank + 1, 1] = s.E + rank
     bad[5, 0] = -9
     got, clean = both(x, bad)
     torch.cuda.synchronize()
-    with pytest.raises(InvalidExpertIndex) as ei:
-        nat.dispatch(x.cuda(), topk.cuda(), use_fp8=False)
-    assert (ei.value.row, ei.value.k, ei.value.value) == (rank + 1, 1, s.E + rank), str(ei.value)
-    seen["next_call"] = str(ei.value)
-    finish(f"rank {rank} bad id, next call", got, x, bad, clean, w)   # the refused call consumed nothing
+    finish(f"rank {rank} bad id, next combine", got, x, bad, clean, w, raises=InvalidExpertIndex)
+    assert f"topk_idx[{rank + 1}, 1] = {s.E + rank}" in seen["next_call"], seen["next_call"]
 
     # 2. event.wait() raises (async_finish), once.
     x, topk, w = make_inputs(42, rank, s, s.T, "uniform")

@@ -246,6 +246,8 @@ def check_constructor_and_errors(backend: str = "reference") -> Dict[str, Any]:
                      (torch.zeros(2 * num_ranks, dtype=torch.int64, device=dev)[::2], ValueError)):
         with pytest.raises(err, match="dispatch_wait_recv_cost_stats"):
             buf.low_latency_dispatch(x, idx, NUM_TOKENS, NUM_EXPERTS, dispatch_wait_recv_cost_stats=bad)
+    # A refused dispatch keeps its call number (its peers got its abort marker): a fresh handle.
+    recv, count, handle, event, hook = buf.low_latency_dispatch(x, idx, NUM_TOKENS, NUM_EXPERTS, use_fp8=False)
     w = torch.rand(4, 2).to(dev)
     with pytest.raises(TypeError, match="combine_wait_recv_cost_stats.*int64"):   # tests/test_compat_wait_stats.py
         buf.low_latency_combine(recv, idx, w, handle,

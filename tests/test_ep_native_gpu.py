@@ -8,8 +8,9 @@ $PYEP_VIRTUAL_NODE_SIZE) x shapes (odd H=384 with partial UE8M0 words, H=7168 wi
 K=16); BF16 and FP8 in every scale mode; plain, hook and async; zero-copy; N=0, N=T, one hot expert,
 mostly -1; two results in flight. Every output is compared with the reference backend (bitwise).
 Then: 1000 rounds with stable checksums, the fault drill with a rejoin, CUDA-graph capture + profiler
-names, bad expert ids found on the device (raised at the next call / event wait / hook), and a
-performance report for T=128, H=7168, K=8, E=288.
+names, bad expert ids found on the device (raised at the event wait / hook / end of the next combine),
+calls one rank refuses and calls at another number (call tags), and a performance report for T=128,
+H=7168, K=8, E=288.
 """
 from __future__ import annotations
 
@@ -136,11 +137,24 @@ def _bad_handles() -> None:
 @requires_gpu
 @pytest.mark.parametrize("transport", ["nvlink", "emulated"])
 def test_device_value_checks(pools, transport):
-    """A bad expert id, found by the dispatch kernel, raised at the next call / event wait / hook."""
+    """A bad expert id, found by the dispatch kernel, raised at the end of the next combine / event wait /
+    hook."""
     from ep_native_cases import device_value_checks
     res = pools[2].run(device_value_checks, transport, timeout_s=600)
     for rank, seen in enumerate(res):
         assert f"[{rank + 1}, 1] = " in seen["next_call"] and "twice" in seen["event"], seen
+
+
+@requires_gpu
+@pytest.mark.parametrize("transport", ["nvlink", "emulated"])
+def test_refused_calls_and_tags(pools, transport):
+    """Call tags (docs/ll_kernels.md): a dispatch / combine one rank refuses, its peers' PeerRefusedCall
+    (with and without a host sync before their combine), no rank marked, a call-number mismatch seen by
+    every rank, clean() realigning; every call in between bitwise equal to the reference."""
+    from ep_native_tags import refused_calls_and_tags
+    res = pools[2].run(refused_calls_and_tags, transport, timeout_s=600)
+    assert res[0]["dispatch sync=True"] == ["TypeError"] and res[1]["dispatch sync=True"] == ["PeerRefusedCall"]
+    assert all("rank 0 is at call" in r["mismatch"][0] or "rank 1 is at call" in r["mismatch"][0] for r in res)
 
 
 @requires_gpu

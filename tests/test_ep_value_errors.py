@@ -1,6 +1,6 @@
 """Bad expert ids (out of [-1, E), or an expert twice in a row) through EpBuffer on the reference
-backend, which reports them at the points the native kernels' error record is raised: the next
-dispatch/combine call (which then does nothing), event.wait() and the receive hook. The error names
+backend, which reports them at the points the native kernels' error record is raised: the end of the
+next combine (after its exchange), event.wait() and the receive hook. The error names
 row, slot and value; the bad entry was routed as -1; the buffer works afterwards. check_values="strict"
 raises before launch; False never raises. And the default front path reads no tensor value on the
 host (the no-sync guarantee): checked with a tensor subclass that fails on any value access."""
@@ -50,7 +50,8 @@ def check_default_mode() -> Dict[str, Any]:
     buf = _new()
     seen: Dict[str, Any] = {}
 
-    # 1. Reported at the next call, which does nothing (no half consumed, no state changed).
+    # 1. Not by the next dispatch (a dispatch that raised would leave this rank without the handle whose
+    #    combine its peers make): by the next combine, once its exchange is done. Its output stands.
     x, idx, w = _make(1)
     bad = idx.clone()
     bad[rank + 1, 1] = E + rank              # rank-specific row and value
@@ -58,16 +59,36 @@ def check_default_mode() -> Dict[str, Any]:
     recv, count, h, ev, _ = buf.dispatch(x, bad, use_fp8=False)   # no exception: nothing read on the host
     clean = sanitize_topk(bad, E)
     assert clean[rank + 1, 1] == -1 and clean[4, 0] == -1
+    x2, idx2, w2 = _make(11)
+    recv2, _, h2, _, _ = buf.dispatch(x2, idx2, use_fp8=False)     # two in flight: this one is not refused
+    out = torch.empty(x.shape[0], H, dtype=torch.bfloat16)
     with pytest.raises(InvalidExpertIndex) as ei:
-        buf.dispatch(x, idx, use_fp8=False)
+        buf.combine(recv, clean, w, h, out=out)
     err = ei.value
     assert type(err) is InvalidExpertIndex and isinstance(err, ValueError)
     assert (err.row, err.k, err.value) == (rank + 1, 1, E + rank)
     seen["next_call"] = str(err)
-    # The refused call consumed nothing: h is still the latest handle; the bad entries went as -1.
-    out, _, _ = buf.combine(recv, clean, w, h)
-    assert torch.equal(out, _expected(x, clean, w))
+    assert torch.equal(out, _expected(x, clean, w))      # the combine ran; the bad entries went as -1
+    out2, _, _ = buf.combine(recv2, idx2, w2, h2)       # reported once
+    assert torch.equal(out2, _expected(x2, idx2, w2))
     _round_trip(buf, 2)                      # cleared after raising: the buffer works
+
+    # 1b. Only rank 0 has a bad id: its peer is not left waiting (both combines exchange, only rank 0
+    #     raises), and both ranks go on in step.
+    x, idx, w = _make(12)
+    bad = idx.clone()
+    if rank == 0:
+        bad[0, 0] = E
+    recv, _, h, _, _ = buf.dispatch(x, bad, use_fp8=False)
+    clean = sanitize_topk(bad, E)
+    out = torch.empty(x.shape[0], H, dtype=torch.bfloat16)
+    if rank == 0:
+        with pytest.raises(InvalidExpertIndex):
+            buf.combine(recv, clean, w, h, out=out)
+    else:
+        buf.combine(recv, clean, w, h, out=out)
+    assert torch.equal(out, _expected(x, clean, w))
+    _round_trip(buf, 13)
 
     # 2. Raised by event.wait() (async), then not again.
     x, idx, w = _make(3)
@@ -118,7 +139,7 @@ def check_strict_and_off() -> List[str]:
         strict.dispatch(x, bad, use_fp8=False)
     assert (ei.value.row, ei.value.k, ei.value.value) == (1, 0, E)
     msgs.append(str(ei.value))
-    recv, _, h, _, _ = strict.dispatch(x, idx, use_fp8=False)      # nothing consumed, works
+    recv, _, h, _, _ = strict.dispatch(x, idx, use_fp8=False)      # the refused call kept its number: in step
     dup = idx.clone()
     dup[0, 1] = dup[0, 0]
     with pytest.raises(DuplicateExpertIndex):
@@ -191,7 +212,7 @@ class _StubBackend:
         self.device, self.e_l, self.r_n = device, e_l, r_n
         self.pending: Any = None
 
-    def take_error(self) -> Any:
+    def take_error(self, latest_call: Any = None) -> Any:
         err, self.pending = self.pending, None
         return err
 
@@ -236,8 +257,9 @@ def check_front_reads_no_values() -> int:
         ev.wait()
         calls += 2
     stub.pending = InvalidExpertIndex(3, 1, 77, E)      # what a device record would report
+    recv, _, h, _, _ = buf.dispatch(gx, gi, use_fp8=False)
     with pytest.raises(InvalidExpertIndex, match=r"\[3, 1\] = 77"):
-        buf.dispatch(gx, gi, use_fp8=False)
+        buf.combine(_guard(recv), gi, gw, h)            # raised after the combine's exchange
     buf._backend = real
     buf.destroy()
     return calls

@@ -5,10 +5,10 @@
 // CUDAExtension, so torch headers are available here; engine/kernels/ stays torch-free).
 //
 // A call the fast path does not take returns None and the Python path (EpBuffer + NativeBackend) runs
-// it instead: arguments validate.py rejects (it raises the typed error), an error record the device
-// wrote (EpBuffer raises it), async_finish / recv hook / strict checks / a running profiler (decided in
-// Python before the call), an outstanding async_finish event (`blocked`). Nothing is changed before
-// the decision, so declining is always safe.
+// it instead: arguments validate.py rejects (it raises the typed error and sends the abort marker), for a
+// combine a record the device wrote (EpBuffer decides whether that combine is skipped), async_finish /
+// recv hook / strict checks / a running profiler (decided in Python before the call), an outstanding
+// async_finish event (`blocked`). Nothing is changed before the decision, so declining is always safe.
 #if defined(PYEP_WITH_CUDA)
 #include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -119,10 +119,14 @@ struct FastLL {
         shape.dev_index = device;
     }
 
-    bool declines() const {
+    // A dispatch is taken with an error pending (EpBuffer raises recorded errors at the end of a combine,
+    // at event waits and hooks: docs/ll_kernels.md); a combine is not, so that EpBuffer can tell the combine
+    // of a dispatch that failed (skipped, nothing exchanged) from one that reports an older error.
+    bool declines(bool combine) const {
         if (blocked) return true;
-        // A recorded value error: EpBuffer raises it before this call does anything.
-        if (s.err && *reinterpret_cast<const volatile int32_t*>(s.err) != 0) return true;
+        if (combine && ((s.err && *reinterpret_cast<const volatile int32_t*>(s.err) != 0) ||
+                        (s.call_err && *reinterpret_cast<const volatile int32_t*>(s.call_err) != 0)))
+            return true;
         // torch.empty would fill new memory in this mode; leave that to the Python path.
         const auto& ctx = at::globalContext();
         return ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory();
@@ -139,8 +143,8 @@ struct FastLL {
     // -> (recv_x, scales | None, recv_count, src_info, layout_range, handle extras, N, K) or None. The
     // extras are NativeBackend.dispatch's: {"backend": "native", "half", "topk_slot", "buffer"}.
     py::object dispatch(py::handle x_h, py::handle topk_h, py::handle fp8_h, py::handle round_h, py::handle ue8m0_h,
-                        py::handle active_h, py::handle timeout_h, py::handle cum_h, py::handle wait_h) {
-        if (declines()) return py::none();
+                        py::handle active_h, py::handle timeout_h, py::handle cum_h, py::handle wait_h, uint32_t seq) {
+        if (declines(false)) return py::none();
         const lc::TensorArg x = meta_of(x_h.ptr()), topk = meta_of(topk_h.ptr()), act = meta_of(active_h.ptr()),
                             cum = meta_of(cum_h.ptr()), wait = meta_of(wait_h.ptr());
         const int fp8 = flag_of(fp8_h.ptr()), round_scale = flag_of(round_h.ptr()), ue8m0 = flag_of(ue8m0_h.ptr());
@@ -197,6 +201,7 @@ struct FastLL {
         c.wait_stats = wait.present ? wait.ptr : 0;
         c.timeout_ns = timeout_ns(timeout);
         c.phases = pyep::ll::kPhaseSend | pyep::ll::kPhaseRecv;
+        c.seq = seq;
         const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(shape.dev_index).stream();
         pyep::ll::launch_dispatch(s, c, reinterpret_cast<uint64_t>(stream));
         ++calls;
@@ -223,8 +228,8 @@ struct FastLL {
     py::object combine(py::handle x_h, py::handle topk_h, py::handle weights_h, py::handle src_info_h,
                        py::handle layout_range_h, py::handle recv_slot_h, int handle_half, int64_t n, int64_t k,
                        py::handle active_h, py::handle timeout_h, py::handle out_h, py::handle src_h,
-                       py::handle wait_h, bool repeat) {
-        if (declines() || (handle_half != 0 && handle_half != 1)) return py::none();
+                       py::handle wait_h, bool repeat, uint32_t seq) {
+        if (declines(true) || (handle_half != 0 && handle_half != 1)) return py::none();
         const lc::TensorArg x = meta_of(x_h.ptr()), topk = meta_of(topk_h.ptr()), w = meta_of(weights_h.ptr()),
                             out = meta_of(out_h.ptr()), act = meta_of(active_h.ptr()), wait = meta_of(wait_h.ptr());
         const lc::Timeout timeout = timeout_of(timeout_h.ptr());
@@ -262,6 +267,7 @@ struct FastLL {
         c.wait_stats = wait.present ? wait.ptr : 0;
         c.timeout_ns = timeout_ns(timeout);
         c.phases = pyep::ll::kPhaseSend | pyep::ll::kPhaseRecv;
+        c.seq = seq;
         const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(shape.dev_index).stream();
         // A captured combine may be replayed on the same handle: it waits for the acknowledgements
         // like a repeated one (ll_ack.cuh; they are normally there already: one poll per destination).
@@ -289,11 +295,12 @@ void register_ep_fast(py::module_& m) {
         .def_readonly("calls", &FastLL::calls)
         .def("dispatch", &FastLL::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("use_fp8"),
              py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("active_ranks"), py::arg("timeout_us"),
-             py::arg("cumulative_local_expert_recv_stats"), py::arg("dispatch_wait_recv_cost_stats") = py::none())
+             py::arg("cumulative_local_expert_recv_stats"), py::arg("dispatch_wait_recv_cost_stats") = py::none(),
+             py::arg("seq") = 0)
         .def("combine", &FastLL::combine, py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"),
              py::arg("src_info"), py::arg("layout_range"), py::arg("recv_slot"), py::arg("half"), py::arg("num_tokens"),
              py::arg("num_topk"), py::arg("active_ranks"), py::arg("timeout_us"), py::arg("out"), py::arg("src"),
-             py::arg("combine_wait_recv_cost_stats") = py::none(), py::arg("repeat") = false);
+             py::arg("combine_wait_recv_cost_stats") = py::none(), py::arg("repeat") = false, py::arg("seq") = 0);
 }
 
 pyep::bindings::Registrar reg("ep_fast", &register_ep_fast);

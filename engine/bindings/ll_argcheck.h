@@ -63,10 +63,10 @@ inline bool tensor_ok(const TensorArg& t, int dtype, std::initializer_list<int64
     return t.dev_type == s.dev_type && t.dev_index == s.dev_index && t.contiguous;
 }
 
-// validate.check_timeout; beyond it, an int the launch cannot carry in nanoseconds is left to the
-// Python path (which decides what happens to it).
+// pyep/ep/ll/validate.check_timeout: an int in [1, MAX_TIMEOUT_US] (pyep/ep/ll/config.py: an hour).
+constexpr int64_t kMaxTimeoutUs = 3600000000ll;
 inline bool timeout_ok(const Timeout& t) {
-    return t.kind == 0 || (t.kind == 1 && t.value > 0 && t.value <= INT64_MAX / 1000);
+    return t.kind == 0 || (t.kind == 1 && t.value > 0 && t.value <= kMaxTimeoutUs);
 }
 
 // The kernels move rows with 16-byte vector accesses (NativeBackend._check_aligned).

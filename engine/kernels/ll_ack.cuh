@@ -75,7 +75,7 @@ __device__ __forceinline__ void finish_acks(const LLStatic& s, const LLCombineCa
     int* sent = ws_csent(s, c.half);
     int* state = ws_astate(s, c.half);
     for (int r = threadIdx.x; r < s.num_ranks; r += blockDim.x) {
-        if (peer_modes[r] != kPeerInactive) sent[r] += 1;
+        if (peer_modes[r] != kPeerInactive && !c.abort) sent[r] += 1;   // an abort sends no rows to acknowledge
         if (!c.repeat) continue;
         if (ld_volatile(state + r) == kTimedOut) atomicExch(active + r, 0);
         state[r] = kUndecided;

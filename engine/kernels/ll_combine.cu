@@ -45,7 +45,9 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrSendRouted);
 
     const int RT = R * T;
-    if (c.use_logfmt) {
+    if (c.abort) {
+        // A combine this rank refused: no rows, only the abort-tagged flags below.
+    } else if (c.use_logfmt) {
         combine_send_logfmt(s, c, sm, total);
     } else {
     const int row_int4 = H / 8;
@@ -98,14 +100,20 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrSendFenced);
     if (last_send) {
         const int* fail = ws_fail(s);
+        // The flag carries this call's tag (docs/ll_kernels.md, "Call tags"), or the abort marker.
+        const uint32_t tag = call_tag(c.seq, gen_of(s, s.rank));
+        const uint32_t first = c.abort ? sig_word(tag, kSigAbort | (uint32_t)c.abort) : sig_word(tag, 1);
         for (int r = tid; r < R; r += blockDim.x)
-            if (sm.active[r] == kPeerStore) st_relaxed_sys(reinterpret_cast<int*>(peer_base(s, r) + off_csig(s, half, s.rank)), 1);
-        // NIC: a +1 on every QP of the peer, so the flag completes only after the data of all of them.
+            if (sm.active[r] == kPeerStore)
+                st_relaxed_sys(reinterpret_cast<int*>(peer_base(s, r) + off_csig(s, half, s.rank)), (int)first);
+        // NIC: a +1 on every QP of the peer, so the flag completes only after the data of all of them; the
+        // add on QP 0 also brings the tag (or, alone, the abort marker).
         for (int i = warp; i < R * s.num_qps_per_peer; i += kWarps) {
             const int r = i / s.num_qps_per_peer, j = i - r * s.num_qps_per_peer;
-            if (lane != 0 || sm.active[r] != kPeerNic || ld_volatile(fail + r)) continue;
+            if (lane != 0 || sm.active[r] != kPeerNic || ld_volatile(fail + r) || (j != 0 && c.abort)) continue;
             const int st = gda::post_masked_fa32(peer_qp(s, r, j), remote_addr(s, r) + off_csig(s, half, s.rank),
-                                                 rkey_of(s, r), 1u, s.fetch_addr, s.lkey, false, c.timeout_ns);
+                                                 rkey_of(s, r), j == 0 ? first : 1u, s.fetch_addr, s.lkey, false,
+                                                 c.timeout_ns);
             if (st != gda::kOk) note_failure(s, r);
         }
         __syncthreads();
@@ -146,7 +154,10 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
 
     for (int r = tid; r < R; r += blockDim.x) {
         const int* sig = reinterpret_cast<const int*>(hb + off_csig(s, half, r));
-        const int st = resolve_flag(state, active, r, sig, max(1, expect[r]), c.timeout_ns, c.wait_stats);
+        const uint32_t tag = call_tag(c.seq, gen_of(s, r)), need = (uint32_t)max(1, expect[r]);
+        const int st = resolve_signal(state, active, r, sig,
+                                      [tag, need](uint32_t v) { return judge_signal(v, tag, need); }, c.timeout_ns,
+                                      c.wait_stats);
         // Re-read with acquire: when another block decided, this block still needs its own edge to
         // the data the flag publishes.
         sm.ok[r] = st == kArrived && ld_acquire_sys(sig) != 0;
@@ -206,6 +217,9 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrRecvCopied);
     if (last_recv) {
         int* sig = reinterpret_cast<int*>(hb + off_csig(s, half, 0));
+        record_call(s, state, sm.flag + 2, kKindCombine, c.seq, c.abort != 0,
+                    [&](int r) { return (uint32_t)ld_relaxed_sys(sig + r); });
+        __syncthreads();
         for (int r = tid; r < R; r += blockDim.x) sig[r] = 0;
         finish_decisions(state, active, R);
         if (tid == 0) *ws_counter(s, half, kCombineRecvDone) = 0;
@@ -214,7 +228,25 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrRecvDone);
 }
 
+// The combine of a dispatch whose exchange failed: every rank of the call saw the failure (an abort marker
+// or another call's tag reaches all of them), so every rank skips it -- no rows, no flags, no wait, no
+// acknowledgement -- and no rank waits for a combine the others do not make. The output is NaN, never
+// numbers that look right, and the call record says why (unless it still holds the dispatch's error).
+__device__ void combine_skipped(const LLStatic& s, const LLCombineCall& c) {
+    if (!(c.phases & kPhaseRecv) || c.abort) return;
+    const int64_t n = (int64_t)c.num_tokens * s.hidden / 8;   // int4 of bf16 NaN (0x7fc0) pairs
+    const int nan2 = 0x7fc07fc0;
+    int4* out = reinterpret_cast<int4*>(c.out);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        st_v4(out + i, make_int4(nan2, nan2, nan2, nan2));
+    if (blockIdx.x == 0 && threadIdx.x == 0) write_call_record(s, kCallSkipped, kKindCombine, c.seq, -1, 0, 0);
+}
+
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine(LLStatic s, LLCombineCall c) {
+    if (ld_volatile(ws_dfail(s, c.half)) != 0) {
+        combine_skipped(s, c);
+        return;
+    }
     uint8_t* smem = dynamic_smem();
     CombineSmem sm = carve_combine(smem, s.num_ranks, s.num_ranks * s.num_local_experts);
     if (c.use_logfmt)

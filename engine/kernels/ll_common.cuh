@@ -47,9 +47,38 @@ __device__ __forceinline__ int* ws_cstate(const LLStatic& s, int half) {
 __device__ __forceinline__ int* ws_fail(const LLStatic& s) {
     return reinterpret_cast<int*>(s.workspace) + 16 + 4 * s.num_ranks;
 }
+// Per half: whether the latest dispatch on it failed (a peer refused it, or met this rank at another
+// call). Written by the last block of that dispatch's receive; its combine then does nothing on any
+// rank (every rank of the call saw the failure), so no rank waits for a combine the others skip.
+__device__ __forceinline__ int* ws_dfail(const LLStatic& s, int half) {
+    return reinterpret_cast<int*>(s.workspace) + 8 + half;
+}
 
-// Decision about one source rank in one call, shared by all blocks through the workspace.
-enum SrcState : int { kUndecided = 0, kArrived = 1, kTimedOut = 2, kInactive = 3 };
+// Decision about one source rank in one call, shared by all blocks through the workspace. kAborted: the
+// source refused the call (abort marker); kMismatch: its signal carries another call's tag.
+enum SrcState : int { kUndecided = 0, kArrived = 1, kTimedOut = 2, kInactive = 3, kAborted = 4, kMismatch = 5 };
+
+// ---- call tags (docs/ll_kernels.md, "Call tags") ---------------------------------------------------
+// Every signal word a peer writes -- a dispatch count word, a combine flag -- is [31:16] the call tag,
+// [15] abort, [14:0] the value (dispatch: count + 1; combine: adds so far; abort: the refusal reason).
+// The tag is the call number modulo 4096 and the sender's membership generation modulo 16. A word
+// that arrived is never 0 (value >= 1 or the abort bit), so 0 still means "not yet".
+constexpr uint32_t kSigAbort = 0x8000u;
+constexpr uint32_t kSigValue = 0x7fffu;
+__host__ __device__ __forceinline__ uint32_t call_tag(uint32_t seq, int gen) {
+    return ((seq & 0xfffu) << 4) | ((uint32_t)gen & 0xfu);
+}
+__host__ __device__ __forceinline__ uint32_t sig_word(uint32_t tag, uint32_t value) { return (tag << 16) | value; }
+__device__ __forceinline__ int gen_of(const LLStatic& s, int r) {
+    return s.peer_gen ? reinterpret_cast<const int*>(s.peer_gen)[r] : 0;
+}
+// What signal word v from a source says, once its value reached `need` (kUndecided before): arrived
+// for this call, aborted (this call's abort marker), or another call's word.
+__device__ __forceinline__ int judge_signal(uint32_t v, uint32_t tag, uint32_t need) {
+    if (v & kSigAbort) return (v >> 16) == tag ? kAborted : kMismatch;
+    if ((v & kSigValue) < need) return kUndecided;
+    return (v >> 16) == tag ? kArrived : kMismatch;
+}
 
 // ---- addressing (byte offsets from a buffer base) ---------------------------------------------------
 __device__ __forceinline__ uint64_t off_dsig(const LLStatic& s, int half, int le, int src) {
@@ -310,26 +339,24 @@ __device__ __forceinline__ bool arrive_last(int* counter, int* s_flag, bool publ
 // WaitStats (ll_launch.h): the block whose CAS decided source r adds what it waited for r (stats: the
 // call's wait_stats, 0 = none). An inactive source was not waited for and gets nothing.
 __device__ __forceinline__ void add_wait(uint64_t stats, int r, int outcome, uint64_t waited_ns) {
-    if (stats != 0 && (outcome == kArrived || outcome == kTimedOut))
+    if (stats != 0 && outcome != kInactive && outcome != kUndecided)
         atomicAdd(reinterpret_cast<unsigned long long*>(stats) + r, (unsigned long long)waited_ns);
 }
 
-// Combine receive: decides whether source rank r's flag reached `expect` in this call, identically
-// for every block: the first block to see it (or to time out, or to find r inactive) records the
+// Decides source rank r's word `flag` in this call identically for every block: the first block to
+// find it complete (judge(value) != kUndecided), or to time out, or to find r inactive records the
 // outcome with a CAS; everyone else adopts it. The timeout runs on %globaltimer (nanoseconds), never
 // clock64, from the first poll that missed; the decider adds that wait to `stats` (add_wait). (The
 // dispatch receive, with E_l words per source, uses wait_counts below.)
-__device__ __forceinline__ int resolve_flag(int* state, const int* active, int r, const int* flag, int expect,
-                                            uint64_t timeout_ns, uint64_t stats) {
+template <typename Judge>
+__device__ __forceinline__ int resolve_signal(int* state, const int* active, int r, const int* flag, Judge judge,
+                                              uint64_t timeout_ns, uint64_t stats) {
     int st = ld_volatile(state + r);
     if (st != kUndecided) return st;
-    int outcome = kArrived;
+    int outcome = kInactive;
     uint64_t start = 0, waited = 0;
-    if (ld_volatile(active + r) == 0) {
-        outcome = kInactive;
-    } else {
-        // Modulo 2^32 (a counter may wrap: ll_ack.cuh); for the 0..num_qps flags a plain compare.
-        while ((int)((uint32_t)ld_acquire_sys(flag) - (uint32_t)expect) < 0) {
+    if (ld_volatile(active + r) != 0) {
+        while ((outcome = judge((uint32_t)ld_acquire_sys(flag))) == kUndecided) {
             if (start == 0) start = gda::now_ns();
             LL_SPIN_HINT();
             st = ld_volatile(state + r);
@@ -340,12 +367,20 @@ __device__ __forceinline__ int resolve_flag(int* state, const int* active, int r
                 break;
             }
         }
-        if (start != 0 && outcome == kArrived) waited = gda::now_ns() - start;
+        if (start != 0 && outcome != kTimedOut) waited = gda::now_ns() - start;
     }
     const int prev = atomicCAS(state + r, kUndecided, outcome);
     if (prev != kUndecided) return prev;
     add_wait(stats, r, outcome, waited);
     return outcome;
+}
+
+// A counter that must reach `expect` (modulo 2^32: a counter may wrap, ll_ack.cuh): kArrived or not yet.
+__device__ __forceinline__ int resolve_flag(int* state, const int* active, int r, const int* flag, int expect,
+                                            uint64_t timeout_ns, uint64_t stats) {
+    return resolve_signal(state, active, r, flag, [expect](uint32_t v) {
+        return (int)(v - (uint32_t)expect) >= 0 ? (int)kArrived : (int)kUndecided;
+    }, timeout_ns, stats);
 }
 
 // The dispatch receive's version of resolve_flag: each source sends E_l count words. Every thread
@@ -359,12 +394,16 @@ __device__ __forceinline__ int resolve_flag(int* state, const int* active, int r
 // half for blocks that adopt its verdict), and one more only if this block adopted "arrived" for a
 // word it had not seen and had to read it afterwards. With `stats` (WaitStats), waited [R] (shared)
 // collects, per source, the latest moment a word this block had to wait for was seen, counted from
-// this thread's entry; the deciding block adds it (add_wait).
-enum CountFlag : int { kSeenAll = 0, kUnseen = 1, kLate = 2, kInactiveSrc = 4 };
+// this thread's entry; the deciding block adds it (add_wait). A word that is not call `seq`'s tag from
+// its source (generation from `gens`, LLStatic::peer_gen, or 0), or is its abort marker, decides the
+// source as kMismatch / kAborted (every one of its words counts 0) and stops this block's wait for its
+// other words; the generation is loaded in the same round trip as the first poll.
+enum CountFlag : int { kSeenAll = 0, kUnseen = 1, kLate = 2, kInactiveSrc = 4, kAbortSeen = 8, kTagBad = 16 };
 
 __device__ __forceinline__ void wait_counts(int* state, const int* active, const int* sig, int num_ranks,
                                             int num_pairs, int max_rows, uint64_t timeout_ns, int* src_state,
-                                            int* flags, int* cnt, uint64_t stats, unsigned long long* waited) {
+                                            int* flags, int* cnt, uint64_t stats, unsigned long long* waited,
+                                            uint32_t seq, const int* gens) {
     const int R = num_ranks;
     const uint64_t entry = stats ? gda::now_ns() : 0;
     for (int r = threadIdx.x; r <= R; r += blockDim.x) {
@@ -374,6 +413,7 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
     __syncthreads();
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
         const int r = p % R;
+        const int gen = gens ? __ldg(gens + r) : 0;     // the host changes it between calls only
         const int on = ld_volatile(active + r);
         const int st = ld_volatile(state + r);
         int v = ld_relaxed_sys(sig + p);
@@ -387,7 +427,9 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
                 if ((v = ld_relaxed_sys(sig + p)) != 0) break;
                 if ((spins & 15) != 15) continue;
                 // Someone (another block, or a thread of this one) already settled r: stop waiting.
-                if (ld_volatile(state + r) != kUndecided || (*(volatile int*)(flags + r) & kLate)) break;
+                if (ld_volatile(state + r) != kUndecided ||
+                    (*(volatile int*)(flags + r) & (kLate | kAbortSeen | kTagBad)))
+                    break;
                 const uint64_t now = gda::now_ns();
                 if (deadline == 0) {
                     deadline = now + timeout_ns;
@@ -399,7 +441,12 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
             if (stats) atomicMax(waited + r, (unsigned long long)(gda::now_ns() - entry));
         }
         cnt[p] = v;
-        if (v == 0) atomicOr(flags + r, kUnseen);
+        if (v == 0) {
+            atomicOr(flags + r, kUnseen);
+        } else if (on != 0) {
+            const int j = judge_signal((uint32_t)v, call_tag(seq, gen), 1);
+            if (j != kArrived) atomicOr(flags + r, j == kAborted ? kAbortSeen : kTagBad);
+        }
     }
     __syncthreads();
     if (threadIdx.x == 0) fence_acq_rel_sys();
@@ -410,7 +457,8 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
             // A source is late for this block only if one of its words stayed unseen while nobody had
             // decided (a decided state is never undecided again within the call).
             const int f = flags[r];
-            const int outcome = (f & kInactiveSrc) ? kInactive : (f & kUnseen) ? kTimedOut : kArrived;
+            const int outcome = (f & kInactiveSrc) ? kInactive : (f & kAbortSeen) ? kAborted
+                                : (f & kTagBad) ? kMismatch : (f & kUnseen) ? kTimedOut : kArrived;
             const int prev = atomicCAS(state + r, kUndecided, outcome);
             st = prev == kUndecided ? outcome : prev;
             if (prev == kUndecided) add_wait(stats, r, outcome, stats ? waited[r] : 0);
@@ -434,7 +482,7 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
         __syncthreads();
     }
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
-        const int n = src_state[p % R] == kArrived ? max(0, min(-cnt[p] - 1, max_rows)) : 0;
+        const int n = src_state[p % R] == kArrived ? max(0, min((int)((uint32_t)cnt[p] & kSigValue) - 1, max_rows)) : 0;
         cnt[p] = n;
     }
     __syncthreads();
@@ -456,6 +504,51 @@ __device__ __forceinline__ void source_offsets(const int* cnt, int* offs, int* s
 }
 __device__ __forceinline__ int source_slot(const int* offs, int El, int e, int r) {
     return offs[r * El + e] - offs[r * El];
+}
+
+// The call record (ll_launch.h), by one thread, unless an earlier entry is still unreported: fields
+// first, a system fence, then the code word the host reads.
+__device__ __forceinline__ bool write_call_record(const LLStatic& s, int code, int kind, uint32_t seq, int peer,
+                                                  uint32_t word, uint32_t expect) {
+    int* rec = reinterpret_cast<int*>(s.call_err);
+    if (rec == nullptr || ld_volatile(rec + kCallCode) != kCallNone) return false;
+    rec[kCallKind] = kind;
+    rec[kCallSeq] = (int)seq;
+    rec[kCallPeer] = peer;
+    rec[kCallWord] = (int)word;
+    rec[kCallExpect] = (int)expect;
+    __threadfence_system();
+    st_relaxed_sys(rec + kCallCode, code);
+    return true;
+}
+
+// Last block of a receive phase, every thread, before the decisions are cleared: whether any source's
+// exchange failed in this call (one parallel pass over the decisions; `scratch`: a shared int), and if
+// one did, thread 0 writes the first (by rank) into the call record. word(r): source r's offending
+// signal word. A rank that refused the call itself (`refused`: its host already raised) records only
+// mismatches. The caller syncs before it clears the words word(r) reads.
+template <typename Word>
+__device__ bool record_call(const LLStatic& s, const int* state, int* scratch, int kind, uint32_t seq, bool refused,
+                            Word word) {
+    if (threadIdx.x == 0) *scratch = 0;
+    __syncthreads();
+    for (int r = threadIdx.x; r < s.num_ranks; r += blockDim.x) {
+        const int st = ld_volatile(state + r);
+        if (st == kAborted || st == kMismatch) atomicOr(scratch, 1);
+    }
+    __syncthreads();
+    const bool failed = *(volatile int*)scratch != 0;
+    if (failed && threadIdx.x == 0) {     // the rare path: a serial walk is fine
+        for (int r = 0; r < s.num_ranks; ++r) {
+            const int st = ld_volatile(state + r);
+            if ((st == kAborted && !refused) || st == kMismatch) {
+                write_call_record(s, st == kAborted ? kCallPeerAborted : kCallMismatch, kind, seq, r, word(r),
+                                  call_tag(seq, gen_of(s, r)));
+                break;
+            }
+        }
+    }
+    return failed;
 }
 
 // At the end of a receive phase (last block only): a source that timed out is marked inactive in the

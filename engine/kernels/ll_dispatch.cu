@@ -287,11 +287,16 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
     trace_point(s, kTraceDispatch, kTrSendFenced);
     if (last_send) {
         const int* fail = ws_fail(s);
+        // Each count word carries this call's tag (docs/ll_kernels.md, "Call tags"); a refused call sends
+        // the abort marker in every word instead (N = 0 here: no payload went out).
+        const uint32_t tag = call_tag(c.seq, gen_of(s, s.rank));
+        auto word = [&](int i) {
+            return c.abort ? sig_word(tag, kSigAbort | (uint32_t)c.abort) : sig_word(tag, (uint32_t)min(sm.hist[i], T) + 1);
+        };
         for (int i = tid; i < E; i += blockDim.x) {
             const int dst = i / El, le = i - dst * El;
             if (sm.active[dst] != kPeerStore) continue;
-            st_relaxed_sys(reinterpret_cast<int*>(peer_base(s, dst) + off_dsig(s, half, le, s.rank)),
-                           -min(sm.hist[i], T) - 1);
+            st_relaxed_sys(reinterpret_cast<int*>(peer_base(s, dst) + off_dsig(s, half, le, s.rank)), (int)word(i));
         }
         __syncthreads();
         trace_point(s, kTraceDispatch, kTrSendSignaled);
@@ -301,8 +306,7 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
             if (lane != 0 || sm.active[dst] != kPeerNic || ld_volatile(fail + dst)) continue;
             const int st = gda::post_masked_fa32(peer_qp(s, dst, le % s.num_qps_per_peer),
                                                  remote_addr(s, dst) + off_dsig(s, half, le, s.rank), rkey_of(s, dst),
-                                                 (uint32_t)(-min(sm.hist[i], T) - 1), s.fetch_addr, s.lkey, false,
-                                                 c.timeout_ns);
+                                                 word(i), s.fetch_addr, s.lkey, false, c.timeout_ns);
             if (st != gda::kOk) note_failure(s, dst);
         }
         __syncthreads();
@@ -312,20 +316,15 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
     trace_point(s, kTraceDispatch, kTrSendDone);
 }
 
+// The receive's output: the row prefix over (expert, source), layout_range / recv_count, and the copy
+// of every message that arrived into recv_x, the scales, src_info and the top-k slots.
 template <bool kFp8>
-__device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, DispatchSmem& sm) {
+__device__ void dispatch_unpack(const LLStatic& s, const LLDispatchCall& c, DispatchSmem& sm) {
     const int R = s.num_ranks, El = s.num_local_experts, E = R * El, T = s.num_max_tokens, H = s.hidden;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int half = c.half;
     const int G = H / 128;
-    int* state = ws_dstate(s, half);
-    int* active = reinterpret_cast<int*>(c.active);
     uint8_t* hb = reinterpret_cast<uint8_t*>(s.buf);
-    trace_point(s, kTraceDispatch, kTrRecvBegin);
-
-    wait_counts(state, active, reinterpret_cast<const int*>(hb + off_dsig(s, half, 0, 0)), R, E, T, c.timeout_ns,
-                sm.src_state, sm.wflags, sm.cnt, c.wait_stats, sm.waited);
-    trace_point(s, kTraceDispatch, kTrRecvReady);
     source_offsets(sm.cnt, sm.srcoff, sm.scan, R, El);
     block_exclusive_scan(sm.rowstart, sm.cnt, E, sm.scan);
     const int total = sm.rowstart[E];
@@ -398,13 +397,42 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
         }
     }
 
+}
+
+template <bool kFp8>
+__device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, DispatchSmem& sm) {
+    const int R = s.num_ranks, El = s.num_local_experts, E = R * El, T = s.num_max_tokens;
+    const int tid = threadIdx.x;
+    const int half = c.half;
+    int* state = ws_dstate(s, half);
+    int* active = reinterpret_cast<int*>(c.active);
+    uint8_t* hb = reinterpret_cast<uint8_t*>(s.buf);
+    trace_point(s, kTraceDispatch, kTrRecvBegin);
+    const int* sig = reinterpret_cast<const int*>(hb + off_dsig(s, half, 0, 0));
+
+    wait_counts(state, active, sig, R, E, T, c.timeout_ns, sm.src_state, sm.wflags, sm.cnt, c.wait_stats, sm.waited,
+                c.seq, reinterpret_cast<const int*>(s.peer_gen));
+    trace_point(s, kTraceDispatch, kTrRecvReady);
+    // A call this rank refused: the peers' words are awaited and cleared below, nothing is written out.
+    if (!c.abort) dispatch_unpack<kFp8>(s, c, sm);
     const bool last_recv = arrive_last(ws_counter(s, half, kDispatchRecvDone), sm.flag, false);
     trace_point(s, kTraceDispatch, kTrRecvCopied);
     if (last_recv) {
+        // The first failed source into the call record, and whether this call's combine is skipped.
+        const bool failed = record_call(s, state, sm.flag + 2, kKindDispatch, c.seq, c.abort != 0, [&](int r) {
+            const uint32_t tag = call_tag(c.seq, gen_of(s, r));
+            for (int le = 0; le < El; ++le) {
+                const uint32_t v = (uint32_t)ld_relaxed_sys(sig + le * R + r);
+                if (v != 0 && judge_signal(v, tag, 1) != kArrived) return v;
+            }
+            return 0u;
+        });
+        if (tid == 0) *ws_dfail(s, half) = (failed || c.abort) ? 1 : 0;
+        __syncthreads();
         // Every block has read this half's counts: clear them for the call after next, which peers
         // can only start after they have this call's results from us.
-        int* sig = reinterpret_cast<int*>(hb + off_dsig(s, half, 0, 0));
-        for (int i = tid; i < E; i += blockDim.x) sig[i] = 0;
+        int* words = reinterpret_cast<int*>(hb + off_dsig(s, half, 0, 0));
+        for (int i = tid; i < E; i += blockDim.x) words[i] = 0;
         finish_decisions(state, active, R);
         if (tid == 0) *ws_counter(s, half, kDispatchRecvDone) = 0;
     }

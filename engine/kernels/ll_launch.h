@@ -43,6 +43,11 @@ struct LLStatic {
     uint64_t trace = 0;           // 0, or device uint64[2][num_blocks][kTraceSlots]: per-block timeline
     uint64_t err = 0;             // 0 (check_values=False), or the error record: pinned, host-mapped
                                   // int32[kErrWords] (LLErrorWord), read by the host without a sync
+    uint64_t call_err = 0;        // the call record (LLCallWord): pinned, host-mapped int32[kCallErrWords];
+                                  // 0 only in tests that do not read it
+    uint64_t peer_gen = 0;        // 0 (every rank is generation 0: a buffer on a process group), or device
+                                  // int32[R]: each rank's membership generation, self included (its low
+                                  // 4 bits travel in every signal word: docs/ll_kernels.md, "Call tags")
 };
 
 // The dispatch kernel's error record (pyep/ep/ll/errors.py decodes it). The first top-k entry of a
@@ -52,6 +57,23 @@ struct LLStatic {
 enum LLErrorWord : int { kErrCode = 0, kErrRow = 1, kErrK = 2, kErrValueLo = 3, kErrValueHi = 4, kErrFirstK = 5 };
 enum LLErrorCode : int { kErrNone = 0, kErrExpertRange = 1, kErrExpertDuplicate = 2 };
 constexpr int kErrWords = 8;
+
+// The call record: an exchange of this rank's call went wrong with a peer (docs/ll_kernels.md, "Call
+// tags"). Written by thread 0 of the last block of a receive phase, only while `code` is 0 (the first
+// stays until the host took it), fields first, a system fence, then `code`. kCallSeq is this rank's
+// call number (the dispatch sequence number, also for a combine of that dispatch), kCallWord the
+// peer's signal word as it arrived, kCallExpect the tag this rank expected from that peer.
+enum LLCallWord : int { kCallCode = 0, kCallKind = 1, kCallSeq = 2, kCallPeer = 3, kCallWord = 4, kCallExpect = 5 };
+enum LLCallCode : int {
+    kCallNone = 0,
+    kCallPeerAborted = 1,   // the peer refused its call on the host and sent an abort marker instead
+    kCallMismatch = 2,      // the peer's signal carries another call's tag (call number or generation)
+    kCallSkipped = 3,       // a combine of a dispatch whose exchange failed: skipped on every rank
+};
+enum LLCallKind : int { kKindDispatch = 1, kKindCombine = 2 };
+constexpr int kCallErrWords = 8;
+// The largest T: a dispatch count word carries count + 1 in its 15-bit value field (ll_common.cuh).
+constexpr int kMaxTokensPerRank = 0x7ffe;
 
 // Timeline points (ll_common.cuh stamps them when LLStatic::trace is set; pyep/ep/ll/trace.py reads them).
 enum TracePoint : int {
@@ -93,6 +115,10 @@ struct LLDispatchCall {
     uint64_t timeout_ns = 0;
     int phases = kPhaseSend | kPhaseRecv;
     uint64_t wait_stats = 0;      // int64 [R] or 0: receive wait per source, added in ns (WaitStats)
+    uint32_t seq = 0;             // this call's number (EpBuffer's dispatch sequence, low 32 bits): its tag
+    int abort = 0;                // 0, or the reason (1..0x7fff) this rank refused the call on the host: send
+                                  // abort-tagged count words and no payload, receive the peers' words and
+                                  // clear them, write no output (num_tokens 0, output pointers unused)
 };
 
 struct LLCombineCall {
@@ -113,6 +139,8 @@ struct LLCombineCall {
     uint64_t wait_stats = 0;      // int64 [R] or 0: receive wait per source, added in ns (WaitStats)
     int repeat = 0;               // the handle was combined before: wait for every destination's
                                   // acknowledgement of our earlier combines on this half (ll_ack.cuh)
+    uint32_t seq = 0;             // the number of the dispatch this combine belongs to (its tag)
+    int abort = 0;                // 0, or the refusal reason: abort-tagged flags, no rows, no reduce
 };
 
 // The argument checks of one launch (ll_runtime.cu): std::invalid_argument naming what is wrong.

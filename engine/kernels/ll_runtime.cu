@@ -18,7 +18,8 @@ void check_static(const LLStatic& s) {
     if (s.num_ranks < 1) bad("num_ranks must be >= 1");
     if (s.rank < 0 || s.rank >= s.num_ranks) bad("rank outside [0, num_ranks)");
     if (s.num_local_experts < 1) bad("num_local_experts must be >= 1");
-    if (s.num_max_tokens < 1) bad("num_max_tokens must be >= 1");
+    if (s.num_max_tokens < 1 || s.num_max_tokens > kMaxTokensPerRank)
+        bad("num_max_tokens must be in [1, " + std::to_string(kMaxTokensPerRank) + "] (a count word holds count + 1 in 15 bits)");
     if (s.hidden < 128 || s.hidden % 128 || s.hidden > 128 * kMaxGroups)
         bad("hidden must be a multiple of 128 in [128, " + std::to_string(128 * kMaxGroups) + "]");
     if (s.max_topk < 1 || s.max_topk > kMaxTopk) bad("max_topk must be in [1, 16]");
@@ -48,27 +49,37 @@ void check_common(const LLStatic& s, int num_tokens, int num_topk, int half, con
     if (half != 0 && half != 1) throw std::invalid_argument(what + ": half must be 0 or 1");
 }
 
+// A refused call (abort != 0) sends its abort marker and no payload: it has no tokens and needs no
+// input or output pointer.
+bool check_abort(int abort, int num_tokens, const std::string& what) {
+    if (abort < 0 || abort > (int)kSigValue) throw std::invalid_argument(what + ": abort reason outside [0, 0x7fff]");
+    if (abort && num_tokens != 0) throw std::invalid_argument(what + ": an abort call carries no tokens (num_tokens 0)");
+    return abort != 0;
+}
+
 }  // namespace
 
 void check_call(const LLStatic& s, const LLDispatchCall& c) {
     check_common(s, c.num_tokens, c.num_topk, c.half, "ll dispatch");
     if (!c.active) throw std::invalid_argument("ll dispatch: active pointer is null");
+    if (!(c.phases & (kPhaseSend | kPhaseRecv))) throw std::invalid_argument("ll dispatch: no phase");
+    if (check_abort(c.abort, c.num_tokens, "ll dispatch")) return;
     if ((c.phases & kPhaseSend) && c.num_tokens > 0 && (!c.x || !c.topk))
         throw std::invalid_argument("ll dispatch: x/topk pointers are null");
     if ((c.phases & kPhaseRecv) && (!c.recv_x || !c.src_info || !c.recv_slot || !c.layout_range || !c.recv_count ||
                                     (c.use_fp8 && !c.recv_scales)))
         throw std::invalid_argument("ll dispatch: an output pointer is null");
-    if (!(c.phases & (kPhaseSend | kPhaseRecv))) throw std::invalid_argument("ll dispatch: no phase");
 }
 
 void check_call(const LLStatic& s, const LLCombineCall& c) {
     check_common(s, c.num_tokens, c.num_topk, c.half, "ll combine");
     if (!c.active || !c.layout_range || !c.src_info || !c.recv_slot)
         throw std::invalid_argument("ll combine: active/handle pointers are null");
+    if (!(c.phases & (kPhaseSend | kPhaseRecv))) throw std::invalid_argument("ll combine: no phase");
+    if (check_abort(c.abort, c.num_tokens, "ll combine")) return;
     if ((c.phases & kPhaseSend) && !c.x) throw std::invalid_argument("ll combine: x pointer is null");
     if ((c.phases & kPhaseRecv) && c.num_tokens > 0 && (!c.topk || !c.weights || !c.out))
         throw std::invalid_argument("ll combine: topk/weights/out pointers are null");
-    if (!(c.phases & (kPhaseSend | kPhaseRecv))) throw std::invalid_argument("ll combine: no phase");
     if (c.use_logfmt && s.hidden % kLfRound != 0)
         throw std::invalid_argument("ll combine: use_logfmt needs hidden % 512 == 0, got " + std::to_string(s.hidden));
 }

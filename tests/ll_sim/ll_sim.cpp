@@ -41,6 +41,9 @@ ll::LLStatic static_from(const py::dict& d) {
     set(d, "off_crecv", s.off_crecv); set(d, "msg_bytes", s.msg_bytes); set(d, "slots_per_src", s.slots_per_src);
     set(d, "num_blocks", s.num_blocks);
     if (d.contains("err")) set(d, "err", s.err);   // the error record (host memory here), optional
+    if (d.contains("call_err")) set(d, "call_err", s.call_err);   // the call record, optional
+    if (d.contains("peer_gen")) set(d, "peer_gen", s.peer_gen);   // int32 [R] generations, optional
+    if (d.contains("trace")) set(d, "trace", s.trace);            // per-block timeline, optional
     ll::check_static(s);
     return s;
 }
@@ -54,6 +57,8 @@ ll::LLDispatchCall dispatch_from(const py::dict& d) {
     set(d, "layout_range", c.layout_range); set(d, "recv_count", c.recv_count); set(d, "cum_stats", c.cum_stats);
     set(d, "timeout_ns", c.timeout_ns); set(d, "phases", c.phases);
     if (d.contains("wait_stats")) set(d, "wait_stats", c.wait_stats);   // int64 [R] or 0, optional
+    if (d.contains("seq")) set(d, "seq", c.seq);
+    if (d.contains("abort")) set(d, "abort", c.abort);
     return c;
 }
 
@@ -66,6 +71,8 @@ ll::LLCombineCall combine_from(const py::dict& d) {
     if (d.contains("use_logfmt")) set(d, "use_logfmt", c.use_logfmt);
     if (d.contains("wait_stats")) set(d, "wait_stats", c.wait_stats);
     if (d.contains("repeat")) set(d, "repeat", c.repeat);
+    if (d.contains("seq")) set(d, "seq", c.seq);
+    if (d.contains("abort")) set(d, "abort", c.abort);
     return c;
 }
 
@@ -85,6 +92,7 @@ void run_grids(const std::vector<ll::LLStatic>& ss, const std::vector<Call>& cs,
 
 PYBIND11_MODULE(ll_sim, m) {
     m.attr("threads_per_block") = ll::kThreadsPerBlock;
+    m.attr("trace_slots") = ll::kTraceSlots;
     m.def("dispatch", [](const py::list& statics, const py::list& calls) {
         std::vector<ll::LLStatic> ss;
         std::vector<ll::LLDispatchCall> cs;

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from pyep.ep import fp8
-from pyep.ep.ll.errors import RECORD_WORDS
+from pyep.ep.ll.errors import CALL_RECORD_WORDS, RECORD_WORDS
 from pyep.ep.ll.layout import ll_buffer_layout, ws_words
 
 
@@ -80,6 +80,12 @@ class World:
         self.ws = [torch.zeros(ws_words(R), dtype=torch.int32) for _ in range(R)]
         # The dispatch kernel's error record per rank (pyep.ep.ll.errors; host memory on the GPU too).
         self.errs = [torch.zeros(RECORD_WORDS, dtype=torch.int32) for _ in range(R)]
+        # The call record (an exchange that failed with a peer) and the generations each rank expects of
+        # every rank, itself included (all 0: a buffer on a process group).
+        self.call_errs = [torch.zeros(CALL_RECORD_WORDS, dtype=torch.int32) for _ in range(R)]
+        self.gens = [torch.zeros(R, dtype=torch.int32) for _ in range(R)]
+        # Per-block timeline stamps [kernel][block][slot] (ns; 0 = not reached), reset by the caller.
+        self.traces = [torch.zeros(2, grid, sim.trace_slots, dtype=torch.int64) for _ in range(R)]
         self.active = [torch.ones(R, dtype=torch.int32) for _ in range(R)]
         # Per-source receive wait (ns) each rank's calls add up when a call passes wait_stats=True.
         self.wait_stats = {k: [torch.zeros(R, dtype=torch.int64) for _ in range(R)] for k in ("dispatch", "combine")}
@@ -111,7 +117,8 @@ class World:
                 workspace=self.ws[r].data_ptr(), half_bytes=lay.half_bytes, off_dsig=lay.off_dsig,
                 off_csig=lay.off_csig, off_cack=lay.off_cack, off_drecv=lay.off_drecv, off_crecv=lay.off_crecv,
                 msg_bytes=lay.msg_bytes, slots_per_src=lay.slots_per_src, num_blocks=grid,
-                err=self.errs[r].data_ptr()))
+                err=self.errs[r].data_ptr(), call_err=self.call_errs[r].data_ptr(),
+                peer_gen=self.gens[r].data_ptr(), trace=self.traces[r].data_ptr()))
 
     def rejoin(self) -> None:
         """What update_ep_member does on every rank: clear signals and decisions, everyone active."""
@@ -141,7 +148,9 @@ class World:
     def dispatch(self, inputs: Sequence[Any], half: int, use_fp8: bool = False, round_scale: bool = False,
                  use_ue8m0: bool = False, ranks: Optional[Sequence[int]] = None, phases: int = 3,
                  timeout_ns: int = 20_000_000_000, outs: Optional[List[Dict[str, Any]]] = None,
-                 wait_stats: bool = False):
+                 wait_stats: bool = False, seq: Any = None, aborts: Optional[Dict[int, int]] = None):
+        """seq: the call number (its tag), one for every rank or a list per rank (default: `half`);
+        aborts: {rank: reason} of ranks that refused the call (abort marker, no tokens)."""
         ranks = list(range(self.R)) if ranks is None else list(ranks)
         if outs is None:
             outs = self.dispatch_outputs(use_fp8, use_ue8m0)
@@ -149,7 +158,9 @@ class World:
         for r in ranks:
             x, topk, _ = inputs[r]
             o = outs[r]
-            calls.append(dict(x=x.data_ptr(), topk=topk.data_ptr(), num_tokens=x.shape[0], num_topk=topk.shape[1],
+            abort = (aborts or {}).get(r, 0)
+            calls.append(dict(x=x.data_ptr(), topk=topk.data_ptr(), num_tokens=0 if abort else x.shape[0],
+                              num_topk=topk.shape[1], seq=_seq_of(seq, half, r), abort=abort,
                               half=half, use_fp8=int(use_fp8), round_scale=int(round_scale),
                               use_ue8m0=int(use_ue8m0), active=self.active[r].data_ptr(),
                               recv_x=o["recv_x"].data_ptr(), recv_scales=o["scales"].data_ptr() if use_fp8 else 0,
@@ -163,7 +174,8 @@ class World:
     def combine(self, ys: Sequence[Any], inputs: Sequence[Any], douts: Sequence[Dict[str, Any]], half: int,
                 ranks: Optional[Sequence[int]] = None, phases: int = 3, timeout_ns: int = 20_000_000_000,
                 use_logfmt: bool = False, wait_stats: bool = False, repeat: bool = False,
-                outs: Optional[List[Any]] = None):
+                outs: Optional[List[Any]] = None, seq: Any = None, aborts: Optional[Dict[int, int]] = None):
+        """seq / aborts: as for dispatch (the seq of a combine is its dispatch's)."""
         ranks = list(range(self.R)) if ranks is None else list(ranks)
         if outs is None:   # a send launch and its receive launch share the caller's outputs
             outs = self.combine_outputs(inputs)
@@ -171,7 +183,9 @@ class World:
         for r in ranks:
             x, topk, w = inputs[r]
             d = douts[r]
-            calls.append(dict(x=ys[r].data_ptr(), topk=topk.data_ptr(), weights=w.data_ptr(), num_tokens=x.shape[0],
+            abort = (aborts or {}).get(r, 0)
+            calls.append(dict(x=ys[r].data_ptr(), topk=topk.data_ptr(), weights=w.data_ptr(),
+                              num_tokens=0 if abort else x.shape[0], seq=_seq_of(seq, half, r), abort=abort,
                               num_topk=topk.shape[1], half=half, src_info=d["src_info"].data_ptr(),
                               recv_slot=d["recv_slot"].data_ptr(), layout_range=d["layout_range"].data_ptr(),
                               active=self.active[r].data_ptr(), out=outs[r].data_ptr(), timeout_ns=timeout_ns,
@@ -192,6 +206,12 @@ class World:
         acked = [[int(self.bufs[r][self.lay.cack_offset(half, d):self.lay.cack_offset(half, d) + 4].view(torch.int32))
                   for d in range(self.R)] for r in range(self.R)]
         return sent, acked
+
+
+def _seq_of(seq: Any, half: int, rank: int) -> int:
+    if seq is None:
+        return half
+    return int(seq[rank]) if isinstance(seq, (list, tuple)) else int(seq)
 
 
 def routing(R: int, e_l: int, inputs: Sequence[Any], me: int, active: Sequence[bool]):
@@ -242,9 +262,13 @@ def expert_outputs(w: World, outs: Sequence[Dict[str, Any]], use_fp8: bool, use_
 
 
 def check_combine(w: World, inputs: Sequence[Any], ys: Sequence[Any], outs: Sequence[Any], me: int,
-                  active: Sequence[bool], tag: str, use_logfmt: bool = False) -> None:
+                  active: Sequence[bool], tag: str, use_logfmt: bool = False,
+                  owners: Optional[Sequence[bool]] = None) -> None:
     """out[t] = sum over k ascending of w * y(row of (me, t, k) at its owner), fp32, one bf16 rounding.
-    With use_logfmt, y is the row after pyep.ep.ll.logfmt's encode + decode (bit-exact reference)."""
+    With use_logfmt, y is the row after pyep.ep.ll.logfmt's encode + decode (bit-exact reference).
+    `active`: the ranks the dispatch exchanged with; `owners` (default: the same): the expert owners
+    whose rows the combine used."""
+    owners = active if owners is None else owners
     x, topk, wts = inputs[me]
     if use_logfmt:
         from pyep.ep.ll import logfmt
@@ -252,7 +276,7 @@ def check_combine(w: World, inputs: Sequence[Any], ys: Sequence[Any], outs: Sequ
     acc = torch.zeros(x.shape[0], w.H, dtype=torch.float32)
     row_of: Dict[Tuple[int, int], Tuple[int, int, int]] = {}
     for owner in range(w.R):
-        if not active[owner]:
+        if not owners[owner]:
             continue
         for le, rows in enumerate(routing(w.R, w.e_l, inputs, owner, active)):
             for i, (r, t, k) in enumerate(rows):
@@ -261,7 +285,7 @@ def check_combine(w: World, inputs: Sequence[Any], ys: Sequence[Any], outs: Sequ
     for k in range(topk.shape[1]):
         for t in range(x.shape[0]):
             e = int(topk[t, k])
-            if e < 0 or not active[e // w.e_l]:
+            if e < 0 or not owners[e // w.e_l]:
                 continue
             owner, le, i = row_of[(t, k)]
             acc[t] = acc[t] + wts[t, k] * ys[owner][le, i].float()

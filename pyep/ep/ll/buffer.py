@@ -7,9 +7,14 @@ reference backend over torch.distributed. Re-admitting restarted ranks (store-ba
 buffer_member.py, mixed in.
 
 Expert ids are checked without a host sync (check_values=True): the backend records the first bad
-entry of a dispatch (pyep.ep.ll.errors) and the front raises it at the next dispatch/combine call, before
-that call does anything, and after the host waits a caller makes anyway (event.wait(), the receive
-hook). check_values="strict" checks on the host before launch instead; False checks nothing.
+entry of a dispatch (pyep.ep.ll.errors) and the front raises it after the host waits a caller makes anyway
+(event.wait(), the receive hook) or when the next combine has done its exchange. check_values="strict"
+checks on the host before launch instead; False checks nothing.
+
+Every exchange carries its call number (docs/elastic.md, "Call-tagged exchanges"): a call this front
+refuses (its arguments) still takes part in its exchange with an abort marker, so no peer waits for it
+or pairs another call with it; the peers get PeerRefusedCall for that call, a peer at another call gets
+CallMismatch, and the combine of a dispatch that failed is skipped on every rank.
 """
 from __future__ import annotations
 
@@ -21,10 +26,10 @@ from ..control import ControlPlane, make_control
 from .contract import CombineOptions, DispatchOptions, EpBackend
 from ..backend import profiled_range, CompletedEvent, EventLike, PeerTransport
 from ..config import DEFAULT_TIMEOUT_US, MAX_TOPK
-from .config import EpConfig
+from .config import MAX_REJOIN_LEAD_CALLS, EpConfig
 from ..elastic.membership import DEFAULT_LEAD_CALLS, Membership, MembershipError, buffer_fingerprint
+from .buffer_calls import CheckedEvent, CheckedHook, EpBufferCalls
 from .buffer_member import EpBufferMembership
-from .errors import InvalidExpertIndex
 from .layout import size_hint as _size_hint
 from .handle import Handle
 from .validate import validate_combine, validate_dispatch, validate_handle
@@ -83,55 +88,17 @@ def _make_backend(control: ControlPlane, config: EpConfig, joining: bool) -> EpB
     return ReferenceBackend(control, config)
 
 
-class CheckedEvent:
-    """The event EpBuffer returns when values are checked on the device: wait() is a host wait, so
-    after it the error record of the calls before is complete and a recorded error is raised."""
-
-    __slots__ = ("_event", "_check")
-
-    def __init__(self, event: EventLike, check: Callable[[], None]) -> None:
-        self._event = event
-        self._check = check
-
-    def wait(self) -> None:
-        self._event.wait()
-        self._check()
-
-    def current_stream_wait(self) -> None:
-        self._event.current_stream_wait()
-
-    @property
-    def inner(self) -> EventLike:
-        return self._event
-
-    def __repr__(self) -> str:
-        return f"CheckedEvent({self._event!r})"
-
-
-class CheckedHook:
-    """The receive hook with the error check after it: the receive half always runs (peers wait for
-    it), then a value error recorded by then is raised."""
-
-    __slots__ = ("_hook", "_check")
-
-    def __init__(self, hook: Callable[[], None], check: Callable[[], None]) -> None:
-        self._hook = hook
-        self._check = check
-
-    def __call__(self) -> None:
-        self._hook()
-        self._check()
-
-
-class EpBuffer(EpBufferMembership):
+class EpBuffer(EpBufferMembership, EpBufferCalls):
     """Low-latency expert-parallel dispatch/combine over a process group.
 
     dispatch -> (recv_x or (recv_x, scales), recv_count, handle, event, hook)
     combine  -> (out, event, hook)
     At most two dispatch results may be in flight: the handle of dispatch #n is refused once
     dispatch #n+2 was issued. All ranks of the group must make the same calls in the same order.
-    A bad expert id (pyep.ep.ll.errors) is raised at the next call, event.wait() or hook by default,
-    before launch with check_values="strict", never with check_values=False.
+    A bad expert id (pyep.ep.ll.errors) is raised at event.wait(), the hook or the end of the next
+    combine by default, before launch with check_values="strict", never with check_values=False. A peer
+    that refused a call, or met this rank at another call, is raised the same way (PeerRefusedCall,
+    CallMismatch), or before the combine of that dispatch, which every rank then skips.
     """
 
     def __init__(self, group: Optional["dist.ProcessGroup"] = None, device_name: str = "mlx5_0", *,
@@ -176,18 +143,19 @@ class EpBuffer(EpBufferMembership):
         # rank already had one is a restarted rank and joins the running job instead of setting up.
         self._member: Optional[Membership] = None
         if control.kind == "store":
-            if isinstance(lead_calls, bool) or not isinstance(lead_calls, int) or lead_calls < 0:
-                raise ValueError(f"rejoin_lead_calls must be an int >= 0, got {lead_calls!r}")
+            if isinstance(lead_calls, bool) or not isinstance(lead_calls, int):
+                raise TypeError(f"rejoin_lead_calls must be an int, got {type(lead_calls).__name__}")
+            if not 0 <= lead_calls <= MAX_REJOIN_LEAD_CALLS:
+                raise ValueError(f"rejoin_lead_calls must be in [0, {MAX_REJOIN_LEAD_CALLS}], got {lead_calls}")
             self._member = Membership(control, buffer_fingerprint(config, self._num_ranks),
                                       max(60.0, 3 * config.timeout_us / 1e6), lead_calls)
             control.joining = self._member.joining
         self._backend = _make_backend(control, config, self._member is not None and self._member.joining)
         if self._member is not None:
             self._member.attach(self._backend)
-        # Backends that check values on the device report through take_error() (no device sync).
-        take = getattr(self._backend, "take_error", None)
-        self._take_error: Optional[Callable[[], Optional[InvalidExpertIndex]]] = (
-            take if config.check_values is not False else None)
+        # Backends report what their calls recorded -- bad expert ids (unless check_values is False), failed
+        # exchanges (always) -- through take_error(), without a device sync.
+        self._take_error: Optional[Callable[..., Optional[Exception]]] = getattr(self._backend, "take_error", None)
         self._device = self._backend.device
         self._init_fast(config)
         self._destroyed = False
@@ -275,11 +243,11 @@ class EpBuffer(EpBufferMembership):
                                   f"update_ep_member() first")
 
     def _raise_pending(self) -> None:
-        """Raise (and clear) the value error the device recorded in an earlier dispatch, if it is
-        visible yet. Reads a pinned host word: no device synchronisation."""
+        """Raise (and clear) the error an earlier call recorded (a bad expert id, a failed exchange), if
+        it is visible yet. Reads pinned host words: no device synchronisation."""
         take = self._take_error
         if take is not None:
-            err = take()
+            err = take(latest_call=self._seq)
             if err is not None:
                 raise err
 
@@ -304,7 +272,8 @@ class EpBuffer(EpBufferMembership):
                 and not self._prof._is_profiler_enabled):
             try:
                 res = fast(x, topk_idx, use_fp8, round_scale, use_ue8m0, active_ranks, timeout_us,
-                           cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+                           cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                           (self._seq + 1) & 0xFFFFFFFF)
             except BaseException:
                 self._seq += 1   # the launch failed after the half was consumed, as in the path below
                 raise
@@ -318,16 +287,20 @@ class EpBuffer(EpBufferMembership):
                 if self._take_error is not None:
                     event = CheckedEvent(event, self._raise_pending)
                 return ((recv_x, scales) if use_fp8 else recv_x), recv_count, handle, event, None
-            # Declined: the path below raises the argument or recorded error, or runs the call.
+            # Declined: the path below raises the argument error, or runs the call.
         self._check_alive("dispatch")
-        if self._take_error is not None:
-            self._raise_pending()
-        timeout = validate_dispatch(
-            self._config, self._num_ranks, self._device, x, topk_idx, use_fp8=use_fp8,
-            round_scale=round_scale, use_ue8m0=use_ue8m0, active_ranks=active_ranks,
-            timeout_us=timeout_us, async_finish=async_finish, return_recv_hook=return_recv_hook,
-            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
+        # A recorded error is not raised here: a dispatch that raised would leave this rank without the
+        # handle whose combine its peers make (they would wait for it). The next combine raises it.
+        try:
+            timeout = validate_dispatch(
+                self._config, self._num_ranks, self._device, x, topk_idx, use_fp8=use_fp8,
+                round_scale=round_scale, use_ue8m0=use_ue8m0, active_ranks=active_ranks,
+                timeout_us=timeout_us, async_finish=async_finish, return_recv_hook=return_recv_hook,
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
+        except Exception as exc:
+            self._refuse_dispatch(exc, active_ranks, timeout_us)
+            raise
         # The half is consumed even if the backend fails half-way: its state is unknown after that.
         self._seq += 1
         seq = self._seq
@@ -338,7 +311,7 @@ class EpBuffer(EpBufferMembership):
                                buffer_idx=seq & 1, seq=seq,
                                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
         with profiled_range("pyep::dispatch"):
-            res = self._backend.dispatch(x, topk_idx, opts)
+            res = self._backend.dispatch(x, topk_idx, opts)   # a backend refusal sends its own abort marker
         if return_recv_hook and res.hook is None:
             raise RuntimeError(f"backend {self._backend.name} returned no hook for return_recv_hook=True")
         cfg = self._config
@@ -368,19 +341,24 @@ class EpBuffer(EpBufferMembership):
             res = fast(x, topk_idx, topk_weights, handle, active_ranks, timeout_us, out, zero_copy,
                        combine_wait_recv_cost_stats)
             if res is not None:
-                event = CompletedEvent(f"combine of dispatch #{handle.seq}")
-                if self._take_error is not None:
-                    event = CheckedEvent(event, self._raise_pending)
-                return res, event, None
+                self._raise_pending()    # after the exchange: this combine's peers are served
+                done = CompletedEvent(f"combine of dispatch #{handle.seq}")
+                return res, CheckedEvent(done, self._raise_pending), None
         self._check_alive("combine")
-        if self._take_error is not None:
-            self._raise_pending()
-        handle, timeout = validate_combine(
-            self._config, self._num_ranks, self._device, x, topk_idx, topk_weights, handle,
-            owner=self._owner, epoch=self._epoch, last_seq=self._seq, active_ranks=active_ranks,
-            timeout_us=timeout_us, zero_copy=zero_copy, async_finish=async_finish,
-            return_recv_hook=return_recv_hook, out=out, use_logfmt=use_logfmt,
-            combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
+        known = self._handle_ok(handle)
+        if known:
+            self._raise_failed_dispatch(handle)
+        try:
+            handle, timeout = validate_combine(
+                self._config, self._num_ranks, self._device, x, topk_idx, topk_weights, handle,
+                owner=self._owner, epoch=self._epoch, last_seq=self._seq, active_ranks=active_ranks,
+                timeout_us=timeout_us, zero_copy=zero_copy, async_finish=async_finish,
+                return_recv_hook=return_recv_hook, out=out, use_logfmt=use_logfmt,
+                combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
+        except Exception as exc:
+            if known:    # without a handle of this buffer there is no call to abort
+                self._refuse_combine(exc, handle, active_ranks, timeout_us)
+            raise
         opts = CombineOptions(active_ranks=active_ranks, timeout_us=timeout, zero_copy=zero_copy,
                               async_finish=async_finish, return_recv_hook=return_recv_hook, out=out,
                               use_logfmt=bool(use_logfmt), combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
@@ -391,6 +369,10 @@ class EpBuffer(EpBufferMembership):
         event, hook = self._checked(res.event if res.event is not None
                                     else CompletedEvent(f"combine of dispatch #{handle.seq}"),
                                     res.hook if return_recv_hook else None)
+        if hook is None:
+            # After the exchange (its peers are served): an error an earlier call recorded. With a hook
+            # the hook raises it, after the receive half it must not lose.
+            self._raise_pending()
         return res.out, event, hook
 
     def _handle_ok(self, handle: Any) -> bool:
@@ -418,6 +400,7 @@ class EpBuffer(EpBufferMembership):
         clean = getattr(self._backend, "clean", None)
         if clean is not None:
             clean()
+        self._realign_calls("EpBuffer.clean")
         self._epoch += 1
 
     def transport_table(self) -> List[PeerTransport]:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 class EpBufferMembership:
     """Mixed into EpBuffer (which provides _member, _seq, _grace_seq, _epoch, _backend, _config,
-    _check_alive, _init_fast, ...)."""
+    _check_alive, _init_fast, _realign_calls, ...)."""
 
     # ------------------------------------------------------------------ the calls after a rejoin
     def _in_grace(self, seq: Any) -> bool:
@@ -50,6 +50,7 @@ class EpBufferMembership:
         member = self._member
         if member is None:
             self._backend.update_ep_member(active_ranks)
+            self._realign_calls("EpBuffer.update_ep_member")
         elif member.joining:
             self.join()
         else:
@@ -70,7 +71,7 @@ class EpBufferMembership:
             member.poll(self._seq + 1, lead_calls=0)
             for r in member.due(self._seq + 1):
                 member.activate(r, self._seq + 1, active_ranks)
-                self._grace_seq = self._seq + 1
+                self._admitted()
                 left.discard(r)
             if left and time.monotonic() > deadline:
                 from ..control import ControlTimeout
@@ -138,5 +139,13 @@ class EpBufferMembership:
         due = member.due(self._seq + 1)
         for r in due:
             member.activate(r, self._seq + 1, active_ranks)
-            self._grace_seq = self._seq + 1
+            self._admitted()
         return due
+
+    def _admitted(self) -> None:
+        """A rank was admitted for the next call: that call opens the grace window, and the tags of its
+        signals carry the newcomer's generation (the membership updated the shared list)."""
+        self._grace_seq = self._seq + 1
+        sync = getattr(self._backend, "sync_generations", None)
+        if sync is not None:
+            sync()

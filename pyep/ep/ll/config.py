@@ -9,6 +9,19 @@ from typing import Optional, Union
 from ..config import BACKENDS, DEFAULT_TIMEOUT_US, FP8_GROUP, MAX_HIDDEN, MAX_TOPK, LinkConfig, _check_int
 from .layout import size_hint
 
+# Bounds of what a low-latency buffer can address or allocate, checked before anything is allocated:
+# T: a dispatch count word carries count + 1 in its 15-bit value field (docs/ll_kernels.md, "Call tags");
+# E: the kernels keep per-expert tables in shared memory (about 20 bytes each; 227 KiB per SM on H100);
+# bytes: the native buffer, and each receive tensor of a call, stay below the largest GPU memory
+# (512 GiB); timeout: a per-call wait is at most an hour (it travels in nanoseconds).
+MAX_TOKENS_PER_RANK = 0x7FFE
+MAX_EXPERTS = 8192
+MAX_BUFFER_BYTES = 1 << 39
+MAX_TIMEOUT_US = 3_600_000_000
+# A rejoin's call #A is the survivors' next call plus this many (docs/elastic.md): beyond it a newcomer
+# would wait longer than any membership timeout for a call that far ahead.
+MAX_REJOIN_LEAD_CALLS = 10_000
+
 
 @dataclass(frozen=True)
 class EpConfig:
@@ -38,13 +51,13 @@ class EpConfig:
     check_values: Union[bool, str] = True
 
     def __post_init__(self) -> None:
-        _check_int("num_max_dispatch_tokens_per_rank", self.num_max_dispatch_tokens_per_rank, 1)
+        _check_int("num_max_dispatch_tokens_per_rank", self.num_max_dispatch_tokens_per_rank, 1, MAX_TOKENS_PER_RANK)
         h = _check_int("hidden", self.hidden, FP8_GROUP, MAX_HIDDEN)
         if h % FP8_GROUP:
             raise ValueError(f"hidden must be a multiple of {FP8_GROUP}, got {h}")
-        _check_int("num_experts", self.num_experts, 1)
+        _check_int("num_experts", self.num_experts, 1, MAX_EXPERTS)
         _check_int("max_topk", self.max_topk, 1, MAX_TOPK)
-        _check_int("timeout_us", self.timeout_us, 1)
+        _check_int("timeout_us", self.timeout_us, 1, MAX_TIMEOUT_US)
         self.links   # the transport settings' own checks (pyep.ep.config.LinkConfig)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
@@ -54,7 +67,7 @@ class EpConfig:
         if isinstance(self.check_values, str) and self.check_values != "strict":
             raise ValueError(f"check_values must be True, False or 'strict', got {self.check_values!r}")
         if self.num_buffer_bytes is not None:
-            _check_int("num_buffer_bytes", self.num_buffer_bytes, 1)
+            _check_int("num_buffer_bytes", self.num_buffer_bytes, 1, MAX_BUFFER_BYTES)
 
     @property
     def links(self) -> LinkConfig:
@@ -68,8 +81,13 @@ class EpConfig:
         if self.ranks_per_node is not None and num_ranks % self.ranks_per_node:
             raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the number of "
                              f"ranks ({num_ranks})")
+        need = self.size_hint(num_ranks)
+        # What one call allocates besides: recv_x, bf16 [E_l, R*T, H].
+        recv = 2 * self.num_experts * self.num_max_dispatch_tokens_per_rank * self.hidden
+        if max(need, recv) > MAX_BUFFER_BYTES:
+            raise ValueError(f"{self.describe_shape(num_ranks)} needs a {need}-byte buffer and {recv}-byte receive "
+                             f"tensors, more than the {MAX_BUFFER_BYTES} bytes a GPU can hold")
         if self.num_buffer_bytes is not None:
-            need = self.size_hint(num_ranks)
             if self.num_buffer_bytes < need:
                 raise ValueError(f"num_buffer_bytes ({self.num_buffer_bytes}) is smaller than this "
                                  f"shape needs ({need} bytes for {self.describe_shape(num_ranks)})")

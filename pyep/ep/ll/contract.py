@@ -72,6 +72,21 @@ Calls (all ranks of the group call dispatch/combine in the same order, like coll
 Optional ``clean()``: zero the signal areas of both halves (collective if the backend needs it);
 `EpBuffer.clean()` calls it when present and then treats every earlier handle as stale.
 
+Call tags (docs/elastic.md, "Call-tagged exchanges")
+---------------------------------------------------
+Every message between ranks carries the call number (``opts.seq``; a combine carries its handle's
+``seq``) and the sender's membership generation, and a receiver checks them. ``abort_dispatch(opts,
+reason)`` / ``abort_combine(handle, opts, reason)``: the front refused the call on the host; take part in
+its exchange anyway with an abort marker (no payload, no output), receiving and discarding the peers'
+messages of that call. A backend that refuses a call itself (an exception before it sent anything)
+sends the marker itself. A receiver that meets an abort marker or another call's tag uses nothing of
+that peer and reports PeerRefusedCall / CallMismatch (pyep.ep.ll.errors) through ``take_error()``
+(call errors first; ``pending_call_error()`` peeks without clearing; both take ``latest_call``, the
+front's latest dispatch number, where a record holds only low bits of it). Every rank of a dispatch that
+failed skips its combine: a backend that knows it on the host puts the error in the handle's extras
+under CALL_ERROR (the front then refuses that combine before anything is sent), the native kernels skip
+it on the device. ``set_generations(list)``: the membership's shared list of each rank's generation.
+
 active_ranks
 ------------
 ``opts.active_ranks`` is an int32 [R] tensor on ``backend.device`` owned by the caller (or None: all
@@ -91,6 +106,9 @@ if TYPE_CHECKING:  # torch is imported lazily everywhere in pyep
     import torch
 
     from .handle import Handle
+
+# Handle extras: the error of a dispatch whose exchange failed, when the backend knows it on the host.
+CALL_ERROR = "call_error"
 
 
 @dataclass(frozen=True)

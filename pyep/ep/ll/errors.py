@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from ..errors import CallMismatch
+
 # Device error record (engine/kernels/ll_launch.h: LLErrorRecord): int32 words
 # [code, row, k, value low 32 bits, value high 32 bits, earlier slot k (duplicates) or -1, 0, 0].
 # The kernel writes `code` last (after a system-scope fence); the host clears it after reading.
@@ -57,3 +59,102 @@ def error_from_record(words: Sequence[int], num_experts: int) -> Optional[Invali
     if value >= 1 << 63:
         value -= 1 << 64
     return make_error(code, row, k, value, first_k, num_experts)
+
+
+# ---------------------------------------------------------------- call errors (docs/ll_kernels.md, "Call tags")
+# Device call record (ll_launch.h: LLCallWord): int32 [code, kind, my call (low 32 bits), peer, the peer's
+# signal word, the tag expected of it, 0, 0]. Written by the kernels, cleared by the host after reading.
+CALL_RECORD_WORDS = 8
+CALL_NONE, CALL_PEER_ABORTED, CALL_MISMATCH, CALL_SKIPPED = 0, 1, 2, 3
+KIND_DISPATCH, KIND_COMBINE = 1, 2
+KIND_NAMES = {KIND_DISPATCH: "dispatch", KIND_COMBINE: "combine"}
+# Why a rank refused its call on the host; the code travels in the abort marker (15 bits).
+REFUSED_TYPE, REFUSED_VALUE, REFUSED_OTHER = 1, 2, 3
+REFUSAL_REASONS = {REFUSED_TYPE: "its arguments were refused (TypeError)",
+                   REFUSED_VALUE: "its arguments were refused (ValueError)",
+                   REFUSED_OTHER: "it was refused on the host"}
+# A signal word: [31:16] tag = (call number mod 4096) << 4 | (generation mod 16), [15] abort, [14:0] value.
+TAG_CALL_BITS, TAG_GEN_BITS = 12, 4
+
+
+def refusal_reason(exc: BaseException) -> int:
+    """The reason code a refusing rank sends its peers for `exc`."""
+    if isinstance(exc, TypeError):
+        return REFUSED_TYPE
+    return REFUSED_VALUE if isinstance(exc, ValueError) else REFUSED_OTHER
+
+
+def call_tag(seq: int, generation: int) -> int:
+    """The 16-bit tag of call `seq` sent by a rank of membership `generation` (the kernels' call_tag)."""
+    return ((seq & ((1 << TAG_CALL_BITS) - 1)) << TAG_GEN_BITS) | (generation & ((1 << TAG_GEN_BITS) - 1))
+
+
+def nearest_call(my_call: int, tag: int) -> int:
+    """The call number closest to `my_call` whose low bits are those of `tag` (a tag holds the call
+    number modulo 4096: a peer more than 2048 calls away is reported modulo that)."""
+    span = 1 << TAG_CALL_BITS
+    low = (tag >> TAG_GEN_BITS) & (span - 1)
+    delta = (low - my_call) % span
+    return my_call + (delta - span if delta >= span // 2 else delta)
+
+
+class LLCallMismatch(CallMismatch):
+    """A low-latency exchange met a peer at another call (its tag names another call number or
+    generation). `kind` is "dispatch" or "combine"; `my_call` is this rank's call (the dispatch sequence
+    number, also for its combine)."""
+
+    def __init__(self, kind: str, rank: int, peer: int, my_call: object, peer_call: object, detail: str = "") -> None:
+        self.kind = kind
+        super().__init__(f"{kind} #{my_call}" if kind == "dispatch" else f"combine of dispatch #{my_call}",
+                         rank, peer, my_call, peer_call, detail)
+
+
+class PeerRefusedCall(LLCallMismatch):
+    """Peer `peer` refused this call on the host (`reason`: why) and took part in its exchange with an
+    abort marker only: nothing it would have sent was used, and no rank waited for it or marked it."""
+
+    def __init__(self, kind: str, rank: int, peer: int, my_call: int, reason: str) -> None:
+        super().__init__(kind, rank, peer, my_call, my_call, reason)
+        self.reason = reason
+        self.args = (f"{self.what}: rank {peer} refused this call ({reason}); rank {rank} used nothing it would "
+                     f"have sent (docs/elastic.md, 'Call-tagged exchanges')",)
+
+
+class CombineOfFailedDispatch(LLCallMismatch):
+    """The combine of a dispatch whose exchange failed (a peer refused it, or met this rank at another
+    call). Every rank of that dispatch skips its combine, so none waits for the others; its output is
+    not computed (NaN on the native backend)."""
+
+    def __init__(self, rank: int, my_call: int, why: str = "") -> None:
+        super().__init__("combine", rank, -1, my_call, None, why)
+        self.args = (f"combine of dispatch #{my_call} on rank {rank}: that dispatch's exchange failed"
+                     + (f" ({why})" if why else "") + "; every rank skips its combine and nothing was reduced "
+                     "(docs/elastic.md, 'Call-tagged exchanges')",)
+
+
+def describe_tag(tag: int) -> str:
+    span = 1 << TAG_CALL_BITS
+    return (f"call = {(tag >> TAG_GEN_BITS) & (span - 1)} (mod {span}), generation "
+            f"{tag & ((1 << TAG_GEN_BITS) - 1)} (mod {1 << TAG_GEN_BITS})")
+
+
+def call_error_from_record(words: Sequence[int], rank: int, my_call: int) -> Optional[LLCallMismatch]:
+    """The exception a device call record stands for (None for none). `my_call`: the host's call number
+    the record's low 32 bits belong to (the nearest one)."""
+    code, kind_code, seq32, peer, word, expect = (int(w) for w in words[:6])
+    if code == CALL_NONE:
+        return None
+    seq = my_call + ((seq32 - my_call) & 0xFFFFFFFF)
+    if seq > my_call:
+        seq -= 1 << 32     # the record is of this call or an earlier one
+    kind = KIND_NAMES.get(kind_code, "dispatch")
+    if code == CALL_SKIPPED:
+        return CombineOfFailedDispatch(rank, seq)
+    word &= 0xFFFFFFFF
+    tag = word >> 16
+    if code == CALL_PEER_ABORTED:
+        reason = REFUSAL_REASONS.get(word & 0x7FFF, f"reason code {word & 0x7FFF}")
+        return PeerRefusedCall(kind, rank, peer, seq, reason)
+    expect &= 0xFFFF
+    return LLCallMismatch(kind, rank, peer, seq, nearest_call(seq, tag),
+                          f"its signal word {word:#010x} carries {describe_tag(tag)}; expected {describe_tag(expect)}")

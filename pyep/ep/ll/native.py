@@ -8,7 +8,9 @@ the current stream waits for that event, so calls never overlap on the device. N
 combine blocks the host, so both are CUDA-graph capturable.
 
 Expert ids are checked by the dispatch kernel into a pinned, host-mapped error record (unless
-check_values=False); take_error() reads it with a plain host load (docs/ll_kernels.md).
+check_values=False), and an exchange that failed with a peer (an abort marker, another call's tag) into
+the call record beside it; take_error() reads them with a plain host load (docs/ll_kernels.md;
+native_tags.py).
 """
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 from ..control import as_control
 from .native_member import NativeMembership
 from .native_setup import FAST_ENV, NativeSetup, engine_ep, map_error_record
+from .native_tags import COMBINED, RECV_PENDING, NativeCallTags
 from ..backend import OnceHook, profiled_range, BackendUnavailable, PeerTransport
 from .contract import CombineOptions, CombineResult, DispatchOptions, DispatchResult
 from .config import EpConfig
-from .errors import InvalidExpertIndex, error_from_record
+from .errors import refusal_reason
 from .layout import LLLayout, ll_buffer_layout, ws_words
 from ..streams import NativeEvent, raw_current_stream
 
@@ -33,16 +36,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("pyep.ep.ll.native")
 PHASE_SEND, PHASE_RECV = 1, 2
 SETUP_TIMEOUT_FLOOR_S = 120.0   # first IPC mappings / QP setup on a loaded node
-# Handle extras the combine keeps: how often the handle was combined (a second combine waits for the
-# peers' acknowledgements of the earlier ones: docs/ll_kernels.md, "A handle combined again"), and
-# whether the last combine's receive hook is still uncalled.
-COMBINED = "combined"
-RECV_PENDING = "combine_recv_pending"
+# COMBINED / RECV_PENDING (handle extras) live with the abort launches that read them (native_tags.py),
 # FAST_ENV lives with the fast path it switches off (native_setup.py); tools import it from here.
 __all__ = ["NativeBackend", "COMBINED", "RECV_PENDING", "FAST_ENV", "PHASE_SEND", "PHASE_RECV"]
 
 
-class NativeBackend(NativeSetup, NativeMembership):
+class NativeBackend(NativeSetup, NativeMembership, NativeCallTags):
     name = "native"
 
     @staticmethod
@@ -96,8 +95,7 @@ class NativeBackend(NativeSetup, NativeMembership):
         self._check_shared_memory()
         try:
             self._ep.load_kernels(self._shape_static())
-            if config.check_values is not False:
-                self._err_ptr, self._err = map_error_record(self._ep)
+            self._err_ptr, self._err = map_error_record(self._ep)
             self._buf = int(self._ep.device_alloc(self.buffer_bytes))
             self._ep.memset_async(self._buf, 0, self.buffer_bytes, torch.cuda.current_stream().cuda_stream)
             torch.cuda.current_stream().synchronize()
@@ -137,7 +135,7 @@ class NativeBackend(NativeSetup, NativeMembership):
         combined = ex.get(COMBINED, 0)
         res = fast.combine(x, topk_idx, topk_weights, handle.src_info, handle.layout_range, ex["topk_slot"],
                            ex["half"], handle.num_tokens, handle.num_topk, active_ranks, timeout_us, out, src,
-                           wait_stats, combined > 0)
+                           wait_stats, combined > 0, handle.seq & 0xFFFFFFFF)
         if res is not None:
             ex[COMBINED] = combined + 1
         return res
@@ -163,16 +161,6 @@ class NativeBackend(NativeSetup, NativeMembership):
         self._pending_ev = ev
         if self._fast is not None:
             self._fast.blocked = ev is not None
-
-    def take_error(self) -> Optional["InvalidExpertIndex"]:
-        """The value error a dispatch kernel recorded (pyep.ep.ll.errors), if it is visible yet; clears the
-        record. Reads pinned host memory only: no device synchronisation."""
-        rec = self._err
-        if rec is None or rec[0] == 0:
-            return None
-        words = [int(w) for w in rec[:6]]
-        rec[0] = 0     # the kernel writes a new record only while this word is 0
-        return error_from_record(words, self.config.num_experts)
 
     # ------------------------------------------------------------------ streams
     def _raw_current_stream(self) -> int:
@@ -255,15 +243,38 @@ class NativeBackend(NativeSetup, NativeMembership):
     def _active_ptr(self, active: Optional["torch.Tensor"]) -> int:
         return (active if active is not None else self._active).data_ptr()
 
+    def _refused(self, exc: BaseException, sent: bool, abort: Callable[[int], None], what: str) -> None:
+        """A call that failed on the host before its first launch took part in nothing: send the abort
+        marker for it, so the peers neither wait for it nor pair another call with it (the caller
+        re-raises `exc`). After the first launch the call is under way and its peers are served."""
+        if sent:
+            return
+        try:
+            abort(refusal_reason(exc))
+        except Exception as abort_exc:  # noqa: BLE001 - the refusal is what the caller reports
+            log.error("rank %d: %s was refused (%s) and its abort marker could not be sent: %s", self.rank, what,
+                      exc, abort_exc)
+
     def dispatch(self, x: "torch.Tensor", topk_idx: "torch.Tensor", opts: DispatchOptions) -> DispatchResult:
-        import torch
         self._check_alive("dispatch")
+        half = self._half
+        self._half ^= 1
+        self._last_seq = max(self._last_seq, opts.seq)
+        sent = [False]
+        try:
+            return self._dispatch(half, x, topk_idx, opts, sent)
+        except Exception as exc:
+            self._refused(exc, sent[0], lambda why: self._launch_abort_dispatch(half, opts, why),
+                          f"dispatch #{opts.seq}")
+            raise
+
+    def _dispatch(self, half: int, x: "torch.Tensor", topk_idx: "torch.Tensor", opts: DispatchOptions,
+                  sent: List[bool]) -> DispatchResult:
+        import torch
         self._check_aligned("x", x)
         lay, dev = self.layout, self.device
         e_l, rows, h = lay.num_local_experts, self.num_ranks * lay.num_max_tokens, lay.hidden
         n, k = int(topk_idx.shape[0]), int(topk_idx.shape[1])
-        half = self._half
-        self._half ^= 1
         recv_x = torch.empty((e_l, rows, h), dtype=torch.float8_e4m3fn if opts.use_fp8 else torch.bfloat16,
                              device=dev)
         scales: Optional[torch.Tensor] = None
@@ -295,7 +306,8 @@ class NativeBackend(NativeSetup, NativeMembership):
                               scales.data_ptr() if scales is not None else 0, src_info.data_ptr(),
                               recv_slot.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr(),
                               cum.data_ptr() if cum is not None else 0, timeout_ns, phases, stream,
-                              wait_stats=waits.data_ptr() if waits is not None else 0)
+                              wait_stats=waits.data_ptr() if waits is not None else 0, seq=opts.seq & 0xFFFFFFFF)
+            sent[0] = True
 
         keep = [x, topk_idx, recv_x, scales, recv_count, src_info, recv_slot, layout_range, cum,
                 opts.active_ranks, waits]
@@ -309,8 +321,18 @@ class NativeBackend(NativeSetup, NativeMembership):
 
     def combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
                 handle: "Handle", opts: CombineOptions) -> CombineResult:
-        import torch
         self._check_alive("combine")
+        sent = [False]
+        try:
+            return self._combine(x, topk_idx, topk_weights, handle, opts, sent)
+        except Exception as exc:
+            self._refused(exc, sent[0], lambda why: self.abort_combine(handle, opts, why),
+                          f"combine of dispatch #{handle.seq}")
+            raise
+
+    def _combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
+                 handle: "Handle", opts: CombineOptions, sent: List[bool]) -> CombineResult:
+        import torch
         half, recv_slot = self._handle_parts(handle)
         ex = handle.extras
         if ex.get(RECV_PENDING):
@@ -337,7 +359,8 @@ class NativeBackend(NativeSetup, NativeMembership):
                              half, handle.src_info.data_ptr(), recv_slot.data_ptr(),
                              handle.layout_range.data_ptr(), active, out.data_ptr(), timeout_ns, phases, stream,
                              opts.use_logfmt, wait_stats=waits.data_ptr() if waits is not None else 0,
-                             repeat=repeat)
+                             repeat=repeat, seq=handle.seq & 0xFFFFFFFF)
+            sent[0] = True
             if phases == PHASE_RECV:
                 ex[RECV_PENDING] = False
 

@@ -9,7 +9,7 @@ import logging
 from typing import Any, List
 
 from ..backend import BackendUnavailable
-from .errors import RECORD_WORDS
+from .errors import CALL_RECORD_WORDS, RECORD_WORDS
 from .trace import ENV_VAR as TRACE_ENV
 
 log = logging.getLogger("pyep.ep.ll.native")   # the backend's logger: its set-up lines keep their name
@@ -29,14 +29,20 @@ def engine_ep() -> Any:
 
 
 def map_error_record(ep: Any) -> "tuple[int, Any]":
-    """The kernels' error record: pinned host memory the device writes at the same address (UVA), and
-    a numpy view of it for the host (reading it is a plain memory load, never a device sync)."""
+    """The kernels' records: pinned host memory the device writes at the same address (UVA), and a numpy
+    view of it for the host (reading it is a plain memory load, never a device sync). Words
+    [0, ERR_WORDS): the value record (bad expert ids); then CALL_ERR_WORDS: the call record (an exchange
+    that failed with a peer), which every buffer has, whatever check_values says."""
     import ctypes
 
     import numpy as np
     words = int(getattr(ep, "ERR_WORDS", RECORD_WORDS))
-    ptr = int(ep.host_alloc_mapped(4 * words))
-    view = np.ctypeslib.as_array((ctypes.c_int32 * words).from_address(ptr))
+    call_words = int(getattr(ep, "CALL_ERR_WORDS", CALL_RECORD_WORDS))
+    if (words, call_words) != (RECORD_WORDS, CALL_RECORD_WORDS):
+        raise BackendUnavailable(f"pyep._engine's error records ({words} + {call_words} words) do not match "
+                                 f"pyep.ep.ll.errors ({RECORD_WORDS} + {CALL_RECORD_WORDS}): rebuild the extension")
+    ptr = int(ep.host_alloc_mapped(4 * (words + call_words)))
+    view = np.ctypeslib.as_array((ctypes.c_int32 * (words + call_words)).from_address(ptr))
     return ptr, view
 
 
@@ -64,6 +70,9 @@ class NativeSetup:
             "rkeys": torch.from_numpy(np.array([link.rkey for link in links], dtype=np.uint32).view(np.int32)),
             "flag_expect": torch.tensor([link.flag_expect for link in links], dtype=torch.int32),
             "qps": torch.frombuffer(qps, dtype=torch.uint8) if qps else torch.zeros(16, dtype=torch.uint8),
+            # Each rank's membership generation (its low bits travel in every signal word): all 0 on a
+            # process group, the store's generations on a store-based buffer (set_generations).
+            "gens": torch.tensor(self._generations or [0] * self.num_ranks, dtype=torch.int32),
         }
         self._tables = {k: v.to(dev) for k, v in t.items()}
         s = self._ep.LLStatic()
@@ -85,7 +94,9 @@ class NativeSetup:
         s.off_drecv, s.off_crecv = lay.off_drecv, lay.off_crecv
         s.msg_bytes, s.slots_per_src = lay.msg_bytes, lay.slots_per_src
         s.num_blocks = self._grid_size()
-        s.err = self._err_ptr
+        s.err = self._err_ptr if self.config.check_values is not False else 0
+        s.call_err = self._err_ptr + 4 * RECORD_WORDS
+        s.peer_gen = self._tables["gens"].data_ptr()
         import os
         if os.environ.get(TRACE_ENV, "") not in ("", "0"):
             # Diagnostics (pyep.ep.ll.trace): every block stamps its progress; read with read_trace().

@@ -5,32 +5,36 @@ built, and the "what you would write without pyep" baseline of the benchmark.
 Messages mirror the native wire format: a 16-byte header of four int32 (source token index, top-k
 slot, local expert, reserved) followed by the payload, all exchanged as bytes with one counts
 all-to-all and one data all-to-all per call. Every collective wait is bounded by the call's timeout.
+Each source's part of a call begins with a call header (reference_calls.py: the call number, the
+sender's generation, or an abort marker for a call it refused), checked before anything is used.
 With return_recv_hook the exchange happens in the call and the hook does the receive-side placement,
 so outputs read before the hook runs are zero -- a caller that forgets the hook sees it in tests.
 
 Expert ids the kernels treat as errors (outside [-1, E), or an expert repeated in a row) are routed as
 -1 here too. With check_values on, the first one of a dispatch is kept as the pending error that
-take_error() hands to EpBuffer, which raises it where it would raise the native kernels' record (the
-next call, event.wait(), the hook): this oracle checks on the host, but reports at the same points.
+take_error() hands to EpBuffer, which raises it where it would raise the native kernels' record
+(event.wait(), the hook, the end of the next combine): this oracle checks on the host, but reports at
+the same points.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from .. import fp8
 from . import logfmt
-from .._dist import _wait, all_to_all_bounded, barrier_bounded, group_device
+from .._dist import barrier_bounded, group_device
 from ..backend import OnceHook, CompletedEvent, PeerTransport
-from .contract import CombineOptions, CombineResult, DispatchOptions, DispatchResult
+from .contract import CALL_ERROR, CombineOptions, CombineResult, DispatchOptions, DispatchResult
 from .config import EpConfig
 from ..elastic.mailbox import StoreMailbox
-from .errors import ERR_EXPERT_DUPLICATE, ERR_EXPERT_RANGE, InvalidExpertIndex, make_error
+from .errors import (ERR_EXPERT_DUPLICATE, ERR_EXPERT_RANGE, KIND_COMBINE, KIND_DISPATCH, InvalidExpertIndex,
+                     LLCallMismatch, make_error)
+from .reference_calls import ReferenceExchange
 from .validate import find_bad_entry, sanitize_topk
 
 if TYPE_CHECKING:
     import torch
-    import torch.distributed as dist
 
     from .handle import Handle
 
@@ -47,7 +51,7 @@ def _bytes(t: "torch.Tensor") -> "torch.Tensor":
     return t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
 
 
-class ReferenceBackend:
+class ReferenceBackend(ReferenceExchange):
     name = "reference"
 
     def __init__(self, comm: Any, config: EpConfig) -> None:
@@ -63,6 +67,8 @@ class ReferenceBackend:
         self.num_local_experts = config.num_local_experts(self.num_ranks)
         self._combine_bufs: List[Optional["torch.Tensor"]] = [None, None]
         self._error: Optional[InvalidExpertIndex] = None
+        self._call_error: Optional[LLCallMismatch] = None   # the first failed exchange not reported yet
+        self._generations: Optional[List[int]] = None
         if self.group is not None:
             self.device = group_device(self.group)
             self._backend_name = str(dist.get_backend(self.group))
@@ -77,10 +83,16 @@ class ReferenceBackend:
         # gloo: counts travel peer to peer, so each source's arrival is seen (and timed) on the host.
         self._p2p_counts = "gloo" in self._backend_name.lower()
 
-    def take_error(self) -> Optional[InvalidExpertIndex]:
-        """The first bad expert id of a dispatch since the last call (cleared by reading)."""
+    def take_error(self, latest_call: Optional[int] = None) -> Optional[Exception]:
+        """The first failed exchange, else the first bad expert id, not reported yet (cleared by reading)."""
+        if self._call_error is not None:
+            call, self._call_error = self._call_error, None
+            return call
         err, self._error = self._error, None
         return err
+
+    def pending_call_error(self, latest_call: Optional[int] = None) -> Optional[LLCallMismatch]:
+        return self._call_error
 
     def _record(self, topk_idx: "torch.Tensor") -> None:
         # Like the device record: the first error stays until it is reported.
@@ -95,67 +107,6 @@ class ReferenceBackend:
     @staticmethod
     def unavailable_reason(config: EpConfig) -> Optional[str]:
         return None
-
-    # ---------------------------------------------------------------- exchange
-    def _exchange(self, send: "torch.Tensor", send_counts: "torch.Tensor", width: int,
-                  timeout_us: int, what: str, tag: str, active: "torch.Tensor",
-                  marks: Optional["torch.Tensor"]) -> Tuple["torch.Tensor", "torch.Tensor", Optional[List[int]]]:
-        """Rows of `send` (uint8 [M, width], grouped by destination rank) go to their ranks; returns
-        (received rows grouped by source rank, int64 counts per source, ns waited per source or None).
-        On a store, a source that does not answer within timeout_us is marked in `active`, `marks` (the
-        caller's active_ranks) and this backend's own mask, and counts as having sent nothing."""
-        import torch
-        if self._mail is not None:
-            recv, counts, late = self._mail.exchange(send, send_counts, width, timeout_us, what, tag, active, marks)
-            for src in late:
-                self._mask[src] = False
-            return recv, counts, None
-        recv_counts = torch.empty_like(send_counts)
-        waits: Optional[List[int]] = None
-        if self._p2p_counts:
-            waits = self._counts_timed(recv_counts, send_counts, timeout_us, f"{what} (counts)")
-        else:
-            all_to_all_bounded(recv_counts, send_counts, None, None, self.group, timeout_us,
-                               f"{what} (counts all-to-all)")
-        in_splits = send_counts.tolist()
-        out_splits = recv_counts.tolist()
-        recv = torch.empty((sum(out_splits), width), dtype=torch.uint8, device=self.device)
-        # Split sizes count elements of dim 0, so rows of `width` bytes travel as a whole.
-        all_to_all_bounded(recv, send, out_splits, in_splits, self.group, timeout_us,
-                           f"{what} (data all-to-all)")
-        return recv, recv_counts, waits
-
-    def _counts_timed(self, recv_counts: "torch.Tensor", send_counts: "torch.Tensor", timeout_us: int,
-                      what: str) -> List[int]:
-        """The counts exchange as one message per peer (gloo), received in arrival order (any-source
-        receives), so each source's arrival is seen on the host: the reference's measure of the receive
-        wait the kernels time (*_wait_recv_cost_stats). Source r's wait is the host time from the start
-        of the receive until r's count was taken (about a receive's cost when it was already there)."""
-        import time
-
-        import torch
-        import torch.distributed as dist
-        me, n = self.rank, self.num_ranks
-        recv_counts[me] = send_counts[me]
-        sends = [dist.isend(send_counts[r:r + 1], dist.get_global_rank(self.group, r), group=self.group)
-                 for r in range(n) if r != me]
-        waits, missing = [0] * n, set(range(n)) - {me}
-        got = torch.empty(1, dtype=send_counts.dtype, device=send_counts.device)
-        start = time.monotonic_ns()
-        while missing:
-            work = dist.irecv(got, None, group=self.group)
-            try:
-                _wait(work, max(1, timeout_us - (time.monotonic_ns() - start) // 1000), what, sorted(missing))
-            except TimeoutError as exc:
-                raise TimeoutError(f"{what}: ranks {list(range(n))} did not all take part within {timeout_us} us "
-                                   f"(no counts from ranks {sorted(missing)})") from exc
-            src = dist.get_group_rank(self.group, work._source_rank())
-            waits[src] = time.monotonic_ns() - start
-            recv_counts[src] = got[0]
-            missing.discard(src)
-        for work in sends:
-            _wait(work, timeout_us, what, [])
-        return waits
 
     def _add_waits(self, stats: Optional["torch.Tensor"], waits: Optional[List[int]],
                    active: "torch.Tensor") -> None:
@@ -180,6 +131,15 @@ class ReferenceBackend:
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x: "torch.Tensor", topk_idx: "torch.Tensor", opts: DispatchOptions) -> DispatchResult:
+        started = [False]
+        try:
+            return self._dispatch(x, topk_idx, opts, started)
+        except Exception as exc:
+            self._refusing(exc, started, lambda why: self.abort_dispatch(opts, why))
+            raise
+
+    def _dispatch(self, x: "torch.Tensor", topk_idx: "torch.Tensor", opts: DispatchOptions,
+                  started: List[bool]) -> DispatchResult:
         import torch
         cfg, dev = self.config, self.device
         r_n, e_l, t_max, h = self.num_ranks, self.num_local_experts, cfg.num_max_dispatch_tokens_per_rank, cfg.hidden
@@ -205,10 +165,11 @@ class ReferenceBackend:
             else:
                 parts.append(_bytes(x[tok]))
             send = torch.cat(parts, dim=1)
-            counts = torch.bincount(dest, minlength=r_n).to(torch.int64)
-            recv, recv_counts, waits = self._exchange(send, counts, send.shape[1], opts.timeout_us,
-                                                      f"dispatch #{opts.seq}", f"d{opts.seq}", active,
-                                                      opts.active_ranks)
+            counts = torch.bincount(dest, minlength=r_n).tolist()
+            started[0] = True
+            recv, recv_counts, waits, failed = self._call_exchange(KIND_DISPATCH, opts.seq, send, counts,
+                                                                   opts.timeout_us, f"dispatch #{opts.seq}",
+                                                                   f"d{opts.seq}", active, opts.active_ranks)
 
         rows = r_n * t_max
         groups = h // fp8.GROUP
@@ -272,11 +233,20 @@ class ReferenceBackend:
                               recv_scales=scales_out, recv_count=recv_count,
                               src_info=src_info, layout_range=layout_range,
                               event=CompletedEvent(f"reference dispatch #{opts.seq}"), hook=hook,
-                              extras={"topk_slot": topk_slot})
+                              extras={"topk_slot": topk_slot, CALL_ERROR: failed})
 
     # ---------------------------------------------------------------- combine
     def combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
                 handle: "Handle", opts: CombineOptions) -> CombineResult:
+        started = [False]
+        try:
+            return self._combine(x, topk_idx, topk_weights, handle, opts, started)
+        except Exception as exc:
+            self._refusing(exc, started, lambda why: self.abort_combine(handle, opts, why))
+            raise
+
+    def _combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
+                 handle: "Handle", opts: CombineOptions, started: List[bool]) -> CombineResult:
         import torch
         cfg, dev = self.config, self.device
         r_n, e_l, h = self.num_ranks, self.num_local_experts, cfg.hidden
@@ -307,14 +277,15 @@ class ReferenceBackend:
                                   le, torch.zeros_like(le)], dim=1).to(torch.int32)
             if opts.use_logfmt:   # the kernels' bits: pyep.ep.ll.logfmt (message padded to its largest size)
                 msgs, _ = logfmt.encode(src_x[le, row])
-                payload, width = torch.from_numpy(msgs).to(dev), logfmt.message_bytes(h)
+                payload = torch.from_numpy(msgs).to(dev)
             else:
-                payload, width = _bytes(src_x[le, row]), 2 * h
+                payload = _bytes(src_x[le, row])
             send = torch.cat([_bytes(header), payload], dim=1)
-            counts = torch.bincount(src, minlength=r_n).to(torch.int64)
-            recv, recv_counts, waits = self._exchange(send, counts, HEADER_BYTES + width, opts.timeout_us,
-                                                      f"combine of dispatch #{handle.seq}", f"c{handle.seq}", active,
-                                                      opts.active_ranks)
+            counts = torch.bincount(src, minlength=r_n).tolist()
+            started[0] = True
+            recv, recv_counts, waits, _ = self._call_exchange(KIND_COMBINE, handle.seq, send, counts, opts.timeout_us,
+                                                              f"combine of dispatch #{handle.seq}", f"c{handle.seq}",
+                                                              active, opts.active_ranks)
         out = opts.out if opts.out is not None else torch.empty((n, h), dtype=torch.bfloat16, device=dev)
         out.zero_()
 
@@ -393,10 +364,6 @@ class ReferenceBackend:
 
     def join(self, blobs: Dict[int, bytes], half: int) -> None:
         return None
-
-    def set_generations(self, generations: List[int]) -> None:
-        if self._mail is not None:
-            self._mail.generations = generations
 
     def clean(self) -> None:
         for buf in self._combine_bufs:

@@ -7,12 +7,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
-from .config import EpConfig
-from ..validate import check_bool, check_tensor, check_timeout
+from .config import MAX_TIMEOUT_US, EpConfig
+from ..validate import check_bool, check_tensor, check_timeout as _check_timeout
 from .handle import Handle
 
 if TYPE_CHECKING:
     import torch
+
+
+def check_timeout(name: str, value: Any, default: int) -> int:
+    """pyep.ep.validate.check_timeout, bounded by MAX_TIMEOUT_US (a wait the kernels carry in ns)."""
+    timeout = _check_timeout(name, value, default)
+    if timeout > MAX_TIMEOUT_US:
+        raise ValueError(f"{name} must be at most {MAX_TIMEOUT_US} microseconds (an hour), got {timeout}")
+    return timeout
 
 
 def _capturing(t: "torch.Tensor") -> bool:
