@@ -151,7 +151,8 @@ def test_refused_call_on_a_store_marks_nobody() -> None:
             store = dist.TCPStore("127.0.0.1", master.port, 1, is_master=False, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=30))
             buf = EpBuffer(store=store, rank=r, world_size=2, store_prefix="t/tags", backend="reference",
-                           num_max_dispatch_tokens_per_rank=T, hidden=H, num_experts=8, timeout_us=2_000_000)
+                           num_max_dispatch_tokens_per_rank=T, hidden=H, num_experts=8, timeout_us=2_000_000,
+                           job_secret=b"ll-call-tags-test-secret")
             got = [_step(buf, s, "dispatch" if (s, r) == (1, 1) else None) for s in range(4)]
             assert buf.backend.inactive_ranks() == [], f"rank {r} marked {buf.backend.inactive_ranks()}"
             outs[r] = got
