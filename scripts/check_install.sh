@@ -3,9 +3,10 @@
 #
 #  1. `setup.py sdist`, then `pip wheel` from that sdist: an isolated build, so pyproject's build
 #     requirements and MANIFEST.in are what is tested (not this checkout's environment).
-#  2. The wheel into a fresh virtual environment that sees this interpreter's packages
-#     (--system-site-packages): pip resolves the declared dependencies against the torch already
-#     installed, so nothing is downloaded again. Then, from a directory outside the checkout:
+#  2. The wheel into a fresh virtual environment that sees this interpreter's packages (a .pth file
+#     naming its site-packages, which works when PYTHON is itself a venv, unlike --system-site-packages):
+#     pip resolves the declared dependencies against the torch already installed, so nothing is
+#     downloaded again. Then, from a directory outside the checkout:
 #     `pyep info`, `pyep softnic selftest`, `pyep launch cpu_reference` and
 #     `pyep launch configs/cpu_reference.yaml` (the shipped configs found by name).
 #  3. `pip install -e .` of a copy of the checkout into another fresh environment, run the same way.
@@ -37,10 +38,21 @@ _run() {
     _log "ok: $name"
 }
 
+_fresh_env() {
+    # $1: where. A new virtual environment that also sees $PYTHON's installed packages, after its own.
+    "$PYTHON" -m venv "$1"
+    local own
+    own="$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+    "$PYTHON" -c 'import site, sysconfig
+paths = dict.fromkeys(site.getsitepackages() + [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")])
+print("\n".join(paths))' >"$own/_pyep_check_reuse.pth"
+}
+
 _check_env() {
-    # $1: label, $2: the environment's bin directory. The package must come from that environment.
-    local label="$1" bin="$2" where
+    # $1: label, $2: the environment's bin directory, $3: where pyep must be imported from.
+    local label="$1" bin="$2" expect="$3" where
     where="$(cd "$WORK/outside" && "$bin/python" -c 'import pyep, os; print(os.path.dirname(pyep.__file__))')"
+    [[ "$where" == "$expect"* ]] || _fail "$label: pyep was imported from $where, not from $expect"
     _log "$label: pyep imported from $where"
     _run "$label-info" "$bin/pyep" info
     _run "$label-selftest" "$bin/pyep" softnic selftest
@@ -64,24 +76,36 @@ WHEEL="$(ls "$WORK"/wheel/pyep-*.whl)"
 grep -q 'pyep/configs/cpu_reference.yaml' "$WORK/wheel-files.txt" || _fail "the wheel ships no configs"
 
 _log "wheel into a fresh environment (installed torch reused)"
-"$PYTHON" -m venv --system-site-packages "$WORK/venv"
+_fresh_env "$WORK/venv"
 "$WORK/venv/bin/python" -m pip install --quiet "$WHEEL" >"$WORK/install.log" 2>&1 ||
     { tail -n 40 "$WORK/install.log" >&2; _fail "pip install of the wheel"; }
-_check_env wheel "$WORK/venv/bin"
+_check_env wheel "$WORK/venv/bin" "$WORK/venv/"
 
 _log "pip install -e . (a copy of the checkout) into a fresh environment"
 mkdir -p "$WORK/src"
 tar -xzf "$SDIST" -C "$WORK/src" --strip-components=1
-"$PYTHON" -m venv --system-site-packages "$WORK/venv-e"
+_fresh_env "$WORK/venv-e"
 "$WORK/venv-e/bin/python" -m pip install --quiet -e "$WORK/src" >"$WORK/install-e.log" 2>&1 ||
     { tail -n 40 "$WORK/install-e.log" >&2; _fail "pip install -e"; }
-_check_env editable "$WORK/venv-e/bin"
+_check_env editable "$WORK/venv-e/bin" "$WORK/src/"
+
+_interpreter() {
+    # The interpreter for $1 (a command or a path): itself when it runs, else pyenv's build of that
+    # version (pyenv's shims run only the versions `pyenv global` names). Prints nothing if none runs.
+    local py="$1" root cand
+    if "$py" -c '' >/dev/null 2>&1; then command -v "$py"; return 0; fi
+    command -v pyenv >/dev/null 2>&1 || return 0
+    root="$(pyenv root 2>/dev/null)" || return 0
+    for cand in "$root"/versions/"${py#python}".*/bin/"$py"; do
+        if [[ -x "$cand" ]] && "$cand" -c '' >/dev/null 2>&1; then echo "$cand"; return 0; fi
+    done
+}
 
 main_version="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-for py in $OTHERS; do
-    command -v "$py" >/dev/null 2>&1 || { _log "skipped: $py is not on PATH"; continue; }
-    version="$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" ||
-        { _log "skipped: $py does not run"; continue; }
+for name in $OTHERS; do
+    py="$(_interpreter "$name")"
+    [[ -n "$py" ]] || { _log "NOT TESTED: no $name on this machine"; continue; }
+    version="$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
     [[ "$version" != "$main_version" ]] || continue
     label="py$version"
     _log "$label: wheel, fresh environment without torch"
