@@ -226,3 +226,12 @@ def test_pytest_plugin_reports_progress(tmp_path) -> None:
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PYEP_PROGRESS")]
     assert lines[0] == "PYEP_PROGRESS 0/2 collected"
     assert lines[-1].startswith("PYEP_PROGRESS 2/2 ")
+
+
+def test_summary_keeps_the_run_directory_on_one_line(tmp_path) -> None:
+    # A log or pipe gives rich 80 columns; a wrapped path cannot be copied from the terminal.
+    run_dir = str(tmp_path / ("run-" + "x" * 90))
+    result = SuperviseResult(0, "all nodes finished", [NodeOutcome(0, "a", 0, 1.0)], {}, 1.0)
+    buf = io.StringIO()
+    render_summary(Console(file=buf, width=80), result, ["a"], [], [], run_dir)
+    assert any(line.endswith("run directory: " + run_dir) for line in buf.getvalue().splitlines())

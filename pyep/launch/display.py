@@ -162,4 +162,4 @@ def render_summary(console: Console, result: SuperviseResult, hosts: List[str], 
         console.print(files)
     verdict = "[bold green]OK[/]" if result.exit_code == 0 else f"[bold red]FAILED[/] (exit {result.exit_code})"
     console.print(f"{verdict}: {escape(result.reason)} in {result.seconds:.1f} s; run directory: {escape(run_dir)}",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)     # one line: the path stays copyable
