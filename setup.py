@@ -15,6 +15,7 @@ import os
 import sys
 
 from setuptools import setup
+from setuptools.command.build_py import build_py as _build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 HOST_SOURCES = sorted(glob.glob("engine/mlx5gda/*.cpp") + glob.glob("engine/bindings/*.cpp"))
@@ -75,5 +76,18 @@ def make_extension():
     return [ext], {"build_ext": build_ext}
 
 
+class build_py(_build_py):
+    """Ships configs/*.yaml inside the package (pyep/configs/), where `pyep launch NAME` finds them in an
+    installed pyep (pyep/config/bundled.py); the checkout keeps them in configs/, where users look."""
+
+    def run(self) -> None:
+        super().run()
+        dest = os.path.join(self.build_lib, "pyep", "configs")
+        self.mkpath(dest)
+        configs = os.path.join(ROOT, "configs")
+        for src in sorted(glob.glob(os.path.join(configs, "*.yaml"))) + [os.path.join(configs, "README.md")]:
+            self.copy_file(src, os.path.join(dest, os.path.basename(src)))
+
+
 ext_modules, cmdclass = make_extension()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(ext_modules=ext_modules, cmdclass=dict(cmdclass, build_py=build_py))

@@ -6,7 +6,7 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup.sh
-pyep_setup
+pyep_timed set-up pyep_setup
 
 # NVLink multicast (NVLS) stays off: the shared GPU hosts do not allow it, and NCCL / torch symmetric
 # memory / NVSHMEM would otherwise try it and fail at start-up.
@@ -16,8 +16,11 @@ gpus="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cud
         2>/dev/null || echo 0)"
 if [[ "$gpus" =~ ^[1-9][0-9]*$ ]]; then
     echo "[pyep run] $gpus GPU(s): EP benchmark on all of them"
-    exec "$PYTHON" -m pyep launch "$@"
+    pyep_timed "EP benchmark" "$PYTHON" -m pyep launch "$@"
+    echo "[pyep run] done in $SECONDS s: $PYEP_TIMES"
+    exit 0
 fi
 echo "[pyep run] no GPU: CPU reference backend and the softnic self-test"
-"$PYTHON" -m pyep launch configs/cpu_reference.yaml
-"$PYTHON" -m pyep softnic selftest
+pyep_timed "CPU reference job" "$PYTHON" -m pyep launch cpu_reference
+pyep_timed "softnic self-test" "$PYTHON" -m pyep softnic selftest
+echo "[pyep run] done in $SECONDS s: $PYEP_TIMES"

@@ -76,6 +76,12 @@ _setup_pip() {
     else
         _log "python packages present"
     fi
+    # matplotlib only draws the bench's PNG (pyproject's "plots" extra): a host without it still works.
+    if [[ -n "$(_missing_modules "matplotlib=matplotlib")" ]]; then
+        _log "pip install matplotlib (plots)"
+        "$PYTHON" -m pip install --quiet matplotlib ||
+            _warn "could not install matplotlib; benchmarks will write their tables and JSON but no PNG"
+    fi
     # ninja makes the CUDA build parallel; without it torch falls back to a slow serial build.
     if [[ -n "$(_missing_modules "ninja=ninja")" ]] &&
        "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
@@ -127,6 +133,16 @@ _check_private_libstdcxx() {
             _warn "pyep._engine carries a private libstdc++; set CXX to a compiler that links libstdc++.so"
         fi
     fi
+}
+
+pyep_timed() {
+    # pyep_timed LABEL COMMAND...: runs COMMAND, then says how long it took (and adds it to PYEP_TIMES).
+    # No `|| ...` around COMMAND: that would switch `set -e` off inside it; a failure ends the script.
+    local label="$1" t0=$SECONDS
+    shift
+    "$@"
+    PYEP_TIMES="${PYEP_TIMES:-}${PYEP_TIMES:+, }$label $((SECONDS - t0)) s"
+    echo "[pyep] $label: $((SECONDS - t0)) s"
 }
 
 pyep_setup() {

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
 import tarfile
 import time
+from typing import List, Tuple
 
 import pytest
 from rich.console import Console
@@ -106,6 +108,19 @@ def test_guard_checks_gpu_count() -> None:
     assert out.returncode == 2 and "the config asks for 64" in out.stderr
 
 
+_PLAIN = re.compile(r"pyep launch: progress (\d+)/(\d+) \((\d+)%, ([^,]+), (\d+\.\d) s\)(?: (.*))?$")
+
+
+def _plain_lines(text: str) -> List[Tuple[int, int, str, str]]:
+    """(done, total, ranks words, label) of every plain progress line."""
+    out = []
+    for line in text.splitlines():
+        m = _PLAIN.match(line)
+        if m:
+            out.append((int(m.group(1)), int(m.group(2)), m.group(4), m.group(6) or ""))
+    return out
+
+
 def test_plain_progress_display() -> None:
     buf = io.StringIO()
     console = Console(file=buf, width=200)
@@ -116,8 +131,40 @@ def test_plain_progress_display() -> None:
         d.on_progress(1, 1, Progress(3, 10, "other"))
     text = buf.getvalue()
     assert "[b] hello" in text
-    assert "progress 10/10 (100%, 1 rank) step 10" in text
-    assert "progress 13/20 (65%, 2 ranks) other" in text     # the last state is always shown
+    lines = _plain_lines(text)
+    assert (10, 10, "1 rank", "step 10") in lines
+    assert lines[-1] == (3, 10, "2 ranks", "other")      # the slowest rank; the last state is always shown
+
+
+def test_progress_counts_the_job_steps_of_the_slowest_rank() -> None:
+    # The reference demo on 4 ranks: 5 steps each, reported in the interleaved order ranks really
+    # report in. Summing over ranks showed 1/5, then 7/20 ... and "dispatch/combine 2/4" twice.
+    labels = ["all_reduce"] + [f"dispatch/combine {i}/4" for i in range(1, 5)]
+    order = [0, 0, 1, 2, 3, 1, 0, 2, 3, 3, 2, 1, 1, 0, 2, 3, 0, 1, 2, 3]
+    seen = {r: 0 for r in range(4)}
+    buf = io.StringIO()
+    with LaunchDisplay(Console(file=buf, width=200), ["localhost"], ranks=4) as d:
+        for r in order:
+            seen[r] += 1
+            d.on_progress(0, r, Progress(seen[r], 5, labels[seen[r] - 1]))
+    lines = _plain_lines(buf.getvalue())
+    assert lines, buf.getvalue()
+    assert {total for _, total, _, _ in lines} == {5}                      # the total never jumps
+    counts = [done for done, _, _, _ in lines]
+    assert counts == sorted(set(counts))                                   # each count once, rising
+    assert [label for _, _, _, label in lines] == [labels[c - 1] for c in counts]   # label fits the count
+    assert lines[-1] == (5, 5, "4 ranks", "dispatch/combine 4/4")
+
+
+def test_progress_waits_for_ranks_that_have_not_reported() -> None:
+    d = LaunchDisplay(Console(file=io.StringIO()), ["localhost"], ranks=3)
+    d.on_progress(0, 0, Progress(4, 8, "fast"))
+    d.on_progress(0, 1, Progress(2, 8, "slow"))
+    job, reporting, expected = d.job_progress()
+    assert (job.done, job.total, reporting, expected) == (0, 8, 2, 3)
+    d.on_progress(0, 2, Progress(3, 8, "middle"))
+    job, reporting, expected = d.job_progress()
+    assert (job.done, job.total, job.label, reporting, expected) == (2, 8, "slow", 3, 3)
 
 
 def test_terminal_progress_bar_renders() -> None:
@@ -179,3 +226,12 @@ def test_pytest_plugin_reports_progress(tmp_path) -> None:
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PYEP_PROGRESS")]
     assert lines[0] == "PYEP_PROGRESS 0/2 collected"
     assert lines[-1].startswith("PYEP_PROGRESS 2/2 ")
+
+
+def test_summary_keeps_the_run_directory_on_one_line(tmp_path) -> None:
+    # A log or pipe gives rich 80 columns; a wrapped path cannot be copied from the terminal.
+    run_dir = str(tmp_path / ("run-" + "x" * 90))
+    result = SuperviseResult(0, "all nodes finished", [NodeOutcome(0, "a", 0, 1.0)], {}, 1.0)
+    buf = io.StringIO()
+    render_summary(Console(file=buf, width=80), result, ["a"], [], [], run_dir)
+    assert any(line.endswith("run directory: " + run_dir) for line in buf.getvalue().splitlines())

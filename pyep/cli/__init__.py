@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -20,6 +21,11 @@ COMMANDS = {
     "doctor": "pyep.cli.doctor",
     "drill": "pyep.cli.drill",
 }
+
+
+# Commands that run torch code in this process. `launch` checks for itself: its local launcher starts
+# torchrun here, while --dry-run and the ssh / slurm launchers need torch only on the nodes.
+NEEDS_TORCH = ("bench", "drill")
 
 
 class CliError(Exception):
@@ -45,6 +51,16 @@ def check_output(path: str, flag: str, directory: bool) -> None:
         raise CliError(f"{flag} {path!r}: {parent!r} is not a directory")
 
 
+class NeedsTorch(Exception):
+    """The command needs PyTorch and this interpreter cannot import it (torch is a declared dependency,
+    but `pip install --no-deps`, used to keep a CUDA build, can leave it out): exit status 1 with
+    words, not a ModuleNotFoundError traceback."""
+
+
+def torch_importable() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyep", description="pyep: IBGDA engine and MoE expert parallelism")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
@@ -63,7 +79,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command in NEEDS_TORCH and not torch_importable():
+            raise NeedsTorch()
         return int(args.func(args) or 0)
     except CliError as exc:
         print(f"pyep {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except NeedsTorch:
+        return _needs_torch(args.command)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        return _needs_torch(args.command)
+
+
+def _needs_torch(command: str) -> int:
+    print(f"pyep {command}: error: this command needs PyTorch, which {sys.executable} cannot import; "
+          "install the PyTorch build for this machine (README.md, 'Install'), then run it again", file=sys.stderr)
+    return 1

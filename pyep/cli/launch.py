@@ -10,7 +10,7 @@ import argparse
 import os
 from typing import List, Tuple
 
-from . import CliError
+from . import CliError, NeedsTorch, torch_importable
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -34,10 +34,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.__class__ = _IntermixedParser     # the subparsers action builds plain parsers; only the parsing differs
     p.add_argument("items", nargs="*", metavar="CONFIG|KEY=VALUE",
-                   help="a config file (configs/*.yaml) and/or overrides such as ep.timeout_us=5000000")
+                   help="a config file, or the name of a shipped one (cpu_reference, configs/single_node.yaml), "
+                        "and/or overrides such as ep.timeout_us=5000000")
     p.add_argument("--dry-run", action="store_true", help="print every command exactly, start nothing")
     p.add_argument("--submit", action="store_true", help="slurm: submit the generated script with sbatch")
-    p.add_argument("--run-dir", help="run directory (default: <launcher.run_root>/<timestamp>-<name>)")
+    p.add_argument("--run-dir", help="where this run's files go (default: <launcher.run_root>/<timestamp>-<name>; "
+                                     "run_root is 'runs' under the current directory unless the config says)")
     p.add_argument("--timeout", type=float, help="whole-job limit in seconds (launcher.timeout_s)")
     p.add_argument("--quiet", action="store_true", help="do not stream rank output; progress and summary only")
     p.set_defaults(func=run)
@@ -58,6 +60,7 @@ def split_items(items: List[str]) -> Tuple[str, List[str]]:
 
 def run(args: argparse.Namespace) -> int:
     from ..config import ConfigError, HostFacts, load_config
+    from ..config.bundled import find_config
     from ..launch.runner import LaunchOptions, launch
 
     config, overrides = split_items(args.items)
@@ -67,9 +70,12 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--submit and --dry-run exclude each other")
     facts = HostFacts.detect()
     try:
+        config = find_config(config) if config else ""
         cfg = load_config(config or None, overrides, facts=facts)
     except ConfigError as exc:
         raise CliError(f"invalid config:\n{exc}") from None
+    if cfg.launcher.kind == "local" and not args.dry_run and not torch_importable():
+        raise NeedsTorch()      # the ranks would die at once on `import torch`, each with a traceback
     if args.submit and cfg.launcher.kind != "slurm":
         raise CliError(f"--submit is for the slurm launcher; this config uses {cfg.launcher.kind!r}")
     source = config or "<default config>"

@@ -148,8 +148,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    timing = ""
+    if "ep" in result:
+        per_iter = sorted(result["ep"]["seconds_per_iter"])
+        timing = (f"; dispatch + combine {1e3 * per_iter[len(per_iter) // 2]:.1f} ms per iteration "
+                  f"(median of {len(per_iter)}, checks excluded)")
     print(f"rank {rank}: demo passed ({world} ranks, {backend}"
-          + (f", EP backend {result['ep']['backend']}" if "ep" in result else ", no EP part") + ")", flush=True)
+          + (f", EP backend {result['ep']['backend']}" if "ep" in result else ", no EP part") + ")" + timing,
+          flush=True)
     run_dir = os.environ.get("PYEP_RUN_DIR")
     if rank == 0 and run_dir:
         os.makedirs(run_dir, exist_ok=True)

@@ -1,8 +1,11 @@
 """What the user sees during and after a launch: streamed output, a live progress bar, a summary.
 
-On a terminal the progress bar (rich) sums PYEP_PROGRESS reports over all ranks and redraws below
-the scrolling output. Elsewhere (CI logs, pipes) progress is printed as a plain line whenever it moved
-by 10% or 5 s passed, so logs stay readable.
+Progress counts the job's steps: each rank reports its own `done/total` (PYEP_PROGRESS), and the job
+is as far as its slowest rank, so the display shows that rank's count and label (a rank that has not
+reported yet counts as 0 done of the others' total). Summing over ranks instead made the total grow as
+ranks started and showed the same step label at several counts. On a terminal a progress bar (rich)
+redraws below the scrolling output. Elsewhere (CI logs, pipes) progress is printed as a plain line,
+with the time since the launch, whenever it moved by 10% or 5 s passed, so logs stay readable.
 """
 from __future__ import annotations
 
@@ -24,19 +27,32 @@ _PLAIN_EVERY_S = 5.0
 class LaunchDisplay:
     """OutputSink for the Supervisor."""
 
-    def __init__(self, console: Console, hosts: List[str], *, quiet: bool = False):
+    def __init__(self, console: Console, hosts: List[str], *, quiet: bool = False, ranks: Optional[int] = None):
         self.console = console
         self.hosts = hosts
         self.quiet = quiet
+        self.ranks = ranks                # how many ranks the job has, when known in advance
         self.multi = len(hosts) > 1
         self.latest: Dict[Tuple[int, int], Progress] = {}
         self._bar: Optional[RichProgress] = None
         self._task = None
-        self._plain_last = (0.0, -1.0)    # (time, fraction) of the last plain progress line
+        self._start = time.monotonic()
+        self._plain_last = (self._start, 0.0)    # (time, fraction) of the last plain progress line
         self._plain_shown = (-1, -1)      # (done, total) of the last plain progress line
         self._plain_pending = ""          # newest progress line not printed yet
 
+    def job_progress(self) -> Tuple[Progress, int, int]:
+        """(the slowest rank's progress, ranks reporting, ranks expected)."""
+        reporting = len(self.latest)
+        expected = max(self.ranks or 0, reporting)
+        slowest = min(self.latest.values(), key=lambda p: p.done / p.total if p.total else 1.0)
+        if reporting < expected:     # a rank that has not reported is at the start
+            slowest = Progress(0, max(p.total for p in self.latest.values()), "")
+        return slowest, reporting, expected
+
     def __enter__(self) -> "LaunchDisplay":
+        self._start = time.monotonic()
+        self._plain_last = (self._start, 0.0)
         if self.console.is_terminal:
             self._bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), TextColumn("{task.fields[label]}"),
@@ -64,11 +80,10 @@ class LaunchDisplay:
 
     def on_progress(self, node: int, rank: int, progress: Progress) -> None:
         self.latest[(node, rank)] = progress
-        done = sum(p.done for p in self.latest.values())
-        total = sum(p.total for p in self.latest.values())
-        label = progress.label
-        reporting = len(self.latest)
-        desc = f"{reporting} rank{'s' if reporting != 1 else ''}"
+        job, reporting, expected = self.job_progress()
+        done, total, label = job.done, job.total, job.label
+        desc = (f"{expected} rank{'s' if expected != 1 else ''}" if reporting == expected
+                else f"{reporting} of {expected} ranks reporting")
         if self._bar is not None:
             self._bar.update(self._task, completed=done, total=total or None, description=desc, label=label)
             return
@@ -77,7 +92,8 @@ class LaunchDisplay:
         last_t, last_f = self._plain_last
         if (done, total) == self._plain_shown:
             return
-        line = f"pyep launch: progress {done}/{total} ({100 * frac:.0f}%, {desc}) {label}".rstrip()
+        line = (f"pyep launch: progress {done}/{total} ({100 * frac:.0f}%, {desc}, {now - self._start:.1f} s) "
+                f"{label}").rstrip()
         if done == total or frac - last_f >= 0.1 or now - last_t >= _PLAIN_EVERY_S:
             self._print(line)
             self._plain_last = (now, frac)
@@ -146,4 +162,4 @@ def render_summary(console: Console, result: SuperviseResult, hosts: List[str], 
         console.print(files)
     verdict = "[bold green]OK[/]" if result.exit_code == 0 else f"[bold red]FAILED[/] (exit {result.exit_code})"
     console.print(f"{verdict}: {escape(result.reason)} in {result.seconds:.1f} s; run directory: {escape(run_dir)}",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)     # one line: the path stays copyable

@@ -81,7 +81,7 @@ def _run_plan(plan: LaunchPlan, console: Console, opts: LaunchOptions, job_secre
     hosts = [c.host if sum(1 for d in plan.commands if d.host == c.host) == 1 else f"{c.host}#{c.index}"
              for c in plan.commands]
     console.print(f"pyep launch: {_describe(cfg, plan.commands[0].nproc)}; run directory {plan.run_dir}",
-                  markup=False, highlight=False)
+                  markup=False, highlight=False, soft_wrap=True)    # one line: the path stays copyable
     restart = None
     store = None
     if cfg.launcher.restart.policy == "rank":
@@ -92,7 +92,7 @@ def _run_plan(plan: LaunchPlan, console: Console, opts: LaunchOptions, job_secre
         console.print(f"pyep launch: single-rank restarts (at most {restart.max_restarts} per rank); job store on "
                       f"{STORE_ADDR}:{plan.master_port}", markup=False, highlight=False)
     try:
-        with LaunchDisplay(console, hosts, quiet=opts.quiet) as display:
+        with LaunchDisplay(console, hosts, quiet=opts.quiet, ranks=plan.total_ranks) as display:
             sup = Supervisor(plan.commands, display, timeout_s=cfg.launcher.timeout_s, grace_s=cfg.launcher.grace_s,
                              log_dir=os.path.join(plan.run_dir, "logs"), restart=restart, job_secret=job_secret)
             result = sup.run()
