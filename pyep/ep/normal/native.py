@@ -14,7 +14,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, List, Optional
 
-from .._dist import barrier_bounded, group_device
+from .._dist import group_device
+from .collectives import barrier
 from ..backend import BackendUnavailable, PeerTransport
 from ..config import LinkConfig
 from ..streams import raw_current_stream
@@ -134,7 +135,7 @@ class NormalNativeBackend:
             self._peer_base = torch.tensor([link.store_base for link in self._peers.links], dtype=torch.int64,
                                            device=self.device)
             self._static = self._make_static()
-            barrier_bounded(group, group_device(group), int(self._setup_timeout_s * 1e6),
+            barrier(group, group_device(group), int(self._setup_timeout_s * 1e6),
                             "normal-mode buffer setup (every rank mapped its peers)")
         except BaseException:
             self._release()
@@ -223,7 +224,7 @@ class NormalNativeBackend:
                              f"{ring_tokens} inside a CUDA graph capture; a new ring depth needs every rank idle "
                              f"first: make one eager call with the new config before capturing")
         torch.cuda.synchronize(self.device)
-        barrier_bounded(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6),
+        barrier(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6),
                         f"{what}: ring depth {self._ring_tokens} -> {ring_tokens}")
         self._ring_tokens = ring_tokens
 
@@ -380,7 +381,7 @@ class NormalNativeBackend:
         import torch
         torch.cuda.synchronize(self.device)
         what = "normal-mode clean"
-        barrier_bounded(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
+        barrier(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
         self._ep.memset_async(self._buf, 0, layout.ring_offset(self.num_ranks, self._extra),
                               torch.cuda.current_stream().cuda_stream)
         torch.cuda.current_stream().synchronize()
@@ -389,7 +390,7 @@ class NormalNativeBackend:
         self._ws.zero_()
         self._notify_seq = 0
         self._broken = False
-        barrier_bounded(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
+        barrier(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
 
     def buffer_bytes(self) -> int:
         return self._bytes

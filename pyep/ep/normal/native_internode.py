@@ -26,7 +26,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
-from .._dist import barrier_bounded, group_device
+from .._dist import group_device
+from .collectives import barrier
 from ..backend import BackendUnavailable
 from ..streams import raw_current_stream
 from . import internode_order as order
@@ -133,7 +134,7 @@ class NormalInternodeBackend:
             # Labelled with the call's count-exchange ticket (self._ticket): one label per waited-for call.
             self._order_host = torch.zeros(1 + self.max_experts // r_n, dtype=torch.int32, device="cpu",
                                            pin_memory=True)
-            barrier_bounded(group, group_device(group), int(self._setup_s * 1e6), "normal internode buffer setup")
+            barrier(group, group_device(group), int(self._setup_s * 1e6), "normal internode buffer setup")
         except BaseException:
             self._release()
             raise
@@ -411,7 +412,7 @@ class NormalInternodeBackend:
         assert self.node is not None and self.relay is not None
         self.node.clean()
         bound = int(self._setup_s * 1e6)
-        self.relay.clean(lambda: barrier_bounded(self.group, group_device(self.group), bound, "normal internode clean"))
+        self.relay.clean(lambda: barrier(self.group, group_device(self.group), bound, "normal internode clean"))
         self._broken = False
 
     def buffer_bytes(self) -> int:

@@ -1,0 +1,182 @@
+"""Call-tagged exchanges of the normal mode on the reference backend over gloo (docs/normal_mode.md,
+"Call-tagged exchanges"): a call refused on one rank's host while its peers make it raises
+PeerRefusedCall on every peer at that call (none waits for the refusing rank, none times out) and the
+following calls are correct on every rank; ranks at different calls raise NormalCallMismatch naming
+both calls, the buffer then refuses calls until clean(), after which calls are correct again. The tag
+codec itself (tags.py) is checked without processes."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pyep.ep.errors import CallMismatch
+from pyep.ep.normal import BufferBroken, Config, NormalBuffer, NormalCallMismatch, PeerRefusedCall
+from pyep.ep.normal import tags
+
+H, E, K = 256, 8, 3
+TIMEOUT_US = 120_000_000   # a rank left waiting would show as a TimeoutError long after the test's bound
+
+
+def _inputs(n: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed + 100 * dist.get_rank())
+    x = torch.randn(n, H, generator=gen).to(torch.bfloat16)
+    e = E * dist.get_world_size() // 2
+    idx = torch.stack([torch.randperm(e, generator=gen)[:K] for _ in range(n)]) if n else \
+        torch.zeros((0, K), dtype=torch.int64)
+    return x, idx, torch.rand(n, K, generator=gen)
+
+
+def good_round(buf: NormalBuffer, seed: int) -> None:
+    """layout, dispatch, cached dispatch, combine, each checked against what the contract gives when
+    every rank sends its rows back unchanged: combine = x * (ranks the token went to)."""
+    x, idx, w = _inputs(5 + seed % 3, seed)
+    e = E * buf.num_ranks // 2
+    ntpr, _, ntpe, tir, _ = buf.get_dispatch_layout(idx, e)
+    recv, _, r_w, counts, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=tir,
+                                                   num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
+    assert sum(counts) == int(ntpe.sum()) or dist.get_world_size() > 1
+    again, *_ = buf.dispatch(x, handle=handle)
+    assert torch.equal(again, recv)
+    out, out_w, _ = buf.combine(recv, handle, topk_weights=r_w)
+    assert torch.equal(out, (x.float() * tir.sum(1, keepdim=True)).to(torch.bfloat16))
+    assert torch.equal(out_w, torch.where(tir.any(1, keepdim=True), w, torch.zeros_like(w)))
+
+
+def _refusals(buf: NormalBuffer, other: NormalBuffer) -> List[Tuple[str, str, Callable[[bool], Any]]]:
+    """(id, the refusing rank's error type, call(bad)) for each kind of call: bad=True on the refusing
+    rank, False on the others."""
+    x, idx, w = _inputs(6, 7)
+    e = E * buf.num_ranks // 2
+    ntpr, _, ntpe, tir, _ = buf.get_dispatch_layout(idx, e)
+    layout = dict(num_tokens_per_rank=ntpr, is_token_in_rank=tir, num_tokens_per_expert=ntpe)
+    recv, _, r_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    *_, foreign, _ = other.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    return [
+        ("layout-experts", "ValueError", lambda bad: buf.get_dispatch_layout(idx, e + 1 if bad else e)),
+        ("dispatch-dtype", "TypeError", lambda bad: buf.dispatch(x.float() if bad else x, topk_idx=idx,
+                                                                 topk_weights=w, **layout)),
+        ("dispatch-alignment", "ValueError", lambda bad: buf.dispatch(
+            x, topk_idx=idx, topk_weights=w, expert_alignment=2 ** 62 if bad else 1, **layout)),
+        ("cached-tokens", "ValueError", lambda bad: buf.dispatch(x[:-1] if bad else x, handle=handle)),
+        ("combine-channels", "ValueError", lambda bad: buf.combine(recv, handle, config=Config(8) if bad else None)),
+        ("combine-foreign-handle", "ValueError", lambda bad: buf.combine(recv, foreign if bad else handle)),
+        ("combine-not-a-tensor", "TypeError", lambda bad: buf.combine("x" if bad else recv, handle)),  # type: ignore
+    ]
+
+
+def check_refusal_on_one_rank(bad_rank: int) -> Dict[str, Any]:
+    me = dist.get_rank()
+    buf = NormalBuffer(hidden=H, backend="reference", timeout_us=TIMEOUT_US)
+    other = NormalBuffer(hidden=H, backend="reference", timeout_us=TIMEOUT_US)
+    seen: Dict[str, str] = {}
+    slowest = 0.0
+    for i, (name, kind, call) in enumerate(_refusals(buf, other)):
+        start = time.monotonic()
+        if me == bad_rank:
+            with pytest.raises((TypeError, ValueError)) as own:
+                call(True)
+            assert type(own.value).__name__ == kind, (name, own.value)
+        else:
+            with pytest.raises(PeerRefusedCall) as peer:
+                call(False)
+            err = peer.value
+            assert isinstance(err, CallMismatch) and err.peer == bad_rank and err.rank == me, (name, err)
+            assert err.reason.startswith(kind + ":"), (name, err.reason)
+            seen[name] = str(err)
+        slowest = max(slowest, time.monotonic() - start)
+        good_round(buf, seed=i)          # the ranks are in step again: every later call is correct
+    other.destroy()
+    buf.destroy()
+    return {"seen": seen, "slowest_s": slowest}
+
+
+@pytest.mark.parametrize("world,bad_rank", [(2, 1), (4, 2)], ids=["2ranks", "4ranks"])
+def test_a_call_refused_on_one_rank_raises_on_every_rank(request: pytest.FixtureRequest, world: int,
+                                                         bad_rank: int) -> None:
+    pool = request.getfixturevalue(f"pool{world}")
+    res = pool.run(check_refusal_on_one_rank, bad_rank)
+    for r, out in enumerate(res):
+        if r != bad_rank:
+            assert len(out["seen"]) == 7 and all(f"rank {bad_rank} refused" in m for m in out["seen"].values())
+        # Nobody waited for the refusing rank: a wait would end in a TimeoutError after 120 s.
+        assert out["slowest_s"] < TIMEOUT_US / 1e6 / 4
+
+
+def check_ranks_at_different_calls() -> Dict[str, Any]:
+    me = dist.get_rank()
+    buf = NormalBuffer(hidden=H, backend="reference", timeout_us=TIMEOUT_US)
+    x, idx, w = _inputs(6, 3)
+    e = E * buf.num_ranks // 2
+    ntpr, _, ntpe, tir, _ = buf.get_dispatch_layout(idx, e)
+    # Rank 1 makes a call its peers do not make: its layout meets their dispatch.
+    with pytest.raises(NormalCallMismatch) as mismatch:
+        if me == 1:
+            buf.get_dispatch_layout(idx, e)
+        else:
+            buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=tir, num_tokens_per_expert=ntpe,
+                         topk_idx=idx, topk_weights=w)
+    text = str(mismatch.value)
+    assert "get_dispatch_layout #2" in text and "dispatch #2" in text, text
+    # The ranks no longer agree on the calls: every call is refused (nothing is exchanged) until clean().
+    with pytest.raises(BufferBroken, match="clean"):
+        buf.get_dispatch_layout(idx, e)
+    buf.clean()
+    good_round(buf, seed=11)
+    # Shapes the ranks must agree on are part of the tag: a combine of another hidden size.
+    x2 = torch.zeros(4, 128 if me == 0 else 256, dtype=torch.bfloat16)
+    idx2 = torch.full((4, K), -1, dtype=torch.int64)
+    n2, _, e2, t2, _ = buf.get_dispatch_layout(idx2, e)
+    with pytest.raises(NormalCallMismatch, match="different shapes"):
+        buf.dispatch(x2, num_tokens_per_rank=n2, is_token_in_rank=t2, num_tokens_per_expert=e2)
+    buf.clean()
+    good_round(buf, seed=12)
+    buf.destroy()
+    return {"text": text}
+
+
+def test_ranks_at_different_calls_raise_call_mismatch_then_clean(pool2: Any) -> None:
+    res = pool2.run(check_ranks_at_different_calls)
+    assert all("nothing of this exchange was used" in r["text"] for r in res)
+
+
+# ---------------------------------------------------------------- the codec (no processes)
+def _tag(**kw: Any) -> tags.CallTag:
+    base = dict(epoch=2, call=9, kind=tags.KIND_COMBINE, signature=tags.signature(256, 12, 3, 5))
+    base.update(kw)
+    return tags.CallTag(**base)
+
+
+def test_tag_round_trip_and_verdicts() -> None:
+    mine = _tag()
+    refused = _tag(status=tags.STATUS_REFUSED, signature=(), reason="TypeError: x \x07 é" + "z" * 300)
+    back = tags.decode(tags.encode(refused), "w", 0, 1, 9, 2)
+    assert back.reason.startswith("TypeError: x   é") and len(back.reason.encode()) <= tags.REASON_BYTES
+    assert tags.verdict("w", 0, mine, [mine, mine]) is None
+    err = tags.verdict("w", 0, mine, [mine, back])
+    assert isinstance(err, PeerRefusedCall) and err.peer == 1
+    proxy = _tag(status=tags.STATUS_PROXY, origin=3, reason="ValueError: v")
+    err = tags.verdict("w", 0, mine, [mine, proxy])
+    assert isinstance(err, PeerRefusedCall) and (err.peer, err.via) == (3, 1)
+    for other, match in [(_tag(call=10), "sent call 10"), (_tag(epoch=3), "generation 3"),
+                         (_tag(kind=tags.KIND_CACHED), "cached dispatch"),
+                         (_tag(signature=tags.signature(256, 12, 3, 6)), "different shapes"),
+                         (_tag(status=tags.STATUS_NOTICE, call=11), "another call")]:
+        err = tags.verdict("w", 0, mine, [mine, other])
+        assert isinstance(err, NormalCallMismatch) and match in str(err), (other, err)
+    # A mismatch wins over a refusal: the ranks are not at the same call, whoever refused.
+    assert type(tags.verdict("w", 0, mine, [mine, back, _tag(call=8)])) is NormalCallMismatch
+
+
+@pytest.mark.parametrize("field,value", [(0, 0x1234), (3, 99), (4, 7), (5, 17), (tags.OFF_REASON_LEN, 500)],
+                         ids=["magic", "kind", "status", "origin", "reason-length"])
+def test_malformed_peer_tags_are_call_mismatches(field: int, value: int) -> None:
+    words = tags.encode(_tag())
+    words[field] = value
+    with pytest.raises(NormalCallMismatch, match="not a call tag"):
+        tags.decode(words, "w", 0, 1, 9, 4)
+    with pytest.raises(NormalCallMismatch, match="not a call tag"):
+        tags.decode(words[:10], "w", 0, 1, 9, 4)
