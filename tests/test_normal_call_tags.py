@@ -180,3 +180,76 @@ def test_malformed_peer_tags_are_call_mismatches(field: int, value: int) -> None
         tags.decode(words, "w", 0, 1, 9, 4)
     with pytest.raises(NormalCallMismatch, match="not a call tag"):
         tags.decode(words[:10], "w", 0, 1, 9, 4)
+
+
+# ---------------------------------------------------------------- the device words (g++, no GPU)
+HARNESS = r"""
+#include <cstdio>
+#include <vector>
+#include "kernels/normal_tags.h"
+using namespace pyep::normal;
+int bad = 0;
+#define CHECK(c, ...) do { if (!(c)) { std::printf(__VA_ARGS__); std::printf("\n"); ++bad; } } while (0)
+int main() {
+    // Call numbers from clean(): 1, 2, 3 ...; parity alternates; 0 never appears, also across the wrap.
+    for (uint32_t s0 : {0u, 1u, 0x7ffffffeu, 0xfffffff0u}) {
+        uint32_t prev = s0;
+        for (int i = 0; i < 40; ++i) {
+            const uint32_t s = next_call(prev);
+            CHECK(s != 0u, "zero after %u", prev);
+            CHECK(prev == 0u || (s & 1u) != (prev & 1u), "parity repeats %u -> %u", prev, s);
+            prev = s;
+        }
+    }
+    CHECK(next_call(0u) == 1u && next_call(0xffffffffu) == 2u && next_call(41u) == 42u, "next_call");
+    // The gate's view of a peer, along real call sequences (a fresh start and one across the wrap):
+    // `back1`/`back2` are the peer's flags before it posts call s.
+    for (uint32_t s0 : {0u, 0xfffffffbu}) {
+        // The two flags before the first call: "nothing yet" after clean(), or the two calls before s0.
+        std::vector<uint32_t> seq = s0 ? std::vector<uint32_t>{s0 - 1u, s0} : std::vector<uint32_t>{0u, 0u};
+        uint32_t c = s0;
+        for (int i = 0; i < 12; ++i) seq.push_back(c = next_call(c));
+        for (size_t i = 2; i + 2 < seq.size(); ++i) {
+            const uint32_t s = seq[i], b1 = seq[i - 1], b2 = seq[i - 2], n1 = seq[i + 1], n2 = seq[i + 2];
+            CHECK(gate_classify(b2, b1, s) == kGateWait, "s=%u: a peer not there yet is waited for", s);
+            CHECK(gate_classify(s, b1, s) == kGateArrived, "s=%u: arrived", s);
+            CHECK(gate_classify(s, n1, s) == kGateArrived, "s=%u: arrived, already posted the next", s);
+            // A peer one call ahead that never posted s (its call s went elsewhere): found, and named.
+            CHECK(gate_classify(b2, n1, s) == kGateOther && gate_peer_call(b2, n1) == n1, "s=%u: ahead by one", s);
+            CHECK(gate_classify(n2, n1, s) == kGateOther && gate_peer_call(n2, n1) == n2, "s=%u: ahead by two", s);
+            if (i >= 4) CHECK(gate_classify(seq[i - 4], seq[i - 3], s) == kGateOther, "s=%u: behind by two", s);
+        }
+    }
+    CHECK(gate_classify(0u, 0u, 7u) == kGateOther, "zeroed flags at call 7 (a peer that cleaned alone)");
+    CHECK(gate_classify(0u, 0u, 1u) == kGateWait && gate_classify(0u, 1u, 2u) == kGateWait, "first calls");
+    // The relay's count record: call number, 6 bits of generation, status, 24 bits of rows.
+    for (uint32_t s : {1u, 2u, 0x80000001u, 0xffffffffu})
+        for (uint32_t e : {0u, 5u, 63u, 64u + 7u})
+            for (int st : {kTagOk, kTagRefused, kTagProxy, kTagNotice})
+                for (uint32_t r : {0u, 1u, 12345u, kRecordMaxRows}) {
+                    const uint64_t rec = relay_count_record(s, e, st, r);
+                    CHECK(record_seq(rec) == s && record_epoch(rec) == (e & 63u) && record_status(rec) == st &&
+                          record_rows(rec) == r, "record %u %u %d %u", s, e, st, r);
+                    CHECK(record_seq(0ull) != s, "a zeroed slot never names a call");
+                }
+    std::printf("%s\n", bad ? "FAIL" : "OK");
+    return bad ? 1 : 0;
+}
+"""
+
+
+def test_device_call_words(tmp_path: Any) -> None:
+    """engine/kernels/normal_tags.h compiled with g++: the call numbers' wrap, what a gate concludes from
+    a peer's flags (in step, one or two calls ahead or behind, across the wrap), the relay's records."""
+    import os
+    import shutil
+    import subprocess
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed to compile engine/kernels/normal_tags.h on the host")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src, exe = tmp_path / "tags.cpp", tmp_path / "tags"
+    src.write_text(HARNESS)
+    subprocess.run(["g++", "-std=c++17", "-O1", "-I", os.path.join(root, "engine"), str(src), "-o", str(exe)],
+                   check=True, capture_output=True, timeout=120)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr

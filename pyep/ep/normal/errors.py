@@ -18,6 +18,8 @@ ERR_BAD_HANDLE = 4       # a = channel, b = rows the handle promised, c = rows t
 # 5 is the relay's (internode_relay.ERR_QP)
 ERR_IN_RANK = 6          # a = token row, b = rank, c = what is_token_in_rank said (0/1)
 ERR_EXPERT_COUNT = 7     # a = expert, b = num_tokens_per_expert's value, c = entries of topk_idx naming it
+ERR_RANK_COUNT = 8       # a = rank, b = num_tokens_per_rank's value, c = tokens is_token_in_rank selects
+ERR_NODE_COUNT = 9       # a = node, b = num_tokens_per_rdma_rank's value, c = tokens is_token_in_rank selects
 PHASES = ("notify", "dispatch", "combine")
 
 
@@ -67,6 +69,16 @@ def expert_count_mismatch(expert: int, claimed: int, derived: int) -> LayoutMism
     return LayoutMismatch(f"num_tokens_per_expert[{expert}] is {claimed} but topk_idx names expert {expert} in "
                           f"{derived} entries; pass the num_tokens_per_expert get_dispatch_layout returned for this "
                           f"topk_idx")
+
+
+def rank_count_mismatch(rank: int, claimed: int, derived: int) -> LayoutMismatch:
+    return LayoutMismatch(f"num_tokens_per_rank[{rank}] is {claimed} but is_token_in_rank selects {derived} tokens "
+                          f"for rank {rank}; pass the tensors of one get_dispatch_layout call")
+
+
+def node_count_mismatch(node: int, claimed: int, derived: int) -> LayoutMismatch:
+    return LayoutMismatch(f"num_tokens_per_rdma_rank[{node}] is {claimed} but is_token_in_rank selects {derived} "
+                          f"tokens for node {node}; pass the tensors of one get_dispatch_layout call")
 
 
 class PeerTimeout(NormalModeError, TimeoutError):
@@ -123,6 +135,10 @@ def error_from_record(words: Sequence[int], num_experts: int, timeout_us: int) -
         return in_rank_mismatch(a, b, c)
     if code == ERR_EXPERT_COUNT:
         return expert_count_mismatch(a, b, c)
+    if code == ERR_RANK_COUNT:
+        return rank_count_mismatch(a, b, c)
+    if code == ERR_NODE_COUNT:
+        return node_count_mismatch(a, b, c)
     if code == ERR_BAD_HANDLE:
         return NormalModeError(f"the handle does not describe this call: channel {a} promised {b} rows, "
                                f"the tokens gave {c}; pass the handle of a dispatch with the same tokens")

@@ -6,8 +6,9 @@ explains who writes what.
                u32 head[MAX_CHANNELS][R]   rows receiver d has consumed from my stream (c, -> d)
                u32 tx_pos[MAX_CHANNELS][R] my own count of rows sent on (c, -> d) (never remote)
                u32 rx_pos[MAX_CHANNELS][R] my own count of rows consumed from (c, s)
-               i32 notify_flag[2][R]       call number of source s's counts, by call parity
-               i32 notify[2][R][NOTIFY_INTS] source s's counts for me: rows, per channel, per expert
+               i32 notify_flag[2][R]       call number of source s's counts and tag, by call parity
+               i32 notify[2][R][NOTIFY_INTS] source s's counts for me: rows, per channel, per expert;
+                                           its call tag (tags.py); an internode call's extra words
     [rings]    slot[C][R][Q] of slot_bytes: ring (c, s) holds the rows source s sends me on channel c
 
 Counters are absolute (they only grow, modulo 2**32) so no call ever has to reset them; each call
@@ -16,9 +17,11 @@ ring size and row size may change from one call to the next.
 """
 from __future__ import annotations
 
-from .limits import MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_TOPK
+from .limits import MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_TOPK
+from .tags import TAG_INTS
 
-NOTIFY_INTS = 1 + MAX_CHANNELS + MAX_LOCAL_EXPERTS + 7   # rows, per-channel rows, per-expert entries; padded
+# rows per rank, per-channel rows, per-expert entries, the call tag (normal_launch.h kNotifyExtra)
+NOTIFY_INTS = MAX_RANKS + MAX_CHANNELS + MAX_LOCAL_EXPERTS + TAG_INTS
 RING_ALIGN = 128
 
 

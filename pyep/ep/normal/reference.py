@@ -23,7 +23,8 @@ from ..config import DEFAULT_TIMEOUT_US
 from . import tags
 from .contract import (CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult,
                        combine_order)
-from .errors import BufferBroken, LayoutMismatch, NormalCallMismatch, PeerRefusedCall, WorstTokensExceeded
+from .errors import (BufferBroken, NormalCallMismatch, PeerRefusedCall, WorstTokensExceeded, node_count_mismatch,
+                     rank_count_mismatch)
 from .reference_values import ERR_WORDS, first_bad_entry, layout_contradiction, raise_first
 from .topology import NodeLayout
 
@@ -265,9 +266,9 @@ class NormalReferenceBackend:
         claimed = hdr[:, o_claim:o_chan]       # [s][d]: num_tokens_per_rank of source s
         if not torch.equal(sent, claimed):
             s, d = (int(v) for v in (sent != claimed).nonzero()[0])
-            raise LayoutMismatch(f"rank {s}: num_tokens_per_rank[{d}]={int(claimed[s, d])} but "
-                                 f"is_token_in_rank selects {int(sent[s, d])} tokens for rank {d}; pass "
-                                 f"the tensors of one get_dispatch_layout call ({what})")
+            err = rank_count_mismatch(d, int(claimed[s, d]), int(sent[s, d]))
+            err.add_note(f"in the tensors of rank {s} ({what}); every rank raises at this call")
+            raise err
         if self.nodes.internode:
             self._check_rdma_claims(hdr[:, o_chan + c_n + e_l:], what)
         arrive = sent.sum(dim=0)               # [d]: rows rank d receives
@@ -315,9 +316,9 @@ class NormalReferenceBackend:
         claimed, derived = rdma[:, :m], rdma[:, m:]
         if not torch.equal(claimed, derived):
             s, n = (int(v) for v in (claimed != derived).nonzero()[0])
-            raise LayoutMismatch(f"rank {s}: num_tokens_per_rdma_rank[{n}]={int(claimed[s, n])} but "
-                                 f"is_token_in_rank selects {int(derived[s, n])} tokens for node {n} "
-                                 f"({what}); pass the tensors of one get_dispatch_layout call")
+            err = node_count_mismatch(n, int(claimed[s, n]), int(derived[s, n]))
+            err.add_note(f"in the tensors of rank {s} ({what}); every rank raises at this call")
+            raise err
 
     def _send_head(self, in_rank: "torch.Tensor", chan: "torch.Tensor", per_chan: "torch.Tensor"
                    ) -> "torch.Tensor":
