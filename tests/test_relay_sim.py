@@ -88,6 +88,20 @@ class RelayWorld:
     def set_seq(self, m: int, value: int) -> None:
         self.ws[m][SEQ_WORD] = value - (1 << 32) if value >= 1 << 31 else value
 
+    def set_history(self, value: int) -> None:
+        """Every rank as if its last two count exchanges were calls prev(value) and value: the call
+        counters and every count slot (the gate reads a peer's position from both parities)."""
+        import torch
+        prev = 0xFFFFFFFF if value == 2 else value - 1
+        w = self.lay.words
+        for m in range(self.M):
+            self.set_seq(m, value)
+            slots = self.bufs[m][4 * w["count"]:4 * w["count"] + 16 * self.M].view(torch.int64)
+            for call in (prev, value):
+                for s_ in range(self.M):
+                    rec = (call << 32) | 1
+                    slots[(call & 1) * self.M + s_] = rec - (1 << 64) if rec >= 1 << 63 else rec
+
     def seq(self, m: int) -> int:
         return int(self.ws[m][SEQ_WORD]) & 0xFFFFFFFF
 
@@ -149,15 +163,14 @@ def _world(path: str, M: int, **kw) -> RelayWorld:
     return RelayWorld(path, M, **kw)
 
 
-def check_counts(w: RelayWorld, calls: int, seed: int, start: Optional[List[int]] = None) -> None:
+def check_counts(w: RelayWorld, calls: int, seed: int, start: Optional[int] = None) -> None:
     """`calls` consecutive count exchanges with different per-peer counts: every rank receives exactly
     what each peer sent it, and the device call counter advances by relay_next_seq per launch."""
     import torch
     M = w.M
     g = torch.Generator().manual_seed(seed)
     if start is not None:
-        for m in range(M):
-            w.set_seq(m, start[m])
+        w.set_history(start)
     for k in range(calls):
         before = [w.seq(m) for m in range(M)]
         send = [[int(v) for v in torch.randint(0, 1 << 20, (M,), generator=g)] for _ in range(M)]
@@ -178,7 +191,7 @@ def case_counts(path: str, M: int) -> str:
     check_counts(w, 6, seed=M)
     assert [w.seq(m) for m in range(M)] == [6] * M
     # The counter near 0xffffffff: calls 0xfffffffe, 0xffffffff, 2, 3, 4 (parity alternates across the wrap).
-    check_counts(w, 5, seed=10 + M, start=[0xFFFFFFFD] * M)
+    check_counts(w, 5, seed=10 + M, start=0xFFFFFFFD)
     assert [w.seq(m) for m in range(M)] == [4] * M
     assert not w.nic.errors(), w.nic.errors()
     return "ok"
@@ -191,8 +204,8 @@ def case_counts_mutation(path: str, M: int) -> str:
     within the timeout, with no PeerTimeout, and the call is void (no counts)."""
     from pyep.ep.normal.errors import NormalCallMismatch
     w = _world(path, M, timeout_ms=20_000)
-    for m in range(M):
-        w.set_seq(m, 8 if m == 0 else 7)
+    w.set_history(7)
+    w.set_seq(0, 8)
     t0 = time.monotonic()
     rc, hc = w.counts([[5] * M for _ in range(M)])
     took = time.monotonic() - t0

@@ -137,8 +137,13 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
             st = gate_classify(record_seq(v), o, seq);
             if (st == kGateArrived) sh.record[m] = v;
             if (st != kGateWait) {
-                // A NOTICE in our slot carries our call number; the notifier's own is its other record.
-                pc = st != kGateArrived ? gate_peer_call(record_seq(v), o) : record_status(v) == kTagNotice ? o : seq;
+                pc = st != kGateArrived ? gate_peer_call(record_seq(v), o) : seq;
+                if (st == kGateArrived && record_status(v) == kTagNotice) {
+                    // A NOTICE in our slot carries our call number; the notifier's own is its record of the
+                    // other parity, placed (quiet) before it posted the notice: read it again now.
+                    __threadfence();
+                    pc = record_seq(slots[(par ^ 1) * M + m]);
+                }
                 break;
             }
             if (gda::now_ns() - start > s.timeout_ns) {
