@@ -23,7 +23,7 @@ from .config import DEFAULT_NUM_SMS, MAX_CHANNELS, Config, default_config
 from .contract import CombineCall, DispatchCall, NormalBackend
 from .events import NormalEvent, capture_current, launch, wait_bound_s
 from .handle import NormalHandle
-from .limits import MAX_BUFFER_BYTES, MAX_TIMEOUT_US
+from .limits import MAX_BUFFER_BYTES, MAX_GROUP_RANKS, MAX_TIMEOUT_US
 from .tags import KIND_CACHED, KIND_COMBINE, KIND_DISPATCH, KIND_LAYOUT
 from .topology import NodeLayout, detect_node_layout
 
@@ -158,6 +158,10 @@ class NormalBuffer:
     def size_hint(hidden: int, num_ranks: int, config: Optional[Config] = None) -> int:
         """Bytes of native NVLink buffer per rank for rows of `hidden` BF16 values (with the default
         dispatch and combine configs unless `config` is given)."""
+        v.check_int("hidden", hidden, 1)
+        v.check_hidden("hidden", hidden, None)
+        v.check_int("num_ranks", num_ranks, 1, MAX_GROUP_RANKS)
+        v.check_config(config)
         configs = [config] if config is not None else [_default(num_ranks, NormalBuffer.num_sms, c)
                                                        for c in (False, True)]
         return max(c.get_nvl_buffer_size_hint(2 * hidden, num_ranks) for c in configs)
@@ -226,7 +230,7 @@ class NormalBuffer:
 
     def _begin(self, what: str) -> Optional[Exception]:
         """The error the device recorded for an earlier call (taken; raised by this call once it has
-        been made, see _finish), or a raise: destroyed, or broken (a broken buffer exchanges nothing)."""
+        been made, see _launch), or a raise: destroyed, or broken (a broken buffer exchanges nothing)."""
         self._check_alive(what)
         return self._backend.pending_error()
 
@@ -246,20 +250,24 @@ class NormalBuffer:
                 raise pending from None
             raise
 
-    @staticmethod
-    def _finish(pending: Optional[Exception], what: str) -> None:
-        """An earlier call's error is raised once this call has been made on every rank: refusing this
-        call instead would void it on the peers too, and their error would void the next one."""
+    def _launch(self, what: str, fn: Any, tensors: Any, previous_event: Any, async_finish: bool,
+                allocate_on_comm_stream: bool, pending: Optional[Exception]) -> Tuple[Any, NormalEvent]:
+        """Run the backend call (events.launch). An earlier call's error (`pending`) is raised once this
+        call has been made on every rank: refusing this call instead would void it on the peers too,
+        and their error would void the next one."""
+        try:
+            res = launch(self._device, self._comm_stream, fn, what=what, previous_event=previous_event,
+                         async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+                         bound_s=self._bound_s, check=self._backend.check_errors, tensors=tensors)
+        except Exception as exc:
+            if pending is not None:
+                exc.add_note(f"an earlier call's error was pending too: {type(pending).__name__}: {pending}")
+            raise
         if pending is not None:
             pending.add_note(f"raised by {what}, which was made (its peers have their results); this rank's "
                              f"results of it are dropped")
             raise pending
-
-    def _launch(self, what: str, fn: Any, tensors: Any, previous_event: Any, async_finish: bool,
-                allocate_on_comm_stream: bool) -> Tuple[Any, NormalEvent]:
-        return launch(self._device, self._comm_stream, fn, what=what, previous_event=previous_event,
-                      async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
-                      bound_s=self._bound_s, check=self._backend.check_errors, tensors=tensors)
+        return res
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: "torch.Tensor", num_experts: int,
@@ -275,8 +283,7 @@ class NormalBuffer:
                 "get_dispatch_layout", lambda: self._backend.get_dispatch_layout(topk_idx, num_experts),
                 lambda r: (topk_idx, r.num_tokens_per_rank, r.num_tokens_per_expert, r.is_token_in_rank,
                            r.num_tokens_per_rdma_rank),
-                previous_event, async_finish, allocate_on_comm_stream)
-        self._finish(pending, "get_dispatch_layout")
+                previous_event, async_finish, allocate_on_comm_stream, pending)
         return (res.num_tokens_per_rank, res.num_tokens_per_rdma_rank, res.num_tokens_per_expert,
                 res.is_token_in_rank, event)
 
@@ -333,8 +340,7 @@ class NormalBuffer:
                            num_tokens_per_expert, r.recv_x, r.recv_x_scales, r.recv_topk_idx,
                            r.recv_topk_weights, r.rank_prefix_matrix, r.channel_prefix_matrix,
                            r.recv_channel_prefix_matrix, r.recv_src_idx, r.send_head),
-                previous_event, async_finish, allocate_on_comm_stream)
-        self._finish(pending, f"normal dispatch #{self._seq}")
+                previous_event, async_finish, allocate_on_comm_stream, pending)
         recv: RecvX = (res.recv_x, res.recv_x_scales) if scales is not None else res.recv_x
         if cached:
             return recv, None, None, None, None, event
@@ -374,8 +380,7 @@ class NormalBuffer:
                 f"normal combine #{self._seq}", lambda: self._backend.combine(call),
                 lambda r: (x, topk_weights, bias_0, bias_1, hd.recv_src_idx, hd.send_head, hd.rank_prefix_matrix,
                            hd.recv_channel_prefix_matrix, r.combined_x, r.combined_topk_weights),
-                previous_event, async_finish, allocate_on_comm_stream)
-        self._finish(pending, f"normal combine #{self._seq}")
+                previous_event, async_finish, allocate_on_comm_stream, pending)
         return res.combined_x, res.combined_topk_weights, event
 
     # ------------------------------------------------------------------ lifetime

@@ -15,3 +15,4 @@ MAX_EXPERT_ALIGNMENT = 1 << 16
 MAX_BUFFER_BYTES = 1 << 38         # num_nvl_bytes / num_rdma_bytes (256 GiB: more than any GPU holds)
 MAX_TIMEOUT_US = 3_600_000_000     # one hour
 MAX_RING_TOKENS = 1 << 16          # Config's chunk and ring sizes (rows)
+MAX_GROUP_RANKS = 256              # a group's ranks: 32 nodes of 8 (native_internode.py MAX_NODES, NODE_SIZES)
