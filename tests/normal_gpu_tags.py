@@ -9,17 +9,17 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ep_native_cases import setup_device
-from normal_gpu_cases import Shape, _on, assert_broken, make_inputs, new_buffers, run_case
+from normal_gpu_cases import _on, assert_broken, make_inputs, rank_buffers, run_case
 
 TIMEOUT_US = 20_000_000      # a rank left waiting would show as a call that takes this long
 
 
-def _buffers(s: Shape, p: Optional[int]) -> Tuple[Any, Any]:
+def _kw(p: Optional[int]) -> Dict[str, Any]:
+    """new_buffers' arguments: intranode (p None) or virtual nodes of p ranks, the relay on the softnic."""
     kw: Dict[str, Any] = dict(timeout_us=TIMEOUT_US)
     if p is not None:
         kw.update(ranks_per_node=p, transport="emulated-internode")
-    return new_buffers(s, **kw)
+    return kw
 
 
 def _layout(nat: Any, gt: Any, e: int) -> Dict[str, Any]:
@@ -50,15 +50,10 @@ def refusals(shape_args: Tuple[int, int, int, int], p: Optional[int]) -> Dict[st
     the reference's. The last case leaves a combine's refusal for the next call to raise: that call is
     made on every rank (this rank's results of it are dropped) and raises it."""
     import torch
-    import torch.distributed as dist
-    from pyep.ep.normal import Config
-    setup_device()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    bad = world - 1
-    s = Shape(*shape_args)
-    nat, ref = _buffers(s, p)
+    from pyep.ep.normal import Config, PeerRefusedCall
     took: Dict[str, float] = {}
-    try:
+    with rank_buffers(shape_args, **_kw(p)) as (rank, world, s, nat, ref):
+        bad = world - 1
         x, t, w = make_inputs(3, rank, s, "random", world)
         gx, gt, gw = _on("cuda", x, t, w)
         lay = _layout(nat, gt, s.E)
@@ -89,7 +84,6 @@ def refusals(shape_args: Tuple[int, int, int, int], p: Optional[int]) -> Dict[st
             run_case(nat, ref, s, 10 + i, "random", cached=True)
         # Delivered by the next call: the combine's refusal is still pending when the next dispatch
         # starts; that dispatch is made on every rank and then raises it.
-        from pyep.ep.normal import PeerRefusedCall
         if rank == bad:
             try:
                 nat.combine(recv, h, config=Config(8))
@@ -104,10 +98,6 @@ def refusals(shape_args: Tuple[int, int, int, int], p: Optional[int]) -> Dict[st
         except PeerRefusedCall as exc:
             assert rank != bad and exc.peer == bad and "which was made" in "".join(exc.__notes__), str(exc)
         run_case(nat, ref, s, 30, "masked", cached=True)
-    finally:
-        nat.destroy()
-        ref.destroy()
-        torch.cuda.synchronize()
     return took
 
 
@@ -117,14 +107,9 @@ def extra_call(shape_args: Tuple[int, int, int, int], p: Optional[int]) -> float
     at its next call --, well within the timeout; calls are then refused (BufferBroken) until clean(),
     after which they are bit for bit right again."""
     import torch
-    import torch.distributed as dist
     from pyep.ep.normal import NormalCallMismatch
-    setup_device()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    s = Shape(*shape_args)
-    nat, ref = _buffers(s, p)
     start = time.monotonic()
-    try:
+    with rank_buffers(shape_args, **_kw(p)) as (rank, world, s, nat, ref):
         x, t, w = make_inputs(4, rank, s, "random", world)
         gx, gt, gw = _on("cuda", x, t, w)
         lay = _layout(nat, gt, s.E)
@@ -143,10 +128,6 @@ def extra_call(shape_args: Tuple[int, int, int, int], p: Optional[int]) -> float
         assert_broken(nat, gt, s.E, rank)
         nat.clean()
         run_case(nat, ref, s, 40, "random", cached=True)
-    finally:
-        nat.destroy()
-        ref.destroy()
-        torch.cuda.synchronize()
     return took
 
 
@@ -157,11 +138,7 @@ def moved_counter(shape_args: Tuple[int, int, int, int]) -> float:
     import torch
     import torch.distributed as dist
     from pyep.ep.normal import NormalCallMismatch
-    setup_device()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    s = Shape(*shape_args)
-    nat, ref = _buffers(s, None)
-    try:
+    with rank_buffers(shape_args, **_kw(None)) as (rank, world, s, nat, ref):
         x, t, w = make_inputs(5, rank, s, "random", world)
         gx, gt, gw = _on("cuda", x, t, w)
         lay = _layout(nat, gt, s.E)
@@ -180,10 +157,6 @@ def moved_counter(shape_args: Tuple[int, int, int, int]) -> float:
         assert took < TIMEOUT_US / 1e6 / 4, f"rank {rank}: took {took:.1f} s"
         nat.clean()
         run_case(nat, ref, s, 50, "hot", cached=True)
-    finally:
-        nat.destroy()
-        ref.destroy()
-        torch.cuda.synchronize()
     return took
 
 
@@ -193,14 +166,9 @@ def layout_values(shape_args: Tuple[int, int, int, int], p: Optional[int]) -> Li
     and it raises LayoutMismatch at the event wait; its peers' calls are unaffected; later calls are
     bit for bit right."""
     import torch
-    import torch.distributed as dist
     from pyep.ep.normal import LayoutMismatch
-    setup_device()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    s = Shape(*shape_args)
-    nat, ref = _buffers(s, p)
     seen: List[str] = []
-    try:
+    with rank_buffers(shape_args, **_kw(p)) as (rank, world, s, nat, ref):
         x, t, w = make_inputs(6, rank, s, "random", world)
         gx, gt, gw = _on("cuda", x, t, w)
         good = _layout(nat, gt, s.E)
@@ -225,8 +193,4 @@ def layout_values(shape_args: Tuple[int, int, int, int], p: Optional[int]) -> Li
                 assert rank == world - 1 and name in str(exc), f"rank {rank}: {exc}"
                 seen.append(name)
             run_case(nat, ref, s, 60 + i, "random")
-    finally:
-        nat.destroy()
-        ref.destroy()
-        torch.cuda.synchronize()
     return seen

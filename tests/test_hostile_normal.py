@@ -21,7 +21,7 @@ from pyep.ep.normal import (Config, InvalidExpertIndex, LayoutMismatch, NormalBu
                             PeerRefusedCall, WorstTokensExceeded)
 from pyep.ep.normal import tags
 from pyep.ep.normal.device_records import TAG_RECORD_INTS, DeviceRecords
-from test_normal_call_tags import E, H, K, _inputs, good_round
+from test_normal_call_tags import E, H, _inputs, good_round
 
 BIG = 2 ** 62
 
