@@ -235,11 +235,12 @@ class NormalNativeBackend:
         self._n.notify(self._static, a, raw_current_stream(self.device))
 
     def refuse(self, kind: int, reason: str) -> Optional[Exception]:
-        """This call's gate with a REFUSED tag (the peers raise PeerRefusedCall for it). Not inside a CUDA
-        graph capture: nothing runs there, and a gate captured into the graph would replay as a refusal;
-        the capture fails with this rank's error anyway."""
+        """This call's gate with a REFUSED tag (the peers raise PeerRefusedCall for it). get_dispatch_layout
+        exchanges nothing here (no gate to refuse). Not inside a CUDA graph capture: nothing runs there,
+        and a gate captured into the graph would replay as a refusal; the capture fails with this rank's
+        error anyway."""
         import torch
-        if self._broken or torch.cuda.is_current_stream_capturing():
+        if kind == tags.KIND_LAYOUT or self._broken or torch.cuda.is_current_stream_capturing():
             return None
         self.gate(kind, [], status=tags.STATUS_REFUSED, reason=reason)
         return None
