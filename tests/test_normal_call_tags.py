@@ -253,3 +253,87 @@ def test_device_call_words(tmp_path: Any) -> None:
                    check=True, capture_output=True, timeout=120)
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30)
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- the native backends' host side (no GPU)
+def _native_refusals(monkeypatch: pytest.MonkeyPatch, capturing: bool) -> Tuple[List[Any], Any, Any]:
+    """An intranode and an internode native backend made without a GPU, their gates recorded."""
+    from types import SimpleNamespace
+
+    from pyep.ep.normal import native, native_internode
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(native_internode, "stream_capturing", lambda: capturing)
+    launched: List[Any] = []
+    intra = native.NormalNativeBackend.__new__(native.NormalNativeBackend)
+    intra._broken = False
+    intra.gate = lambda kind, sig, **kw: launched.append(("node", kind, kw["status"], kw["reason"]))
+    inter = native_internode.NormalInternodeBackend.__new__(native_internode.NormalInternodeBackend)
+    inter._broken = False
+    inter.node = intra
+    inter.relay = SimpleNamespace(gate=lambda kind, **kw: launched.append(("column", kind, kw["status"])))
+    return launched, intra, inter
+
+
+def test_native_refusal_launches_the_calls_gates_in_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused call launches REFUSED gates where the call has gates, in the order the call's own run
+    (a dispatch: the column's count exchange, then the node; a combine: the node, then the column), and
+    none for get_dispatch_layout, which exchanges nothing natively (a gate would pair with the peers'
+    next call)."""
+    launched, intra, inter = _native_refusals(monkeypatch, capturing=False)
+    for backend in (intra, inter):
+        assert backend.refuse(tags.KIND_LAYOUT, "ValueError: e") is None
+    assert launched == []
+    intra.refuse(tags.KIND_COMBINE, "TypeError: x")
+    assert launched == [("node", tags.KIND_COMBINE, tags.STATUS_REFUSED, "TypeError: x")]
+    launched.clear()
+    inter.refuse(tags.KIND_CACHED, "ValueError: h")
+    assert [(w, k) for w, k, *_ in launched] == [("column", tags.KIND_CACHED), ("node", tags.KIND_CACHED)]
+    launched.clear()
+    inter.refuse(tags.KIND_COMBINE, "ValueError: c")
+    assert [(w, k) for w, k, *_ in launched] == [("node", tags.KIND_COMBINE), ("column", tags.KIND_COMBINE)]
+    launched.clear()
+    intra._broken = inter._broken = True        # a broken buffer exchanges nothing
+    intra.refuse(tags.KIND_DISPATCH, "x")
+    inter.refuse(tags.KIND_DISPATCH, "x")
+    assert launched == []
+
+
+def test_native_refusal_inside_a_capture_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    launched, intra, inter = _native_refusals(monkeypatch, capturing=True)
+    intra.refuse(tags.KIND_DISPATCH, "x")
+    inter.refuse(tags.KIND_COMBINE, "x")
+    assert launched == []
+
+
+def test_native_pending_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pending_error: a void call is returned (the value error noted on it); a call mismatch or a timeout
+    breaks the buffer and raises, and then every call raises BufferBroken."""
+    from pyep.ep.normal import BufferBroken, PeerTimeout, native
+    from pyep.ep.normal.device_records import TAG_RECORD_INTS, DeviceRecords
+    b = native.NormalNativeBackend.__new__(native.NormalNativeBackend)
+    b._broken = False
+    err = torch.zeros(8, dtype=torch.int32)
+    rec = torch.zeros(TAG_RECORD_INTS, dtype=torch.int32)
+    b.records = DeviceRecords(err, rec, lambda: None, 0, 2, 1000)
+    assert b.pending_error() is None
+
+    def void(kind: int, status: int, count: int) -> None:
+        words = tags.encode(tags.CallTag(0, 4, tags.KIND_COMBINE, status, origin=1, reason="ValueError: v"))
+        rec[16:] = torch.tensor(words, dtype=torch.int64).to(torch.int32)
+        rec[1:7] = torch.tensor([count - 1 if kind == 1 else count, kind, 1, 4, 0, tags.KIND_COMBINE])
+        rec[0] = count
+    void(1, tags.STATUS_REFUSED, 1)
+    err[:4] = torch.tensor([6, 3, 1, 1])                       # is_token_in_rank contradicted topk_idx
+    got = b.pending_error()
+    assert isinstance(got, PeerRefusedCall) and got.peer == 1 and "is_token_in_rank" in "".join(got.__notes__)
+    assert b.pending_error() is None and not b._broken
+    void(2, tags.STATUS_NOTICE, 2)
+    with pytest.raises(NormalCallMismatch):
+        b.pending_error()
+    with pytest.raises(BufferBroken):
+        b.pending_error()
+    b._broken = False
+    err[:4] = torch.tensor([3, 1, 0, -1])                      # a peer timed out
+    with pytest.raises(PeerTimeout):
+        b.check_errors()
+    assert b._broken
