@@ -387,6 +387,7 @@ def case_silent_peer(path: str) -> str:
     for m in live:
         assert w.errors(m)[:3] == [ERR_PEER_TIMEOUT, 2, PHASE_COUNTS], f"rank {m}: {w.errors(m)}"
         assert hc[m][0] == -w.tickets, f"rank {m}: the host word must say 'read the error record': {hc[m]}"
+        assert w.record(m) is None, f"rank {m}: a silent peer is a timeout, not a refusal or mismatch"
         w.err[m].zero_()
         w.ws[m][CLAIM_WORD] = 0
         # The failed count exchange made the call void (its relay would idle): this case tests the

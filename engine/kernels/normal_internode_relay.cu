@@ -71,7 +71,7 @@ struct CountsShared {
     uint32_t seq, epoch;
     int status, origin;
     int got[kMaxNodes];
-    int state[kMaxNodes];               // GateState, or -1: no answer (timeout, failed post)
+    int state[kMaxNodes];               // GateState, or -1: no answer (timeout, failed post, own node)
     uint32_t peer_call[kMaxNodes];
     uint64_t record[kMaxNodes];
     int fail, is_void;
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
         atomicExch(&sh.fail, 1);
     if (m < M) {
         sh.got[m] = 0;
-        sh.state[m] = kGateArrived;
+        sh.state[m] = -1;   // no answer read (this node, or a failed post: the call is void anyway)
     }
     __syncthreads();
     if (m < M && m != s.node && !sh.fail) {
