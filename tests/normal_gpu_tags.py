@@ -194,3 +194,49 @@ def layout_values(shape_args: Tuple[int, int, int, int], p: Optional[int]) -> Li
                 seen.append(name)
             run_case(nat, ref, s, 60 + i, "random")
     return seen
+
+
+def void_handle(shape_args: Tuple[int, int, int, int], p: Optional[int]) -> str:
+    """The last rank refuses a num_worst_tokens dispatch: its peers' dispatch is void, yet returns (the
+    host does not wait), with a handle. A combine with that handle is void on every rank too: the peers
+    raise the "handle of a void dispatch" error, the last rank (combining with an older handle)
+    PeerRefusedCall; nothing hangs and the next calls are right. Returns the error this rank saw."""
+    import torch
+    from pyep.ep.normal import NormalModeError, PeerRefusedCall
+    with rank_buffers(shape_args, **_kw(p)) as (rank, world, s, nat, ref):
+        bad = world - 1
+        x, t, w = make_inputs(7, rank, s, "random", world)
+        gx, gt, gw = _on("cuda", x, t, w)
+        lay = _layout(nat, gt, s.E)
+        recv, _, rw, _, h, _ = nat.dispatch(gx, topk_idx=gt, topk_weights=gw, **lay)
+        torch.cuda.synchronize()
+        if rank == bad:
+            try:
+                nat.dispatch(gx, topk_idx=gt, topk_weights=gw, num_worst_tokens=s.N * world, expert_alignment=2 ** 62,
+                             **lay)
+                raise AssertionError("bad alignment accepted")
+            except ValueError:
+                pass
+            out = nat.combine(recv, h, topk_weights=rw, async_finish=True)
+        else:
+            got = nat.dispatch(gx, topk_idx=gt, topk_weights=gw, num_worst_tokens=s.N * world, async_finish=True,
+                               **lay)
+            try:
+                got[-1].wait()
+                raise AssertionError(f"rank {rank}: the void dispatch raised nothing")
+            except PeerRefusedCall:
+                pass
+            out = nat.combine(got[0], got[4], topk_weights=got[2], async_finish=True)
+        start = time.monotonic()
+        try:
+            out[-1].wait()
+            raise AssertionError(f"rank {rank}: a combine with a void dispatch's handle raised nothing")
+        except PeerRefusedCall as exc:
+            assert rank == bad, f"rank {rank}: {exc}"
+            seen = "PeerRefusedCall"
+        except NormalModeError as exc:
+            assert rank != bad and "which was void" in str(exc), f"rank {rank}: {exc}"
+            seen = "void handle"
+        assert time.monotonic() - start < TIMEOUT_US / 1e6 / 4
+        run_case(nat, ref, s, 70, "random", cached=True)
+    return seen

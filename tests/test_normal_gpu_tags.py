@@ -53,3 +53,12 @@ def test_layout_values_that_contradict_topk_idx(pools, world, p):
     res = pools[world].run(layout_values, SHAPE, p, timeout_s=560)
     want = ["num_tokens_per_expert", "is_token_in_rank", "num_tokens_per_rank"] + (["num_tokens_per_rdma_rank"] if p else [])
     assert res[-1] == want and all(r == [] for r in res[:-1]), res
+
+
+@requires_gpus
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world,p", LAYOUTS, ids=IDS)
+def test_call_with_a_void_dispatchs_handle_is_void(pools, world, p):
+    from normal_gpu_tags import void_handle
+    res = pools[world].run(void_handle, SHAPE, p, timeout_s=560)
+    assert res == ["void handle"] * (world - 1) + ["PeerRefusedCall"], res

@@ -106,10 +106,10 @@ class RelayWorld:
         return int(self.ws[m][SEQ_WORD]) & 0xFFFFFFFF
 
     def counts(self, send: List[List[int]], ranks: Optional[List[int]] = None, refused: Optional[List[int]] = None,
-               upstream: Optional[dict] = None):
+               upstream: Optional[dict] = None, void_handle: Optional[List[int]] = None):
         """One count exchange; send[m][d] rows from m to d; `refused` ranks refuse the call, `upstream`
-        maps a rank to the (void, origin) of an earlier gate of its call. Returns (recv_counts, host
-        words) per rank."""
+        maps a rank to the (void, origin) of an earlier gate of its call, `void_handle` ranks pass the
+        handle of a void dispatch. Returns (recv_counts, host words) per rank."""
         import torch
         ranks = list(range(self.M)) if ranks is None else ranks
         self.tickets += 1
@@ -117,11 +117,13 @@ class RelayWorld:
         rc = {m: torch.full((self.M + 1,), -7, dtype=torch.int32) for m in ranks}
         hc = {m: torch.zeros(2 + 2 * self.M, dtype=torch.int32) for m in ranks}
         up = {m: torch.tensor([0, 0, 0, v, 0, o, 0, 0], dtype=torch.int32) for m, (v, o) in (upstream or {}).items()}
+        hv = {m: torch.tensor([3, -1], dtype=torch.int32) for m in (void_handle or [])}   # normal_tags.h kHandleVoid
         self.sim.counts([self.statics[m] for m in ranks],
                         [dict(host_ticket=self.tickets, send_counts=sc[m].data_ptr(), recv_counts=rc[m].data_ptr(),
                               host_counts=hc[m].data_ptr(), kind=KIND_COMBINE, origin=m,
                               status=STATUS_REFUSED if m in (refused or []) else STATUS_OK,
-                              upstream=up[m].data_ptr() if m in up else 0) for m in ranks])
+                              upstream=up[m].data_ptr() if m in up else 0,
+                              handle_tag=hv[m].data_ptr() if m in hv else 0) for m in ranks])
         return {m: rc[m].tolist() for m in ranks}, {m: hc[m].tolist() for m in ranks}
 
     def void(self, m: int) -> tuple:
@@ -250,6 +252,12 @@ def case_counts_refused(path: str, M: int) -> str:
         err = w.record(2)
         assert isinstance(err, PeerRefusedCall) and (err.peer, err.via) == (0, 1), err
         assert w.void(1) == (1, 0) and w.void(2) == (1, 0), (w.void(1), w.void(2))
+    # A rank whose handle is of a void dispatch refuses the cached dispatch on the device.
+    w.counts([[2] * M for _ in range(M)], void_handle=[M - 1])
+    for m in range(M - 1):
+        err = w.record(m)
+        assert isinstance(err, PeerRefusedCall) and err.peer == M - 1, (m, err)
+    assert w.void(M - 1) == (1, M - 1)
     check_counts(w, 3, seed=4)
     check_relay(w, rows, w.relay(rows, 32, 4, 3), "after the void calls")
     assert not w.nic.errors(), w.nic.errors()

@@ -236,8 +236,9 @@ void register_relay(py::module_& m) {
     n.def(
         "counts",
         [](const RelayStatic& s, int host_ticket, uint64_t send_counts, uint64_t recv_counts, uint64_t host_counts,
-           uint64_t stream, int kind, int status, int origin, uint64_t upstream) {
+           uint64_t stream, int kind, int status, int origin, uint64_t upstream, uint64_t handle_tag) {
             RelayCountsArgs a;
+            a.handle_tag = handle_tag;
             a.host_ticket = host_ticket;
             a.send_counts = send_counts;
             a.recv_counts = recv_counts;
@@ -250,6 +251,7 @@ void register_relay(py::module_& m) {
         },
         py::arg("static"), py::arg("host_ticket"), py::arg("send_counts"), py::arg("recv_counts"), py::arg("host_counts"),
         py::arg("stream"), py::arg("kind"), py::arg("status"), py::arg("origin"), py::arg("upstream"),
+        py::arg("handle_tag") = 0,
         "exchange this call's row counts with the column peers, the column's call gate (RDMA writes of "
         "normal_tags.h relay_count_record: the device's call number, generation, status, rows)");
     n.def(

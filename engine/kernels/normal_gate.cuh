@@ -40,6 +40,12 @@ __device__ __forceinline__ void gate_begin(const NormalStatic& s, const NotifyAr
     g.hsig[0] = h ? h[0] : 0;
     g.hsig[1] = h ? h[1] : 0;
     g.is_void = 0;
+    if (h && g.hsig[1] == kHandleVoid && g.status == kTagOk) {
+        // The handle is of a void dispatch: this call is refused here, and the host is told why (every
+        // rank's handle of that dispatch is void, so every rank refuses and none records a peer's).
+        g.status = kTagRefused;
+        record_error(s, kErrVoidHandle, g.hsig[0], 0, 0);
+    }
 }
 
 // Word i of this rank's tag (tags.py encode).

@@ -73,6 +73,8 @@ struct RelayCountsArgs {
     // in this call (the node's) whose void it passes on (kTagProxy), or 0. kind names the call in records.
     int kind = kKindDispatch, status = kTagOk, origin = 0;
     uint64_t upstream = 0;
+    uint64_t handle_tag = 0;      // device int32[2] of the handle a cached dispatch uses, or 0: a handle of
+                                  // a void dispatch (normal_tags.h kHandleVoid) makes the call void here too
 };
 
 struct RelayArgs {

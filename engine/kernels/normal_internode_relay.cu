@@ -111,6 +111,8 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
             sh.status = kTagProxy;
             sh.origin = up[kWsOrigin];   // -1: the upstream gate found ranks at different calls
         }
+        const int* h = reinterpret_cast<const int*>(a.handle_tag);
+        if (sh.status == kTagOk && h && h[1] == kHandleVoid) sh.status = kTagRefused;   // the node gate records why
         sh.fail = 0;
     }
     __syncthreads();

@@ -38,6 +38,7 @@ enum NormalError : int {
     kErrExpertCount = 7,   // a = expert, b = num_tokens_per_expert's value, c = entries naming it (-1: unknown)
     kErrRankCount = 8,     // a = rank, b = num_tokens_per_rank's value, c = rows is_token_in_rank gives
     kErrNodeCount = 9,     // a = node, b = num_tokens_per_rdma_rank's value, c = tokens is_token_in_rank gives
+    kErrVoidHandle = 10,   // a = the call number of the void dispatch whose handle this call used
 };
 enum Phase : int { kPhaseNotify = 0, kPhaseDispatch = 1, kPhaseCombine = 2 };
 

@@ -150,9 +150,9 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
     if (threadIdx.x == 0) gate_decide(s, a, g);
     __syncthreads();
     const bool aborted = g.is_void;
-    if (threadIdx.x == 0 && a.tag_out && !aborted) {
+    if (threadIdx.x == 0 && a.tag_out) {
         reinterpret_cast<int*>(a.tag_out)[0] = (int)g.seq;
-        reinterpret_cast<int*>(a.tag_out)[1] = (int)g.epoch;
+        reinterpret_cast<int*>(a.tag_out)[1] = aborted ? kHandleVoid : (int)g.epoch;
     }
     if (a.gate_only) return;
     const int* slots = words(reinterpret_cast<uint8_t*>(s.buf), s.off_notify) + parity * R * NI;

@@ -23,8 +23,11 @@ enum TagKind : int { kKindLayout = 1, kKindDispatch = 2, kKindCached = 3, kKindC
 // call refused (origin names it); NOTICE: written into a peer that is at another call.
 enum TagStatus : int { kTagOk = 0, kTagRefused = 1, kTagProxy = 2, kTagNotice = 3 };
 // Signature words 6 and 7 are the handle's dispatch (call number, generation) for a cached dispatch
-// or a combine, read on the device (a CUDA graph replays the handle of its own dispatch).
+// or a combine, read on the device (a CUDA graph replays the handle of its own dispatch). A void
+// dispatch marks its handle with generation kHandleVoid: a call that uses it is void too (on every rank:
+// every rank's dispatch was void), by a refusal made on the device.
 constexpr int kTagSigHandle = 6;
+constexpr int kHandleVoid = -1;
 
 // ---- the device words of a buffer (NormalStatic::workspace / RelayStatic::workspace) -----------------
 constexpr int kWsRows = 0;     // rows this rank receives (latest notify)

@@ -47,6 +47,7 @@ RelayCountsArgs counts_from(const py::dict& d) {
     set(d, "host_ticket", a.host_ticket); set(d, "send_counts", a.send_counts);
     set(d, "recv_counts", a.recv_counts); set(d, "host_counts", a.host_counts);
     set(d, "kind", a.kind); set(d, "status", a.status); set(d, "origin", a.origin); set(d, "upstream", a.upstream);
+    if (d.contains("handle_tag")) set(d, "handle_tag", a.handle_tag);
     return a;
 }
 

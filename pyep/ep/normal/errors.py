@@ -20,6 +20,7 @@ ERR_IN_RANK = 6          # a = token row, b = rank, c = what is_token_in_rank sa
 ERR_EXPERT_COUNT = 7     # a = expert, b = num_tokens_per_expert's value, c = entries of topk_idx naming it
 ERR_RANK_COUNT = 8       # a = rank, b = num_tokens_per_rank's value, c = tokens is_token_in_rank selects
 ERR_NODE_COUNT = 9       # a = node, b = num_tokens_per_rdma_rank's value, c = tokens is_token_in_rank selects
+ERR_VOID_HANDLE = 10     # a = the call number of the void dispatch whose handle the call used
 PHASES = ("notify", "dispatch", "combine")
 
 
@@ -139,6 +140,10 @@ def error_from_record(words: Sequence[int], num_experts: int, timeout_us: int) -
         return rank_count_mismatch(a, b, c)
     if code == ERR_NODE_COUNT:
         return node_count_mismatch(a, b, c)
+    if code == ERR_VOID_HANDLE:
+        return NormalModeError(f"this call used the handle of dispatch #{a & 0xFFFFFFFF}, which was void (a rank "
+                               f"refused it or the ranks were at different calls): the call was void on every rank "
+                               f"too; dispatch again for a new handle")
     if code == ERR_BAD_HANDLE:
         return NormalModeError(f"the handle does not describe this call: channel {a} promised {b} rows, "
                                f"the tokens gave {c}; pass the handle of a dispatch with the same tokens")

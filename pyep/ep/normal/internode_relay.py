@@ -229,13 +229,15 @@ class Relay:
         return self.wait_counts(ticket)[0]
 
     def counts_async(self, ticket: int, send_counts: "torch.Tensor", recv: "torch.Tensor", host: bool, *,
-                     kind: int = tags.KIND_DISPATCH, status: int = tags.STATUS_OK, upstream: int = 0) -> None:
+                     kind: int = tags.KIND_DISPATCH, status: int = tags.STATUS_OK, upstream: int = 0,
+                     handle_tag: Any = None) -> None:
         """Launch the count exchange, which is also the column's call gate (normal_internode_relay.cu):
         recv (int32 [M + 1] on the device) gets the rows from every node and their sum (zeros in a void
         call); with host=True the pinned words too, labelled `ticket` (wait_counts reads them). status
         REFUSED: this rank refused the call; upstream: the workspace of an earlier gate of this call
-        whose void the records pass on. The call number is the device's, so without host this launch
-        is graph-capturable."""
+        whose void the records pass on; handle_tag: the handle a cached dispatch uses (one of a void
+        dispatch makes this call void). The call number is the device's, so without host this launch is
+        graph-capturable."""
         if host:
             if stream_capturing():
                 raise ValueError("relay counts for the host cannot be captured in a CUDA graph (the host would "
@@ -243,13 +245,14 @@ class Relay:
             self._host[0] = 0
         self._r.counts(self.static, ticket if host else 0, send_counts.data_ptr(), recv.data_ptr(),
                        self._host.data_ptr() if host else 0, raw_current_stream(self.device), kind, status, self.rank,
-                       upstream)
+                       upstream, handle_tag.data_ptr() if handle_tag is not None else 0)
         self._settle()
 
-    def gate(self, kind: int, *, status: int = tags.STATUS_OK, upstream: int = 0) -> None:
+    def gate(self, kind: int, *, status: int = tags.STATUS_OK, upstream: int = 0, handle_tag: Any = None) -> None:
         """The column's call gate alone: a count exchange of nothing (a cached dispatch, a combine, or a
         call refused on the host)."""
-        self.counts_async(0, self._gate_send, self._gate_recv, False, kind=kind, status=status, upstream=upstream)
+        self.counts_async(0, self._gate_send, self._gate_recv, False, kind=kind, status=status, upstream=upstream,
+                          handle_tag=handle_tag)
 
     def wait_counts(self, ticket: int) -> "tuple[List[int], List[int]]":
         """(rows from every node, this rank's send_counts) of counts_async(ticket, host=True): a bounded

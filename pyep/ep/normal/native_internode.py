@@ -383,7 +383,7 @@ class NormalInternodeBackend:
         n, h = call.x.shape
         fp8 = call.x_scales is not None
         cfg = call.config
-        self.relay.gate(tags.KIND_CACHED)
+        self.relay.gate(tags.KIND_CACHED, handle_tag=hd.tag)
         rr = self._r.relay_row(h, fp8, 0, p, False)
         fwd = torch.empty((st.forward_rows, rr["bytes"]), dtype=torch.uint8, device=dev)
         send = torch.empty((st.send_rows, rr["bytes"]), dtype=torch.uint8, device=dev)
