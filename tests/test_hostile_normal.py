@@ -21,6 +21,7 @@ from pyep.ep.normal import (Config, InvalidExpertIndex, LayoutMismatch, NormalBu
                             PeerRefusedCall, WorstTokensExceeded)
 from pyep.ep.normal import tags
 from pyep.ep.normal.device_records import TAG_RECORD_INTS, DeviceRecords
+from pyep.ep.normal.layout import check_rings
 from test_normal_call_tags import E, H, _inputs, good_round
 
 BIG = 2 ** 62
@@ -46,6 +47,12 @@ LOCAL: List[Tuple[str, type, str, Callable[[], Any], Callable[[], None]]] = [
     ("config-chunk-float", TypeError, "send_tokens", lambda: Config(24, 6.0), lambda: Config(24, 6).num_channels()),
     ("config-hint-bytes-2**62", ValueError, "hidden_bytes", lambda: Config().get_nvl_buffer_size_hint(BIG, 8),
      lambda: Config().get_nvl_buffer_size_hint(2 * 7168, 8)),
+    # The native buffer refuses a config its rings do not fit before anything is launched (check_call).
+    ("native-rings-exceed-buffer", ValueError, "rings of this config need",
+     lambda: check_rings(Config(24, 6, 4096), 8, 7168, NormalBuffer.size_hint(7168, 8)),
+     lambda: check_rings(Config(24, 6, 256), 8, 7168, NormalBuffer.size_hint(7168, 8))),
+    ("native-ring-below-32-rows", ValueError, "at least 32", lambda: check_rings(Config(24, 6, 16), 2, 128, 1 << 30),
+     lambda: check_rings(Config(24, 6, 32), 2, 128, 1 << 30)),
 ]
 
 

@@ -17,6 +17,8 @@ ring size and row size may change from one call to the next.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from .limits import MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_TOPK
 from .tags import TAG_INTS
 
@@ -63,3 +65,18 @@ def buffer_bytes(num_ranks: int, num_channels: int, ring_tokens: int, hidden: in
                  num_topk: int = MAX_TOPK) -> int:
     """Bytes a buffer needs for calls of this shape."""
     return ring_offset(num_ranks) + ring_bytes(num_ranks, num_channels, ring_tokens, slot_bytes(hidden, num_topk))
+
+
+MIN_RING_TOKENS = 32   # normal_launch.h kScanWindow: a dispatch sender routes 32 tokens per ballot
+
+
+def check_rings(config: Any, num_ranks: int, hidden: int, capacity: int) -> None:
+    """ValueError unless the rings of `config` (a Config) fit `capacity` bytes of a native buffer."""
+    q, c_n = config.num_max_nvl_chunked_recv_tokens, config.num_channels()
+    need = ring_bytes(num_ranks, c_n, q, slot_bytes(hidden))
+    if need > capacity:
+        raise ValueError(f"the rings of this config need {need} bytes ({c_n} channels x {num_ranks} ranks x {q} rows), "
+                         f"the buffer holds {capacity}: construct it with num_nvl_bytes >= NormalBuffer.size_hint(...) "
+                         f"or use a smaller config")
+    if q < MIN_RING_TOKENS:
+        raise ValueError(f"num_max_nvl_chunked_recv_tokens={q}: the native rings hold at least {MIN_RING_TOKENS} rows")

@@ -4,9 +4,8 @@ contract.NormalBackend; the buffer layout is pyep.ep.normal.layout, the protocol
 
 Host work per call: one launch binding per kernel, output allocation, and -- for a dispatch that is
 neither cached nor sized by num_worst_tokens -- one bounded wait on a pinned word for the received-row
-count (the only host wait of the mode; DeepEP has the same one). Errors the kernels record (bad expert
-ids, a peer that stopped answering) sit in a pinned record that check_errors() reads without a device
-synchronisation.
+count (the only host wait of the mode; DeepEP has the same one). What the kernels record (errors,
+void calls) sits in pinned records that device_records.py reads without a device synchronisation.
 """
 from __future__ import annotations
 
@@ -210,17 +209,8 @@ class NormalNativeBackend:
     def check_call(self, call: Any) -> None:
         """What the launchers would refuse after the call's gate ran (they stay as a safety net): refused
         here, before anything is launched, so that the refusal reaches the peers as a tag."""
-        cfg = call.config
-        need = cfg.num_channels() * self.num_ranks * cfg.num_max_nvl_chunked_recv_tokens * layout.slot_bytes(self.hidden)
-        have = self._bytes - layout.ring_offset(self.num_ranks, self._extra)
-        if need > have:
-            raise ValueError(f"the rings of this config need {need} bytes ({cfg.num_channels()} channels x "
-                             f"{self.num_ranks} ranks x {cfg.num_max_nvl_chunked_recv_tokens} rows), the buffer holds "
-                             f"{have}: construct it with num_nvl_bytes >= NormalBuffer.size_hint(...) or use a "
-                             f"smaller config")
-        if cfg.num_max_nvl_chunked_recv_tokens < 32:
-            raise ValueError(f"num_max_nvl_chunked_recv_tokens={cfg.num_max_nvl_chunked_recv_tokens}: the native "
-                             f"rings hold at least 32 rows")
+        layout.check_rings(call.config, self.num_ranks, self.hidden, self._bytes - layout.ring_offset(self.num_ranks,
+                                                                                                     self._extra))
 
     def gate(self, kind: int, sig: List[int], *, status: int = tags.STATUS_OK, reason: str = "",
              handle_tag: Any = None, upstream: int = 0) -> None:
