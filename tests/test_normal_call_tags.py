@@ -337,3 +337,22 @@ def test_native_pending_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(PeerTimeout):
         b.check_errors()
     assert b._broken
+
+
+def test_reference_refusal_that_meets_no_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused call whose peers never make it (they must: the refusal takes part in the call): its
+    tag exchange times out; the refusal returns that for the caller's note and the buffer refuses
+    every call until clean() (gloo's exchange is left pending with nothing to pair with)."""
+    from pyep.ep.normal import BufferBroken
+    from pyep.ep.normal.reference import NormalReferenceBackend
+    b = NormalReferenceBackend.__new__(NormalReferenceBackend)
+    b.rank, b.num_ranks, b.epoch, b.calls, b._broken, b.timeout_us = 0, 2, 0, 3, None, 1000
+    b.device = torch.device("cpu")
+
+    def silent(*_: Any) -> Any:
+        raise TimeoutError("normal combine #4 (call tags): ranks [0, 1] did not all take part within 1000 us")
+    monkeypatch.setattr(b, "_exchange_records", silent)
+    got = b.refuse(tags.KIND_COMBINE, "TypeError: x")
+    assert isinstance(got, TimeoutError)
+    with pytest.raises(BufferBroken, match="found no peers"):
+        b.check_errors()

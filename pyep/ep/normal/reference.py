@@ -23,7 +23,7 @@ from ..config import DEFAULT_TIMEOUT_US
 from . import tags
 from .contract import (CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult,
                        combine_order)
-from .errors import (BufferBroken, NormalCallMismatch, PeerRefusedCall, WorstTokensExceeded, node_count_mismatch,
+from .errors import (BufferBroken, NormalCallMismatch, WorstTokensExceeded, node_count_mismatch,
                      rank_count_mismatch)
 from .reference_values import ERR_WORDS, first_bad_entry, layout_contradiction, raise_first
 from .topology import NodeLayout
@@ -115,7 +115,7 @@ class NormalReferenceBackend:
             peers = [tags.decode(table[r].tolist(), what, self.rank, r, self.calls, self.num_ranks)
                      for r in range(self.num_ranks)]
             err = tags.verdict(what, self.rank, mine, peers)
-            if isinstance(err, NormalCallMismatch) and not isinstance(err, PeerRefusedCall):
+            if isinstance(err, NormalCallMismatch):
                 raise err
         except NormalCallMismatch as exc:
             self._broken = f"{exc}; call clean() on every rank"
@@ -137,6 +137,10 @@ class NormalReferenceBackend:
         try:
             self._exchange_tags(kind, (), status=tags.STATUS_REFUSED, reason=reason)
         except (NormalCallMismatch, BufferBroken) as exc:
+            return exc
+        except TimeoutError as exc:
+            # The peers did not make this call at all: gloo's pending exchange pairs with nothing now.
+            self._broken = f"a refused call's tag exchange found no peers ({exc}); call clean() on every rank"
             return exc
         return None
 
