@@ -28,6 +28,18 @@ def _layout(nat: Any, gt: Any, e: int) -> Dict[str, Any]:
                 is_token_in_rank=lay[3])
 
 
+def _dispatched(nat: Any, s: Any, rank: int, world: int, seed: int) -> Tuple[Any, ...]:
+    """A drill's inputs on the GPU, their layout and one eager dispatch: (gx, gt, gw, layout kwargs,
+    recv_x, recv_topk_weights, handle)."""
+    import torch
+    x, t, w = make_inputs(seed, rank, s, "random", world)
+    gx, gt, gw = _on("cuda", x, t, w)
+    lay = _layout(nat, gt, s.E)
+    recv, _, rw, _, h, _ = nat.dispatch(gx, topk_idx=gt, topk_weights=gw, **lay)
+    torch.cuda.synchronize()
+    return gx, gt, gw, lay, recv, rw, h
+
+
 def _expect_refusal(call: Callable[[], Any], deferred: bool, bad: int, rank: int, name: str) -> None:
     """The peer's side: PeerRefusedCall naming `bad`, at the call (a dispatch that waits on the host for
     counts) or at the event wait (every other call: nothing synchronises the host with the device)."""
@@ -54,11 +66,7 @@ def refusals(shape_args: Tuple[int, int, int, int], p: Optional[int]) -> Dict[st
     took: Dict[str, float] = {}
     with rank_buffers(shape_args, **_kw(p)) as (rank, world, s, nat, ref):
         bad = world - 1
-        x, t, w = make_inputs(3, rank, s, "random", world)
-        gx, gt, gw = _on("cuda", x, t, w)
-        lay = _layout(nat, gt, s.E)
-        recv, _, rw, _, h, _ = nat.dispatch(gx, topk_idx=gt, topk_weights=gw, **lay)
-        torch.cuda.synchronize()
+        gx, gt, gw, lay, recv, rw, h = _dispatched(nat, s, rank, world, 3)
         worst = s.N * world
         cases: List[Tuple[str, bool, Callable[[bool], Any]]] = [
             ("dispatch", False, lambda b: nat.dispatch(gx.float() if b else gx, topk_idx=gt, topk_weights=gw, **lay)),
@@ -110,11 +118,7 @@ def extra_call(shape_args: Tuple[int, int, int, int], p: Optional[int]) -> float
     from pyep.ep.normal import NormalCallMismatch
     start = time.monotonic()
     with rank_buffers(shape_args, **_kw(p)) as (rank, world, s, nat, ref):
-        x, t, w = make_inputs(4, rank, s, "random", world)
-        gx, gt, gw = _on("cuda", x, t, w)
-        lay = _layout(nat, gt, s.E)
-        recv, _, rw, _, h, _ = nat.dispatch(gx, topk_idx=gt, topk_weights=gw, **lay)
-        torch.cuda.synchronize()
+        gx, gt, gw, lay, recv, rw, h = _dispatched(nat, s, rank, world, 4)
         if rank == world - 1:
             nat.combine(recv, h, topk_weights=rw)
             torch.cuda.synchronize()
@@ -201,15 +205,10 @@ def void_handle(shape_args: Tuple[int, int, int, int], p: Optional[int]) -> str:
     host does not wait), with a handle. A combine with that handle is void on every rank too: the peers
     raise the "handle of a void dispatch" error, the last rank (combining with an older handle)
     PeerRefusedCall; nothing hangs and the next calls are right. Returns the error this rank saw."""
-    import torch
     from pyep.ep.normal import NormalModeError, PeerRefusedCall
     with rank_buffers(shape_args, **_kw(p)) as (rank, world, s, nat, ref):
         bad = world - 1
-        x, t, w = make_inputs(7, rank, s, "random", world)
-        gx, gt, gw = _on("cuda", x, t, w)
-        lay = _layout(nat, gt, s.E)
-        recv, _, rw, _, h, _ = nat.dispatch(gx, topk_idx=gt, topk_weights=gw, **lay)
-        torch.cuda.synchronize()
+        gx, gt, gw, lay, recv, rw, h = _dispatched(nat, s, rank, world, 7)
         if rank == bad:
             try:
                 nat.dispatch(gx, topk_idx=gt, topk_weights=gw, num_worst_tokens=s.N * world, expert_alignment=2 ** 62,
