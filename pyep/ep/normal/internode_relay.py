@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 from ..config import LinkConfig
 from ..streams import raw_current_stream
 from . import tags
+from .device_records import TAG_RECORD_INTS
 from .errors import ERR_NONE, NormalModeError, PeerTimeout
 from .topology import NodeLayout
 
@@ -141,7 +142,6 @@ class Relay:
         rank = dist.get_rank(group)
         self.rank = rank
         self.nodes = nodes
-        self._tag_record = tag_record   # pinned int32[TAG_RECORD_INTS]: the node buffer's (device_records.py)
         self._epoch = 0
         self.timeout_us = timeout_us
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -161,6 +161,11 @@ class Relay:
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host = torch.zeros(2 + 2 * m_n, dtype=torch.int32, device="cpu", pin_memory=True)
         self._ws = torch.zeros(8, dtype=torch.int32, device=self.device)
+        # Where the column's gate records void calls (device_records.py): the node buffer's, or (a relay
+        # on its own, as the relay's tests use it) one of its own.
+        self.own_record = None if tag_record else torch.zeros(TAG_RECORD_INTS, dtype=torch.int32, device="cpu",
+                                                              pin_memory=True)
+        self._tag_record = tag_record or int(self.own_record.data_ptr())
         # A call gate's counts (nothing to send; what arrives is void): made once, outside any capture.
         self._gate_send = torch.zeros(m_n, dtype=torch.int32, device=self.device)
         self._gate_recv = torch.zeros(m_n + 1, dtype=torch.int32, device=self.device)
