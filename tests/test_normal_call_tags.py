@@ -221,6 +221,8 @@ int main() {
         }
     }
     CHECK(gate_classify(0u, 0u, 7u) == kGateOther, "zeroed flags at call 7 (a peer that cleaned alone)");
+    CHECK(call_is_after(3u, 2u) && call_is_after(2u, 0xffffffffu) && !call_is_after(7u, 9u) && !call_is_after(5u, 5u),
+          "call order across the wrap");
     CHECK(gate_classify(0u, 0u, 1u) == kGateWait && gate_classify(0u, 1u, 2u) == kGateWait, "first calls");
     // The relay's count record: call number, 6 bits of generation, status, 24 bits of rows.
     for (uint32_t s : {1u, 2u, 0x80000001u, 0xffffffffu})

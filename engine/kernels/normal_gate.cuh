@@ -82,10 +82,11 @@ __device__ __forceinline__ void gate_write_tags(const NormalStatic& s, const Not
         gate_slot(s, peer_buf(s, i / kTagInts), parity, s.rank)[i % kTagInts] = gate_tag_word(a, g, i % kTagInts, g.seq, g.status);
 }
 
-// Thread d < R: publish this call's flag in peer d and wait for d's. A peer found at another call gets
+// Thread d < R: publish this call's flag in peer d and wait for d's. A peer found at a later call gets
 // a NOTICE in its slot of its own call's parity, with its call number as the flag, so that its own wait
 // ends and it reports the mismatch too (it could not tell from its flags: to a rank one call ahead, a
-// peer one call behind looks like a slow peer).
+// peer one call behind looks like a slow peer). A peer found behind gets none: it has not posted its
+// next call yet, so its parity is not known, and when it does it finds this rank's later flag itself.
 __device__ __forceinline__ void gate_publish_and_wait(const NormalStatic& s, const NotifyArgs& a, GateShared& g, int d) {
     const int parity = (int)(g.seq & 1u), me = s.rank;
     uint8_t* own = reinterpret_cast<uint8_t*>(s.buf);
@@ -97,7 +98,7 @@ __device__ __forceinline__ void gate_publish_and_wait(const NormalStatic& s, con
     g.peer_call[d] = pc;
     if (st < 0) {
         record_error(s, kErrPeerTimeout, d, kPhaseNotify, -1);
-    } else if (st == kGateOther) {
+    } else if (st == kGateOther && call_is_after(pc, g.seq)) {
         int* slot = gate_slot(s, peer_buf(s, d), (int)(pc & 1u), me);
         for (int i = 0; i < kTagInts; ++i) slot[i] = gate_tag_word(a, g, i, g.seq, kTagNotice);
         __threadfence_system();

@@ -158,7 +158,10 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
         sh.state[m] = st;
         sh.peer_call[m] = pc;
         if (st < 0) atomicExch(&sh.fail, 1);
-        if (st == kGateOther)   // the NIC read outbox[pc & 1][m] of an earlier call before its quiet
+        // Only a peer that is ahead is told (normal_gate.cuh gate_publish_and_wait: a peer behind finds
+        // this rank's later record itself, and its own parity is not known yet). The NIC read
+        // outbox[pc & 1][m] of an earlier call before that call's quiet.
+        if (st == kGateOther && call_is_after(pc, seq))
             post_record(s, m, (int)(pc & 1u), relay_count_record(pc, sh.epoch, kTagNotice, 0));
     }
     __syncthreads();

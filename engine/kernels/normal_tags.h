@@ -80,11 +80,12 @@ PYEP_HD int gate_classify(uint32_t mine, uint32_t other, uint32_t seq) {
     return call_is_back(mine, seq, 2) && call_is_back(other, seq, 1) ? kGateWait : kGateOther;
 }
 
+// Whether call a comes after call b (modulo 2^32, the wrap's skip of 0 included).
+PYEP_HD bool call_is_after(uint32_t a, uint32_t b) { return (int32_t)(a - b) > 0; }
+
 // The peer's call number a rank reports when it finds the peer at another call: the later of its two
-// flags (the one it posted last; modulo 2^32, the wrap's skip of 0 included).
-PYEP_HD uint32_t gate_peer_call(uint32_t mine, uint32_t other) {
-    return (int32_t)(mine - other) > 0 ? mine : other;
-}
+// flags (the one it posted last). Only a peer that is ahead is told (gate_publish_and_wait says why).
+PYEP_HD uint32_t gate_peer_call(uint32_t mine, uint32_t other) { return call_is_after(mine, other) ? mine : other; }
 
 // ---- the relay's count record: one 8-byte word per (sender, receiver) and call ---------------------
 // (seq << 32) | generation (6 bits) << 26 | status (2 bits) << 24 | rows (24 bits); a void record
