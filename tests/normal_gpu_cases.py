@@ -194,13 +194,14 @@ def correctness(shape_args: Tuple[int, int, int, int], cases: str) -> None:
 
 
 @contextmanager
-def rank_buffers(shape_args: Tuple[int, int, int, int]) -> Iterator[Tuple[int, int, Shape, Any, Any]]:
-    """One case's (rank, world, shape, native buffer, reference buffer); both destroyed afterwards."""
+def rank_buffers(shape_args: Tuple[int, int, int, int], **kw: Any) -> Iterator[Tuple[int, int, Shape, Any, Any]]:
+    """One case's (rank, world, shape, native buffer, reference buffer); both destroyed afterwards.
+    kw: new_buffers'."""
     import torch
     import torch.distributed as dist
     setup_device()
     s = Shape(*shape_args)
-    nat, ref = new_buffers(s)
+    nat, ref = new_buffers(s, **kw)
     try:
         yield dist.get_rank(), dist.get_world_size(), s, nat, ref
     finally:

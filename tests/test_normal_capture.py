@@ -2,15 +2,12 @@
 "CUDA graphs"): a dispatch that waits on the host is refused on the intranode path too; on the internode
 path, which calls a capture refuses (NotCapturable, raised before
 anything is launched: no kernel, no ring-depth settling, no relay launch), that the relay never
-synchronises or waits on the host inside a capture, the host's ticket for the count words it waits on,
-and the device call number's helpers in engine/kernels/normal_internode.h (compiled with g++: the
-wrap skips 0 and keeps the parity alternating). The capture itself runs on the GPU:
+synchronises or waits on the host inside a capture, and the host's ticket for the count words it waits on
+(the device call number's helpers: tests/test_normal_call_tags.py). The capture itself runs on the GPU:
 tests/test_normal_internode_native_gpu.py::test_internode_native_cuda_graph."""
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import threading
 from types import SimpleNamespace
 from typing import Any, List
@@ -87,15 +84,14 @@ def test_intranode_dispatch_without_worst_tokens_is_refused(monkeypatch: pytest.
     captured the notify kernel and then timed out waiting on the host for counts (TimeoutError), with
     its call number ahead of its peers'. A cached dispatch or num_worst_tokens passes the gate."""
     b = intranode.NormalNativeBackend.__new__(intranode.NormalNativeBackend)
-    b._notify_seq, b.device, b.num_ranks = 7, torch.device("cpu"), 4
+    b.device, b.num_ranks = torch.device("cpu"), 4
 
     def launch(*_a: Any, **_k: Any) -> None:
         raise Launched()
     b._settle_ring_depth = launch
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(ni.NotCapturable, match="a normal dispatch without num_worst_tokens"):
-        b.dispatch(_dispatch_call(nwt=0))
-    assert b._notify_seq == 7
+        b.dispatch(_dispatch_call(nwt=0))                     # not Launched: nothing ran, no call number moved
     for call in (_dispatch_call(nwt=8), _dispatch_call(nwt=0, cached=True)):
         with pytest.raises(Launched):
             b.dispatch(call)
@@ -156,7 +152,7 @@ def test_layout_is_gated_like_the_calls(capturing: List[bool], monkeypatch: pyte
     with pytest.raises(ni.NotCapturable, match="get_dispatch_layout"):
         b.get_dispatch_layout(topk, 8)
     b.device, b.num_ranks, b.nodes = torch.device("cpu"), 4, SimpleNamespace(num_nodes=2)
-    b.node = SimpleNamespace(note_num_experts=lambda e: None)
+    b.node = SimpleNamespace(records=SimpleNamespace(num_experts=0))
     b._static = None
     b._r = SimpleNamespace(layout=lambda *a: None)
     monkeypatch.setattr(ni, "raw_current_stream", lambda dev: 0)
@@ -187,6 +183,7 @@ def test_zeros_made_inside_a_capture_are_not_cached(capturing: List[bool], monke
 def _fake_relay(drains: bool) -> Any:
     r = relay_mod.Relay.__new__(relay_mod.Relay)
     r._drain = drains
+    r.rank = 0
     r.timeout_us = 1000
     r.nodes = SimpleNamespace(num_nodes=2)
     r._host = torch.zeros(6, dtype=torch.int32)
@@ -248,48 +245,3 @@ def test_host_counts_carry_the_ticket(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tickets_stay_positive_int32() -> None:
     assert relay_mod.next_ticket(0) == 1 and relay_mod.next_ticket(1) == 2
     assert relay_mod.next_ticket(0x7FFFFFFF) == 1 and relay_mod.next_ticket(0x7FFFFFFE) == 0x7FFFFFFF
-
-
-# ---------------------------------------------------------------------- the device call number
-HARNESS = r"""
-#include <cstdio>
-#include "kernels/normal_internode.h"
-using namespace pyep::normal;
-int main() {
-    int bad = 0;
-    // From clean(): 1, 2, 3 ...; parity alternates; 0 never appears, also across the 2^32 wrap.
-    uint32_t starts[] = {0u, 1u, 0x7ffffffeu, 0xfffffff0u};
-    for (uint32_t s0 : starts) {
-        uint32_t prev = s0;
-        for (int i = 0; i < 40; ++i) {
-            const uint32_t s = relay_next_seq(prev);
-            if (s == 0u) { std::printf("zero after %u\n", prev); ++bad; }
-            if ((s & 1u) == (prev & 1u) && prev != 0u) { std::printf("parity repeats %u -> %u\n", prev, s); ++bad; }
-            prev = s;
-        }
-    }
-    if (relay_next_seq(0u) != 1u || relay_next_seq(0xffffffffu) != 2u || relay_next_seq(41u) != 42u) ++bad;
-    // A record names its call; a zeroed slot and the other parity's last call never match.
-    const uint32_t seqs[] = {1u, 2u, 0x80000001u, 0xffffffffu};
-    const int rows[] = {0, 1, 0x7fffffff, 12345};
-    for (uint32_t s : seqs) for (int r : rows) {
-        const uint64_t rec = relay_count_record(s, r);
-        if (!relay_record_is(rec, s) || (int)(uint32_t)rec != r) { std::printf("record %u %d\n", s, r); ++bad; }
-        if (relay_record_is(0ull, s) || relay_record_is(rec, relay_next_seq(s))) { std::printf("match %u\n", s); ++bad; }
-    }
-    std::printf("%s\n", bad ? "FAIL" : "OK");
-    return bad ? 1 : 0;
-}
-"""
-
-
-def test_device_call_number_helpers(tmp_path: Any) -> None:
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is needed to compile engine/kernels/normal_internode.h on the host")
-    src = tmp_path / "seq.cpp"
-    src.write_text(HARNESS)
-    exe = tmp_path / "seq"
-    subprocess.run(["g++", "-std=c++17", "-O1", "-I", os.path.join(ROOT, "engine"), str(src), "-o", str(exe)],
-                   check=True, capture_output=True, timeout=120)
-    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30)
-    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr

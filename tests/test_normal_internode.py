@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from pyep.compat import deep_ep
-from pyep.ep.normal import NormalBuffer, NormalModeError
+from pyep.ep.normal import LayoutMismatch, NormalBuffer
 from pyep.ep.normal.contract import combine_order
 from pyep.ep.normal.topology import NodeLayout, layout_from_nodes
 
@@ -90,9 +90,10 @@ def check_internode_arguments() -> Dict[str, Any]:
     bad = rdma.clone()
     if rank == 3:
         bad[0] += 1
-    with pytest.raises(NormalModeError, match=r"rank 3: num_tokens_per_rdma_rank\[0\]"):
+    with pytest.raises(LayoutMismatch, match=r"num_tokens_per_rdma_rank\[0\]") as claim:
         buf.dispatch(x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=bad, is_token_in_rank=tir,
                      num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
+    assert "in the tensors of rank 3" in "".join(claim.value.__notes__)
     recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=rdma,
                                             is_token_in_rank=tir, num_tokens_per_expert=ntpe, topk_idx=idx,
                                             topk_weights=w)

@@ -4,8 +4,10 @@ process, the column peers' qp.h queue pairs executed by the simulated NIC (tests
 Checked against pure-Python expectations: the count exchange over several calls (both parities, slot
 reuse, the device call counter and its wrap past 0), rows through rings that wrap several times (skewed
 and empty routings, row size and ring depth changing between calls), a peer that never launches
-(PeerTimeout naming it and the phase, no hang), and a mutation (call counters that disagree) that must
-make the count check fail. Each case runs in a worker process with a hard timeout."""
+(PeerTimeout naming it and the phase, no hang), the count exchange as the column's call gate (a rank
+that refuses a call: every peer's call void at once, naming it, no row moved, the next calls correct;
+call counters that disagree: a call mismatch on every rank, not a timeout). Each case runs in a worker
+process with a hard timeout."""
 from __future__ import annotations
 
 import os
@@ -20,7 +22,9 @@ SIM_DIR = os.path.join(ROOT, "tests", "ll_sim")
 
 ERR_PEER_TIMEOUT = 3                       # pyep/ep/normal/errors.py
 PHASE_COUNTS, PHASE_DISPATCH = 3, 4        # pyep/ep/normal/internode_relay.py PHASES
-SEQ_WORD, CLAIM_WORD = 1, 4                # normal_internode.h kRelaySeqWord, the error claim
+SEQ_WORD, EPOCH_WORD, VOID_WORD, CLAIM_WORD, ORIGIN_WORD = 1, 2, 3, 4, 5   # normal_tags.h kWs*
+STATUS_OK, STATUS_REFUSED = 0, 1           # pyep/ep/normal/tags.py
+KIND_COMBINE = 4
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +61,8 @@ class RelayWorld:
         self.bufs = [torch.zeros(self.lay.total_bytes, dtype=torch.uint8) for _ in range(M)]
         self.err = [torch.zeros(8, dtype=torch.int32) for _ in range(M)]
         self.ws = [torch.zeros(8, dtype=torch.int32) for _ in range(M)]
+        from pyep.ep.normal.device_records import TAG_RECORD_INTS
+        self.rec = [torch.zeros(TAG_RECORD_INTS, dtype=torch.int32) for _ in range(M)]
         self.nic = self.sim.SimNic([b.data_ptr() for b in self.bufs], [self.lay.total_bytes] * M, nqp, log_sq)
         self.raddr = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
         self.rkeys = torch.tensor([1000 + m for m in range(M)], dtype=torch.int32)
@@ -67,7 +73,8 @@ class RelayWorld:
             qps=self.nic.contexts(m), num_qps_per_peer=nqp, off_tail=w["tail"], off_head=w["head"],
             off_tx=w["tx"], off_rx=w["rx"], off_count=w["count"], off_outbox=w["outbox"], off_fetch=w["fetch"],
             off_send=self.lay.off_send, off_recv=self.lay.off_recv, ring_bytes=ring_bytes,
-            err=self.err[m].data_ptr(), workspace=self.ws[m].data_ptr(), timeout_ns=timeout_ms * 1_000_000)
+            err=self.err[m].data_ptr(), workspace=self.ws[m].data_ptr(), timeout_ns=timeout_ms * 1_000_000,
+            tag_record=self.rec[m].data_ptr())
             for m in range(M)]
         self.tickets = 0
 
@@ -81,21 +88,53 @@ class RelayWorld:
     def set_seq(self, m: int, value: int) -> None:
         self.ws[m][SEQ_WORD] = value - (1 << 32) if value >= 1 << 31 else value
 
+    def set_history(self, value: int) -> None:
+        """Every rank as if its last two count exchanges were calls prev(value) and value: the call
+        counters and every count slot (the gate reads a peer's position from both parities)."""
+        import torch
+        prev = 0xFFFFFFFF if value == 2 else value - 1
+        w = self.lay.words
+        for m in range(self.M):
+            self.set_seq(m, value)
+            slots = self.bufs[m][4 * w["count"]:4 * w["count"] + 16 * self.M].view(torch.int64)
+            for call in (prev, value):
+                for s_ in range(self.M):
+                    rec = (call << 32) | 1
+                    slots[(call & 1) * self.M + s_] = rec - (1 << 64) if rec >= 1 << 63 else rec
+
     def seq(self, m: int) -> int:
         return int(self.ws[m][SEQ_WORD]) & 0xFFFFFFFF
 
-    def counts(self, send: List[List[int]], ranks: Optional[List[int]] = None):
-        """One count exchange; send[m][d] rows from m to d. Returns (recv_counts, host words) per rank."""
+    def counts(self, send: List[List[int]], ranks: Optional[List[int]] = None, refused: Optional[List[int]] = None,
+               upstream: Optional[dict] = None, void_handle: Optional[List[int]] = None):
+        """One count exchange; send[m][d] rows from m to d; `refused` ranks refuse the call, `upstream`
+        maps a rank to the (void, origin) of an earlier gate of its call, `void_handle` ranks pass the
+        handle of a void dispatch. Returns (recv_counts, host words) per rank."""
         import torch
         ranks = list(range(self.M)) if ranks is None else ranks
         self.tickets += 1
         sc = {m: torch.tensor(send[m], dtype=torch.int32) for m in ranks}
         rc = {m: torch.full((self.M + 1,), -7, dtype=torch.int32) for m in ranks}
         hc = {m: torch.zeros(2 + 2 * self.M, dtype=torch.int32) for m in ranks}
+        up = {m: torch.tensor([0, 0, 0, v, 0, o, 0, 0], dtype=torch.int32) for m, (v, o) in (upstream or {}).items()}
+        hv = {m: torch.tensor([3, -1], dtype=torch.int32) for m in (void_handle or [])}   # normal_tags.h kHandleVoid
         self.sim.counts([self.statics[m] for m in ranks],
                         [dict(host_ticket=self.tickets, send_counts=sc[m].data_ptr(), recv_counts=rc[m].data_ptr(),
-                              host_counts=hc[m].data_ptr()) for m in ranks])
+                              host_counts=hc[m].data_ptr(), kind=KIND_COMBINE, origin=m,
+                              status=STATUS_REFUSED if m in (refused or []) else STATUS_OK,
+                              upstream=up[m].data_ptr() if m in up else 0,
+                              handle_tag=hv[m].data_ptr() if m in hv else 0) for m in ranks])
         return {m: rc[m].tolist() for m in ranks}, {m: hc[m].tolist() for m in ranks}
+
+    def void(self, m: int) -> tuple:
+        """(void flag, origin) the count exchange left in rank m's workspace."""
+        return int(self.ws[m][VOID_WORD]), int(self.ws[m][ORIGIN_WORD])
+
+    def record(self, m: int) -> Any:
+        """Rank m's tag record, decoded as the host does (pyep.ep.normal.device_records)."""
+        from pyep.ep.normal.device_records import DeviceRecords
+        recs = DeviceRecords(self.err[m], self.rec[m], lambda: None, m, self.M, 1000)
+        return recs.take_void()
 
     def relay(self, rows: List[List[Any]], row_bytes: int, Q: int, chunk: int, ranks: Optional[List[int]] = None,
               recv_n: Optional[List[List[int]]] = None, capacity: Optional[List[int]] = None):
@@ -126,19 +165,18 @@ def _world(path: str, M: int, **kw) -> RelayWorld:
     return RelayWorld(path, M, **kw)
 
 
-def check_counts(w: RelayWorld, calls: int, seed: int, start: Optional[List[int]] = None) -> None:
+def check_counts(w: RelayWorld, calls: int, seed: int, start: Optional[int] = None) -> None:
     """`calls` consecutive count exchanges with different per-peer counts: every rank receives exactly
     what each peer sent it, and the device call counter advances by relay_next_seq per launch."""
     import torch
     M = w.M
     g = torch.Generator().manual_seed(seed)
     if start is not None:
-        for m in range(M):
-            w.set_seq(m, start[m])
+        w.set_history(start)
     for k in range(calls):
         before = [w.seq(m) for m in range(M)]
         send = [[int(v) for v in torch.randint(0, 1 << 20, (M,), generator=g)] for _ in range(M)]
-        send[0][M - 1] = 0 if k % 2 else 1 << 24   # an empty and a large count too
+        send[0][M - 1] = 0 if k % 2 else (1 << 24) - 1   # an empty and the largest count too (24 bits)
         rc, hc = w.counts(send)
         for m in range(M):
             assert w.errors(m)[0] == 0, f"call {k}: rank {m} error record {w.errors(m)} (seq {before[m]:#x})"
@@ -155,7 +193,7 @@ def case_counts(path: str, M: int) -> str:
     check_counts(w, 6, seed=M)
     assert [w.seq(m) for m in range(M)] == [6] * M
     # The counter near 0xffffffff: calls 0xfffffffe, 0xffffffff, 2, 3, 4 (parity alternates across the wrap).
-    check_counts(w, 5, seed=10 + M, start=[0xFFFFFFFD] * M)
+    check_counts(w, 5, seed=10 + M, start=0xFFFFFFFD)
     assert [w.seq(m) for m in range(M)] == [4] * M
     assert not w.nic.errors(), w.nic.errors()
     return "ok"
@@ -163,19 +201,68 @@ def case_counts(path: str, M: int) -> str:
 
 def case_counts_mutation(path: str, M: int) -> str:
     """Mutation: rank 0's counter starts one call ahead, so its call numbers never match its peers'
-    records. check_counts must fail, by PeerTimeout in the count phase, within the timeout."""
-    w = _world(path, M, timeout_ms=200)
+    records. The count exchange finds it on every rank -- a call mismatch naming both calls, from the
+    records (rank 0's peers see its record of another call; rank 0 is told by their NOTICE) -- well
+    within the timeout, with no PeerTimeout, and the call is void (no counts)."""
+    from pyep.ep.normal.errors import NormalCallMismatch
+    w = _world(path, M, timeout_ms=20_000)
+    w.set_history(7)
+    w.set_seq(0, 8)
     t0 = time.monotonic()
-    try:
-        check_counts(w, 5, seed=3, start=[8] + [7] * (M - 1))
-    except AssertionError as e:
-        took = time.monotonic() - t0
-        assert "error record" in str(e), str(e)
-        assert took < 10.0, f"the mismatch took {took:.1f} s to report"
-        code, peer, phase, _ = w.errors(0)
-        assert code == ERR_PEER_TIMEOUT and phase == PHASE_COUNTS and 1 <= peer < M, w.errors(0)
-        return "ok"
-    raise AssertionError("check_counts passed with call counters that disagree: the check cannot fail")
+    rc, hc = w.counts([[5] * M for _ in range(M)])
+    took = time.monotonic() - t0
+    assert took < 10.0, f"the mismatch took {took:.1f} s to report (the timeout is 20 s)"
+    for m in range(M):
+        assert w.errors(m)[0] == 0, f"rank {m}: {w.errors(m)} (a mismatch is not a timeout)"
+        assert w.void(m) == (1, -1) and rc[m] == [0] * (M + 1) and hc[m][0] == -w.tickets, (m, w.void(m), rc[m])
+        err = w.record(m)
+        assert type(err) is NormalCallMismatch, (m, err)
+        # Rank 0 names the peer's last record it saw: 8, or 7 if it looked before the peer posted 8.
+        mine, theirs = (9, (8, 7)) if m == 0 else (8, (9,))
+        assert f"at call {mine}" in str(err) and any(f"sent call {c} " in str(err) for c in theirs), (m, str(err))
+    return "ok"
+
+
+def case_counts_refused(path: str, M: int) -> str:
+    """Rank 0 refuses a call (on its host): every other rank's count exchange ends at once with the call
+    void, its record naming rank 0; a relay of the same call moves nothing on any rank and leaves every
+    counter as it was; the next calls are correct. With M = 3, rank 1 passes on a refusal that an earlier
+    gate of its call saw (upstream: rank 0 refused in rank 1's node): rank 2 names rank 0, passed on by
+    rank 1."""
+    import torch
+    from pyep.ep.normal.errors import PeerRefusedCall
+    w = _world(path, M, timeout_ms=20_000)
+    g = torch.Generator().manual_seed(M)
+    t0 = time.monotonic()
+    rc, _ = w.counts([[3] * M for _ in range(M)], refused=[0])
+    assert time.monotonic() - t0 < 10.0
+    for m in range(M):
+        assert w.void(m) == (1, 0) and rc[m] == [0] * (M + 1), (m, w.void(m), rc[m])
+        err = w.record(m)
+        if m == 0:
+            assert err is None, f"the refusing rank records nothing (it raises its own error): {err}"
+        else:
+            assert isinstance(err, PeerRefusedCall) and err.peer == 0 and err.via is None, (m, err)
+    rows = [[_rows(g, 0 if d == s_ else 6, 32, 16 * s_ + d) for d in range(M)] for s_ in range(M)]
+    dsts = w.relay(rows, 32, 4, 3)
+    for d in range(M):
+        assert bool((dsts[d][0] == 0xEE).all()), f"rank {d} received rows in a void call"
+    _settled_counters(w, [[0] * M for _ in range(M)], "void call")
+    if M == 3:
+        w.counts([[1] * M for _ in range(M)], upstream={1: (1, 0)})
+        err = w.record(2)
+        assert isinstance(err, PeerRefusedCall) and (err.peer, err.via) == (0, 1), err
+        assert w.void(1) == (1, 0) and w.void(2) == (1, 0), (w.void(1), w.void(2))
+    # A rank whose handle is of a void dispatch refuses the cached dispatch on the device.
+    w.counts([[2] * M for _ in range(M)], void_handle=[M - 1])
+    for m in range(M - 1):
+        err = w.record(m)
+        assert isinstance(err, PeerRefusedCall) and err.peer == M - 1, (m, err)
+    assert w.void(M - 1) == (1, M - 1)
+    check_counts(w, 3, seed=4)
+    check_relay(w, rows, w.relay(rows, 32, 4, 3), "after the void calls")
+    assert not w.nic.errors(), w.nic.errors()
+    return "ok"
 
 
 def _rows(g: Any, n: int, row_bytes: int, tag: int) -> Any:
@@ -309,8 +396,12 @@ def case_silent_peer(path: str) -> str:
     for m in live:
         assert w.errors(m)[:3] == [ERR_PEER_TIMEOUT, 2, PHASE_COUNTS], f"rank {m}: {w.errors(m)}"
         assert hc[m][0] == -w.tickets, f"rank {m}: the host word must say 'read the error record': {hc[m]}"
+        assert w.record(m) is None, f"rank {m}: a silent peer is a timeout, not a refusal or mismatch"
         w.err[m].zero_()
         w.ws[m][CLAIM_WORD] = 0
+        # The failed count exchange made the call void (its relay would idle): this case tests the
+        # relay's own timeout, as in a call whose counts a host supplied.
+        w.ws[m][VOID_WORD] = 0
     g = torch.Generator().manual_seed(7)
     n = [[0, 11, 20], [13, 0, 20], [20, 20, 0]]
     rows = [[_rows(g, n[s][d], 32, 16 * s + d) for d in range(M)] for s in range(M)]
@@ -348,6 +439,12 @@ def test_relay_silent_peer(sim_pool):
 def test_relay_counts_mutation_fails(sim_pool, M):
     pool, path = sim_pool
     assert pool.run(case_counts_mutation, path, M, timeout_s=120) == ["ok"]
+
+
+@pytest.mark.parametrize("M", [2, 3])
+def test_relay_counts_refused_call(sim_pool, M):
+    pool, path = sim_pool
+    assert pool.run(case_counts_refused, path, M, timeout_s=120) == ["ok"]
 
 
 def test_relay_rows_mutation_fails(sim_pool):

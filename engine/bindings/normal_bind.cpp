@@ -3,6 +3,11 @@
 // the raw current stream), so the launches stay CUDA-graph capturable.
 #if defined(PYEP_WITH_CUDA)
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
 
 #include "bindings/registry.h"
 #include "kernels/normal_launch.h"
@@ -33,7 +38,10 @@ void register_normal(py::module_& m) {
         .def_readwrite("err", &NormalStatic::err)
         .def_readwrite("host_counts", &NormalStatic::host_counts)
         .def_readwrite("workspace", &NormalStatic::workspace)
-        .def_readwrite("timeout_ns", &NormalStatic::timeout_ns);
+        .def_readwrite("timeout_ns", &NormalStatic::timeout_ns)
+        .def_readwrite("tag_record", &NormalStatic::tag_record)
+        .def_readwrite("global_base", &NormalStatic::global_base)
+        .def_readwrite("layout_scratch", &NormalStatic::layout_scratch);
     n.attr("MAX_CHANNELS") = kMaxChannels;
     n.attr("MAX_RANKS") = kMaxRanks;
     n.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
@@ -59,33 +67,53 @@ void register_normal(py::module_& m) {
         },
         "get_dispatch_layout's kernel");
 
-    n.def(
-        "notify",
-        [](const NormalStatic& s, uint64_t topk, int num_topk, uint64_t per_expert, uint64_t in_rank, int num_tokens,
-           int num_experts,
-           int num_channels, int expert_alignment, int num_worst_tokens, uint64_t rank_prefix,
-           uint64_t channel_prefix, uint64_t recv_channel_prefix, uint64_t send_head, uint64_t extra,
-           uint64_t extra_out, int extra_ints, uint64_t stream) {
-            NotifyArgs a;
-            a.topk = topk;
-            a.num_topk = num_topk;
-            a.num_tokens_per_expert = per_expert;
-            a.is_token_in_rank = in_rank;
-            a.num_tokens = num_tokens;
-            a.num_experts = num_experts;
-            a.num_channels = num_channels;
-            a.expert_alignment = expert_alignment;
-            a.num_worst_tokens = num_worst_tokens;
-            a.rank_prefix_matrix = rank_prefix;
-            a.channel_prefix_matrix = channel_prefix;
-            a.recv_channel_prefix_matrix = recv_channel_prefix;
-            a.send_head = send_head;
-            a.extra = extra;
-            a.extra_out = extra_out;
-            a.extra_ints = extra_ints;
-            launch_notify(s, a, stream);
-        },
-        "Routing per channel and the count exchange of a (non-cached) dispatch");
+    // The notify kernel's arguments (routing, counts and the call tag; gate_only: the tag alone).
+    py::class_<NotifyArgs>(n, "NotifyArgs")
+        .def(py::init<>())
+        .def_readwrite("topk", &NotifyArgs::topk)
+        .def_readwrite("num_topk", &NotifyArgs::num_topk)
+        .def_readwrite("num_tokens_per_rank", &NotifyArgs::num_tokens_per_rank)
+        .def_readwrite("num_tokens_per_expert", &NotifyArgs::num_tokens_per_expert)
+        .def_readwrite("is_token_in_rank", &NotifyArgs::is_token_in_rank)
+        .def_readwrite("num_tokens", &NotifyArgs::num_tokens)
+        .def_readwrite("num_experts", &NotifyArgs::num_experts)
+        .def_readwrite("num_channels", &NotifyArgs::num_channels)
+        .def_readwrite("expert_alignment", &NotifyArgs::expert_alignment)
+        .def_readwrite("num_worst_tokens", &NotifyArgs::num_worst_tokens)
+        .def_readwrite("rank_prefix_matrix", &NotifyArgs::rank_prefix_matrix)
+        .def_readwrite("channel_prefix_matrix", &NotifyArgs::channel_prefix_matrix)
+        .def_readwrite("recv_channel_prefix_matrix", &NotifyArgs::recv_channel_prefix_matrix)
+        .def_readwrite("send_head", &NotifyArgs::send_head)
+        .def_readwrite("extra", &NotifyArgs::extra)
+        .def_readwrite("extra_out", &NotifyArgs::extra_out)
+        .def_readwrite("extra_ints", &NotifyArgs::extra_ints)
+        .def_readwrite("gate_only", &NotifyArgs::gate_only)
+        .def_readwrite("kind", &NotifyArgs::kind)
+        .def_readwrite("status", &NotifyArgs::status)
+        .def_readwrite("handle_tag", &NotifyArgs::handle_tag)
+        .def_readwrite("tag_out", &NotifyArgs::tag_out)
+        .def_readwrite("upstream", &NotifyArgs::upstream)
+        .def_readwrite("check_layout", &NotifyArgs::check_layout)
+        .def_property(
+            "sig", [](const NotifyArgs& a) { return std::vector<int>(a.sig, a.sig + kTagSigHandle); },
+            [](NotifyArgs& a, const std::vector<int>& v) {
+                if (v.size() > (size_t)kTagSigHandle) throw py::value_error("sig holds at most 6 words");
+                for (int i = 0; i < kTagSigHandle; ++i) a.sig[i] = i < (int)v.size() ? v[i] : 0;
+            })
+        .def_property(
+            "reason", [](const NotifyArgs& a) { return py::bytes(a.reason, a.reason_len); },
+            [](NotifyArgs& a, const py::bytes& b) {
+                const std::string v = b;
+                if (v.size() > (size_t)kTagReasonBytes) throw py::value_error("reason holds at most 128 bytes");
+                std::fill(a.reason, a.reason + kTagReasonBytes, 0);
+                std::copy(v.begin(), v.end(), a.reason);
+                a.reason_len = (int)v.size();
+            });
+    n.attr("TAG_RECORD_INTS") = kTagRecordInts;
+    n.attr("LAYOUT_SCRATCH_INTS") = kMaxRanks * kMaxLocalExperts;
+    n.def("notify", &launch_notify, py::arg("static"), py::arg("args"), py::arg("stream"),
+          "Routing per channel, the count exchange and the call gate of a (non-cached) dispatch; with "
+          "args.gate_only the call gate alone");
 
     n.def(
         "dispatch",

@@ -59,8 +59,14 @@ void register_staged(py::module_& n) {
         "route",
         [](const InterStatic& s, uint64_t topk, int num_topk, int num_experts, uint64_t in_rank, int num_tokens,
            int num_channels, uint64_t send_head, uint64_t channel_prefix, uint64_t node_head, uint64_t node_counts,
-           uint64_t meta, uint64_t meta_own, int meta_ints, uint64_t stream) {
+           uint64_t meta, uint64_t meta_own, int meta_ints, uint64_t stream, uint64_t per_rank, uint64_t per_node,
+           uint64_t per_expert, uint64_t layout_scratch, int check_layout) {
             InterRouteArgs a;
+            a.per_rank = per_rank;
+            a.per_node = per_node;
+            a.per_expert = per_expert;
+            a.layout_scratch = layout_scratch;
+            a.check_layout = check_layout;
             a.topk = topk;
             a.num_topk = num_topk;
             a.num_experts = num_experts;
@@ -76,7 +82,8 @@ void register_staged(py::module_& n) {
             a.meta_ints = meta_ints;
             launch_inter_route(s, a, stream);
         },
-        "send_head, channel prefix, node streams and the count record of a staged dispatch");
+        "send_head, channel prefix, node streams and the count record of a staged dispatch; the caller's layout "
+        "tensors checked against is_token_in_rank and topk_idx");
     n.def(
         "offsets",
         [](const InterStatic& s, uint64_t node_counts, uint64_t recv_counts, uint64_t f_offsets, uint64_t s_offsets,
@@ -218,7 +225,8 @@ void register_relay(py::module_& m) {
         .def_readwrite("ring_bytes", &RelayStatic::ring_bytes)
         .def_readwrite("err", &RelayStatic::err)
         .def_readwrite("workspace", &RelayStatic::workspace)
-        .def_readwrite("timeout_ns", &RelayStatic::timeout_ns);
+        .def_readwrite("timeout_ns", &RelayStatic::timeout_ns)
+        .def_readwrite("tag_record", &RelayStatic::tag_record);
     n.attr("MAX_NODES") = kMaxNodes;
     n.attr("QP_CONTEXT_SIZE") = sizeof(pyep::gda::Qp);
     n.attr("PHASE_COUNTS") = (int)kPhaseRdmaCounts;
@@ -228,16 +236,24 @@ void register_relay(py::module_& m) {
     n.def(
         "counts",
         [](const RelayStatic& s, int host_ticket, uint64_t send_counts, uint64_t recv_counts, uint64_t host_counts,
-           uint64_t stream) {
+           uint64_t stream, int kind, int status, int origin, uint64_t upstream, uint64_t handle_tag) {
             RelayCountsArgs a;
+            a.handle_tag = handle_tag;
             a.host_ticket = host_ticket;
             a.send_counts = send_counts;
             a.recv_counts = recv_counts;
             a.host_counts = host_counts;
+            a.kind = kind;
+            a.status = status;
+            a.origin = origin;
+            a.upstream = upstream;
             launch_relay_counts(s, a, stream);
         },
-        "exchange this call's row counts with the column peers (RDMA writes of (seq, rows) records; seq is the "
-        "device's call counter, workspace word RELAY_SEQ_WORD)");
+        py::arg("static"), py::arg("host_ticket"), py::arg("send_counts"), py::arg("recv_counts"), py::arg("host_counts"),
+        py::arg("stream"), py::arg("kind"), py::arg("status"), py::arg("origin"), py::arg("upstream"),
+        py::arg("handle_tag") = 0,
+        "exchange this call's row counts with the column peers, the column's call gate (RDMA writes of "
+        "normal_tags.h relay_count_record: the device's call number, generation, status, rows)");
     n.def(
         "relay",
         [](const RelayStatic& s, int phase, uint64_t src, uint64_t send_offsets, uint64_t dst, uint64_t recv_offsets,

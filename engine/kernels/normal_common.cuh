@@ -93,6 +93,55 @@ __device__ __forceinline__ void record_error(const NormalStatic& s, int code, in
     record_error_words(s.err, s.workspace, code, a, b, c);
 }
 
+// ---- call tags (normal_tags.h) -----------------------------------------------------------------------
+// A void call's record for the host (a seqlock, last void wins; one gate at a time per buffer, so one
+// writer): the details, then the count. `peer_tag` may be null (the peer's tag was not read: its flags
+// or its relay record decided); then the fields a tag would hold are given as (peer_call, status,
+// origin) and the reason stays empty.
+__device__ __forceinline__ void record_void(uint64_t record, int kind, int peer, uint32_t seq, uint32_t epoch,
+                                            int my_kind, uint32_t peer_call, const int* peer_tag, int peer_status,
+                                            int peer_origin) {
+    volatile int* r = reinterpret_cast<volatile int*>(record);
+    r[kRecKind] = kind;
+    r[kRecPeer] = peer;
+    r[kRecCall] = (int)seq;
+    r[kRecEpoch] = (int)epoch;
+    r[kRecMyKind] = my_kind;
+    r[kRecPeerCall] = (int)peer_call;
+    for (int i = 0; i < kTagInts; ++i) r[kRecTag + i] = peer_tag ? ld_volatile(peer_tag + i) : 0;
+    if (!peer_tag) {   // a tag of the fields known (tags.py decode accepts it)
+        r[kRecTag + 0] = kTagMagic;
+        r[kRecTag + 1] = (int)epoch;
+        r[kRecTag + 2] = (int)peer_call;
+        r[kRecTag + 3] = my_kind;
+        r[kRecTag + 4] = peer_status;
+        r[kRecTag + 5] = peer_origin;
+    }
+    if (kind == kRecMismatch) r[kRecMismatches] = r[kRecMismatches] + 1;
+    __threadfence_system();
+    r[kRecVoids] = r[kRecVoids] + 1;
+}
+
+// A gate's wait for one peer's flags (its call numbers by parity, written by the peer into this rank's
+// buffer): kGateArrived, kGateOther (the peer is at another call: *peer_call says which), or -1 after
+// timeout_ns. `other` is read before `mine` (normal_tags.h gate_classify says why).
+__device__ __forceinline__ int gate_wait(const int* mine, const int* other, uint32_t seq, uint64_t timeout_ns,
+                                         uint32_t* peer_call) {
+    uint64_t start = 0;
+    for (;;) {
+        const uint32_t o = (uint32_t)ld_acquire_sys(other);
+        const uint32_t m = (uint32_t)ld_acquire_sys(mine);
+        const int st = gate_classify(m, o, seq);
+        if (st != kGateWait) {
+            *peer_call = st == kGateArrived ? seq : gate_peer_call(m, o);
+            return st;
+        }
+        if (!start) start = gda::now_ns();
+        else if (gda::now_ns() - start > timeout_ns) return -1;
+        LL_SPIN_HINT();
+    }
+}
+
 // Channel c's tokens [t0, t1) towards peer d, one warp: send_head[t][d] = the token's position in the
 // stream (c, -> d) or -1, one ballot per 32 tokens. Returns the stream's row count.
 __device__ __forceinline__ int route_to_peer(const bool* in_rank, int* send_head, int R, int d, int t0, int t1,
@@ -115,6 +164,15 @@ __device__ __forceinline__ void check_topk_ids(const int64_t* topk, int K, int E
     for (int i = t0 * K + lane; i < t1 * K; i += 32) {
         const int64_t v = topk[i];
         if (v < -1 || v >= E) bad(i / K, i % K, (int)v);
+    }
+}
+
+// f(v) for each of token t's top-k ids in [0, E): ids outside count as -1 (check_topk_ids reports them).
+template <typename F>
+__device__ __forceinline__ void for_valid_ids(const int64_t* topk, int64_t t, int K, int E, F f) {
+    for (int k = 0; k < K; ++k) {
+        const int64_t v = topk[t * K + k];
+        if (v >= 0 && v < E) f(v);
     }
 }
 

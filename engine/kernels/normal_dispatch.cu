@@ -246,6 +246,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch(NormalStatic s, 
             }
         }
     }
+    // A void call (normal_gate.cuh: a rank refused it, or the ranks are at different calls) moves no
+    // row and leaves every counter as it was, on every rank alike.
+    if (reinterpret_cast<const int*>(s.workspace)[kWsVoid]) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = s.num_ranks;
     const DispatchRow row(a.hidden, a.fp8, a.num_topk);
     if (sender) {

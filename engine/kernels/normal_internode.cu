@@ -79,9 +79,26 @@ __global__ void __launch_bounds__(kInterThreads) inter_route_kernel(InterStatic 
         const int pos = route_to_peer(in_rank, send_head, R, d, t0, t1, lane);
         if (lane == 0) reinterpret_cast<int*>(a.channel_prefix)[d * a.num_channels + c] = pos;
     }
-    if (warp == 0 && a.topk)
-        check_topk_ids(reinterpret_cast<const int64_t*>(a.topk), a.num_topk, a.num_experts, t0, t1, lane,
-                       [&](int row, int k, int v) { inter_error(s, kErrExpertId, row, k, v); });
+    if (!a.topk) return;
+    const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk);
+    const int E = a.num_experts, K = a.num_topk, El = E / R;
+    if (warp == 0)
+        check_topk_ids(topk, K, E, t0, t1, lane, [&](int row, int k, int v) { inter_error(s, kErrExpertId, row, k, v); });
+    if (!a.check_layout) return;
+    // The caller's is_token_in_rank against topk_idx (a thread per token), and topk_idx's entries per
+    // expert for inter_meta to compare with num_tokens_per_expert (normal_route_kernel does the same).
+    for (int t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
+        uint32_t ranks[kMaxNodes * kMaxRanks / 32] = {};
+        for_valid_ids(topk, t, K, E, [&](int64_t v) {
+            const int r = (int)(v / El);
+            ranks[r / 32] |= 1u << (r % 32);
+            atomicAdd(reinterpret_cast<int*>(a.layout_scratch) + v, 1);
+        });
+        for (int r = 0; r < R; ++r) {
+            const bool said = in_rank[(int64_t)t * R + r], wants = (ranks[r / 32] >> (r % 32)) & 1u;
+            if (said != wants) inter_error(s, kErrInRank, t, r, said ? 1 : 0);
+        }
+    }
 }
 
 // One block after inter_route: the inclusive channel prefix and rows per rank (threads d < R), and
@@ -98,6 +115,14 @@ __global__ void __launch_bounds__(kMetaThreads) inter_meta_kernel(InterStatic s,
             cpm[d * C + c] = acc;
         }
         meta_own[1 + d] = acc;
+        const int* claimed = reinterpret_cast<const int*>(a.per_rank);
+        if (claimed && claimed[d] != acc) inter_error(s, kErrRankCount, d, claimed[d], acc);
+    }
+    const int* per_expert = reinterpret_cast<const int*>(a.per_expert);
+    const int* counted = reinterpret_cast<const int*>(a.layout_scratch);
+    for (int e = threadIdx.x; per_expert && e < a.num_experts; e += blockDim.x) {
+        if (per_expert[e] < 0) inter_error(s, kErrExpertCount, e, per_expert[e], -1);
+        else if (a.check_layout && per_expert[e] != counted[e]) inter_error(s, kErrExpertCount, e, per_expert[e], counted[e]);
     }
     if (threadIdx.x == 0) meta_own[0] = a.num_tokens;
     for (int i = 1 + R + threadIdx.x; i < a.meta_ints; i += blockDim.x) meta_own[i] = 0;
@@ -114,6 +139,8 @@ __global__ void __launch_bounds__(kMetaThreads) inter_meta_kernel(InterStatic s,
             pos += __popc(mask);
         }
         if (lane == 0) reinterpret_cast<int*>(a.node_counts)[m] = pos;
+        const int* claimed = reinterpret_cast<const int*>(a.per_node);
+        if (lane == 0 && claimed && claimed[m] != pos) inter_error(s, kErrNodeCount, m, claimed[m], pos);
     }
     __syncthreads();
     int* meta = reinterpret_cast<int*>(a.meta);
@@ -281,7 +308,9 @@ void launch_inter_route(const InterStatic& s, const InterRouteArgs& a, uint64_t 
     check_inter(s);
     if (a.num_channels < 1 || a.num_channels > kMaxChannels) throw std::invalid_argument("num_channels must be in [1, 64]");
     if (a.meta_ints < 1 + s.num_ranks) throw std::invalid_argument("meta_ints must be >= 1 + num_ranks");
+    if (a.check_layout && (!a.topk || !a.layout_scratch)) throw std::invalid_argument("check_layout needs topk and a scratch");
     auto st = reinterpret_cast<cudaStream_t>(stream);
+    if (a.check_layout) check(cudaMemsetAsync(reinterpret_cast<void*>(a.layout_scratch), 0, 4ull * a.num_experts, st), "memset");
     inter_route_kernel<<<a.num_channels, kInterThreads, 0, st>>>(s, a);
     check(cudaGetLastError(), "inter_route launch");
     inter_meta_kernel<<<1, kMetaThreads, 0, st>>>(s, a);

@@ -7,6 +7,7 @@
 
 #include <stdint.h>
 
+#include "kernels/normal_tags.h"
 #include "mlx5gda/portable.h"
 
 namespace pyep {
@@ -43,27 +44,21 @@ struct RelayStatic {
     uint64_t off_send = 0, off_recv = 0;   // bytes: staging rings [M] and receive rings [M]
     uint64_t ring_bytes = 0;      // bytes of one ring (send and receive rings alike)
     uint64_t err = 0;             // pinned int32[8]: the error record (normal_common.cuh record_error)
-    uint64_t workspace = 0;       // device int32[8]: [1] call number of the last count exchange
-                                  // (kRelaySeqWord), [4] error claim; zeroed by clean() only
+    uint64_t workspace = 0;       // device int32[8]: the kWs* words of normal_tags.h (call number of the
+                                  // last count exchange, generation, void flag and origin, error claim);
+                                  // zeroed by clean() only
     uint64_t timeout_ns = 0;
+    uint64_t tag_record = 0;      // pinned int32[kTagRecordInts]: the node buffer's (one record per rank)
 };
 
 // ---- the count exchange's call number ----------------------------------------------------------------
-// The call number lives in device memory and the counts kernel advances it, so a CUDA graph that
-// captured a count exchange is a new call at every replay (the launch arguments are replayed as
-// captured); every column peer makes the same calls in the same order, so the numbers agree without
-// being exchanged. It starts at 0 after clean() (the count slots are zeroed then too).
-constexpr int kRelaySeqWord = 1;
-
-// The number after `prev`: +1, skipping 0 (a zeroed count slot must never look like a record) by going
-// from 0xffffffff to 2, which keeps the parity alternating (the slots are chosen by parity).
-PYEP_HD uint32_t relay_next_seq(uint32_t prev) {
-    const uint32_t s = prev + 1u;
-    return s == 0u ? 2u : s;
-}
-// The 8-byte record (seq << 32) | rows a rank RDMA-writes into count[seq & 1][its node] of a peer.
-PYEP_HD uint64_t relay_count_record(uint32_t seq, int rows) { return ((uint64_t)seq << 32) | (uint32_t)rows; }
-PYEP_HD bool relay_record_is(uint64_t record, uint32_t seq) { return (uint32_t)(record >> 32) == seq; }
+// The call number lives in device memory and the counts kernel advances it (normal_tags.h next_call), so
+// a CUDA graph that captured a count exchange is a new call at every replay (the launch arguments are
+// replayed as captured); every column peer makes the same calls in the same order, and the records
+// carry the number (and 6 bits of the generation, and the call's status: normal_tags.h
+// relay_count_record) so that a peer at another call is found, not waited for. It starts at 0 after
+// clean() (the count slots are zeroed then too).
+constexpr int kRelaySeqWord = kWsSeq;
 
 struct RelayCountsArgs {
     int host_ticket = 0;          // with host_counts: the host's label of this call (> 0), written back
@@ -71,8 +66,15 @@ struct RelayCountsArgs {
     uint64_t send_counts = 0;     // device int32[M]: rows for node m (this node's entry ignored)
     uint64_t recv_counts = 0;     // out device int32[M + 1]: rows from node m; [M] = sum
     uint64_t host_counts = 0;     // pinned int32[2 + 2M]: [+-host_ticket when ready (negative: read the
-                                  // error record), total, rows from node m [M], send_counts [M] (this
-                                  // node's entry too)], or 0
+                                  // error and tag records), total, rows from node m [M], send_counts [M]
+                                  // (this node's entry too)], or 0
+    // The column's call gate (normal_gate.cuh does the same inside a node): this rank's status for the
+    // call (a refusal on its host: kTagRefused), its global rank, and the workspace of a gate earlier
+    // in this call (the node's) whose void it passes on (kTagProxy), or 0. kind names the call in records.
+    int kind = kKindDispatch, status = kTagOk, origin = 0;
+    uint64_t upstream = 0;
+    uint64_t handle_tag = 0;      // device int32[2] of the handle a cached dispatch uses, or 0: a handle of
+                                  // a void dispatch (normal_tags.h kHandleVoid) makes the call void here too
 };
 
 struct RelayArgs {
@@ -131,6 +133,11 @@ struct InterRouteArgs {
     uint64_t meta = 0;            // out int32 [M][meta_ints]: [N, rows for rank d [R]] in every row
     uint64_t meta_own = 0;        // out int32 [meta_ints]: the same record (this node's row of the gather)
     int meta_ints = 0;
+    // The caller's layout tensors, values to check against is_token_in_rank and topk_idx (the errors
+    // go to the node's record): int32 [R], [M], [E] or 0; check_layout: count topk_idx's entries per
+    // expert into layout_scratch (int32 [E], zeroed by the launcher) and compare.
+    uint64_t per_rank = 0, per_node = 0, per_expert = 0, layout_scratch = 0;
+    int check_layout = 0;
 };
 
 struct InterOffsetsArgs {

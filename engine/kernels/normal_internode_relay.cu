@@ -61,69 +61,144 @@ __device__ void qp_failed(const RelayStatic& s, gda::Qp* qp, int m, int st, int 
 // ---- counts: one 8-byte record per (sender, receiver) and call, by call parity ----------------------
 // A rank cannot post the record of call k+2 before every column peer posted k+1, which a peer does
 // only after its call k read our record k: two slots per peer suffice (the intranode notify's argument).
-// The call number is the device's (kRelaySeqWord, advanced here), not a launch argument: a CUDA graph
-// replays its captured arguments, and every replay must still be a new call.
+// The call number is the device's (kWsSeq, advanced here), not a launch argument: a CUDA graph replays
+// its captured arguments, and every replay must still be a new call. The exchange is also the column's
+// call gate (normal_gate.cuh does the same inside a node): a record carries the generation and the
+// call's status; a peer at another call is found from its records of both parities and told so (a
+// NOTICE record in its slot of its own call's parity); a void call (a peer refused it, or passed on a
+// refusal) moves no rows: kWsVoid makes relay_kernel idle on every rank of the column alike.
 struct CountsShared {
-    uint32_t seq;
+    uint32_t seq, epoch;
+    int status, origin;
     int got[kMaxNodes];
-    int fail;
+    int state[kMaxNodes];               // GateState, or -1: no answer (timeout, failed post, own node)
+    uint32_t peer_call[kMaxNodes];
+    uint64_t record[kMaxNodes];
+    int fail, is_void;
 };
+
+// Thread m: one 8-byte RDMA write of `record` into count[par][this node] of node m's column peer, from
+// outbox[par][m] (read by the NIC; quiet before the slot is reused), then quiet.
+__device__ int post_record(const RelayStatic& s, int m, int par, uint64_t record) {
+    const int M = s.num_nodes;
+    uint64_t* out = reinterpret_cast<uint64_t*>(rbuf(s) + 4ull * s.off_outbox) + par * M + m;
+    *out = record;
+    __threadfence_system();   // the NIC reads the record over PCIe
+    gda::Qp* qp = relay_qp(s, m, 0);
+    const uint64_t dst = raddr(s, m) + 4ull * s.off_count + 8ull * (par * M + s.node);
+    int st = gda::post_rdma_write(qp, reinterpret_cast<uint64_t>(out), s.lkey, dst, rkey(s, m), 8, false, s.timeout_ns);
+    // quiet: the record was placed (or an error CQE names why not: a bad rkey, a peer that is gone)
+    // before this rank waits for the peer's record, so a broken QP is reported at this call.
+    if (st == gda::kOk) st = gda::quiet(qp, s.timeout_ns);
+    if (st != gda::kOk) qp_failed(s, qp, m, st, kPhaseRdmaCounts);
+    return st;
+}
+
 __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCountsArgs a) {
     const int m = threadIdx.x;
     const int M = s.num_nodes;
     CountsShared& sh = block_shared<CountsShared>();
-    uint32_t& seq_sh = sh.seq;
-    int* got = sh.got;
-    int& fail = sh.fail;
+    int* ws = reinterpret_cast<int*>(s.workspace);
     if (m == 0) {
         // One block, one launch at a time on the buffer's stream order: a plain read-modify-write.
-        int* ctr = reinterpret_cast<int*>(s.workspace) + kRelaySeqWord;
-        seq_sh = relay_next_seq((uint32_t)*ctr);
-        *ctr = (int)seq_sh;
-        fail = 0;
-    }
-    __syncthreads();
-    const uint32_t seq = seq_sh;
-    const int par = (int)(seq & 1u);
-    if (m < M && m != s.node) {
-        uint64_t* out = reinterpret_cast<uint64_t*>(rbuf(s) + 4ull * s.off_outbox) + par * M + m;
-        *out = relay_count_record(seq, reinterpret_cast<const int*>(a.send_counts)[m]);
-        __threadfence_system();   // the NIC reads the record over PCIe
-        gda::Qp* qp = relay_qp(s, m, 0);
-        const uint64_t dst = raddr(s, m) + 4ull * s.off_count + 8ull * (par * M + s.node);
-        int st = gda::post_rdma_write(qp, reinterpret_cast<uint64_t>(out), s.lkey, dst, rkey(s, m), 8, false,
-                                      s.timeout_ns);
-        // quiet: the record was placed (or an error CQE names why not: a bad rkey, a peer that is gone)
-        // before this rank waits for the peer's record, so a broken QP is reported at this call.
-        if (st == gda::kOk) st = gda::quiet(qp, s.timeout_ns);
-        if (st != gda::kOk) {
-            qp_failed(s, qp, m, st, kPhaseRdmaCounts);
-            atomicExch(&fail, 1);
+        sh.seq = next_call((uint32_t)ws[kWsSeq]);
+        ws[kWsSeq] = (int)sh.seq;
+        sh.epoch = (uint32_t)ws[kWsEpoch];
+        sh.status = a.status;
+        sh.origin = a.origin;
+        const int* up = reinterpret_cast<const int*>(a.upstream);
+        if (sh.status == kTagOk && up && up[kWsVoid]) {
+            sh.status = kTagProxy;
+            sh.origin = up[kWsOrigin];   // -1: the upstream gate found ranks at different calls
         }
+        const int* h = reinterpret_cast<const int*>(a.handle_tag);
+        if (sh.status == kTagOk && h && h[1] == kHandleVoid) sh.status = kTagRefused;   // the node gate records why
+        sh.fail = 0;
     }
-    if (m < M) got[m] = 0;
     __syncthreads();
-    if (m < M && m != s.node && !fail) {
-        const volatile uint64_t* slot = reinterpret_cast<const uint64_t*>(rbuf(s) + 4ull * s.off_count) + par * M + m;
+    const uint32_t seq = sh.seq;
+    const int par = (int)(seq & 1u);
+    // A void record carries the refusing rank where a live one carries rows (all ones: a call mismatch).
+    const uint32_t payload = (uint32_t)(sh.status == kTagOk ? reinterpret_cast<const int*>(a.send_counts)[m < M ? m : 0]
+                                                            : (sh.origin < 0 ? (int)kRecordMaxRows : sh.origin));
+    if (m < M && m != s.node && post_record(s, m, par, relay_count_record(seq, sh.epoch, sh.status, payload)) != gda::kOk)
+        atomicExch(&sh.fail, 1);
+    if (m < M) {
+        sh.got[m] = 0;
+        sh.state[m] = -1;   // no answer read (this node, or a failed post: the call is void anyway)
+    }
+    __syncthreads();
+    if (m < M && m != s.node && !sh.fail) {
+        const volatile uint64_t* slots = reinterpret_cast<const uint64_t*>(rbuf(s) + 4ull * s.off_count);
         const uint64_t start = gda::now_ns();
-        uint64_t v;
-        while (!relay_record_is(v = *slot, seq)) {
+        uint32_t pc = 0;
+        int st;
+        for (;;) {   // other parity first (normal_tags.h gate_classify)
+            const uint32_t o = record_seq(slots[(par ^ 1) * M + m]);
+            const uint64_t v = slots[par * M + m];
+            st = gate_classify(record_seq(v), o, seq);
+            if (st == kGateArrived) sh.record[m] = v;
+            if (st != kGateWait) {
+                pc = st != kGateArrived ? gate_peer_call(record_seq(v), o) : seq;
+                if (st == kGateArrived && record_status(v) == kTagNotice) {
+                    // A NOTICE in our slot carries our call number; the notifier's own is its record of the
+                    // other parity, placed (quiet) before it posted the notice: read it again now.
+                    __threadfence();
+                    pc = record_seq(slots[(par ^ 1) * M + m]);
+                }
+                break;
+            }
             if (gda::now_ns() - start > s.timeout_ns) {
                 relay_error(s, kErrPeerTimeout, column_peer(s, m), kPhaseRdmaCounts, -1);
-                atomicExch(&fail, 1);
+                st = -1;
                 break;
             }
             LL_SPIN_HINT();
         }
-        got[m] = (int)(uint32_t)v;
+        sh.state[m] = st;
+        sh.peer_call[m] = pc;
+        if (st < 0) atomicExch(&sh.fail, 1);
+        // Only a peer that is ahead is told (normal_gate.cuh gate_publish_and_wait: a peer behind finds
+        // this rank's later record itself, and its own parity is not known yet). The NIC read
+        // outbox[pc & 1][m] of an earlier call before that call's quiet.
+        if (st == kGateOther && call_is_after(pc, seq))
+            post_record(s, m, (int)(pc & 1u), relay_count_record(pc, sh.epoch, kTagNotice, 0));
     }
     __syncthreads();
     if (m == 0) {
+        // The verdict, as the intranode gate's: a call mismatch first, else a refusal; recorded for the
+        // host (the node's tag record) unless this rank's own call is void already (it knows why).
+        int mismatch = -1, refused = -1, origin = sh.origin;
+        for (int i = 0; i < M && mismatch < 0; ++i) {
+            if (i == s.node || sh.state[i] < 0) continue;
+            const uint64_t r = sh.record[i];
+            const int st = record_status(r);
+            if (sh.state[i] == kGateOther || st == kTagNotice || record_epoch(r) != (sh.epoch & 63u) ||
+                (st != kTagOk && record_rows(r) == kRecordMaxRows)) {
+                mismatch = i;
+            } else if (st != kTagOk && refused < 0) {
+                refused = i;
+                origin = (int)record_rows(r);
+            } else if (st == kTagOk) {
+                sh.got[i] = (int)record_rows(r);
+            }
+        }
+        if (mismatch >= 0) {
+            record_void(s.tag_record, kRecMismatch, column_peer(s, mismatch), seq, sh.epoch, a.kind,
+                        sh.peer_call[mismatch], nullptr, kTagNotice, -1);
+            origin = -1;
+        } else if (refused >= 0 && sh.status == kTagOk) {
+            record_void(s.tag_record, kRecRefused, column_peer(s, refused), seq, sh.epoch, a.kind, seq, nullptr,
+                        record_status(sh.record[refused]), origin);
+        }
+        sh.is_void = sh.status != kTagOk || sh.fail || mismatch >= 0 || refused >= 0;
+        ws[kWsVoid] = sh.is_void;
+        ws[kWsOrigin] = sh.status == kTagOk ? origin : sh.origin;
         int* rc = reinterpret_cast<int*>(a.recv_counts);
         volatile int* host = reinterpret_cast<volatile int*>(a.host_counts);
         int total = 0;
         for (int i = 0; i < M; ++i) {
-            const int c = (fail || i == s.node) ? 0 : got[i];
+            const int c = (sh.is_void || i == s.node) ? 0 : sh.got[i];
             rc[i] = c;
             total += c;
             if (host) {
@@ -135,7 +210,8 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
         if (host) {
             host[1] = total;
             __threadfence_system();
-            host[0] = fail ? -a.host_ticket : a.host_ticket;   // the host waits for it; negative: read the error record
+            // The host waits for it; negative: read the error and tag records (a failed or void call).
+            host[0] = sh.is_void ? -a.host_ticket : a.host_ticket;
         }
     }
 }
@@ -263,10 +339,11 @@ __device__ void relay_recv(const RelayStatic& s, const RelayArgs& a, int m) {
     if (threadIdx.x == 0) *rx_word = (int)(rx + (uint32_t)n);
 }
 
-// Block 2m sends to node m's column peer, block 2m + 1 receives from it (both idle for this node).
+// Block 2m sends to node m's column peer, block 2m + 1 receives from it (both idle for this node, and
+// all of them in a call the count exchange found void: no rank of the column moves a row then).
 __global__ void __launch_bounds__(kRelayThreads) relay_kernel(RelayStatic s, RelayArgs a) {
     const int m = blockIdx.x / 2;
-    if (m == s.node) return;
+    if (m == s.node || reinterpret_cast<const int*>(s.workspace)[kWsVoid]) return;
     if (blockIdx.x % 2 == 0)
         relay_send(s, a, m);
     else
@@ -277,7 +354,9 @@ __global__ void __launch_bounds__(kRelayThreads) relay_kernel(RelayStatic s, Rel
 void check_relay_counts(const RelayStatic& s, const RelayCountsArgs& a) {
     if (s.num_nodes < 2 || s.num_nodes > kMaxNodes) throw std::invalid_argument("relay: num_nodes out of range");
     if (a.host_counts && a.host_ticket <= 0) throw std::invalid_argument("relay counts: host_ticket must be > 0");
-    if (!s.workspace) throw std::invalid_argument("relay counts: the static has no workspace (the call counter)");
+    if (!s.workspace || !s.tag_record)
+        throw std::invalid_argument("relay counts: the static has no workspace (the call counter) or tag record");
+    if (a.status < kTagOk || a.status > kTagRefused) throw std::invalid_argument("relay counts: status must be OK or REFUSED");
 }
 
 void check_relay(const RelayStatic& s, const RelayArgs& a) {

@@ -7,6 +7,8 @@
 
 #include <stdint.h>
 
+#include "kernels/normal_tags.h"
+
 namespace pyep {
 namespace normal {
 
@@ -15,8 +17,10 @@ constexpr int kMaxRanks = 8;            // config.py MAX_RANKS: one NVLink domai
 constexpr int kMaxTopk = 16;
 constexpr int kMaxLocalExperts = 1024;
 // Notify slot fields: [kMaxRanks] rows per rank, [kMaxChannels] per channel, [kMaxLocalExperts] per
-// expert, then the extra words of an internode call (layout.py NOTIFY_INTS is this offset).
-constexpr int kNotifyExtra = kMaxRanks + kMaxChannels + kMaxLocalExperts;
+// expert, the call tag (normal_tags.h), then the extra words of an internode call (layout.py
+// NOTIFY_INTS is this offset).
+constexpr int kNotifyTag = kMaxRanks + kMaxChannels + kMaxLocalExperts;
+constexpr int kNotifyExtra = kNotifyTag + kTagInts;
 // Block sizes. Dispatch: 24 warps (copies need many stores in flight; 80 registers a thread suffice).
 // Combine: 16 warps, so that a reduce may keep 8 loads per lane in flight in 128 registers.
 constexpr int kDispatchThreads = 768;
@@ -26,8 +30,16 @@ constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kScanWindow = 32;         // tokens per routing ballot
 constexpr int kMaxWindows = 4;          // ballots per dispatch-sender round (bounded by ring_tokens / 32)
 
-// Device error record (pinned host memory, int32 words): [code, a, b, c]. errors.py decodes it.
-enum NormalError : int { kErrNone = 0, kErrExpertId = 1, kErrWorstTokens = 2, kErrPeerTimeout = 3, kErrBadHandle = 4 };
+// Device error record (pinned host memory, int32 words): [code, a, b, c]. errors.py decodes it (5 is
+// the relay's kErrQp).
+enum NormalError : int {
+    kErrNone = 0, kErrExpertId = 1, kErrWorstTokens = 2, kErrPeerTimeout = 3, kErrBadHandle = 4,
+    kErrInRank = 6,        // a = token, b = rank, c = is_token_in_rank's value: contradicts topk_idx
+    kErrExpertCount = 7,   // a = expert, b = num_tokens_per_expert's value, c = entries naming it (-1: unknown)
+    kErrRankCount = 8,     // a = rank, b = num_tokens_per_rank's value, c = rows is_token_in_rank gives
+    kErrNodeCount = 9,     // a = node, b = num_tokens_per_rdma_rank's value, c = tokens is_token_in_rank gives
+    kErrVoidHandle = 10,   // a = the call number of the void dispatch whose handle this call used
+};
 enum Phase : int { kPhaseNotify = 0, kPhaseDispatch = 1, kPhaseCombine = 2 };
 
 // What stays fixed for the lifetime of one buffer.
@@ -47,9 +59,14 @@ struct NormalStatic {
     uint32_t notify_ints = 0;     // ints per (parity, source) notify slot
     uint64_t err = 0;             // pinned int32[8]: the error record
     uint64_t host_counts = 0;     // pinned int32[2 + kMaxLocalExperts]: [ready, rows, aligned per-expert rows]
-    uint64_t workspace = 0;       // device int32[8]: [0] rows this rank receives (latest notify), [1] notify
-                                  // call number, [4] error claim
+    uint64_t workspace = 0;       // device int32[8]: the kWs* words of normal_tags.h (rows this rank
+                                  // receives, call number, generation, void flag, error claim, origin)
     uint64_t timeout_ns = 0;
+    uint64_t tag_record = 0;      // pinned int32[kTagRecordInts]: the last void call (normal_tags.h)
+    int global_base = 0;          // global rank of local rank 0 (a node of an internode buffer; tags
+                                  // and records name global ranks)
+    uint64_t layout_scratch = 0;  // device int32[kMaxRanks * kMaxLocalExperts]: per-expert entries of
+                                  // topk_idx, counted by the route kernel to check num_tokens_per_expert
 };
 
 struct LayoutArgs {
@@ -77,6 +94,18 @@ struct NotifyArgs {
     // extra_out [R][extra_ints] receives what every source sent (0: none).
     uint64_t extra = 0, extra_out = 0;
     int extra_ints = 0;
+    // The call tag (normal_tags.h). gate_only: no counts, no routing (a cached dispatch, a combine, or a
+    // call refused on the host: status kTagRefused, reason set).
+    int gate_only = 0;
+    int kind = kKindDispatch, status = kTagOk;
+    int sig[kTagSigHandle] = {0, 0, 0, 0, 0, 0};   // the shape words the ranks must agree on
+    uint64_t handle_tag = 0;      // device int32[2]: (call, generation) of the handle's dispatch, or 0
+    uint64_t tag_out = 0;         // out device int32[2]: this dispatch's (call, generation), or 0
+    uint64_t upstream = 0;        // device int32[8]: the workspace of a gate earlier in this call (the
+                                  // relay's) whose void this gate passes on (kTagProxy), or 0
+    int reason_len = 0;
+    char reason[kTagReasonBytes] = {};
+    int check_layout = 0;         // check is_token_in_rank and num_tokens_per_expert against topk_idx
 };
 
 struct DispatchArgs {

@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/normal_common.cuh"
+#include "kernels/normal_gate.cuh"
 
 namespace pyep {
 namespace normal {
@@ -55,7 +55,9 @@ __global__ void __launch_bounds__(kLayoutThreads) normal_layout_kernel(NormalSta
 // Block c, warp d: the positions of channel c's tokens in the stream to rank d (send_head) and the
 // stream's row count (stored in channel_prefix_matrix; notify turns the counts into prefixes). Warp 0
 // also checks the channel's top-k ids: dispatch may get topk_idx that did not go through the layout
-// kernel, and an id outside [-1, E) must be reported, not silently dropped.
+// kernel, and an id outside [-1, E) must be reported, not silently dropped. With check_layout the
+// caller's layout tensors are values to check too: warp d compares is_token_in_rank[:, d] with what
+// topk_idx says, warp 0 counts the entries per expert for notify to compare with num_tokens_per_expert.
 __global__ void normal_route_kernel(NormalStatic s, NotifyArgs a) {
     const int c = blockIdx.x, d = threadIdx.x / 32, lane = threadIdx.x % 32, R = s.num_ranks;
     if (d >= R) return;
@@ -65,42 +67,60 @@ __global__ void normal_route_kernel(NormalStatic s, NotifyArgs a) {
     int* send_head = reinterpret_cast<int*>(a.send_head);
     const int pos = route_to_peer(in_rank, send_head, R, d, t0, t1, lane);
     if (lane == 0) reinterpret_cast<int*>(a.channel_prefix_matrix)[d * a.num_channels + c] = pos;
-    if (d == 0 && a.topk)
-        check_topk_ids(reinterpret_cast<const int64_t*>(a.topk), a.num_topk, a.num_experts, t0, t1, lane,
-                       [&](int row, int k, int v) { record_error(s, kErrExpertId, row, k, v); });
+    if (!a.topk) return;
+    const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk);
+    const int E = a.num_experts, K = a.num_topk, El = E / R;
+    if (d == 0)
+        check_topk_ids(topk, K, E, t0, t1, lane, [&](int row, int k, int v) { record_error(s, kErrExpertId, row, k, v); });
+    if (!a.check_layout) return;
+    int* per_expert = reinterpret_cast<int*>(s.layout_scratch);
+    for (int t = t0 + lane; t < t1; t += 32) {
+        bool wants = false;
+        for_valid_ids(topk, t, K, E, [&](int64_t v) {
+            wants = wants || v / El == d;
+            if (d == 0) atomicAdd(per_expert + v, 1);
+        });
+        const bool said = in_rank[(int64_t)t * R + d];
+        if (said != wants) record_error(s, kErrInRank, t, d, said ? 1 : 0);
+    }
 }
 
-// One block. Each rank writes its counts into every peer's notify slot of this call's parity, then the
-// call number as the slot's flag (release, after a system fence); it waits for every peer's flag and
-// reads the slots. Parity double-buffering is enough: a rank cannot start notify k+2 before every peer
-// has published flag k+1, which each peer does only after it finished reading the slots of call k.
-// The call number lives on the device (workspace word 1), not in the launch arguments: a CUDA graph
-// replays the same arguments, and every replay must still be a new call.
+// One block: the call gate (normal_gate.cuh: tags, flags by call parity, the void decision) with this
+// rank's counts in the same slots. Each rank writes its counts and tag into every peer's notify slot of
+// this call's parity, then the call number as the slot's flag (release, after a system fence); it
+// waits for every peer's flag and reads the slots. Parity double-buffering is enough: a rank cannot
+// start notify k+2 before every peer has published flag k+1, which each peer does only after it
+// finished reading the slots of call k. The call number lives on the device (kWsSeq), not in the launch
+// arguments: a CUDA graph replays the same arguments, and every replay must still be a new call.
+// gate_only: the gate alone (a cached dispatch, a combine, a call refused on the host).
 __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalStatic s, NotifyArgs a) {
-    const int R = s.num_ranks, me = s.rank, C = a.num_channels, El = a.num_experts / R;
+    const int R = s.num_ranks, me = s.rank, C = a.num_channels, El = a.gate_only ? 0 : a.num_experts / R;
     int* ws = reinterpret_cast<int*>(s.workspace);
-    __shared__ int seq_sh;
-    if (threadIdx.x == 0) {
-        seq_sh = ws[1] + 1;
-        ws[1] = seq_sh;
-    }
+    __shared__ GateShared g;
+    if (threadIdx.x == 0) gate_begin(s, a, g);
     __syncthreads();
-    const int seq = seq_sh, parity = seq & 1, NI = (int)s.notify_ints;
+    const int parity = (int)(g.seq & 1u), NI = (int)s.notify_ints;
     const int* per_expert = reinterpret_cast<const int*>(a.num_tokens_per_expert);
     int* cpm = reinterpret_cast<int*>(a.channel_prefix_matrix);
-    __shared__ int aborted;
     __shared__ int rows_to[kMaxRanks];   // this rank's rows for each peer: the sum over channels, so
                                          // that the row layout follows is_token_in_rank alone
-    if (threadIdx.x == 0) aborted = 0;
-    if (threadIdx.x < R) {
+    if (threadIdx.x < R && !a.gate_only) {
         int n = 0;
         for (int c = 0; c < C; ++c) n += cpm[threadIdx.x * C + c];
         rows_to[threadIdx.x] = n;
+        const int* claimed = reinterpret_cast<const int*>(a.num_tokens_per_rank);
+        if (claimed && claimed[threadIdx.x] != n) record_error(s, kErrRankCount, threadIdx.x, claimed[threadIdx.x], n);
+    }
+    // The caller's per-expert counts: never negative, and (check_layout) what topk_idx says.
+    const int* counted = reinterpret_cast<const int*>(s.layout_scratch);
+    for (int e = threadIdx.x; e < El * R; e += blockDim.x) {
+        if (per_expert[e] < 0) record_error(s, kErrExpertCount, e, per_expert[e], -1);
+        else if (a.check_layout && per_expert[e] != counted[e]) record_error(s, kErrExpertCount, e, per_expert[e], counted[e]);
     }
     __syncthreads();
     // Slot layout (layout.py NOTIFY_INTS): [kMaxRanks] rows per rank, [kMaxChannels] rows per channel
-    // for the slot's owner, [kMaxLocalExperts] entries per local expert of the slot's owner.
-    const int fields = kMaxRanks + kMaxChannels + El;
+    // for the slot's owner, [kMaxLocalExperts] entries per local expert of the slot's owner, the tag.
+    const int fields = a.gate_only ? 0 : kMaxRanks + kMaxChannels + El;
     for (int i = threadIdx.x; i < R * fields; i += blockDim.x) {
         const int d = i / fields, j = i % fields;
         int v;
@@ -109,29 +129,32 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
         else v = per_expert[d * El + (j - kMaxRanks - kMaxChannels)];
         words(peer_buf(s, d), s.off_notify)[(parity * R + me) * NI + j] = v;
     }
-    // Extra words, the same for every peer, after the largest per-expert field (normal_internode.md).
+    // Extra words, the same for every peer, after the tag (normal_internode.md).
     const int* extra = reinterpret_cast<const int*>(a.extra);
     for (int i = threadIdx.x; i < R * a.extra_ints; i += blockDim.x)
         words(peer_buf(s, i / a.extra_ints), s.off_notify)[(parity * R + me) * NI + kNotifyExtra + i % a.extra_ints] =
             extra[i % a.extra_ints];
+    gate_write_tags(s, a, g);
     __syncthreads();
     if (threadIdx.x < R) {
         const int d = threadIdx.x;
-        __threadfence_system();
-        st_release_sys(words(peer_buf(s, d), s.off_flag) + parity * R + me, seq);
+        gate_publish_and_wait(s, a, g, d);
         int acc = 0;   // this rank's rows per channel for d -> inclusive prefix
-        for (int c = 0; c < C; ++c) {
+        for (int c = 0; c < C && !a.gate_only; ++c) {
             acc += cpm[d * C + c];
             cpm[d * C + c] = acc;
-        }
-        uint8_t* own = reinterpret_cast<uint8_t*>(s.buf);
-        if (!wait_counter(words(own, s.off_flag) + parity * R + d, (uint32_t)seq, s.timeout_ns)) {
-            record_error(s, kErrPeerTimeout, d, kPhaseNotify, -1);
-            aborted = 1;
         }
     }
     __syncthreads();
     fence_acq_rel_sys();
+    if (threadIdx.x == 0) gate_decide(s, a, g);
+    __syncthreads();
+    const bool aborted = g.is_void;
+    if (threadIdx.x == 0 && a.tag_out) {
+        reinterpret_cast<int*>(a.tag_out)[0] = (int)g.seq;
+        reinterpret_cast<int*>(a.tag_out)[1] = aborted ? kHandleVoid : (int)g.epoch;
+    }
+    if (a.gate_only) return;
     const int* slots = words(reinterpret_cast<uint8_t*>(s.buf), s.off_notify) + parity * R * NI;
     int* host = reinterpret_cast<int*>(s.host_counts);
     if (threadIdx.x < R) {
@@ -164,7 +187,7 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
     if (threadIdx.x == 0) {
         int rows = 0;
         for (int i = 0; i < R && !aborted; ++i) rows += slots[i * NI + me];
-        ws[0] = rows;
+        ws[kWsRows] = rows;
         if (host_waits) host[1] = rows;
         if (a.num_worst_tokens > 0 && rows > a.num_worst_tokens)
             record_error(s, kErrWorstTokens, rows, a.num_worst_tokens, 0);
@@ -172,7 +195,9 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
     __syncthreads();
     if (threadIdx.x == 0 && host_waits) {
         __threadfence_system();
-        *reinterpret_cast<volatile int*>(host) = 1;   // the host cleared it before the launch and waits
+        // The host cleared it before the launch and waits: 1 counts ready, 2 the call is void (the tag
+        // record says why).
+        *reinterpret_cast<volatile int*>(host) = aborted ? 2 : 1;
     }
 }
 
@@ -186,7 +211,8 @@ void check_static(const NormalStatic& s) {
     auto bad = [](const std::string& m) { throw std::invalid_argument("normal buffer: " + m); };
     if (s.num_ranks < 1 || s.num_ranks > kMaxRanks) bad("num_ranks must be in [1, 8]");
     if (s.rank < 0 || s.rank >= s.num_ranks) bad("rank outside [0, num_ranks)");
-    if (!s.buf || !s.peer_base || !s.err || !s.host_counts || !s.workspace) bad("pointers must be set");
+    if (!s.buf || !s.peer_base || !s.err || !s.host_counts || !s.workspace || !s.tag_record || !s.layout_scratch)
+        bad("pointers must be set");
     if (s.ring_off % 128) bad("ring offset must be 128-byte aligned");
     if (s.slot_bytes == 0 || s.slot_bytes % 128) bad("slot_bytes must be a positive multiple of 128");
 }
@@ -212,13 +238,22 @@ void launch_layout(const NormalStatic& s, const LayoutArgs& a, uint64_t stream) 
 
 void launch_notify(const NormalStatic& s, const NotifyArgs& a, uint64_t stream) {
     check_static(s);
+    if (a.reason_len < 0 || a.reason_len > kTagReasonBytes) throw std::invalid_argument("reason_len must be in [0, 128]");
+    auto st = reinterpret_cast<cudaStream_t>(stream);
+    if (a.gate_only) {
+        normal_notify_kernel<<<1, kNotifyThreads, 0, st>>>(s, a);
+        check(cudaGetLastError(), "normal gate launch");
+        return;
+    }
     if (a.num_channels < 1 || a.num_channels > kMaxChannels) throw std::invalid_argument("num_channels must be in [1, 64]");
     if (a.num_experts % s.num_ranks || a.num_experts / s.num_ranks > kMaxLocalExperts)
         throw std::invalid_argument("num_experts must be a multiple of num_ranks with at most 1024 per rank");
     if (a.expert_alignment < 1) throw std::invalid_argument("expert_alignment must be >= 1");
     if ((int)s.notify_ints < kNotifyExtra + std::max(a.extra_ints, 0) || a.extra_ints < 0 || (a.extra_ints && (!a.extra || !a.extra_out)))
         throw std::invalid_argument("notify slot too small for the extra words, or extra pointers missing");
-    auto st = reinterpret_cast<cudaStream_t>(stream);
+    if (a.check_layout && !a.topk) throw std::invalid_argument("check_layout needs topk_idx");
+    if (a.check_layout)   // the route kernel counts topk_idx's entries per expert here
+        check(cudaMemsetAsync(reinterpret_cast<void*>(s.layout_scratch), 0, 4ull * a.num_experts, st), "memset");
     normal_route_kernel<<<a.num_channels, 32 * s.num_ranks, 0, st>>>(s, a);
     check(cudaGetLastError(), "normal route launch");
     normal_notify_kernel<<<1, kNotifyThreads, 0, st>>>(s, a);

@@ -38,7 +38,7 @@ RelayStatic static_from(const py::dict& d) {
     set(d, "off_rx", s.off_rx); set(d, "off_count", s.off_count); set(d, "off_outbox", s.off_outbox);
     set(d, "off_fetch", s.off_fetch); set(d, "off_send", s.off_send); set(d, "off_recv", s.off_recv);
     set(d, "ring_bytes", s.ring_bytes); set(d, "err", s.err); set(d, "workspace", s.workspace);
-    set(d, "timeout_ns", s.timeout_ns);
+    set(d, "timeout_ns", s.timeout_ns); set(d, "tag_record", s.tag_record);
     return s;
 }
 
@@ -46,6 +46,8 @@ RelayCountsArgs counts_from(const py::dict& d) {
     RelayCountsArgs a;
     set(d, "host_ticket", a.host_ticket); set(d, "send_counts", a.send_counts);
     set(d, "recv_counts", a.recv_counts); set(d, "host_counts", a.host_counts);
+    set(d, "kind", a.kind); set(d, "status", a.status); set(d, "origin", a.origin); set(d, "upstream", a.upstream);
+    if (d.contains("handle_tag")) set(d, "handle_tag", a.handle_tag);
     return a;
 }
 

@@ -9,18 +9,22 @@ group make the same calls in the same order.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Tuple, Union
 
-from .._dist import all_reduce_min_bounded, group_device, resolve_group
+from .._dist import group_device, resolve_group
 from ..backend import profiled_range
 from ..config import DEFAULT_TIMEOUT_US, TRANSPORTS
 from . import validate as v
+from .collectives import all_reduce_min
 from .config import DEFAULT_NUM_SMS, MAX_CHANNELS, Config, default_config
 from .contract import CombineCall, DispatchCall, NormalBackend
 from .events import NormalEvent, capture_current, launch, wait_bound_s
 from .handle import NormalHandle
+from .limits import MAX_BUFFER_BYTES, MAX_GROUP_RANKS, MAX_TIMEOUT_US
+from .tags import KIND_CACHED, KIND_COMBINE, KIND_DISPATCH, KIND_LAYOUT
 from .topology import NodeLayout, detect_node_layout
 
 if TYPE_CHECKING:
@@ -68,7 +72,7 @@ def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> Nor
         return _native_class(nodes)(group, **kwargs)
     # "auto": every rank must pick the same backend, so agree on the local answers first.
     flag = torch.tensor([0 if reason else 1], dtype=torch.int32, device=group_device(group))
-    all_reduce_min_bounded(flag, group, kwargs["timeout_us"], "NormalBuffer backend selection")
+    all_reduce_min(flag, group, kwargs["timeout_us"], "NormalBuffer backend selection")
     if int(flag.item()) == 1:
         return _native_class(nodes)(group, **kwargs)
     log.info("NormalBuffer: using the reference backend (%s)", reason or "another rank cannot run the native one")
@@ -104,16 +108,16 @@ class NormalBuffer:
         import torch.distributed as dist
         self._destroyed = True   # until the backend exists nothing may be called
         if num_nvl_bytes is not None:
-            v.check_int("num_nvl_bytes", num_nvl_bytes, 0)
+            v.check_int("num_nvl_bytes", num_nvl_bytes, 0, MAX_BUFFER_BYTES)
         if num_rdma_bytes is not None:
-            v.check_int("num_rdma_bytes", num_rdma_bytes, 0)
+            v.check_int("num_rdma_bytes", num_rdma_bytes, 0, MAX_BUFFER_BYTES)
         v.check_int("hidden", hidden, 1)
         v.check_hidden("hidden", hidden, None)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        v.check_int("timeout_us", timeout_us, 1)
+        v.check_int("timeout_us", timeout_us, 1, MAX_TIMEOUT_US)
         sms = NormalBuffer.num_sms if num_sms is None else num_sms
         _check_num_sms(sms)
         self._group = resolve_group(group)
@@ -154,6 +158,10 @@ class NormalBuffer:
     def size_hint(hidden: int, num_ranks: int, config: Optional[Config] = None) -> int:
         """Bytes of native NVLink buffer per rank for rows of `hidden` BF16 values (with the default
         dispatch and combine configs unless `config` is given)."""
+        v.check_int("hidden", hidden, 1)
+        v.check_hidden("hidden", hidden, None)
+        v.check_int("num_ranks", num_ranks, 1, MAX_GROUP_RANKS)
+        v.check_config(config)
         configs = [config] if config is not None else [_default(num_ranks, NormalBuffer.num_sms, c)
                                                        for c in (False, True)]
         return max(c.get_nvl_buffer_size_hint(2 * hidden, num_ranks) for c in configs)
@@ -220,30 +228,62 @@ class NormalBuffer:
         if self._destroyed:
             raise RuntimeError(f"NormalBuffer.{what}() called after destroy()")
 
-    def _begin(self, what: str) -> None:
+    def _begin(self, what: str) -> Optional[Exception]:
+        """The error the device recorded for an earlier call (taken; raised by this call once it has
+        been made, see _launch), or a raise: destroyed, or broken (a broken buffer exchanges nothing)."""
         self._check_alive(what)
-        self._backend.check_errors()   # an error the device recorded for an earlier call
+        return self._backend.pending_error()
+
+    @contextlib.contextmanager
+    def _refusing(self, kind: int, pending: Optional[Exception]) -> Iterator[None]:
+        """Host checks of a call. A refused call still takes part in the call's exchange with a REFUSED
+        tag (tags.py), so that its peers -- which made the call -- raise PeerRefusedCall for it instead
+        of waiting for this rank or pairing its next call with this one."""
+        try:
+            yield
+        except (TypeError, ValueError) as exc:
+            problem = self._backend.refuse(kind, f"{type(exc).__name__}: {exc}")
+            if problem is not None:
+                exc.add_note(f"the call's exchange found more: {problem}")
+            if pending is not None:
+                pending.add_note(f"(raised by a call that was refused: {type(exc).__name__}: {exc})")
+                raise pending from None
+            raise
 
     def _launch(self, what: str, fn: Any, tensors: Any, previous_event: Any, async_finish: bool,
-                allocate_on_comm_stream: bool) -> Tuple[Any, NormalEvent]:
-        return launch(self._device, self._comm_stream, fn, what=what, previous_event=previous_event,
-                      async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
-                      bound_s=self._bound_s, check=self._backend.check_errors, tensors=tensors)
+                allocate_on_comm_stream: bool, pending: Optional[Exception]) -> Tuple[Any, NormalEvent]:
+        """Run the backend call (events.launch). An earlier call's error (`pending`) is raised once this
+        call has been made on every rank: refusing this call instead would void it on the peers too,
+        and their error would void the next one."""
+        try:
+            res = launch(self._device, self._comm_stream, fn, what=what, previous_event=previous_event,
+                         async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+                         bound_s=self._bound_s, check=self._backend.check_errors, tensors=tensors)
+        except Exception as exc:
+            if pending is not None:
+                exc.add_note(f"an earlier call's error was pending too: {type(pending).__name__}: {pending}")
+            raise
+        if pending is not None:
+            pending.add_note(f"raised by {what}, which was made (its peers have their results); this rank's "
+                             f"results of it are dropped")
+            raise pending
+        return res
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: "torch.Tensor", num_experts: int,
                             previous_event: Optional[Any] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
                             ) -> Tuple["torch.Tensor", None, "torch.Tensor", "torch.Tensor", NormalEvent]:
-        self._begin("get_dispatch_layout")
-        v.validate_layout(topk_idx, num_experts, self._num_ranks, self._device)
-        v.check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+        pending = self._begin("get_dispatch_layout")
+        with self._refusing(KIND_LAYOUT, pending):
+            v.validate_layout(topk_idx, num_experts, self._num_ranks, self._device)
+            v.check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
         with profiled_range("pyep::normal::layout"):
             res, event = self._launch(
                 "get_dispatch_layout", lambda: self._backend.get_dispatch_layout(topk_idx, num_experts),
                 lambda r: (topk_idx, r.num_tokens_per_rank, r.num_tokens_per_expert, r.is_token_in_rank,
                            r.num_tokens_per_rdma_rank),
-                previous_event, async_finish, allocate_on_comm_stream)
+                previous_event, async_finish, allocate_on_comm_stream, pending)
         return (res.num_tokens_per_rank, res.num_tokens_per_rdma_rank, res.num_tokens_per_expert,
                 res.is_token_in_rank, event)
 
@@ -259,37 +299,39 @@ class NormalBuffer:
                  allocate_on_comm_stream: bool = False
                  ) -> Tuple[RecvX, Optional["torch.Tensor"], Optional["torch.Tensor"], Optional[List[int]],
                             Optional[NormalHandle], NormalEvent]:
-        self._begin("dispatch")
-        v.check_config(config)
-        v.check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
-        args = v.validate_dispatch(
-            x=x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
-            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-            num_ranks=self._num_ranks, device=self._device, buffer_hidden=self._hidden, owner=self._owner,
-            epoch=self._epoch, num_nodes=self._nodes.num_nodes)
+        pending = self._begin("dispatch")
         cached = handle is not None
-        if config is None:
-            sms = 2 * handle.num_channels if cached else NormalBuffer.num_sms
-            config = _default(self._num_ranks, sms, combine=False)
-        if cached:
-            v.check_channels("cached dispatch", config, handle)
-            in_rank = handle.is_token_in_rank
-            num_worst_tokens = handle.num_worst_tokens
-        else:
-            in_rank = is_token_in_rank
-        scales = args.x_scales
-        if scales is not None and not scales.is_contiguous():
-            scales = scales.contiguous()   # a device copy, no host read; backends take dense scales
+        with self._refusing(KIND_CACHED if cached else KIND_DISPATCH, pending):
+            v.check_config(config)
+            v.check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+            args = v.validate_dispatch(
+                x=x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
+                num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
+                num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                num_ranks=self._num_ranks, device=self._device, buffer_hidden=self._hidden, owner=self._owner,
+                epoch=self._epoch, num_nodes=self._nodes.num_nodes)
+            if config is None:
+                sms = 2 * handle.num_channels if cached else NormalBuffer.num_sms
+                config = _default(self._num_ranks, sms, combine=False)
+            if cached:
+                v.check_channels("cached dispatch", config, handle)
+                in_rank = handle.is_token_in_rank
+                num_worst_tokens = handle.num_worst_tokens
+            else:
+                in_rank = is_token_in_rank
+            scales = args.x_scales
+            if scales is not None and not scales.is_contiguous():
+                scales = scales.contiguous()   # a device copy, no host read; backends take dense scales
+            call = DispatchCall(x=args.x, x_scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                                num_tokens_per_rank=num_tokens_per_rank,
+                                num_tokens_per_rdma_rank=None if cached else num_tokens_per_rdma_rank,
+                                is_token_in_rank=in_rank,
+                                num_tokens_per_expert=num_tokens_per_expert, num_experts=args.num_experts,
+                                expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                                config=config, handle=handle, timeout_us=self._timeout_us, seq=self._seq + 1)
+            self._backend.check_call(call)
         self._seq += 1
-        call = DispatchCall(x=args.x, x_scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
-                            num_tokens_per_rank=num_tokens_per_rank,
-                            num_tokens_per_rdma_rank=None if cached else num_tokens_per_rdma_rank,
-                            is_token_in_rank=in_rank,
-                            num_tokens_per_expert=num_tokens_per_expert, num_experts=args.num_experts,
-                            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                            config=config, handle=handle, timeout_us=self._timeout_us, seq=self._seq)
         with profiled_range("pyep::normal::dispatch"):
             res, event = self._launch(
                 f"normal dispatch #{self._seq}", lambda: self._backend.dispatch(call),
@@ -298,7 +340,7 @@ class NormalBuffer:
                            num_tokens_per_expert, r.recv_x, r.recv_x_scales, r.recv_topk_idx,
                            r.recv_topk_weights, r.rank_prefix_matrix, r.channel_prefix_matrix,
                            r.recv_channel_prefix_matrix, r.recv_src_idx, r.send_head),
-                previous_event, async_finish, allocate_on_comm_stream)
+                previous_event, async_finish, allocate_on_comm_stream, pending)
         recv: RecvX = (res.recv_x, res.recv_x_scales) if scales is not None else res.recv_x
         if cached:
             return recv, None, None, None, None, event
@@ -309,7 +351,7 @@ class NormalBuffer:
             num_channels=config.num_channels(), num_tokens=int(args.x.shape[0]),
             num_recv_tokens=res.num_recv_tokens, num_worst_tokens=num_worst_tokens, hidden=args.hidden,
             num_topk=args.num_topk, ranks_per_node=self._nodes.ranks_per_node if self._nodes.internode else 0,
-            internode=res.internode)
+            internode=res.internode, tag=res.tag)
         return (recv, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
                 new_handle, event)
 
@@ -319,24 +361,26 @@ class NormalBuffer:
                 config: Optional[Config] = None, previous_event: Optional[Any] = None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False
                 ) -> Tuple["torch.Tensor", Optional["torch.Tensor"], NormalEvent]:
-        self._begin("combine")
-        v.check_config(config)
-        v.check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
-        hd = v.check_handle(handle, owner=self._owner, epoch=self._epoch, num_ranks=self._num_ranks)
-        bias_0, bias_1 = v.validate_combine(x=x, handle=hd, topk_weights=topk_weights, bias=bias,
-                                            device=self._device, buffer_hidden=self._hidden)
-        if config is None:
-            config = _default(self._num_ranks, 2 * hd.num_channels, combine=True)
-        v.check_channels("combine", config, hd)
+        pending = self._begin("combine")
+        with self._refusing(KIND_COMBINE, pending):
+            v.check_config(config)
+            v.check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+            hd = v.check_handle(handle, owner=self._owner, epoch=self._epoch, num_ranks=self._num_ranks)
+            bias_0, bias_1 = v.validate_combine(x=x, handle=hd, topk_weights=topk_weights, bias=bias,
+                                                device=self._device, buffer_hidden=self._hidden)
+            if config is None:
+                config = _default(self._num_ranks, 2 * hd.num_channels, combine=True)
+            v.check_channels("combine", config, hd)
+            call = CombineCall(x=x, topk_weights=topk_weights, bias=(bias_0, bias_1), handle=hd, config=config,
+                               timeout_us=self._timeout_us, seq=self._seq + 1)
+            self._backend.check_call(call)
         self._seq += 1
-        call = CombineCall(x=x, topk_weights=topk_weights, bias=(bias_0, bias_1), handle=hd, config=config,
-                           timeout_us=self._timeout_us, seq=self._seq)
         with profiled_range("pyep::normal::combine"):
             res, event = self._launch(
                 f"normal combine #{self._seq}", lambda: self._backend.combine(call),
                 lambda r: (x, topk_weights, bias_0, bias_1, hd.recv_src_idx, hd.send_head, hd.rank_prefix_matrix,
                            hd.recv_channel_prefix_matrix, r.combined_x, r.combined_topk_weights),
-                previous_event, async_finish, allocate_on_comm_stream)
+                previous_event, async_finish, allocate_on_comm_stream, pending)
         return res.combined_x, res.combined_topk_weights, event
 
     # ------------------------------------------------------------------ lifetime

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import MAX_HIDDEN
 from .layout import buffer_bytes
-from .limits import DEFAULT_NUM_SMS, MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_TOPK
+from .limits import (DEFAULT_NUM_SMS, MAX_CHANNELS, MAX_GROUP_RANKS, MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_RING_TOKENS,
+                     MAX_TOPK)
 
 __all__ = ["Config", "default_config", "DEFAULT_NUM_SMS", "MAX_CHANNELS", "MAX_LOCAL_EXPERTS", "MAX_RANKS",
            "MAX_TOPK"]
 
 
-def _positive_int(name: str, v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"Config.{name} must be an int >= 1, got {v!r}")
+def _positive_int(name: str, v: object, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r:.40})")
+    if not 1 <= v <= hi:
+        raise ValueError(f"{name} must be in [1, {hi}], got {v}")
     return v
 
 
@@ -32,7 +36,7 @@ class Config:
     def __post_init__(self) -> None:
         for name in ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                      "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
-            _positive_int(name, getattr(self, name))
+            _positive_int(f"Config.{name}", getattr(self, name), MAX_RING_TOKENS)
         if self.num_sms % 2 or not 2 <= self.num_sms <= 2 * MAX_CHANNELS:
             raise ValueError(f"Config.num_sms must be even and in [2, {2 * MAX_CHANNELS}] (a sender and a "
                              f"receiver SM per channel), got {self.num_sms}")
@@ -46,12 +50,20 @@ class Config:
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of NVLink buffer per rank for rows of `hidden_bytes` payload (DeepEP's name; pyep's
         rows also carry top-k ids and weights, max_topk of them)."""
+        _size_args(hidden_bytes, num_ranks)
         return buffer_bytes(num_ranks, self.num_channels(), self.num_max_nvl_chunked_recv_tokens,
                             hidden_bytes // 2, MAX_TOPK)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """One-node buffers need no RDMA buffer."""
+        _size_args(hidden_bytes, num_ranks)
         return 0
+
+
+def _size_args(hidden_bytes: object, num_ranks: object) -> None:
+    """A size hint's arguments: a row of at most MAX_HIDDEN BF16 values, the ranks of a group."""
+    _positive_int("hidden_bytes", hidden_bytes, 2 * MAX_HIDDEN)
+    _positive_int("num_ranks", num_ranks, MAX_GROUP_RANKS)
 
 
 # Defaults per rank count: the SM count is shared (NormalBuffer.set_num_sms); the chunk sizes were

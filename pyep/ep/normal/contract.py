@@ -136,6 +136,9 @@ class DispatchResult:
                                               # (num_worst_tokens > 0 without a host wait)
     internode: Any = None                     # backend state a cached dispatch / combine needs (native
                                               # internode: internode_order.StagedState), kept in the handle
+    tag: Any = None                           # the backend's mark of this dispatch (tags.py: a cached
+                                              # dispatch / combine names it so that every rank uses
+                                              # the handle of the same dispatch), kept in the handle
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,19 @@ class NormalBackend(Protocol):
 
     def check_errors(self) -> None:
         """Raise the NormalModeError the device recorded since the last check (no device sync)."""
+
+    def pending_error(self) -> Optional[Exception]:
+        """The error the device recorded for an earlier call, taken (cleared) without raising; raises
+        instead when the buffer is broken (BufferBroken, PeerTimeout, NormalCallMismatch): a broken
+        buffer takes part in no exchange."""
+
+    def check_call(self, call: Any) -> None:
+        """Backend limits a call must meet (ValueError), checked before anything is launched."""
+
+    def refuse(self, kind: int, reason: str) -> Optional[Exception]:
+        """Take part in this call's exchange with a REFUSED tag (tags.py) so that every peer raises
+        PeerRefusedCall for it; returns the NormalCallMismatch that exchange found, if any (the buffer
+        is then broken), for the caller to report beside its own error."""
 
     def clean(self) -> None:
         """Collective: reset every channel and counter; earlier handles go stale."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from ..errors import CallMismatch
+
 # Codes of the device error record (engine/kernels/normal_launch.h: NormalError); words are
 # [code, a, b, c]; the first error of a call wins.
 ERR_NONE = 0
@@ -13,6 +15,12 @@ ERR_EXPERT_ID = 1        # a = token row, b = top-k slot, c = the id (low 32 bit
 ERR_WORST_TOKENS = 2     # a = rows that arrived, b = num_worst_tokens
 ERR_PEER_TIMEOUT = 3     # a = peer rank, b = phase (PHASES), c = channel
 ERR_BAD_HANDLE = 4       # a = channel, b = rows the handle promised, c = rows the sender found
+# 5 is the relay's (internode_relay.ERR_QP)
+ERR_IN_RANK = 6          # a = token row, b = rank, c = what is_token_in_rank said (0/1)
+ERR_EXPERT_COUNT = 7     # a = expert, b = num_tokens_per_expert's value, c = entries of topk_idx naming it
+ERR_RANK_COUNT = 8       # a = rank, b = num_tokens_per_rank's value, c = tokens is_token_in_rank selects
+ERR_NODE_COUNT = 9       # a = node, b = num_tokens_per_rdma_rank's value, c = tokens is_token_in_rank selects
+ERR_VOID_HANDLE = 10     # a = the call number of the void dispatch whose handle the call used
 PHASES = ("notify", "dispatch", "combine")
 
 
@@ -43,6 +51,37 @@ class WorstTokensExceeded(NormalModeError, ValueError):
                          f"{num_worst_tokens} were dropped; pass a larger num_worst_tokens")
 
 
+class LayoutMismatch(NormalModeError, ValueError):
+    """The layout tensors passed to dispatch contradict each other or topk_idx (they must be what one
+    get_dispatch_layout call returned for that topk_idx); found in the values, so raised like the other
+    value errors. The call's counts came from the caller's tensors and its results are not to be used."""
+
+
+def in_rank_mismatch(row: int, rank: int, claimed: int) -> LayoutMismatch:
+    said = "True" if claimed else "False"
+    truth = "names no expert" if claimed else "names an expert"
+    return LayoutMismatch(f"is_token_in_rank[{row}, {rank}] is {said} but topk_idx[{row}] {truth} of rank {rank}; "
+                          f"pass the is_token_in_rank get_dispatch_layout returned for this topk_idx")
+
+
+def expert_count_mismatch(expert: int, claimed: int, derived: int) -> LayoutMismatch:
+    if claimed < 0:
+        return LayoutMismatch(f"num_tokens_per_expert[{expert}] is {claimed}: a count cannot be negative")
+    return LayoutMismatch(f"num_tokens_per_expert[{expert}] is {claimed} but topk_idx names expert {expert} in "
+                          f"{derived} entries; pass the num_tokens_per_expert get_dispatch_layout returned for this "
+                          f"topk_idx")
+
+
+def rank_count_mismatch(rank: int, claimed: int, derived: int) -> LayoutMismatch:
+    return LayoutMismatch(f"num_tokens_per_rank[{rank}] is {claimed} but is_token_in_rank selects {derived} tokens "
+                          f"for rank {rank}; pass the tensors of one get_dispatch_layout call")
+
+
+def node_count_mismatch(node: int, claimed: int, derived: int) -> LayoutMismatch:
+    return LayoutMismatch(f"num_tokens_per_rdma_rank[{node}] is {claimed} but is_token_in_rank selects {derived} "
+                          f"tokens for node {node}; pass the tensors of one get_dispatch_layout call")
+
+
 class PeerTimeout(NormalModeError, TimeoutError):
     """A peer did not answer within the buffer's timeout; the channels are in an unknown state until
     clean() (collective) resets them."""
@@ -55,7 +94,30 @@ class PeerTimeout(NormalModeError, TimeoutError):
 
 
 class BufferBroken(NormalModeError):
-    """The buffer saw a peer time out earlier and refuses calls until clean()."""
+    """The buffer saw a peer time out (or ranks at different calls) earlier and refuses calls until
+    clean()."""
+
+
+class NormalCallMismatch(CallMismatch, NormalModeError):
+    """Ranks met in a normal-mode exchange at different calls (generation, call number, kind or shape):
+    raised on every rank of the exchange, nothing of it was used. The ranks no longer agree on which
+    call is which, so the buffer refuses calls until clean() (collective) starts every rank at call 1
+    of a new generation (docs/normal_mode.md, "Call-tagged exchanges")."""
+
+
+class PeerRefusedCall(CallMismatch, NormalModeError):
+    """A peer refused this call on its host (its arguments failed validation, or it raised an error of
+    an earlier call instead): it took part in the call's exchange only to say so, every rank raises at
+    this call, nothing of the exchange was used and the buffer stays usable. `peer` is the rank that
+    refused, `reason` its exception (as it sent it), `via` the rank that passed the refusal on (across
+    nodes), if not the refusing rank itself."""
+
+    def __init__(self, what: str, rank: int, peer: int, call: int, reason: str, via: Optional[int] = None) -> None:
+        self.what, self.rank, self.peer, self.my_call, self.peer_call = what, rank, peer, call, call
+        self.reason, self.via = reason, via
+        hop = f" (passed on by rank {via})" if via is not None else ""
+        RuntimeError.__init__(self, f"{what}: rank {peer} refused call #{call}{hop}: {reason}; every rank raises "
+                                    f"at this call, none used anything of its exchange, the buffer stays usable")
 
 
 def error_from_record(words: Sequence[int], num_experts: int, timeout_us: int) -> Optional[NormalModeError]:
@@ -70,6 +132,18 @@ def error_from_record(words: Sequence[int], num_experts: int, timeout_us: int) -
     if code == ERR_PEER_TIMEOUT:
         phase = PHASES[b] if 0 <= b < len(PHASES) else f"phase {b}"
         return PeerTimeout(a, phase, c, timeout_us)
+    if code == ERR_IN_RANK:
+        return in_rank_mismatch(a, b, c)
+    if code == ERR_EXPERT_COUNT:
+        return expert_count_mismatch(a, b, c)
+    if code == ERR_RANK_COUNT:
+        return rank_count_mismatch(a, b, c)
+    if code == ERR_NODE_COUNT:
+        return node_count_mismatch(a, b, c)
+    if code == ERR_VOID_HANDLE:
+        return NormalModeError(f"this call used the handle of dispatch #{a & 0xFFFFFFFF}, which was void (a rank "
+                               f"refused it or the ranks were at different calls): the call was void on every rank "
+                               f"too; dispatch again for a new handle")
     if code == ERR_BAD_HANDLE:
         return NormalModeError(f"the handle does not describe this call: channel {a} promised {b} rows, "
                                f"the tokens gave {c}; pass the handle of a dispatch with the same tokens")

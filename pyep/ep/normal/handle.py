@@ -27,6 +27,7 @@ class NormalHandle:
     num_topk: int                               # K of the dispatch, 0 without topk_idx
     ranks_per_node: int = 0                     # P of the buffer's nodes (0: one node of all ranks)
     internode: Any = None                       # the native internode path's state (internode_order.StagedState)
+    tag: Any = None                             # the backend's mark of the dispatch (contract.DispatchResult.tag)
 
     @property
     def num_nodes(self) -> int:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 from ..config import LinkConfig
 from ..streams import raw_current_stream
+from . import tags
+from .device_records import TAG_RECORD_INTS
 from .errors import ERR_NONE, NormalModeError, PeerTimeout
 from .topology import NodeLayout
 
@@ -128,7 +130,8 @@ class Relay:
     """One rank's end of the column's RDMA rings (collective constructor over the whole group)."""
 
     def __init__(self, group: "dist.ProcessGroup", nodes: NodeLayout, *, ring_bytes: int, transport: str,
-                 timeout_us: int, setup_timeout_s: float = 120.0, num_qps_per_peer: int = 2) -> None:
+                 timeout_us: int, setup_timeout_s: float = 120.0, num_qps_per_peer: int = 2,
+                 tag_record: int = 0) -> None:
         import numpy as np
         import torch
         import torch.distributed as dist
@@ -137,7 +140,9 @@ class Relay:
         mod = load()
         self._ep, self._r = mod.ep, mod.relay
         rank = dist.get_rank(group)
+        self.rank = rank
         self.nodes = nodes
+        self._epoch = 0
         self.timeout_us = timeout_us
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._drain = drain_after_launch(transport, os.environ.get("CUDA_MODULE_LOADING"))
@@ -156,6 +161,14 @@ class Relay:
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host = torch.zeros(2 + 2 * m_n, dtype=torch.int32, device="cpu", pin_memory=True)
         self._ws = torch.zeros(8, dtype=torch.int32, device=self.device)
+        # Where the column's gate records void calls (device_records.py): the node buffer's, or (a relay
+        # on its own, as the relay's tests use it) one of its own.
+        self.own_record = None if tag_record else torch.zeros(TAG_RECORD_INTS, dtype=torch.int32, device="cpu",
+                                                              pin_memory=True)
+        self._tag_record = tag_record or int(self.own_record.data_ptr())
+        # A call gate's counts (nothing to send; what arrives is void): made once, outside any capture.
+        self._gate_send = torch.zeros(m_n, dtype=torch.int32, device=self.device)
+        self._gate_recv = torch.zeros(m_n + 1, dtype=torch.int32, device=self.device)
         try:
             self._buf = int(self._ep.device_alloc(self._bytes))
             self._ep.memset_async(self._buf, 0, self._bytes, torch.cuda.current_stream().cuda_stream)
@@ -202,7 +215,13 @@ class Relay:
         s.err = self._err.data_ptr()
         s.workspace = self._ws.data_ptr()
         s.timeout_ns = self.timeout_us * 1000
+        s.tag_record = self._tag_record
         return s
+
+    @property
+    def workspace_address(self) -> int:
+        """The device words of the column's gate (normal_tags.h kWs*: its void flag and origin)."""
+        return int(self._ws.data_ptr())
 
     # ------------------------------------------------------------------ calls
     def counts(self, ticket: int, send_counts: "torch.Tensor") -> List[int]:
@@ -214,18 +233,31 @@ class Relay:
         self.counts_async(ticket, send_counts, recv, host=True)
         return self.wait_counts(ticket)[0]
 
-    def counts_async(self, ticket: int, send_counts: "torch.Tensor", recv: "torch.Tensor", host: bool) -> None:
-        """Launch the count exchange: recv (int32 [M + 1] on the device) gets the rows from every node
-        and their sum; with host=True the pinned words too, labelled `ticket` (wait_counts reads them).
-        The record's call number is the device's, so without host this launch is graph-capturable."""
+    def counts_async(self, ticket: int, send_counts: "torch.Tensor", recv: "torch.Tensor", host: bool, *,
+                     kind: int = tags.KIND_DISPATCH, status: int = tags.STATUS_OK, upstream: int = 0,
+                     handle_tag: Any = None) -> None:
+        """Launch the count exchange, which is also the column's call gate (normal_internode_relay.cu):
+        recv (int32 [M + 1] on the device) gets the rows from every node and their sum (zeros in a void
+        call); with host=True the pinned words too, labelled `ticket` (wait_counts reads them). status
+        REFUSED: this rank refused the call; upstream: the workspace of an earlier gate of this call
+        whose void the records pass on; handle_tag: the handle a cached dispatch uses (one of a void
+        dispatch makes this call void). The call number is the device's, so without host this launch is
+        graph-capturable."""
         if host:
             if stream_capturing():
                 raise ValueError("relay counts for the host cannot be captured in a CUDA graph (the host would "
                                  "wait for a kernel that does not run during the capture)")
             self._host[0] = 0
         self._r.counts(self.static, ticket if host else 0, send_counts.data_ptr(), recv.data_ptr(),
-                       self._host.data_ptr() if host else 0, raw_current_stream(self.device))
+                       self._host.data_ptr() if host else 0, raw_current_stream(self.device), kind, status, self.rank,
+                       upstream, handle_tag.data_ptr() if handle_tag is not None else 0)
         self._settle()
+
+    def gate(self, kind: int, *, status: int = tags.STATUS_OK, upstream: int = 0, handle_tag: Any = None) -> None:
+        """The column's call gate alone: a count exchange of nothing (a cached dispatch, a combine, or a
+        call refused on the host)."""
+        self.counts_async(0, self._gate_send, self._gate_recv, False, kind=kind, status=status, upstream=upstream,
+                          handle_tag=handle_tag)
 
     def wait_counts(self, ticket: int) -> "tuple[List[int], List[int]]":
         """(rows from every node, this rank's send_counts) of counts_async(ticket, host=True): a bounded
@@ -305,7 +337,11 @@ class Relay:
         self._ep.memset_async(self._buf, 0, self.layout.off_send, torch.cuda.current_stream().cuda_stream)
         torch.cuda.current_stream().synchronize()
         self._err.zero_()
-        self._ws.zero_()      # the error claim and the call number: every column peer starts at call 1
+        # The error claim and the call number: every column peer starts at call 1 of a new generation.
+        self._epoch += 1
+        self._ws.zero_()
+        self._ws[2] = self._epoch            # normal_tags.h kWsEpoch
+        torch.cuda.current_stream().synchronize()
         self._host.zero_()
         group_barrier()
 

@@ -6,8 +6,9 @@ explains who writes what.
                u32 head[MAX_CHANNELS][R]   rows receiver d has consumed from my stream (c, -> d)
                u32 tx_pos[MAX_CHANNELS][R] my own count of rows sent on (c, -> d) (never remote)
                u32 rx_pos[MAX_CHANNELS][R] my own count of rows consumed from (c, s)
-               i32 notify_flag[2][R]       call number of source s's counts, by call parity
-               i32 notify[2][R][NOTIFY_INTS] source s's counts for me: rows, per channel, per expert
+               i32 notify_flag[2][R]       call number of source s's counts and tag, by call parity
+               i32 notify[2][R][NOTIFY_INTS] source s's counts for me: rows, per channel, per expert;
+                                           its call tag (tags.py); an internode call's extra words
     [rings]    slot[C][R][Q] of slot_bytes: ring (c, s) holds the rows source s sends me on channel c
 
 Counters are absolute (they only grow, modulo 2**32) so no call ever has to reset them; each call
@@ -16,9 +17,13 @@ ring size and row size may change from one call to the next.
 """
 from __future__ import annotations
 
-from .limits import MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_TOPK
+from typing import Any
 
-NOTIFY_INTS = 1 + MAX_CHANNELS + MAX_LOCAL_EXPERTS + 7   # rows, per-channel rows, per-expert entries; padded
+from .limits import MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_TOPK
+from .tags import TAG_INTS
+
+# rows per rank, per-channel rows, per-expert entries, the call tag (normal_launch.h kNotifyExtra)
+NOTIFY_INTS = MAX_RANKS + MAX_CHANNELS + MAX_LOCAL_EXPERTS + TAG_INTS
 RING_ALIGN = 128
 
 
@@ -60,3 +65,18 @@ def buffer_bytes(num_ranks: int, num_channels: int, ring_tokens: int, hidden: in
                  num_topk: int = MAX_TOPK) -> int:
     """Bytes a buffer needs for calls of this shape."""
     return ring_offset(num_ranks) + ring_bytes(num_ranks, num_channels, ring_tokens, slot_bytes(hidden, num_topk))
+
+
+MIN_RING_TOKENS = 32   # normal_launch.h kScanWindow: a dispatch sender routes 32 tokens per ballot
+
+
+def check_rings(config: Any, num_ranks: int, hidden: int, capacity: int) -> None:
+    """ValueError unless the rings of `config` (a Config) fit `capacity` bytes of a native buffer."""
+    q, c_n = config.num_max_nvl_chunked_recv_tokens, config.num_channels()
+    need = ring_bytes(num_ranks, c_n, q, slot_bytes(hidden))
+    if need > capacity:
+        raise ValueError(f"the rings of this config need {need} bytes ({c_n} channels x {num_ranks} ranks x {q} rows), "
+                         f"the buffer holds {capacity}: construct it with num_nvl_bytes >= NormalBuffer.size_hint(...) "
+                         f"or use a smaller config")
+    if q < MIN_RING_TOKENS:
+        raise ValueError(f"num_max_nvl_chunked_recv_tokens={q}: the native rings hold at least {MIN_RING_TOKENS} rows")

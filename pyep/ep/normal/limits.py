@@ -7,3 +7,12 @@ MAX_RANKS = 8            # one NVLink domain (ranks of one node) per buffer
 MAX_TOPK = 16
 MAX_LOCAL_EXPERTS = 1024
 DEFAULT_NUM_SMS = 24
+# Documented bounds of the arguments (docs/normal_mode.md "Bounds"): beyond them a call is refused with
+# ValueError before anything is sent. Row counts and aligned expert counts are int32 on the device, and
+# a relay count record keeps 24 bits of rows (normal_internode.h).
+MAX_TOKENS = (1 << 24) - 1         # tokens of a rank (x's rows) and num_worst_tokens
+MAX_EXPERT_ALIGNMENT = 1 << 16
+MAX_BUFFER_BYTES = 1 << 38         # num_nvl_bytes / num_rdma_bytes (256 GiB: more than any GPU holds)
+MAX_TIMEOUT_US = 3_600_000_000     # one hour
+MAX_RING_TOKENS = 1 << 16          # Config's chunk and ring sizes (rows)
+MAX_GROUP_RANKS = 256              # a group's ranks: 32 nodes of 8 (native_internode.py MAX_NODES, NODE_SIZES)

@@ -4,9 +4,8 @@ contract.NormalBackend; the buffer layout is pyep.ep.normal.layout, the protocol
 
 Host work per call: one launch binding per kernel, output allocation, and -- for a dispatch that is
 neither cached nor sized by num_worst_tokens -- one bounded wait on a pinned word for the received-row
-count (the only host wait of the mode; DeepEP has the same one). Errors the kernels record (bad expert
-ids, a peer that stopped answering) sit in a pinned record that check_errors() reads without a device
-synchronisation.
+count (the only host wait of the mode; DeepEP has the same one). What the kernels record (errors,
+void calls) sits in pinned records that device_records.py reads without a device synchronisation.
 """
 from __future__ import annotations
 
@@ -14,16 +13,18 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, List, Optional
 
-from .._dist import barrier_bounded, group_device
+from .._dist import group_device
+from .collectives import barrier
 from ..backend import BackendUnavailable, PeerTransport
 from ..config import LinkConfig
 from ..streams import raw_current_stream
-from . import layout
+from . import layout, tags
+from .capture import capture_refusal
 from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
+from .device_records import TAG_RECORD_INTS, DeviceRecords
+from .errors import ERR_PEER_TIMEOUT, BufferBroken, NormalCallMismatch, NotCapturable, PeerTimeout
 from .topology import NodeLayout
-from .capture import capture_refusal
-from .errors import ERR_PEER_TIMEOUT, BufferBroken, NotCapturable, PeerTimeout, error_from_record
 
 if TYPE_CHECKING:
     import torch
@@ -106,7 +107,6 @@ class NormalNativeBackend:
         self._peers: Any = None
         self._broken = False
         self._destroyed = False
-        self._notify_seq = 0
         self._ring_tokens: Optional[int] = None   # ring depth of the last launched call
         # PYEP_NORMAL_TMA=0: the dispatch receiver copies rows with warp loads/stores instead of the bulk
         # copy engine (an A/B switch for measurements; both give the same bytes).
@@ -116,9 +116,15 @@ class NormalNativeBackend:
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host = torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cpu",
                                  pin_memory=True)
+        self._tag_record = torch.zeros(TAG_RECORD_INTS, dtype=torch.int32, device="cpu", pin_memory=True)
         self._err_np = self._err.numpy()
         self._host_np = self._host.numpy()
         self._ws = torch.zeros(8, dtype=torch.int32, device=self.device)
+        self._scratch = torch.zeros(MAX_RANKS * MAX_LOCAL_EXPERTS, dtype=torch.int32, device=self.device)
+        self._epoch = 0
+        self.global_base = 0   # an internode buffer's node: the group rank of this node's first rank
+        self.records = DeviceRecords(self._err, self._tag_record, self._rearm_claim, self.rank, self.num_ranks,
+                                     timeout_us)
         try:
             self._buf = int(self._ep.device_alloc(self._bytes))
             self._ep.memset_async(self._buf, 0, self._bytes, torch.cuda.current_stream().cuda_stream)
@@ -134,7 +140,7 @@ class NormalNativeBackend:
             self._peer_base = torch.tensor([link.store_base for link in self._peers.links], dtype=torch.int64,
                                            device=self.device)
             self._static = self._make_static()
-            barrier_bounded(group, group_device(group), int(self._setup_timeout_s * 1e6),
+            barrier(group, group_device(group), int(self._setup_timeout_s * 1e6),
                             "normal-mode buffer setup (every rank mapped its peers)")
         except BaseException:
             self._release()
@@ -157,26 +163,77 @@ class NormalNativeBackend:
         s.host_counts = self._host.data_ptr()
         s.workspace = self._ws.data_ptr()
         s.timeout_ns = int(self.timeout_us) * 1000
+        s.tag_record = self._tag_record.data_ptr()
+        s.global_base = self.global_base
+        s.layout_scratch = self._scratch.data_ptr()
         return s
 
+    def join_group(self, global_ranks: List[int], num_ranks: int) -> None:
+        """A node of an internode buffer: tags and records name the group's ranks (global_ranks[local])."""
+        self.global_ranks = global_ranks
+        self.global_base = global_ranks[0]
+        self._static.global_base = self.global_base
+        self.records = DeviceRecords(self._err, self._tag_record, self._rearm_claim, global_ranks[self.rank], num_ranks,
+                                     self.timeout_us, peer_name=lambda r: global_ranks[r])
+
     # ------------------------------------------------------------------ errors
-    def check_errors(self) -> None:
+    def _rearm_claim(self) -> None:
+        # In stream order: no synchronisation, and a kernel still running cannot record a second error
+        # of the same call over the one just taken.
+        self._ep.memset_async(self._ws.data_ptr() + 4 * 4, 0, 4, raw_current_stream(self.device))
+
+    def pending_error(self) -> Optional[Exception]:
+        """The errors the device recorded for earlier calls (taken): a void call first (PeerRefusedCall,
+        the value error noted on it), else the value error; a timed-out peer or ranks at different calls
+        break the buffer and raise here."""
         if self._broken:
-            raise BufferBroken("a peer timed out in an earlier call of this buffer: call clean() on every live "
-                               "rank before using it again")
-        if self._err_np[0] == 0:
-            return
-        exc = error_from_record(self._err_np.tolist(), getattr(self, "_last_num_experts", 0), self.timeout_us)
-        self._err_np[:4] = 0
-        # Re-arm the device-side claim, in stream order: no synchronisation, and a kernel still running
-        # cannot record a second error of the same call over this one.
-        self._ep.memset_async(self._ws.data_ptr() + 16, 0, 4, raw_current_stream(self.device))
-        if isinstance(exc, PeerTimeout):
-            self._broken = True
-            if self.global_ranks is not None:   # a node of an internode buffer: name the group's rank
-                exc = PeerTimeout(self.global_ranks[exc.peer], exc.phase, exc.channel, exc.timeout_us)
+            raise BufferBroken("a peer timed out or the ranks were at different calls in an earlier call of this "
+                               "buffer: call clean() on every live rank before using it again")
+        void = self.records.take_void()
+        value = self.records.take_error()
+        for exc in (void, value):
+            if isinstance(exc, (PeerTimeout, NormalCallMismatch)):
+                self._broken = True
+                if exc is void and value is not None:
+                    exc.add_note(f"also recorded: {type(value).__name__}: {value}")
+                raise exc
+        if void is not None and value is not None:
+            void.add_note(f"also recorded: {type(value).__name__}: {value}")
+        return void if void is not None else value
+
+    def check_errors(self) -> None:
+        exc = self.pending_error()
         if exc is not None:
             raise exc
+
+    def check_call(self, call: Any) -> None:
+        """What the launchers would refuse after the call's gate ran (they stay as a safety net): refused
+        here, before anything is launched, so that the refusal reaches the peers as a tag."""
+        layout.check_rings(call.config, self.num_ranks, self.hidden, self._bytes - layout.ring_offset(self.num_ranks,
+                                                                                                     self._extra))
+
+    def gate(self, kind: int, sig: List[int], *, status: int = tags.STATUS_OK, reason: str = "",
+             handle_tag: Any = None, upstream: int = 0) -> None:
+        """The call gate alone (normal_gate.cuh): every rank's tag for this call, before a cached dispatch
+        or a combine moves rows, or in place of a call refused on the host."""
+        a = self._n.NotifyArgs()
+        a.gate_only = 1
+        a.kind, a.status, a.sig = kind, status, sig
+        a.reason = reason.encode("utf-8", "replace")[:tags.REASON_BYTES]
+        a.handle_tag = handle_tag.data_ptr() if handle_tag is not None else 0
+        a.upstream = upstream
+        self._n.notify(self._static, a, raw_current_stream(self.device))
+
+    def refuse(self, kind: int, reason: str) -> Optional[Exception]:
+        """This call's gate with a REFUSED tag (the peers raise PeerRefusedCall for it). get_dispatch_layout
+        exchanges nothing here (no gate to refuse). Not inside a CUDA graph capture: nothing runs there,
+        and a gate captured into the graph would replay as a refusal; the capture fails with this rank's
+        error anyway."""
+        import torch
+        if kind == tags.KIND_LAYOUT or self._broken or torch.cuda.is_current_stream_capturing():
+            return None
+        self.gate(kind, [], status=tags.STATUS_REFUSED, reason=reason)
+        return None
 
     # ------------------------------------------------------------------ calls
     def get_dispatch_layout(self, topk_idx: "torch.Tensor", num_experts: int) -> LayoutResult:
@@ -186,34 +243,64 @@ class NormalNativeBackend:
         per_rank = torch.empty(self.num_ranks, dtype=torch.int32, device=dev)
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
         in_rank = torch.empty((n, self.num_ranks), dtype=torch.bool, device=dev)
-        self._last_num_experts = num_experts
+        self.records.num_experts = num_experts
         self._n.layout(self._static, topk_idx.data_ptr(), n, k, num_experts, per_rank.data_ptr(),
                        per_expert.data_ptr(), in_rank.data_ptr(), raw_current_stream(dev))
         return LayoutResult(per_rank, per_expert, in_rank)
 
-    def _wait_counts(self, seq: int) -> None:
-        # seq only names the call in messages: the notify kernel sets host word 0 to 1, which the host
-        # cleared before the launch (no other launch writes it, see normal_notify_kernel).
-        """The pinned word the notify kernel sets once the counts are in (bounded: the kernel itself
-        gives up on a silent peer after the timeout and still sets the word)."""
+    def _wait_counts(self, what: str) -> int:
+        """The pinned word the notify kernel sets once the counts are in: 1, or 2 when the call is void
+        (bounded: the kernel itself gives up on a silent peer after the timeout and still sets it)."""
         host = self._host_np
-        if host[0] == 1:
-            return
         deadline = time.monotonic() + 2 * self.timeout_us / 1e6 + 10.0
         spins = 0
-        while host[0] != 1:
+        while host[0] == 0:
             spins += 1
             if spins > 2000:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"normal dispatch #{seq}: the received-row count did not arrive within "
+                    raise TimeoutError(f"{what}: the received-row count did not arrive within "
                                        f"{2 * self.timeout_us / 1e6 + 10.0:.1f} s (the GPU is blocked by other work)")
                 time.sleep(20e-6)
+        return int(host[0])
+
+    def count_args(self, n: int, per_expert: int, in_rank: int, num_experts: int, num_channels: int, alignment: int,
+                   num_worst_tokens: int, rpm: "torch.Tensor", cpm: "torch.Tensor", rcp: "torch.Tensor",
+                   send_head: "torch.Tensor", kind: int, sig: List[int]) -> Any:
+        """The notify kernel's arguments for routing and counting n rows, tagged (kind, sig)."""
+        a = self._n.NotifyArgs()
+        a.num_tokens_per_expert, a.is_token_in_rank, a.num_tokens = per_expert, in_rank, n
+        a.num_experts, a.num_channels, a.expert_alignment = num_experts, num_channels, alignment
+        a.num_worst_tokens = num_worst_tokens
+        a.rank_prefix_matrix, a.channel_prefix_matrix = rpm.data_ptr(), cpm.data_ptr()
+        a.recv_channel_prefix_matrix, a.send_head = rcp.data_ptr(), send_head.data_ptr()
+        a.kind, a.sig = kind, sig
+        return a
+
+    def notify(self, a: Any, what: str) -> int:
+        """Launch the notify kernel (routing, counts and the call gate); returns the rows this rank
+        receives (a bounded host wait), or num_worst_tokens without waiting. A call the gate voided
+        (a peer refused it, ranks at different calls) or a silent peer raises here, with nothing more
+        launched: every rank's call is void alike."""
+        host = a.num_worst_tokens == 0
+        if host:
+            self._host_np[0] = 0
+        self._n.notify(self._static, a, raw_current_stream(self.device))
+        if not host:
+            return a.num_worst_tokens
+        state = self._wait_counts(what)
+        if state == 2 or self._err_np[0] == ERR_PEER_TIMEOUT:
+            # Value errors of this call are not taken here: if the call goes on, this rank must still
+            # launch the dispatch its peers wait for; they surface at the event wait or the next call.
+            exc = self.pending_error()
+            if state == 2:
+                raise exc if exc is not None else BufferBroken(f"{what}: the call is void and no record says why")
+        return int(self._host_np[1])
 
     def _settle_ring_depth(self, ring_tokens: int, what: str) -> None:
         """A ring's place in the buffer depends on the ring depth (layout.py): a call with another depth
         than the last one lays its rings over streams that a slower peer may still be reading from the
         earlier call. Such a call first lets every rank finish its earlier calls (device synchronise,
-        then a bounded barrier); calls of one depth never wait here."""
+        then the call's gate); calls of one depth never wait here."""
         import torch
         if self._ring_tokens is None or self._ring_tokens == ring_tokens:
             self._ring_tokens = ring_tokens
@@ -222,9 +309,9 @@ class NormalNativeBackend:
             raise ValueError(f"{what}: num_max_nvl_chunked_recv_tokens changes from {self._ring_tokens} to "
                              f"{ring_tokens} inside a CUDA graph capture; a new ring depth needs every rank idle "
                              f"first: make one eager call with the new config before capturing")
+        # The call's gate is the barrier: no rank passes it before every rank posted its flag, which a
+        # rank does after this synchronisation (the ring depth is in the tag: the ranks change it alike).
         torch.cuda.synchronize(self.device)
-        barrier_bounded(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6),
-                        f"{what}: ring depth {self._ring_tokens} -> {ring_tokens}")
         self._ring_tokens = ring_tokens
 
     def dispatch(self, call: DispatchCall) -> DispatchResult:
@@ -243,42 +330,35 @@ class NormalNativeBackend:
         handle = call.handle
         k = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
         counts: Optional[List[int]] = None
+        q_n = cfg.num_max_nvl_chunked_recv_tokens
+        tag = None
         if handle is None:
-            self._notify_seq += 1
-            seq = self._notify_seq
             e_n = call.num_experts
-            self._last_num_experts = e_n
+            self.records.num_experts = e_n
             i32 = torch.int32
             rpm = torch.empty((r_n, r_n), dtype=i32, device=dev)
             cpm = torch.empty((r_n, c_n), dtype=i32, device=dev)
             rcp = torch.empty((r_n, c_n), dtype=i32, device=dev)
             send_head = torch.empty((n, r_n), dtype=i32, device=dev)
+            tag = torch.zeros(2, dtype=i32, device=dev)     # the handle's mark: (call, generation) of this dispatch
             in_rank = call.is_token_in_rank
-            if call.num_worst_tokens == 0:
-                self._host_np[0] = 0
-            self._n.notify(self._static, call.topk_idx.data_ptr() if call.topk_idx is not None and n else 0, k,
-                           call.num_tokens_per_expert.data_ptr(), in_rank.data_ptr(), n, e_n, c_n,
-                           call.expert_alignment, call.num_worst_tokens, rpm.data_ptr(), cpm.data_ptr(),
-                           rcp.data_ptr(), send_head.data_ptr(), 0, 0, 0, stream)
+            a = self.count_args(n, call.num_tokens_per_expert.data_ptr(), in_rank.data_ptr(), e_n, c_n,
+                                call.expert_alignment, call.num_worst_tokens, rpm, cpm, rcp, send_head,
+                                tags.KIND_DISPATCH, [h, c_n, q_n, e_n, k, int(call.topk_weights is not None) | int(fp8) << 1])
+            a.num_tokens_per_rank, a.tag_out = call.num_tokens_per_rank.data_ptr(), tag.data_ptr()
+            if call.topk_idx is not None and n:
+                a.topk, a.num_topk, a.check_layout = call.topk_idx.data_ptr(), k, 1
+            rows = self.notify(a, f"normal dispatch #{call.seq}")
             if call.num_worst_tokens > 0:
-                rows, real = call.num_worst_tokens, -1
-                counts = []
+                real, counts = -1, []
             else:
-                self._wait_counts(seq)
-                if self._err_np[0] == ERR_PEER_TIMEOUT:
-                    # A peer never sent its counts: the counts are void and so is the rest of the call.
-                    # Value errors are not raised here: this rank must still launch the dispatch its
-                    # peers wait for; they surface at the event wait or the next call.
-                    self.check_errors()
-                real = rows = int(self._host_np[1])
+                real = rows
                 counts = self._host_np[2:2 + e_n // r_n].tolist()
         else:
             rpm, cpm, rcp = handle.rank_prefix_matrix, handle.channel_prefix_matrix, handle.recv_channel_prefix_matrix
             send_head, in_rank = handle.send_head, handle.is_token_in_rank
             rows, real = handle.num_recv_rows, handle.num_recv_tokens
-            if handle.num_channels != c_n:
-                raise ValueError(f"the handle was made with {handle.num_channels} channels, this config has {c_n}: "
-                                 f"pass the config of the dispatch that made the handle")
+            self.gate(tags.KIND_CACHED, [h, c_n, q_n, int(fp8)], handle_tag=handle.tag)
         recv_x = torch.empty((rows, h), dtype=call.x.dtype, device=dev)
         recv_scales = torch.empty((rows, h // 128), dtype=torch.float32, device=dev) if fp8 else None
         cached = handle is not None
@@ -296,18 +376,16 @@ class NormalNativeBackend:
         return DispatchResult(recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=recv_idx,
                               recv_topk_weights=recv_w, num_recv_tokens_per_expert_list=None if cached else counts,
                               rank_prefix_matrix=rpm, channel_prefix_matrix=cpm, recv_channel_prefix_matrix=rcp,
-                              recv_src_idx=recv_src, send_head=send_head, num_recv_tokens=real)
+                              recv_src_idx=recv_src, send_head=send_head, num_recv_tokens=real, tag=tag)
 
     def combine(self, call: CombineCall) -> CombineResult:
         import torch
         hd = call.handle
         cfg = call.config
-        if hd.num_channels != cfg.num_channels():
-            raise ValueError(f"the handle was made with {hd.num_channels} channels, this config has "
-                             f"{cfg.num_channels()}: pass a config with num_sms={2 * hd.num_channels}")
         self._settle_ring_depth(cfg.num_max_nvl_chunked_recv_tokens, "normal combine")
         n, h = hd.num_tokens, int(call.x.shape[1])
         k = int(call.topk_weights.shape[1]) if call.topk_weights is not None else 0
+        self.gate(tags.KIND_COMBINE, [h, hd.num_channels, cfg.num_max_nvl_chunked_recv_tokens, k], handle_tag=hd.tag)
         out = torch.empty((n, h), dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty((n, k), dtype=torch.float32, device=self.device) if k else None
         b0, b1 = call.bias
@@ -325,29 +403,19 @@ class NormalNativeBackend:
         """(pinned error record, device claim word block): other kernels of the buffer record there."""
         return self._err.data_ptr(), self._ws.data_ptr()
 
-    def note_num_experts(self, num_experts: int) -> None:
-        self._last_num_experts = num_experts
+    @property
+    def layout_scratch_address(self) -> int:
+        """Device int32 [MAX_RANKS * MAX_LOCAL_EXPERTS]: where the route kernels count topk_idx's entries
+        per expert (the internode route uses the node's)."""
+        return int(self._scratch.data_ptr())
+
+    @property
+    def tag_record_address(self) -> int:
+        """The pinned tag record (device_records.py): the relay's gate records its voids there too."""
+        return int(self._tag_record.data_ptr())
 
     def settle_ring_depth(self, ring_tokens: int, what: str) -> None:
         self._settle_ring_depth(ring_tokens, what)
-
-    def notify(self, n: int, per_expert: int, in_rank: int, num_experts: int, num_channels: int, alignment: int,
-               num_worst_tokens: int, rpm: "torch.Tensor", cpm: "torch.Tensor", rcp: "torch.Tensor",
-               send_head: "torch.Tensor", extra: int, extra_out: int, extra_ints: int) -> int:
-        """Routing and count exchange of n rows (no id check: the caller checked them); returns the rows
-        this rank receives (a bounded host wait), or num_worst_tokens without waiting."""
-        self._notify_seq += 1
-        if num_worst_tokens == 0:
-            self._host_np[0] = 0
-        self._n.notify(self._static, 0, 0, per_expert, in_rank, n, num_experts, num_channels, alignment,
-                       num_worst_tokens, rpm.data_ptr(), cpm.data_ptr(), rcp.data_ptr(), send_head.data_ptr(), extra,
-                       extra_out, extra_ints, raw_current_stream(self.device))
-        if num_worst_tokens > 0:
-            return num_worst_tokens
-        self._wait_counts(self._notify_seq)
-        if self._err_np[0] == ERR_PEER_TIMEOUT:
-            self.check_errors()
-        return int(self._host_np[1])
 
     def launch_dispatch(self, x: "torch.Tensor", scales: Any, topk: Any, weights: Any, in_rank: "torch.Tensor",
                         rpm: "torch.Tensor", cpm: "torch.Tensor", rcp: "torch.Tensor", n: int, h: int, k: int,
@@ -375,21 +443,27 @@ class NormalNativeBackend:
 
     # ------------------------------------------------------------------ the rest
     def clean(self) -> None:
-        """Collective: every rank quiesces, zeroes its control area and error record, and waits for all
-        others, so that no counter of an interrupted call survives."""
+        """Collective: every rank quiesces, zeroes its control area and records, starts a new generation
+        at call 0, and waits for all others, so that no counter or call number of an interrupted call
+        survives."""
         import torch
         torch.cuda.synchronize(self.device)
         what = "normal-mode clean"
-        barrier_bounded(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
+        barrier(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
         self._ep.memset_async(self._buf, 0, layout.ring_offset(self.num_ranks, self._extra),
                               torch.cuda.current_stream().cuda_stream)
         torch.cuda.current_stream().synchronize()
         self._err.zero_()
         self._host.zero_()
+        self._tag_record.zero_()
+        self.records.reset()
+        # A new generation, every rank at call 0 (kWsSeq) again: the tags of older calls never match.
+        self._epoch += 1
         self._ws.zero_()
-        self._notify_seq = 0
+        self._ws[2] = self._epoch            # normal_tags.h kWsEpoch
+        torch.cuda.current_stream().synchronize()
         self._broken = False
-        barrier_bounded(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
+        barrier(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
 
     def buffer_bytes(self) -> int:
         return self._bytes

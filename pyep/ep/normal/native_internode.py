@@ -26,14 +26,16 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
-from .._dist import barrier_bounded, group_device
+from .._dist import group_device
+from .collectives import barrier
 from ..backend import BackendUnavailable
 from ..streams import raw_current_stream
 from . import internode_order as order
+from . import tags
 from .config import Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .capture import capture_refusal
-from .errors import BufferBroken, NotCapturable, PeerTimeout
+from .errors import BufferBroken, NormalCallMismatch, NotCapturable, PeerTimeout
 from .internode_relay import Relay, RelayError, next_ticket, stream_capturing
 from .native import NormalNativeBackend
 from .topology import NodeLayout
@@ -115,14 +117,14 @@ class NormalInternodeBackend:
             self.node = NormalNativeBackend(node_groups[self.node_index], num_nvl_bytes=num_nvl_bytes, hidden=hidden,
                                             transport="auto", timeout_us=timeout_us, num_sms=num_sms,
                                             notify_extra=m_n * self.meta_ints)
-            self.node.global_ranks = list(nodes.ranks(self.node_index))
+            self.node.join_group(list(nodes.ranks(self.node_index)), r_n)
             self.device = self.node.device
             row = self._r.relay_row(hidden, False, 16, p, True)["bytes"]
             ring = int(num_rdma_bytes) // (2 * m_n) if num_rdma_bytes else Config().num_max_rdma_chunked_recv_tokens * row
             # The ring also holds the count records of two calls in flight.
             self.relay = Relay(group, nodes, ring_bytes=max(ring, 8 * self.meta_ints),
                                transport=relay_transport(transport), timeout_us=timeout_us,
-                               setup_timeout_s=self._setup_s)
+                               setup_timeout_s=self._setup_s, tag_record=self.node.tag_record_address)
             s = self._r.InterStatic()
             s.rank, s.num_ranks, s.node, s.num_nodes, s.ranks_per_node = self.rank, r_n, self.node_index, m_n, p
             s.err, s.workspace = self.node.static_error_words()
@@ -133,24 +135,65 @@ class NormalInternodeBackend:
             # Labelled with the call's count-exchange ticket (self._ticket): one label per waited-for call.
             self._order_host = torch.zeros(1 + self.max_experts // r_n, dtype=torch.int32, device="cpu",
                                            pin_memory=True)
-            barrier_bounded(group, group_device(group), int(self._setup_s * 1e6), "normal internode buffer setup")
+            barrier(group, group_device(group), int(self._setup_s * 1e6), "normal internode buffer setup")
         except BaseException:
             self._release()
             raise
         log.debug("rank %d: internode normal buffer, %d nodes x %d ranks", self.rank, m_n, p)
 
     # ------------------------------------------------------------------ errors
-    def check_errors(self) -> None:
+    def pending_error(self) -> Optional[Exception]:
+        """The node's records (which the relay's gate shares) and the relay's error record: a void call
+        or a value error is returned, a timeout, a failed queue or ranks at different calls break the
+        buffer and raise."""
         if self._broken:
-            raise BufferBroken("a peer timed out or an RDMA queue failed in an earlier call of this buffer: call "
-                               "clean() on every live rank before using it again")
+            raise BufferBroken("a peer timed out, an RDMA queue failed or the ranks were at different calls in an "
+                               "earlier call of this buffer: call clean() on every live rank before using it again")
         assert self.node is not None and self.relay is not None
         try:
-            self.node.check_errors()   # names the group's ranks (global_ranks)
+            exc = self.node.pending_error()   # names the group's ranks (join_group)
             self.relay.check_errors()
-        except (PeerTimeout, RelayError, BufferBroken):
+        except (PeerTimeout, RelayError, BufferBroken, NormalCallMismatch):
             self._broken = True
             raise
+        return exc
+
+    def check_errors(self) -> None:
+        exc = self.pending_error()
+        if exc is not None:
+            raise exc
+
+    def check_call(self, call: Any) -> None:
+        """The node's limits, and the relay's: refused before anything is launched (contract.py)."""
+        self.node.check_call(call)
+        hd = call.handle
+        if hd is not None and hd.internode is None:
+            raise ValueError("this handle was not made by the native internode path of this buffer")
+        if isinstance(call, DispatchCall) and hd is None and call.num_experts > self.max_experts:
+            raise ValueError(f"the internode buffer counts up to {self.max_experts} experts, got {call.num_experts}")
+        h = int(call.x.shape[1])
+        if isinstance(call, DispatchCall):
+            k = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
+            row = self._r.relay_row(h, call.x_scales is not None, k, self.nodes.ranks_per_node, hd is None)["bytes"]
+        else:
+            row = _align16(2 * h + 4 * (int(call.topk_weights.shape[1]) if call.topk_weights is not None else 0))
+        if row > self.relay.layout.ring_bytes:
+            raise ValueError(f"a relay row of {row} bytes does not fit the relay ring of {self.relay.layout.ring_bytes} "
+                             f"bytes: construct the buffer with a larger num_rdma_bytes")
+
+    def refuse(self, kind: int, reason: str) -> Optional[Exception]:
+        """This call's gates with REFUSED tags, in the order the call's own gates run (the column's count
+        exchange first, but for a combine, which starts in the node): every rank of the group then finds
+        the call void -- directly, or passed on by a rank of its node or column. get_dispatch_layout
+        exchanges nothing; nothing is launched inside a capture (native.py refuse says why)."""
+        if kind == tags.KIND_LAYOUT or self._broken or stream_capturing():
+            return None
+        assert self.node is not None and self.relay is not None
+        node = lambda: self.node.gate(kind, [], status=tags.STATUS_REFUSED, reason=reason)  # noqa: E731
+        column = lambda: self.relay.gate(kind, status=tags.STATUS_REFUSED)                  # noqa: E731
+        for step in ((node, column) if kind == tags.KIND_COMBINE else (column, node)):
+            step()
+        return None
 
     # ------------------------------------------------------------------ helpers
     def _zero(self, n: int) -> "torch.Tensor":
@@ -197,7 +240,7 @@ class NormalInternodeBackend:
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
         per_node = torch.empty(self.nodes.num_nodes, dtype=torch.int32, device=dev)
         in_rank = torch.empty((n, r_n), dtype=torch.bool, device=dev)
-        self.node.note_num_experts(num_experts)
+        self.node.records.num_experts = num_experts
         self._r.layout(self._static, topk_idx.data_ptr(), n, k, num_experts, per_rank.data_ptr(), per_expert.data_ptr(),
                        per_node.data_ptr(), in_rank.data_ptr(), raw_current_stream(dev))
         if eager:
@@ -214,7 +257,7 @@ class NormalInternodeBackend:
         self.node.settle_ring_depth(call.config.num_max_nvl_chunked_recv_tokens, "normal internode dispatch")
         try:
             res = self._cached_dispatch(call) if cached else self._dispatch(call)
-        except (PeerTimeout, RelayError):   # raised by a host wait of this call: the rings are void
+        except (PeerTimeout, RelayError, NormalCallMismatch):   # raised by a host wait of this call
             self._broken = True
             raise
         if eager:
@@ -223,7 +266,7 @@ class NormalInternodeBackend:
 
     def _dispatch(self, call: DispatchCall) -> DispatchResult:
         import torch
-        dev, r_n, me = self.device, self.num_ranks, self.rank
+        dev, r_n = self.device, self.num_ranks
         p, m_n, node = self.nodes.ranks_per_node, self.nodes.num_nodes, self.node_index
         i32, u8 = torch.int32, torch.uint8
         cfg, c_n = call.config, call.config.num_channels()
@@ -232,9 +275,7 @@ class NormalInternodeBackend:
         k = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
         e_n, nwt = call.num_experts, call.num_worst_tokens
         e_l = e_n // r_n
-        if e_n > self.max_experts:
-            raise ValueError(f"the internode buffer counts up to {self.max_experts} experts, got {e_n}")
-        self.node.note_num_experts(e_n)
+        self.node.records.num_experts = e_n
         stream = raw_current_stream(dev)
         mi = self.meta_ints
         ptr = (lambda t: t.data_ptr() if t is not None else 0)
@@ -245,9 +286,13 @@ class NormalInternodeBackend:
         node_counts = torch.empty(m_n, dtype=i32, device=dev)
         meta = torch.empty((m_n, mi), dtype=i32, device=dev)
         meta_col = torch.empty((m_n, mi), dtype=i32, device=dev)
+        # The caller's layout tensors are checked against is_token_in_rank and topk_idx on the way.
+        checked = call.topk_idx is not None and n > 0
         self._r.route(self._static, ptr(call.topk_idx) if n else 0, k, e_n, in_rank.data_ptr(), n, c_n,
                       send_head.data_ptr(), cpm.data_ptr(), node_head.data_ptr(), node_counts.data_ptr(),
-                      meta.data_ptr(), meta_col[node].data_ptr(), mi, stream)
+                      meta.data_ptr(), meta_col[node].data_ptr(), mi, stream, call.num_tokens_per_rank.data_ptr(),
+                      call.num_tokens_per_rdma_rank.data_ptr(), call.num_tokens_per_expert.data_ptr(),
+                      self.node.layout_scratch_address if checked else 0, int(checked))
         per_expert = call.num_tokens_per_expert.to(i32)
         meta[:, 1 + r_n:1 + r_n + e_n] = per_expert            # the record's tokens per expert
         meta_col[node, 1 + r_n:1 + r_n + e_n] = per_expert
@@ -256,7 +301,7 @@ class NormalInternodeBackend:
         host = nwt == 0
         if host:
             self._ticket = next_ticket(self._ticket)
-        self.relay.counts_async(self._ticket, node_counts, recv, host)
+        self.relay.counts_async(self._ticket, node_counts, recv, host, kind=tags.KIND_DISPATCH)
         q_r, chunk_r = self._rdma(cfg)
         self.relay.relay_into(PHASE_COUNTS, meta.view(u8), self._steps, meta_col.view(u8), self._steps, q_r, 1)
         f_off = torch.empty(m_n + 1, dtype=i32, device=dev)
@@ -292,8 +337,15 @@ class NormalInternodeBackend:
         rcp_f = torch.empty((p, c_n), dtype=i32, device=dev)
         sh_f = torch.empty((f_rows, p), dtype=i32, device=dev)
         gathered = torch.empty((p, m_n * mi), dtype=i32, device=dev)
-        rows = nd.notify(f_rows, self._zero(p * e_l).data_ptr(), in_f.data_ptr(), p * e_l, c_n, call.expert_alignment,
-                         nwt, rpm_f, cpm_f, rcp_f, sh_f, meta_col.data_ptr(), gathered.data_ptr(), m_n * mi)
+        tag = torch.zeros(2, dtype=i32, device=dev)     # the handle's mark: the node call of this dispatch
+        a = nd.count_args(f_rows, self._zero(p * e_l).data_ptr(), in_f.data_ptr(), p * e_l, c_n, call.expert_alignment,
+                          nwt, rpm_f, cpm_f, rcp_f, sh_f, tags.KIND_DISPATCH,
+                          [h, c_n, cfg.num_max_nvl_chunked_recv_tokens, e_n, k, int(call.topk_weights is not None) | int(fp8) << 1])
+        a.extra, a.extra_out, a.extra_ints = meta_col.data_ptr(), gathered.data_ptr(), m_n * mi
+        a.upstream, a.tag_out = self.relay.workspace_address, tag.data_ptr()
+        # The node's gate: a void of the column's count exchange (a refusal in this column) is passed on,
+        # so every rank of the node -- and through the other columns, every rank -- voids the call.
+        rows = nd.notify(a, f"normal internode dispatch #{call.seq}")
         # Row map, rank_prefix_matrix and (for the host) the per-expert counts from the records: one
         # kernel, answered before the dispatch runs (internode_order.py states what it computes).
         rmap = torch.empty(max(rows, 1), dtype=i32, device=dev)
@@ -321,18 +373,17 @@ class NormalInternodeBackend:
         return DispatchResult(recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=recv_idx, recv_topk_weights=recv_w,
                               num_recv_tokens_per_expert_list=counts, rank_prefix_matrix=rpm, channel_prefix_matrix=cpm,
                               recv_channel_prefix_matrix=rcp, recv_src_idx=recv_src, send_head=send_head,
-                              num_recv_tokens=rows if host else -1, internode=state)
+                              num_recv_tokens=rows if host else -1, internode=state, tag=tag)
 
     def _cached_dispatch(self, call: DispatchCall) -> DispatchResult:
         import torch
         hd = call.handle
         st: order.StagedState = hd.internode
-        if st is None:
-            raise ValueError("this handle was not made by the native internode path of this buffer")
         dev, p = self.device, self.nodes.ranks_per_node
         n, h = call.x.shape
         fp8 = call.x_scales is not None
         cfg = call.config
+        self.relay.gate(tags.KIND_CACHED, handle_tag=hd.tag)
         rr = self._r.relay_row(h, fp8, 0, p, False)
         fwd = torch.empty((st.forward_rows, rr["bytes"]), dtype=torch.uint8, device=dev)
         send = torch.empty((st.send_rows, rr["bytes"]), dtype=torch.uint8, device=dev)
@@ -346,6 +397,8 @@ class NormalInternodeBackend:
         rows = hd.num_recv_rows
         recv_x = torch.empty((rows, h), dtype=call.x.dtype, device=dev)
         recv_scales = torch.empty((rows, h // 128), dtype=torch.float32, device=dev) if fp8 else None
+        self.node.gate(tags.KIND_CACHED, [h, hd.num_channels, cfg.num_max_nvl_chunked_recv_tokens, int(fp8)],
+                       handle_tag=hd.tag, upstream=self.relay.workspace_address)
         self.node.launch_dispatch(fwd, scales_f, None, None, st.node_in_rank, st.node_rank_prefix,
                                   st.node_channel_prefix, st.node_recv_channel_prefix, st.forward_rows, h, 0, 0, fp8,
                                   cfg, rows, hd.num_worst_tokens, recv_x, recv_scales, None, None, None, None, st.row_map,
@@ -359,11 +412,6 @@ class NormalInternodeBackend:
     def combine(self, call: CombineCall) -> CombineResult:
         hd, cfg = call.handle, call.config
         st: order.StagedState = hd.internode
-        if st is None:
-            raise ValueError("this handle was not made by the native internode path of this buffer")
-        if hd.num_channels != cfg.num_channels():
-            raise ValueError(f"the handle was made with {hd.num_channels} channels, this config has "
-                             f"{cfg.num_channels()}: pass a config with num_sms={2 * hd.num_channels}")
         kind = ("combine", call.topk_weights is not None, call.bias[0] is not None, call.bias[1] is not None)
         eager = self._capture_gate(kind, "an internode combine", host_wait=False)
         self.node.settle_ring_depth(cfg.num_max_nvl_chunked_recv_tokens, "normal internode combine")
@@ -382,6 +430,7 @@ class NormalInternodeBackend:
         # The node's partials (contract.combine_order's part_n) for every forwarded row ...
         part = torch.empty((f_rows, h), dtype=torch.bfloat16, device=dev)
         part_w = torch.empty((f_rows, k), dtype=torch.float32, device=dev) if k else None
+        self.node.gate(tags.KIND_COMBINE, [h, hd.num_channels, cfg.num_max_nvl_chunked_recv_tokens, k], handle_tag=hd.tag)
         self.node.launch_combine(call.x, call.topk_weights, st.node_send_head, st.node_rank_prefix,
                                  st.node_channel_prefix, st.node_recv_channel_prefix, f_rows, h, k, hd.num_channels,
                                  cfg, part, part_w, st.row_map)
@@ -393,6 +442,7 @@ class NormalInternodeBackend:
             rows[:, 2 * h:2 * h + 4 * k] = part_w.view(torch.uint8)
         back = torch.empty((st.send_rows, width), dtype=torch.uint8, device=dev)
         q_r, chunk_r = self._rdma(cfg)
+        self.relay.gate(tags.KIND_COMBINE, upstream=self.node.static_error_words()[1])   # passes a node void on
         self.relay.relay_into(PHASE_COMBINE, rows, st.f_offsets, back, st.s_offsets, q_r, chunk_r,
                               capacity=st.send_rows)
         # ... and the sum in node order at the source.
@@ -411,7 +461,7 @@ class NormalInternodeBackend:
         assert self.node is not None and self.relay is not None
         self.node.clean()
         bound = int(self._setup_s * 1e6)
-        self.relay.clean(lambda: barrier_bounded(self.group, group_device(self.group), bound, "normal internode clean"))
+        self.relay.clean(lambda: barrier(self.group, group_device(self.group), bound, "normal internode clean"))
         self._broken = False
 
     def buffer_bytes(self) -> int:

@@ -2,23 +2,30 @@
 (gloo on CPU, NCCL on GPU). It is the oracle the native kernels are compared with bit for bit, so it
 is written to be obviously right rather than fast.
 
-A non-cached dispatch is two all-to-alls: a header (per source: its expert-id error record, the rows
-it sends each rank, the num_tokens_per_rank it claims, and per destination its per-channel rows and
-per-expert entries) and the rows themselves as bytes (gloo has no bf16/fp8). Every rank receives
-every source's error record and row counts, so all ranks take the same decision about an error at the
-same call and nobody is left waiting in a collective. A cached dispatch and a combine move rows only:
-the handle already says how many rows go where.
+Every call starts with the call-tag exchange (tags.py): every rank's generation, call number, kind,
+shape signature and status, so that a rank refused on its host (it exchanges only its REFUSED tag)
+or at another call never pairs its collectives with this call's (PeerRefusedCall / NormalCallMismatch
+on every rank). A non-cached dispatch then is two all-to-alls: a header (per source: its expert-id
+and layout error records, the rows it sends each rank, the num_tokens_per_rank it claims, and per
+destination its per-channel rows and per-expert entries) and the rows themselves as bytes (gloo has
+no bf16/fp8). Every rank receives every source's error records and row counts, so all ranks take the
+same decision about an error at the same call and nobody is left waiting in a collective. A cached
+dispatch and a combine move rows only: the handle already says how many rows go where.
 """
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
-from .._dist import all_to_all_bounded, barrier_bounded, group_device
+from .._dist import group_device
+from .collectives import all_to_all
 from ..config import DEFAULT_TIMEOUT_US
+from . import tags
 from .contract import (CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult,
                        combine_order)
-from .errors import InvalidExpertIndex, NormalModeError, WorstTokensExceeded
+from .errors import (BufferBroken, NormalCallMismatch, WorstTokensExceeded, node_count_mismatch,
+                     rank_count_mismatch)
+from .reference_values import ERR_WORDS, first_bad_entry, layout_contradiction, raise_first
 from .topology import NodeLayout
 
 if TYPE_CHECKING:
@@ -26,7 +33,6 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 log = logging.getLogger("pyep.ep.normal.reference")
-ERR_WORDS = 4   # [has_error, row, k, value] of the first bad topk_idx entry of a source
 
 
 def row_bytes(t: "torch.Tensor") -> "torch.Tensor":
@@ -55,29 +61,6 @@ def token_channels(n: int, num_channels: int, device: "torch.device") -> "torch.
     return torch.div(torch.arange(n, device=device, dtype=torch.int64), per, rounding_mode="floor")
 
 
-def first_bad_entry(topk_idx: "torch.Tensor", num_experts: int) -> List[int]:
-    """[1, row, k, value] of the first (row-major) entry outside [-1, E), or [0, 0, 0, 0]."""
-    bad = ((topk_idx < -1) | (topk_idx >= num_experts)).nonzero()
-    if bad.shape[0] == 0:
-        return [0, 0, 0, 0]
-    row, k = (int(v) for v in bad[0])
-    return [1, row, k, int(topk_idx[row, k])]
-
-
-def raise_expert_error(records: "torch.Tensor", me: int, num_experts: int) -> None:
-    """records int64 [R, ERR_WORDS], one per source rank (every rank holds the same table). Raise
-    InvalidExpertIndex on every rank when any source had a bad id: this rank's own entry if it has one,
-    else the lowest offending rank's (with a note saying which rank)."""
-    flagged = [r for r in range(records.shape[0]) if int(records[r, 0])]
-    if not flagged:
-        return
-    src = me if me in flagged else flagged[0]
-    _, row, k, value = (int(v) for v in records[src])
-    err = InvalidExpertIndex(row, k, value, num_experts)
-    err.add_note(f"topk_idx of rank {src} (ranks with bad ids: {flagged}); every rank raises at this call")
-    raise err
-
-
 class NormalReferenceBackend:
     name = "reference"
 
@@ -90,6 +73,9 @@ class NormalReferenceBackend:
         self.nodes = nodes if nodes is not None else NodeLayout(self.num_ranks, self.num_ranks)
         self.device = group_device(group)
         self.timeout_us = timeout_us
+        self.epoch = 0                         # generation: clean() calls so far
+        self.calls = 0                         # exchanging calls of this generation
+        self._broken: Optional[str] = None     # why, after a NormalCallMismatch (until clean())
 
     @staticmethod
     def unavailable_reason(*args: object, **kwargs: object) -> Optional[str]:
@@ -102,7 +88,7 @@ class NormalReferenceBackend:
         grouped by source rank ascending."""
         import torch
         recv = torch.empty((sum(recv_counts), send.shape[1]), dtype=torch.uint8, device=self.device)
-        all_to_all_bounded(recv, send, recv_counts, send_counts, self.group, timeout_us, what)
+        all_to_all(recv, send, recv_counts, send_counts, self.group, timeout_us, what)
         return recv
 
     def _exchange_records(self, mine: "torch.Tensor", timeout_us: int, what: str) -> "torch.Tensor":
@@ -110,8 +96,53 @@ class NormalReferenceBackend:
         import torch
         send = mine.reshape(1, -1).expand(self.num_ranks, -1).contiguous()
         recv = torch.empty_like(send)
-        all_to_all_bounded(recv, send, None, None, self.group, timeout_us, what)
+        all_to_all(recv, send, None, None, self.group, timeout_us, what)
         return recv
+
+    def _exchange_tags(self, kind: int, sig: Tuple[int, ...], *, status: int = tags.STATUS_OK, reason: str = "",
+                       extra: Optional[List[int]] = None) -> Tuple[str, "torch.Tensor"]:
+        """The call's tag exchange (the first collective of every call): returns the call's name and every
+        rank's `extra` words [R, len(extra)]. Raises NormalCallMismatch (and breaks the buffer) when some
+        rank is at another call, PeerRefusedCall when a peer refused this call (unless this rank refuses
+        it too: its own error is raised by the front)."""
+        if self._broken is not None:
+            raise BufferBroken(self._broken)
+        self.calls += 1
+        what = f"normal {tags.KIND_NAMES[kind]} #{self.calls}"
+        mine = tags.CallTag(self.epoch, self.calls, kind, status, sig, self.rank, reason)
+        table = self._tag_table(mine, extra or [], f"{what} (call tags)")
+        try:
+            peers = [tags.decode(table[r].tolist(), what, self.rank, r, self.calls, self.num_ranks)
+                     for r in range(self.num_ranks)]
+            err = tags.verdict(what, self.rank, mine, peers)
+            if isinstance(err, NormalCallMismatch):
+                raise err
+        except NormalCallMismatch as exc:
+            self._broken = f"{exc}; call clean() on every rank"
+            raise
+        if err is not None and status == tags.STATUS_OK:
+            raise err
+        return what, table[:, tags.TAG_INTS:]
+
+    def _tag_table(self, mine: tags.CallTag, extra: List[int], what: str) -> "torch.Tensor":
+        """Every rank's [tag | extra] as int64 [R, TAG_INTS + ERR_WORDS]: one width for every call, so
+        that ranks at different calls still exchange whole tags (and find out) instead of mismatching
+        the collective's sizes."""
+        import torch
+        words = tags.encode(mine) + extra + [0] * (ERR_WORDS - len(extra))
+        return self._exchange_records(torch.tensor(words, dtype=torch.int64, device=self.device), self.timeout_us,
+                                      what)
+
+    def refuse(self, kind: int, reason: str) -> Optional[Exception]:
+        try:
+            self._exchange_tags(kind, (), status=tags.STATUS_REFUSED, reason=reason)
+        except (NormalCallMismatch, BufferBroken) as exc:
+            return exc
+        except TimeoutError as exc:
+            # The peers did not make this call at all: gloo's pending exchange pairs with nothing now.
+            self._broken = f"a refused call's tag exchange found no peers ({exc}); call clean() on every rank"
+            return exc
+        return None
 
     def _rows_per_source(self, rank_prefix_matrix: "torch.Tensor") -> List[int]:
         col = [int(v) for v in rank_prefix_matrix[:, self.rank]]
@@ -122,10 +153,10 @@ class NormalReferenceBackend:
         import torch
         r_n, dev = self.num_ranks, self.device
         e_l = num_experts // r_n
-        # Collective only to agree on bad ids: every rank raises at this call or none does.
-        mine = torch.tensor(first_bad_entry(topk_idx, num_experts), dtype=torch.int64, device=dev)
-        raise_expert_error(self._exchange_records(mine, self.timeout_us, "normal get_dispatch_layout"),
-                           self.rank, num_experts)
+        # The tag exchange carries every rank's bad-id record: every rank raises at this call or none does.
+        _, bad = self._exchange_tags(tags.KIND_LAYOUT, tags.signature(num_experts),
+                                     extra=first_bad_entry(topk_idx, num_experts))
+        raise_first(bad, self.rank, num_experts, bad_ids=True)
         n = topk_idx.shape[0]
         valid = topk_idx >= 0
         per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
@@ -207,14 +238,18 @@ class NormalReferenceBackend:
         n, c_n = call.x.shape[0], call.config.num_channels()
         e_l = call.num_experts // r_n
         assert call.num_tokens_per_rank is not None and call.num_tokens_per_expert is not None
+        k = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
+        what, _ = self._exchange_tags(tags.KIND_DISPATCH, tags.signature(
+            call.x.shape[1], c_n, call.num_experts, k, call.topk_weights is not None, call.x_scales is not None))
         in_rank = call.is_token_in_rank
         chan = token_channels(n, c_n, dev)
         per_chan = torch.zeros((r_n, c_n), dtype=torch.int64, device=dev)   # [d][c] my rows for d
         for d in range(r_n):
             per_chan[d] = torch.bincount(chan[in_rank[:, d]], minlength=c_n)
         err = first_bad_entry(call.topk_idx, call.num_experts) if call.topk_idx is not None else [0] * ERR_WORDS
-        # Header to d: [error record | rows I send every rank | my num_tokens_per_rank | my rows for
-        # d per channel | my top-k entries per expert of d]
+        err += layout_contradiction(call.topk_idx, call.num_experts, r_n, in_rank, call.num_tokens_per_expert)
+        # Header to d: [bad-id record | layout record | rows I send every rank | my num_tokens_per_rank |
+        # my rows for d per channel | my top-k entries per expert of d]
         common = torch.cat([torch.tensor(err, dtype=torch.int64, device=dev), per_chan.sum(dim=1),
                             call.num_tokens_per_rank.to(torch.int64)])
         experts = call.num_tokens_per_expert.to(torch.int64).reshape(r_n, e_l)
@@ -226,19 +261,20 @@ class NormalReferenceBackend:
             parts.append(rdma.reshape(1, -1).expand(r_n, -1))
         header = torch.cat(parts, dim=1).contiguous()
         hdr = torch.empty_like(header)
-        all_to_all_bounded(hdr, header, None, None, self.group, call.timeout_us,
-                           f"normal dispatch #{call.seq} (header all-to-all)")
-        o_rows, o_claim, o_chan = ERR_WORDS, ERR_WORDS + r_n, ERR_WORDS + 2 * r_n
-        raise_expert_error(hdr[:, :ERR_WORDS], me, call.num_experts)
+        all_to_all(hdr, header, None, None, self.group, call.timeout_us, f"{what} (header all-to-all)")
+        o_rows = 2 * ERR_WORDS
+        o_claim, o_chan = o_rows + r_n, o_rows + 2 * r_n
+        raise_first(hdr[:, :ERR_WORDS], me, call.num_experts, bad_ids=True)
+        raise_first(hdr[:, ERR_WORDS:o_rows], me, call.num_experts, bad_ids=False)
         sent = hdr[:, o_rows:o_claim]          # [s][d]: rows source s sends d
         claimed = hdr[:, o_claim:o_chan]       # [s][d]: num_tokens_per_rank of source s
         if not torch.equal(sent, claimed):
             s, d = (int(v) for v in (sent != claimed).nonzero()[0])
-            raise NormalModeError(f"rank {s}: num_tokens_per_rank[{d}]={int(claimed[s, d])} but "
-                                  f"is_token_in_rank selects {int(sent[s, d])} tokens for rank {d}; pass "
-                                  f"the tensors of one get_dispatch_layout call")
+            err = rank_count_mismatch(d, int(claimed[s, d]), int(sent[s, d]))
+            err.add_note(f"in the tensors of rank {s} ({what}); every rank raises at this call")
+            raise err
         if self.nodes.internode:
-            self._check_rdma_claims(hdr[:, o_chan + c_n + e_l:], call.seq)
+            self._check_rdma_claims(hdr[:, o_chan + c_n + e_l:], what)
         arrive = sent.sum(dim=0)               # [d]: rows rank d receives
         nwt = call.num_worst_tokens
         if nwt > 0 and bool((arrive > nwt).any()):
@@ -251,8 +287,7 @@ class NormalReferenceBackend:
         recv_counts = [int(v) for v in sent[:, me]]
         tokens = torch.cat([in_rank[:, d].nonzero().reshape(-1) for d in range(r_n)])
         send = self._payload(call, tokens, with_topk=True)
-        recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us,
-                                     f"normal dispatch #{call.seq} (data all-to-all)")
+        recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us, f"{what} (data all-to-all)")
         m = recv.shape[0]
         rows = nwt if nwt > 0 else m
         recv_x, scales, src, idx_out, w_out = self._unpack(call, recv, rows, with_topk=True)
@@ -271,9 +306,13 @@ class NormalReferenceBackend:
                               recv_topk_weights=w_out, num_recv_tokens_per_expert_list=counts_list,
                               rank_prefix_matrix=rank_prefix, channel_prefix_matrix=channel_prefix,
                               recv_channel_prefix_matrix=recv_channel_prefix, recv_src_idx=src,
-                              send_head=send_head, num_recv_tokens=m)
+                              send_head=send_head, num_recv_tokens=m, tag=self._mark())
 
-    def _check_rdma_claims(self, rdma: "torch.Tensor", seq: int) -> None:
+    def _mark(self) -> int:
+        """A handle's tag: the generation and number of the dispatch that made it."""
+        return (self.epoch << 32) | self.calls
+
+    def _check_rdma_claims(self, rdma: "torch.Tensor", what: str) -> None:
         """rdma [R, 2M]: every source's num_tokens_per_rdma_rank and the count its is_token_in_rank
         gives; every rank sees every source's pair, so all raise together."""
         import torch
@@ -281,9 +320,9 @@ class NormalReferenceBackend:
         claimed, derived = rdma[:, :m], rdma[:, m:]
         if not torch.equal(claimed, derived):
             s, n = (int(v) for v in (claimed != derived).nonzero()[0])
-            raise NormalModeError(f"rank {s}: num_tokens_per_rdma_rank[{n}]={int(claimed[s, n])} but "
-                                  f"is_token_in_rank selects {int(derived[s, n])} tokens for node {n} "
-                                  f"(dispatch #{seq}); pass the tensors of one get_dispatch_layout call")
+            err = node_count_mismatch(n, int(claimed[s, n]), int(derived[s, n]))
+            err.add_note(f"in the tensors of rank {s} ({what}); every rank raises at this call")
+            raise err
 
     def _send_head(self, in_rank: "torch.Tensor", chan: "torch.Tensor", per_chan: "torch.Tensor"
                    ) -> "torch.Tensor":
@@ -304,13 +343,14 @@ class NormalReferenceBackend:
         handle = call.handle
         assert handle is not None
         r_n = self.num_ranks
+        what, _ = self._exchange_tags(tags.KIND_CACHED, tags.signature(
+            call.x.shape[1], handle.num_channels, call.x_scales is not None, handle.tag & 0xFFFFFFFF, handle.tag >> 32))
         in_rank = handle.is_token_in_rank
         send_counts = [int(v) for v in in_rank.sum(dim=0)]
         recv_counts = self._rows_per_source(handle.rank_prefix_matrix)
         tokens = torch.cat([in_rank[:, d].nonzero().reshape(-1) for d in range(r_n)])
         send = self._payload(call, tokens, with_topk=False)
-        recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us,
-                                     f"normal cached dispatch #{call.seq} (data all-to-all)")
+        recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us, f"{what} (data all-to-all)")
         m = recv.shape[0]
         recv_x, scales, src, _, _ = self._unpack(call, recv, handle.num_recv_rows, with_topk=False)
         return DispatchResult(recv_x=recv_x, recv_x_scales=scales, recv_topk_idx=None, recv_topk_weights=None,
@@ -325,6 +365,8 @@ class NormalReferenceBackend:
         handle, dev, r_n = call.handle, self.device, self.num_ranks
         n, h = handle.num_tokens, call.x.shape[1]
         k = call.topk_weights.shape[1] if call.topk_weights is not None else 0
+        what, _ = self._exchange_tags(tags.KIND_COMBINE, tags.signature(
+            h, handle.num_channels, k, handle.tag & 0xFFFFFFFF, handle.tag >> 32))
         # Received row j of source s goes back to s with its source index; rows past the real count
         # (num_worst_tokens padding) are not sent.
         send_counts = self._rows_per_source(handle.rank_prefix_matrix)
@@ -335,8 +377,7 @@ class NormalReferenceBackend:
             parts.append(row_bytes(call.topk_weights[:real]))
         send = torch.cat(parts, dim=1)
         recv_counts = [int(v) for v in handle.is_token_in_rank.sum(dim=0)]
-        recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us,
-                                     f"normal combine #{call.seq} (data all-to-all)")
+        recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us, f"{what} (data all-to-all)")
         src = columns(recv, 0, 8, torch.int64).reshape(-1)
         xs = columns(recv, 8, 2 * h, torch.bfloat16).float()
         ws = columns(recv, 8 + 2 * h, 4 * k, torch.float32) if k else None
@@ -371,11 +412,32 @@ class NormalReferenceBackend:
 
     # ------------------------------------------------------------------ the rest
     def check_errors(self) -> None:
-        """The reference raises at the call that sees a bad value; nothing is ever left over."""
+        """The reference raises at the call that sees a bad value; only a broken buffer is left over."""
+        if self._broken is not None:
+            raise BufferBroken(self._broken)
+
+    def pending_error(self) -> Optional[Exception]:
+        self.check_errors()
+        return None
+
+    def check_call(self, call: object) -> None:
+        """The reference runs any shape the front accepts."""
 
     def clean(self) -> None:
-        # No channel state to reset; the barrier keeps clean() collective like the native one.
-        barrier_bounded(self.group, self.device, self.timeout_us, "normal reference clean")
+        """Collective: every rank must be cleaning (the tags of this exchange compare kinds only: the
+        ranks may have been at different calls, which is what clean() repairs), then every rank starts
+        a new generation at call 1."""
+        mine = tags.CallTag(self.epoch, 0, tags.KIND_CLEAN, origin=self.rank)
+        table = self._tag_table(mine, [], "normal reference clean (call tags)")
+        what = "normal clean"
+        for r in range(self.num_ranks):
+            peer = tags.decode(table[r].tolist(), what, self.rank, r, 0, self.num_ranks)
+            if peer.kind != tags.KIND_CLEAN:
+                raise NormalCallMismatch(what, self.rank, r, "clean", peer.describe(),
+                                         "clean() is collective: every rank must call it")
+        self.epoch += 1
+        self.calls = 0
+        self._broken = None
 
     def buffer_bytes(self) -> int:
         return 0

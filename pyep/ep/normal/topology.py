@@ -90,11 +90,11 @@ def _gather_host_ids(group: "dist.ProcessGroup", timeout_us: int) -> List[str]:
     import torch
     import torch.distributed as dist
 
-    from .._dist import _wait, group_device, group_ranks
+    from .._dist import group_device
+    from .collectives import all_gather
     dev = group_device(group)
     digest = hashlib.sha256(socket.gethostname().encode()).digest()[:8]
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=dev)
     outs = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(dist.get_world_size(group))]
-    _wait(dist.all_gather(outs, mine, group=group, async_op=True), timeout_us,
-          "NormalBuffer node detection (host names)", group_ranks(group))
+    all_gather(outs, mine, group, timeout_us, "NormalBuffer node detection (host names)")
     return [str(int(o.item())) for o in outs]

@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from ..config import MAX_HIDDEN
-from ..validate import check_bool, check_tensor
+from ..validate import check_bool
+from ..validate import check_tensor as _check_tensor
 from .config import MAX_LOCAL_EXPERTS, MAX_TOPK, Config
 from .handle import NormalHandle
+from .limits import MAX_EXPERT_ALIGNMENT, MAX_TOKENS
 
 if TYPE_CHECKING:
     import torch
@@ -20,12 +22,23 @@ if TYPE_CHECKING:
 HIDDEN_ALIGN = 128   # FP8 scale group; also keeps every row a whole number of 16-byte vectors
 
 
-def check_int(name: str, value: Any, lo: int) -> int:
+def check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r:.80})")
     if value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
     return value
+
+
+def check_tensor(name: str, t: Any, **kwargs: Any) -> "torch.Tensor":
+    """pyep.ep.validate.check_tensor for dense (strided) tensors: a sparse or otherwise non-strided
+    tensor is refused here, before its strides or contiguity are asked for (they raise for it)."""
+    import torch
+    if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    return _check_tensor(name, t, **kwargs)
 
 
 def check_hidden(name: str, hidden: int, buffer_hidden: Optional[int]) -> int:
@@ -155,6 +168,8 @@ def split_x(x: Any, device: "torch.device") -> Tuple["torch.Tensor", Optional["t
 
 def validate_layout(topk_idx: Any, num_experts: Any, num_ranks: int, device: "torch.device") -> None:
     check_topk_idx("topk_idx", topk_idx, None, device)
+    if int(topk_idx.shape[0]) > MAX_TOKENS:
+        raise ValueError(f"topk_idx has {int(topk_idx.shape[0])} tokens; at most {MAX_TOKENS} are supported")
     check_num_experts(num_experts, num_ranks)
 
 
@@ -168,8 +183,10 @@ def validate_dispatch(*, x: Any, handle: Any, num_tokens_per_rank: Any, num_toke
     data, scales = split_x(x, device)
     n, h = (int(v) for v in data.shape)
     check_hidden("x", h, buffer_hidden)
-    check_int("expert_alignment", expert_alignment, 1)
-    check_int("num_worst_tokens", num_worst_tokens, 0)
+    if n > MAX_TOKENS:
+        raise ValueError(f"x has {n} tokens; at most {MAX_TOKENS} are supported")
+    check_int("expert_alignment", expert_alignment, 1, MAX_EXPERT_ALIGNMENT)
+    check_int("num_worst_tokens", num_worst_tokens, 0, MAX_TOKENS)
     if num_tokens_per_rdma_rank is not None and num_nodes == 1:
         raise ValueError("num_tokens_per_rdma_rank must be None: this buffer is intranode (get_dispatch_layout "
                          "returns None for it)")
