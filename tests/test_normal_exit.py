@@ -2,7 +2,7 @@
 10-12 runs ("terminate called without an active exception", SIGABRT): gloo's worker thread still held
 the tensors of the last collective when Python dropped them, so the worker later destroyed their
 Python objects and, the interpreter being finalised by then, died taking the GIL inside a noexcept
-frame (pyep/ep/normal/collectives.py says more). Checked twice: the guarantee itself (after a
+frame (pyep/ep/_dist.py says more). Checked twice: the guarantee itself (after a
 normal-mode collective returns, gloo holds none of its tensors; before the fix about one collective in
 ten returned with them held on a loaded machine) and the README's normal-mode part run 20 times on 2
 gloo ranks in fresh interpreters."""
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from pyep.ep.normal import collectives
+from pyep.ep import _dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS, PARALLEL = 20, 4
@@ -51,13 +51,13 @@ def check_collectives_release_their_tensors(rounds: int) -> Dict[str, int]:
     held = {"all_to_all": 0, "all_reduce_min": 0, "all_gather": 0}
     for _ in range(rounds):
         inp, out = torch.ones(2, 8), torch.empty(2, 8)
-        collectives.all_to_all(out, inp, None, None, group, 30_000_000, "test all_to_all")
+        _dist.all_to_all_bounded(out, inp, None, None, group, 30_000_000, "test all_to_all")
         held["all_to_all"] += int(inp._use_count() > 1 or out._use_count() > 1)
         t = torch.ones(3, dtype=torch.int32)
-        collectives.all_reduce_min(t, group, 30_000_000, "test all_reduce")
+        _dist.all_reduce_min_bounded(t, group, 30_000_000, "test all_reduce")
         held["all_reduce_min"] += int(t._use_count() > 1)
         mine, outs = torch.ones(1), [torch.empty(1) for _ in range(dist.get_world_size())]
-        collectives.all_gather(outs, mine, group, 30_000_000, "test all_gather")
+        _dist.all_gather_bounded(outs, mine, group, 30_000_000, "test all_gather")
         held["all_gather"] += int(any(o._use_count() > 1 for o in [mine, *outs]))
     return held
 

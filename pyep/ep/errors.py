@@ -31,6 +31,16 @@ class CallMismatch(RuntimeError):
                          + "; nothing of this exchange was used (docs/elastic.md, 'Call-tagged exchanges')")
 
 
+class PeerRefusedCall(CallMismatch):
+    """A peer refused this call on its host and took part in the call's exchange only to say so: nothing
+    it would have sent was used and no rank waited for it or marked it. The one type to catch for both
+    modes (pyep.ep.ll.errors.PeerRefusedCall and pyep.ep.normal.errors.PeerRefusedCall derive from it);
+    `peer` is the rank that refused, `reason` why, as it sent it."""
+
+    peer: int
+    reason: str
+
+
 class RecordRejected(ValueError):
     """A record read from the store (or from a peer) failed authentication, parsing, a size bound or the
     protocol's state machine. `key` names the store key (or the exchange); the record was not used."""

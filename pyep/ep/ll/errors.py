@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..errors import CallMismatch
+from ..errors import PeerRefusedCall as _PeerRefusedCall
 
 # Device error record (engine/kernels/ll_launch.h: LLErrorRecord): int32 words
 # [code, row, k, value low 32 bits, value high 32 bits, earlier slot k (duplicates) or -1, 0, 0].
@@ -109,7 +110,7 @@ class LLCallMismatch(CallMismatch):
                          rank, peer, my_call, peer_call, detail)
 
 
-class PeerRefusedCall(LLCallMismatch):
+class PeerRefusedCall(LLCallMismatch, _PeerRefusedCall):
     """Peer `peer` refused this call on the host (`reason`: why) and took part in its exchange with an
     abort marker only: nothing it would have sent was used, and no rank waited for it or marked it."""
 

@@ -18,7 +18,7 @@ from .._dist import group_device, resolve_group
 from ..backend import profiled_range
 from ..config import DEFAULT_TIMEOUT_US, TRANSPORTS
 from . import validate as v
-from .collectives import all_reduce_min
+from .._dist import all_reduce_min_bounded as all_reduce_min
 from .config import DEFAULT_NUM_SMS, MAX_CHANNELS, Config, default_config
 from .contract import CombineCall, DispatchCall, NormalBackend
 from .events import NormalEvent, capture_current, launch, wait_bound_s

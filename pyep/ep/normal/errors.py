@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..errors import CallMismatch
+from ..errors import PeerRefusedCall as _PeerRefusedCall
 
 # Codes of the device error record (engine/kernels/normal_launch.h: NormalError); words are
 # [code, a, b, c]; the first error of a call wins.
@@ -105,7 +106,7 @@ class NormalCallMismatch(CallMismatch, NormalModeError):
     of a new generation (docs/normal_mode.md, "Call-tagged exchanges")."""
 
 
-class PeerRefusedCall(CallMismatch, NormalModeError):
+class PeerRefusedCall(_PeerRefusedCall, NormalModeError):
     """A peer refused this call on its host (its arguments failed validation, or it raised an error of
     an earlier call instead): it took part in the call's exchange only to say so, every rank raises at
     this call, nothing of the exchange was used and the buffer stays usable. `peer` is the rank that

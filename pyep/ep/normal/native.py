@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, List, Optional
 
 from .._dist import group_device
-from .collectives import barrier
+from .._dist import barrier_bounded as barrier
 from ..backend import BackendUnavailable, PeerTransport
 from ..config import LinkConfig
 from ..streams import raw_current_stream

@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from .._dist import group_device
-from .collectives import barrier
+from .._dist import barrier_bounded as barrier
 from ..backend import BackendUnavailable
 from ..streams import raw_current_stream
 from . import internode_order as order

@@ -18,7 +18,7 @@ import logging
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from .._dist import group_device
-from .collectives import all_to_all
+from .._dist import all_to_all_bounded as all_to_all
 from ..config import DEFAULT_TIMEOUT_US
 from . import tags
 from .contract import (CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult,

@@ -91,7 +91,7 @@ def _gather_host_ids(group: "dist.ProcessGroup", timeout_us: int) -> List[str]:
     import torch.distributed as dist
 
     from .._dist import group_device
-    from .collectives import all_gather
+    from .._dist import all_gather_bounded as all_gather
     dev = group_device(group)
     digest = hashlib.sha256(socket.gethostname().encode()).digest()[:8]
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=dev)
