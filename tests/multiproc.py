@@ -31,7 +31,8 @@ def _worker(rank: int, world: int, port: int, backend: str, pg_timeout_s: float,
             tasks: "mp.Queue", results: "mp.Queue") -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # keep gloo's own sockets on 127.0.0.1
     from pyep.softnic.cuda_env import softnic_cuda_env
-    softnic_cuda_env(os.environ)   # before CUDA starts: GPU cases post to the softnic (pyep/softnic/cuda_env.py)
+    # Before CUDA starts: GPU cases post to the softnic, and the workers may all share one GPU.
+    softnic_cuda_env(os.environ, processes_on_gpu=world)
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)   # n workers share a few cores; oversubscription only slows them down

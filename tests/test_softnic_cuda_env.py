@@ -14,13 +14,22 @@ def test_set_unless_chosen() -> None:
     assert env[VARIABLE] == "4"
 
 
+def test_processes_sharing_a_gpu_split_the_queues() -> None:
+    from pyep.softnic.cuda_env import CUDA_DEFAULT, connections_for
+    assert connections_for(1) == connections_for(2) == connections_for(4) == RECOMMENDED
+    assert connections_for(8) == 16 and connections_for(16) == CUDA_DEFAULT == connections_for(100)
+    env: dict = {}
+    softnic_cuda_env(env, processes_on_gpu=16)
+    assert env[VARIABLE] == str(CUDA_DEFAULT)
+
+
 def test_warning_names_the_variable_and_the_fix() -> None:
     for value in (None, "1", "8", "x"):
         env = {} if value is None else {VARIABLE: value}
         why = cuda_connections_warning(env)
         assert why is not None and VARIABLE in why and f"{VARIABLE}={RECOMMENDED}" in why
     assert cuda_connections_warning({VARIABLE: str(RECOMMENDED)}) is None
-    assert cuda_connections_warning({VARIABLE: "64"}) is None
+    assert cuda_connections_warning({VARIABLE: "16"}) is None and cuda_connections_warning({VARIABLE: "64"}) is None
 
 
 def test_drill_ranks_on_the_softnic_get_it(monkeypatch) -> None:
@@ -38,7 +47,7 @@ def test_drill_ranks_on_the_softnic_get_it(monkeypatch) -> None:
     for transport, expect in (("emulated", str(RECOMMENDED)), ("nvlink", None)):
         seen.clear()
         try:
-            drill._spawn({"backend": "native", "transport": transport}, "/nonexistent/secret")
+            drill._spawn({"backend": "native", "transport": transport, "world": 2}, "/nonexistent/secret")
         except RuntimeError:
             pass
         assert seen.get(VARIABLE) == expect

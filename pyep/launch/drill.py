@@ -169,7 +169,7 @@ def _spawn(args: Dict[str, Any], secret_file: str) -> subprocess.Popen:
     env = dict(os.environ)
     if args.get("backend") == "native" and str(args.get("transport", "")).startswith("emulated"):
         from ..softnic.cuda_env import softnic_cuda_env
-        softnic_cuda_env(env)
+        softnic_cuda_env(env, processes_on_gpu=int(args.get("world", 1)) + 1)   # + the restarted one
     env[SECRET_FILE_VAR] = secret_file      # the path only: the secret stays off every command line
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])

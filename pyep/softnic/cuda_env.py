@@ -9,7 +9,11 @@ for the copy, until the kernel's timeout marks a live peer dead. Seen on an H200
 it under MPS: 3 of 8 softnic drills marked a live rank; with 32 connections, 10 of 10 passed. The value
 is read when the CUDA context is created, so it has to be in the environment before any CUDA call:
 `pyep launch`, `pyep drill` and the test workers set it for ranks that use the softnic; a program of
-your own sets it before it imports torch (or before its first CUDA call)."""
+your own sets it before it imports torch (or before its first CUDA call).
+
+The queues are a resource of the GPU that every context on it draws from: 16 processes on one H200 with
+32 each failed to create their contexts ("out of memory" in cudaSetDevice), with CUDA's 8 each they ran.
+So processes that share a GPU split a budget of QUEUE_BUDGET (never below CUDA's default)."""
 from __future__ import annotations
 
 import os
@@ -17,12 +21,19 @@ from typing import MutableMapping, Optional
 
 VARIABLE = "CUDA_DEVICE_MAX_CONNECTIONS"
 RECOMMENDED = 32
+CUDA_DEFAULT = 8
+QUEUE_BUDGET = 128      # per GPU, split among the processes that share it
 
 
-def softnic_cuda_env(env: MutableMapping[str, str]) -> None:
+def connections_for(processes_on_gpu: int) -> int:
+    """The setting for each of `processes_on_gpu` processes sharing one GPU."""
+    return max(CUDA_DEFAULT, min(RECOMMENDED, QUEUE_BUDGET // max(1, processes_on_gpu)))
+
+
+def softnic_cuda_env(env: MutableMapping[str, str], processes_on_gpu: int = 1) -> None:
     """Give a process that will use the softnic from GPU kernels enough hardware queues, unless the
     caller chose a value."""
-    env.setdefault(VARIABLE, str(RECOMMENDED))
+    env.setdefault(VARIABLE, str(connections_for(processes_on_gpu)))
 
 
 def cuda_connections_warning(environ: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
@@ -33,7 +44,7 @@ def cuda_connections_warning(environ: Optional[MutableMapping[str, str]] = None)
         value = int(raw) if raw is not None else None
     except ValueError:
         value = None
-    if value is not None and value >= RECOMMENDED:
+    if value is not None and value > CUDA_DEFAULT:
         return None
     have = "unset (CUDA's default, 8)" if raw is None else repr(raw)
     return (f"{VARIABLE} is {have}: the softnic's copies can queue behind a kernel that waits for them "
