@@ -202,3 +202,23 @@ def test_epochs_and_pending_errors(pool2: Any) -> None:
     res = pool2.run(check_epochs_and_pending_errors)
     assert all("backend reference" in r["describe"] for r in res)
     assert sum(r["rows"] for r in res) > 0
+
+
+def test_fit_rings_shrinks_only_what_does_not_fit() -> None:
+    """layout.fit_rings (NormalBuffer.fit_config on the native backend): a config sized for more SMs
+    than a buffer was built for (DeepEP V2 picks num_sms per call) gets fewer ring rows, then fewer
+    SMs, never a config that check_rings would refuse; one that fits comes back unchanged."""
+    from pyep.ep.normal import layout
+    from pyep.ep.normal.config import Config
+    hidden, ranks = 2048, 2
+    cfg = Config(32, 8, 256)
+    need = layout.ring_bytes(ranks, cfg.num_channels(), 256, layout.slot_bytes(hidden))
+    assert layout.fit_rings(cfg, ranks, hidden, need) is cfg
+    for capacity in (need * 3 // 4, need // 4, need // 40):
+        got = layout.fit_rings(cfg, ranks, hidden, capacity)
+        layout.check_rings(got, ranks, hidden, capacity)            # runs on this buffer
+        assert got.num_max_nvl_chunked_send_tokens <= got.num_max_nvl_chunked_recv_tokens
+        assert (got.num_sms, got.num_max_nvl_chunked_recv_tokens) < (cfg.num_sms, 257)
+    assert layout.fit_rings(cfg, ranks, hidden, need * 3 // 4).num_sms == 32    # rows first
+    with pytest.raises(ValueError, match="rings of this config need"):
+        layout.fit_rings(cfg, ranks, hidden, 100)

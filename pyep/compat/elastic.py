@@ -222,9 +222,11 @@ class ElasticBuffer:
         check_count("num_sms", num_sms, 0)
         sms = clamp_num_sms(num_sms or self.get_theoretical_num_sms(num_experts, num_topk))
         try:
-            return normal_config(self.num_ranks, sms, combine)
+            config = normal_config(self.num_ranks, sms, combine)
         except ValueError:        # rank counts pyep has no table for (the reference on 3 ranks, say)
-            return Config(sms)
+            config = Config(sms)
+        # V2 sizes its buffer before it knows the SM count of a call: run the largest config that fits.
+        return self._buffer("dispatch").fit_config(config)
 
     def _pre_wait(self, nb: NormalBuffer, events: List[Any], async_: bool) -> Any:
         """The shim reads the caller's tensors on the current stream before pyep's call: make it wait

@@ -154,6 +154,13 @@ class NormalBuffer:
     def get_combine_config(num_ranks: int) -> Config:
         return default_config(num_ranks, NormalBuffer.num_sms, combine=True)
 
+    def fit_config(self, config: Config) -> Config:
+        """`config` changed only as far as this buffer needs to run it: fewer ring rows, then fewer SMs
+        (native rings live in the buffer; the reference has none). For callers that choose their SM count
+        per call, after the buffer was sized (DeepEP V2's ElasticBuffer)."""
+        v.check_config(config)
+        return self._backend.fit_config(config)
+
     @staticmethod
     def size_hint(hidden: int, num_ranks: int, config: Optional[Config] = None) -> int:
         """Bytes of native NVLink buffer per rank for rows of `hidden` BF16 values (with the default

@@ -186,6 +186,10 @@ class NormalBackend(Protocol):
     def check_call(self, call: Any) -> None:
         """Backend limits a call must meet (ValueError), checked before anything is launched."""
 
+    def fit_config(self, config: Any) -> Any:
+        """`config`, changed only as far as this backend's buffer needs to run it (fewer ring rows, then
+        fewer SMs); ValueError when nothing fits."""
+
     def refuse(self, kind: int, reason: str) -> Optional[Exception]:
         """Take part in this call's exchange with a REFUSED tag (tags.py) so that every peer raises
         PeerRefusedCall for it; returns the NormalCallMismatch that exchange found, if any (the buffer

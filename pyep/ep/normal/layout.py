@@ -70,6 +70,27 @@ def buffer_bytes(num_ranks: int, num_channels: int, ring_tokens: int, hidden: in
 MIN_RING_TOKENS = 32   # normal_launch.h kScanWindow: a dispatch sender routes 32 tokens per ballot
 
 
+def fit_rings(config: Any, num_ranks: int, hidden: int, capacity: int) -> Any:
+    """`config` with its rings made to fit `capacity` bytes: the ring depth first (down to
+    MIN_RING_TOKENS, the send chunk never above it), then two SMs (one channel) at a time. A caller that
+    picks its SM count before it knows the buffer (DeepEP V2's ElasticBuffer: num_sms per call) gets a
+    config this buffer can run instead of a refusal; unchanged when it fits."""
+    import dataclasses
+    row = slot_bytes(hidden)
+    sms = config.num_sms
+    while sms >= 2:
+        c_n = sms // 2
+        q = min(config.num_max_nvl_chunked_recv_tokens, capacity // max(1, num_ranks * c_n * row))
+        if q >= MIN_RING_TOKENS:
+            if (sms, q) == (config.num_sms, config.num_max_nvl_chunked_recv_tokens):
+                return config
+            return dataclasses.replace(config, num_sms=sms, num_max_nvl_chunked_recv_tokens=q,
+                                       num_max_nvl_chunked_send_tokens=min(q, config.num_max_nvl_chunked_send_tokens))
+        sms -= 2
+    check_rings(config, num_ranks, hidden, capacity)     # raises: not even one channel fits
+    return config
+
+
 def check_rings(config: Any, num_ranks: int, hidden: int, capacity: int) -> None:
     """ValueError unless the rings of `config` (a Config) fit `capacity` bytes of a native buffer."""
     q, c_n = config.num_max_nvl_chunked_recv_tokens, config.num_channels()

@@ -206,11 +206,17 @@ class NormalNativeBackend:
         if exc is not None:
             raise exc
 
+    def _ring_capacity(self) -> int:
+        return self._bytes - layout.ring_offset(self.num_ranks, self._extra)
+
     def check_call(self, call: Any) -> None:
         """What the launchers would refuse after the call's gate ran (they stay as a safety net): refused
         here, before anything is launched, so that the refusal reaches the peers as a tag."""
-        layout.check_rings(call.config, self.num_ranks, self.hidden, self._bytes - layout.ring_offset(self.num_ranks,
-                                                                                                     self._extra))
+        layout.check_rings(call.config, self.num_ranks, self.hidden, self._ring_capacity())
+
+    def fit_config(self, config: Any) -> Any:
+        """`config` made to fit this buffer's rings (layout.fit_rings)."""
+        return layout.fit_rings(config, self.num_ranks, self.hidden, self._ring_capacity())
 
     def gate(self, kind: int, sig: List[int], *, status: int = tags.STATUS_OK, reason: str = "",
              handle_tag: Any = None, upstream: int = 0) -> None:

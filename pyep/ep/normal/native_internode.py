@@ -163,6 +163,9 @@ class NormalInternodeBackend:
         if exc is not None:
             raise exc
 
+    def fit_config(self, config: Any) -> Any:
+        return self.node.fit_config(config)
+
     def check_call(self, call: Any) -> None:
         """The node's limits, and the relay's: refused before anything is launched (contract.py)."""
         self.node.check_call(call)

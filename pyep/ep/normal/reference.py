@@ -15,7 +15,7 @@ dispatch and a combine move rows only: the handle already says how many rows go 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from .._dist import group_device
 from .._dist import all_to_all_bounded as all_to_all
@@ -422,6 +422,10 @@ class NormalReferenceBackend:
 
     def check_call(self, call: object) -> None:
         """The reference runs any shape the front accepts."""
+
+    def fit_config(self, config: Any) -> Any:
+        """No rings: every config fits."""
+        return config
 
     def clean(self) -> None:
         """Collective: every rank must be cleaning (the tags of this exchange compare kinds only: the
