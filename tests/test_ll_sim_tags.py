@@ -20,11 +20,21 @@ R, T, H, E, K = 3, 6, 256, 6, 2
 
 
 # ------------------------------------------------------------------ helpers (run in the worker)
-def _world(path: str, nic: str):
+def _world(path: str, nic: str, lag_ns: tuple = ()):
     sys.path.insert(0, SIM_DIR)
     from world import World, load, nic_pairs
     return World(load(path), R, T, H, E, K, 2, nic_pairs=nic_pairs(R, nic.split("-")[-1]),
-                 softnic=nic.startswith("softnic"))
+                 softnic=nic.startswith("softnic"), lag_ns=lag_ns)
+
+
+def _drained(w) -> None:
+    """Every WQE posted so far has been executed (the simulated NIC; the softnic worlds run no lag)."""
+    if w.nic is None or not hasattr(w.nic, "idle"):
+        return
+    deadline = time.monotonic() + 60
+    while not w.nic.idle():
+        assert time.monotonic() < deadline, "the simulated NIC did not drain in 60 s"
+        time.sleep(0.01)
 
 
 def _close(w) -> None:
@@ -49,6 +59,16 @@ def _quiet(w) -> None:
             assert int(sig.count_nonzero()) == 0, f"rank {r}: signal words left set after the call"
     if w.nic is not None:
         assert not w.nic.errors(), w.nic.errors()
+
+
+def _acks_balanced(w, half: int) -> None:
+    """Every combine a rank sent on `half` was acknowledged (an aborted combine sends none and takes
+    none). The last acknowledgements may still be on the NIC: bounded wait."""
+    deadline = time.monotonic() + 30
+    while w.acks(half)[0] != w.acks(half)[1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent, acked = w.acks(half)
+    assert sent == acked, f"a refused combine unbalanced the acknowledgements: sent {sent}, acked {acked}"
 
 
 def _checked(w, seed: int, seq: int, tag: str) -> None:
@@ -107,11 +127,7 @@ def case_refused(path: str, nic: str) -> str:
         # Rank 1's experts contributed nothing: the oracle with owner 1 left out.
         check_combine(w, inputs, ys, comb, r, [True] * R, f"refused combine: rank {r}", owners=[True, False, True])
     _quiet(w)
-    deadline = time.monotonic() + 30    # the last acknowledgements may still be on the NIC
-    while w.acks(0)[0] != w.acks(0)[1] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    sent, acked = w.acks(0)
-    assert sent == acked, f"an aborted combine unbalanced the acknowledgements: sent {sent}, acked {acked}"
+    _acks_balanced(w, 0)
     _checked(w, 16, 7, "after a refused combine")
     _checked(w, 17, 8, "after a refused combine, same half")
 
@@ -184,6 +200,65 @@ def case_mismatch(path: str, nic: str) -> str:
     return "ok"
 
 
+def case_in_stream_order(path: str, nic: str, lag: str) -> str:
+    """The refused calls as a GPU stream runs them when the host does not synchronise: every rank's
+    dispatch and combine back to back (World.streams), the ranks at once, two QPs per NIC peer; `lag`:
+    the simulated NIC runs QP 1 ("qp1") or QP 0 ("qp0") of every NIC pair 300 ms late, so the QPs of one
+    peer complete out of step (RC orders one QP, never two). Rank 0 refuses dispatch #4: ranks 1 and 2
+    record PeerRefusedCall and skip its combine on the device (NaN); once the NIC drained, no signal word
+    is left set -- the abort markers on the late QP landed before the receivers cleared the half (they
+    used to land after it, and the next dispatch on that half met a stale marker: a mismatch). Then rank
+    2 refuses the combine of #6, launched right behind its dispatch: ranks 0 and 1 record it and reduce
+    without rank 2's experts, nobody is marked, acknowledgements stay equal. The calls after each, on
+    both halves, equal the oracle."""
+    import torch
+    from world import check_combine, check_dispatch, expert_outputs, rank_inputs
+    from pyep.ep.ll.errors import REFUSED_TYPE, REFUSED_VALUE, PeerRefusedCall
+    late = {"none": (), "qp1": (0, 300_000_000), "qp0": (300_000_000, 0)}[lag]
+    w = _world(path, nic, late)
+    _checked(w, 40, 3, "before")
+
+    def in_order(seq: int, seed: int, dispatch_aborts: dict, combine_aborts: dict):
+        inputs = rank_inputs(R, T, H, E, K, seed)
+        outs = w.dispatch_outputs()
+        ys = expert_outputs(w, outs, False, False, seed + 1)
+        comb = w.combine_outputs(inputs)
+        launches = []
+        for r in range(R):
+            ls = [("dispatch", w.dispatch_call(r, inputs, seq & 1, outs, seq=seq, aborts=dispatch_aborts))]
+            if r not in dispatch_aborts:     # a rank whose dispatch raised has no handle to combine
+                ls.append(("combine", w.combine_call(r, ys, inputs, outs, seq & 1, comb, seq=seq,
+                                                     aborts=combine_aborts)))
+            launches.append(ls)
+        w.streams(launches)
+        _drained(w)
+        return inputs, outs, ys, comb
+
+    inputs, outs, _, comb = in_order(4, 41, {0: REFUSED_VALUE}, {})
+    assert _record(w, 0, 4) is None
+    for r in (1, 2):
+        err = _record(w, r, 4)
+        assert type(err) is PeerRefusedCall and (err.kind, err.peer) == ("dispatch", 0), f"rank {r}: {err!r}"
+        check_dispatch(w, inputs, outs, r, [False, True, True], False, False, False, f"in order: rank {r}")
+        assert bool(torch.isnan(comb[r].float()).all()), f"rank {r}: the skipped combine wrote numbers"
+    _quiet(w)
+    _checked(w, 43, 5, "after a refused dispatch")
+    _checked(w, 44, 6, "after a refused dispatch, same half")
+
+    inputs, outs, ys, comb = in_order(7, 45, {}, {2: REFUSED_TYPE})
+    assert _record(w, 2, 7) is None
+    for r in (0, 1):
+        err = _record(w, r, 7)
+        assert type(err) is PeerRefusedCall and (err.kind, err.peer) == ("combine", 2), f"rank {r}: {err!r}"
+        check_combine(w, inputs, ys, comb, r, [True] * R, f"in order: rank {r}", owners=[True, True, False])
+    _quiet(w)
+    _acks_balanced(w, 1)
+    _checked(w, 46, 8, "after a refused combine")
+    _checked(w, 47, 9, "after a refused combine, same half")
+    _close(w)
+    return "ok"
+
+
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("nic", ["none", "all", "softnic-all"])
 @pytest.mark.parametrize("case", [case_refused, case_mismatch], ids=["refused-call-aborts", "call-mismatch"])
@@ -193,3 +268,16 @@ def test_call_tags(ll_sim_pool, case, nic):
         pytest.skip("pyep._engine has no softnic in this build")
     pool, path = ll_sim_pool
     assert pool.run(case, path, nic, timeout_s=300) == ["ok"]
+
+
+# The late-QP worlds: rank 0 reaches ranks 1 and 2 over the NIC, 1 and 2 each other by stores (ranks
+# "across nodes"), so a receiver's only late words are rank 0's (with every pair late, the late words of
+# the other peers held every receiver back as long as the refuser's).
+@pytest.mark.parametrize("nic,lag", [("all", "none"), ("softnic-all", "none"), ("cross", "qp1"), ("cross", "qp0")],
+                         ids=["nic", "softnic", "nic-qp1-late", "nic-qp0-late"])
+def test_refused_calls_in_stream_order(ll_sim_pool, nic, lag):
+    from world import has_softnic
+    if nic.startswith("softnic") and not has_softnic():
+        pytest.skip("pyep._engine has no softnic in this build")
+    pool, path = ll_sim_pool
+    assert pool.run(case_in_stream_order, path, nic, lag, timeout_s=300) == ["ok"]

@@ -396,8 +396,12 @@ __device__ __forceinline__ int resolve_flag(int* state, const int* active, int r
 // collects, per source, the latest moment a word this block had to wait for was seen, counted from
 // this thread's entry; the deciding block adds it (add_wait). A word that is not call `seq`'s tag from
 // its source (generation from `gens`, LLStatic::peer_gen, or 0), or is its abort marker, decides the
-// source as kMismatch / kAborted (every one of its words counts 0) and stops this block's wait for its
-// other words; the generation is loaded in the same round trip as the first poll.
+// source as kMismatch / kAborted (every one of its words counts 0); the generation is loaded in the same
+// round trip as the first poll. Another call's tag stops this block's wait for that source's other words
+// (they belong to the peer's own call and may never come; clean() clears them). An abort marker does not:
+// the refusing rank writes it into every word, on the QP of each word's expert, in one launch, and a word
+// on another QP can land after the first -- were the wait cut short, the last block would clear the half
+// before it landed, and the stale marker would turn the next call on this half into a mismatch.
 enum CountFlag : int { kSeenAll = 0, kUnseen = 1, kLate = 2, kInactiveSrc = 4, kAbortSeen = 8, kTagBad = 16 };
 
 __device__ __forceinline__ void wait_counts(int* state, const int* active, const int* sig, int num_ranks,
@@ -426,9 +430,10 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
                 LL_SPIN_HINT();
                 if ((v = ld_relaxed_sys(sig + p)) != 0) break;
                 if ((spins & 15) != 15) continue;
-                // Someone (another block, or a thread of this one) already settled r: stop waiting.
-                if (ld_volatile(state + r) != kUndecided ||
-                    (*(volatile int*)(flags + r) & (kLate | kAbortSeen | kTagBad)))
+                // Someone (another block, or a thread of this one) already settled r: stop waiting. A
+                // decision is only taken once a block saw all of r's words (or timed out), so stopping then
+                // leaves none of them in flight.
+                if (ld_volatile(state + r) != kUndecided || (*(volatile int*)(flags + r) & (kLate | kTagBad)))
                     break;
                 const uint64_t now = gda::now_ns();
                 if (deadline == 0) {

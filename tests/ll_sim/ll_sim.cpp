@@ -15,6 +15,8 @@
 #include <pybind11/stl.h>
 
 #include <cstdlib>
+#include <thread>
+#include <vector>
 #include <string>
 
 namespace py = pybind11;
@@ -88,6 +90,31 @@ void run_grids(const std::vector<ll::LLStatic>& ss, const std::vector<Call>& cs,
     launch.join();
 }
 
+// One rank's launches in stream order: each grid runs after the previous one has finished, as the calls
+// of one stream do, with no host step in between.
+struct Launch {
+    bool combine;
+    ll::LLStatic s;
+    ll::LLDispatchCall d;
+    ll::LLCombineCall c;
+};
+
+void run_stream(const std::vector<Launch>& launches) {
+    for (const Launch& l : launches) {
+        SimLaunch launch;
+        const ll::LLStatic s = l.s;
+        if (l.combine) {
+            const ll::LLCombineCall c = l.c;
+            launch.grid(s.num_blocks, ll::kThreadsPerBlock, (size_t)ll::combine_smem_bytes(s), [=] { ll::combine(s, c); });
+        } else {
+            const ll::LLDispatchCall c = l.d;
+            auto kern = c.use_fp8 ? ll::dispatch<true> : ll::dispatch<false>;
+            launch.grid(s.num_blocks, ll::kThreadsPerBlock, (size_t)ll::dispatch_smem_bytes(s), [=] { kern(s, c); });
+        }
+        launch.join();
+    }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(ll_sim, m) {
@@ -119,9 +146,38 @@ PYBIND11_MODULE(ll_sim, m) {
         py::gil_scoped_release nogil;
         run_grids(ss, cs, ll::combine, smem);
     });
+    // streams: one list per rank of ("dispatch" | "combine", static, call); every rank's list runs in
+    // order (stream order, no host sync between its launches), all ranks at once.
+    m.def("streams", [](const py::list& streams) {
+        std::vector<std::vector<Launch>> all;
+        for (const auto& st : streams) {
+            std::vector<Launch> ls;
+            for (const auto& item : st.cast<py::list>()) {
+                const auto t = item.cast<py::tuple>();
+                Launch l{};
+                l.combine = t[0].cast<std::string>() == "combine";
+                l.s = static_from(t[1].cast<py::dict>());
+                if (l.combine) {
+                    l.c = combine_from(t[2].cast<py::dict>());
+                    ll::check_call(l.s, l.c);
+                } else {
+                    l.d = dispatch_from(t[2].cast<py::dict>());
+                    ll::check_call(l.s, l.d);
+                }
+                ls.push_back(l);
+            }
+            all.push_back(std::move(ls));
+        }
+        py::gil_scoped_release nogil;
+        std::vector<std::thread> threads;
+        for (const auto& ls : all) threads.emplace_back([&ls] { run_stream(ls); });
+        for (auto& t : threads) t.join();
+    });
     py::class_<SimNic>(m, "SimNic")
-        .def(py::init<std::vector<uint64_t>, std::vector<uint64_t>, int, int>())
+        .def(py::init<std::vector<uint64_t>, std::vector<uint64_t>, int, int, std::vector<uint64_t>>(), py::arg("bufs"),
+             py::arg("sizes"), py::arg("nqp"), py::arg("log_sq"), py::arg("lag_ns") = std::vector<uint64_t>{})
         .def("contexts", &SimNic::contexts)
         .def("errors", &SimNic::errors)
-        .def("executed", &SimNic::executed);
+        .def("executed", &SimNic::executed)
+        .def("idle", &SimNic::idle);
 }

@@ -19,8 +19,11 @@ namespace pyep {
 // The in-process NIC: a full mesh of RC QPs (num_qps per ordered pair), executed by one thread.
 class SimNic {
   public:
-    SimNic(std::vector<uint64_t> bufs, std::vector<uint64_t> sizes, int nqp, int log_sq)
-        : bufs_(std::move(bufs)), sizes_(std::move(sizes)), nqp_(nqp), log_sq_(log_sq) {
+    // lag_ns[j] (optional): QP j of every pair executes a doorbell's WQEs only that long after it saw
+    // them, so the QPs of one peer complete out of step (RC orders one QP's WQEs, never two QPs').
+    SimNic(std::vector<uint64_t> bufs, std::vector<uint64_t> sizes, int nqp, int log_sq,
+           std::vector<uint64_t> lag_ns = {})
+        : bufs_(std::move(bufs)), sizes_(std::move(sizes)), nqp_(nqp), log_sq_(log_sq), lag_ns_(std::move(lag_ns)) {
         const int R = (int)bufs_.size();
         ctx_.resize(R);
         for (int r = 0; r < R; ++r) {
@@ -32,6 +35,7 @@ class SimNic {
                     Q q;
                     q.src = r;
                     q.dst = d;
+                    q.lag_ns = j < (int)lag_ns_.size() ? lag_ns_[j] : 0;
                     q.sq = alloc((size_t)64 << log_sq);
                     q.dbrec = reinterpret_cast<uint32_t*>(alloc(64));
                     q.bf = alloc(512);
@@ -73,6 +77,14 @@ class SimNic {
         return errors_;
     }
     uint64_t executed() const { return executed_.load(); }
+    // Every doorbell rung so far has been executed (tests wait for this after the launches returned).
+    bool idle() const {
+        for (const Q& q : queues_) {
+            const uint32_t raw = __atomic_load_n(&q.dbrec[prm::kSendDbr], __ATOMIC_ACQUIRE);
+            if ((uint16_t)gda::be32toh_(raw) != (uint16_t)__atomic_load_n(&q.pi, __ATOMIC_ACQUIRE)) return false;
+        }
+        return true;
+    }
 
   private:
     struct Q {
@@ -84,6 +96,7 @@ class SimNic {
         prm::Cqe64* cqes = nullptr;
         uint32_t* cq_dbrec = nullptr;
         uint64_t pi = 0, cq_pi = 0;
+        uint64_t lag_ns = 0, seen_ns = 0;   // seen_ns: when the pending doorbell was first seen
     };
     uint8_t* alloc(size_t n) {
         void* p = std::aligned_alloc(64, (n + 63) / 64 * 64);
@@ -105,9 +118,15 @@ class SimNic {
             const uint16_t delta = (uint16_t)((uint16_t)gda::be32toh_(raw) - (uint16_t)q.pi);
             if (delta == 0) continue;
             any = true;
+            if (q.lag_ns) {
+                const uint64_t now = gda::now_ns();
+                if (q.seen_ns == 0) q.seen_ns = now;
+                if (now - q.seen_ns < q.lag_ns) continue;
+                q.seen_ns = 0;
+            }
             const uint64_t mask = (1ull << log_sq_) - 1;
             for (uint16_t i = 0; i < delta; ++i) execute(q, gda::decode_wqe(q.sq + ((q.pi + i) & mask) * 64));
-            q.pi += delta;
+            __atomic_store_n(&q.pi, q.pi + delta, __ATOMIC_RELEASE);   // idle() reads it
             prm::Cqe64* cqe = &q.cqes[q.cq_pi & mask];
             gda::DecodedCqe d{};
             d.opcode = prm::kCqeReq;
@@ -147,6 +166,7 @@ class SimNic {
 
     std::vector<uint64_t> bufs_, sizes_;
     int nqp_, log_sq_;
+    std::vector<uint64_t> lag_ns_;
     std::vector<gda::Qp*> ctx_;
     std::vector<Q> queues_;
     std::vector<void*> mem_;

@@ -73,7 +73,9 @@ class SoftNicMesh:
 
 class World:
     def __init__(self, sim: Any, R: int, T: int, H: int, E: int, K_max: int, grid: int,
-                 nic_pairs: Sequence[Tuple[int, int]] = (), nqp: int = 2, softnic: bool = False) -> None:
+                 nic_pairs: Sequence[Tuple[int, int]] = (), nqp: int = 2, softnic: bool = False,
+                 lag_ns: Sequence[int] = ()) -> None:
+        """lag_ns[j]: the simulated NIC runs QP j of every pair that much behind (SimNic)."""
         self.sim, self.R, self.T, self.H, self.E, self.K_max = sim, R, T, H, E, K_max
         self.lay = ll_buffer_layout(T, H, E, R, K_max)
         self.e_l = E // R
@@ -96,7 +98,8 @@ class World:
             keys = [(m.lkey, m.rkey) for m in self.nic.mrs]
         else:
             self.bufs = [torch.zeros(self.lay.total_bytes, dtype=torch.uint8) for _ in range(R)]
-            self.nic = sim.SimNic([b.data_ptr() for b in self.bufs], [self.lay.total_bytes] * R, nqp, 8) if nic else None
+            self.nic = sim.SimNic([b.data_ptr() for b in self.bufs], [self.lay.total_bytes] * R, nqp, 8,
+                                  list(lag_ns)) if nic else None
             keys = [(1000 + r, 1000 + r) for r in range(R)]
         self.tables: List[Dict[str, torch.Tensor]] = []
         self.statics: List[Dict[str, int]] = []
@@ -154,22 +157,28 @@ class World:
         ranks = list(range(self.R)) if ranks is None else list(ranks)
         if outs is None:
             outs = self.dispatch_outputs(use_fp8, use_ue8m0)
-        calls = []
-        for r in ranks:
-            x, topk, _ = inputs[r]
-            o = outs[r]
-            abort = (aborts or {}).get(r, 0)
-            calls.append(dict(x=x.data_ptr(), topk=topk.data_ptr(), num_tokens=0 if abort else x.shape[0],
-                              num_topk=topk.shape[1], seq=_seq_of(seq, half, r), abort=abort,
-                              half=half, use_fp8=int(use_fp8), round_scale=int(round_scale),
-                              use_ue8m0=int(use_ue8m0), active=self.active[r].data_ptr(),
-                              recv_x=o["recv_x"].data_ptr(), recv_scales=o["scales"].data_ptr() if use_fp8 else 0,
-                              src_info=o["src_info"].data_ptr(), recv_slot=o["recv_slot"].data_ptr(),
-                              layout_range=o["layout_range"].data_ptr(), recv_count=o["recv_count"].data_ptr(),
-                              cum_stats=o["cum"].data_ptr(), timeout_ns=timeout_ns, phases=phases,
-                              wait_stats=self.wait_stats["dispatch"][r].data_ptr() if wait_stats else 0))
+        calls = [self.dispatch_call(r, inputs, half, outs, use_fp8, round_scale, use_ue8m0, phases, timeout_ns,
+                                    wait_stats, seq, aborts) for r in ranks]
         self.sim.dispatch([self.statics[r] for r in ranks], calls)
         return outs
+
+    def dispatch_call(self, r: int, inputs: Sequence[Any], half: int, outs: List[Dict[str, Any]],
+                      use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False, phases: int = 3,
+                      timeout_ns: int = 20_000_000_000, wait_stats: bool = False, seq: Any = None,
+                      aborts: Optional[Dict[int, int]] = None) -> Dict[str, int]:
+        """Rank r's dispatch launch (dispatch() takes every listed rank's at once; streams() in order)."""
+        x, topk, _ = inputs[r]
+        o = outs[r]
+        abort = (aborts or {}).get(r, 0)
+        return dict(x=x.data_ptr(), topk=topk.data_ptr(), num_tokens=0 if abort else x.shape[0],
+                    num_topk=topk.shape[1], seq=_seq_of(seq, half, r), abort=abort,
+                    half=half, use_fp8=int(use_fp8), round_scale=int(round_scale),
+                    use_ue8m0=int(use_ue8m0), active=self.active[r].data_ptr(),
+                    recv_x=o["recv_x"].data_ptr(), recv_scales=o["scales"].data_ptr() if use_fp8 else 0,
+                    src_info=o["src_info"].data_ptr(), recv_slot=o["recv_slot"].data_ptr(),
+                    layout_range=o["layout_range"].data_ptr(), recv_count=o["recv_count"].data_ptr(),
+                    cum_stats=o["cum"].data_ptr(), timeout_ns=timeout_ns, phases=phases,
+                    wait_stats=self.wait_stats["dispatch"][r].data_ptr() if wait_stats else 0)
 
     def combine(self, ys: Sequence[Any], inputs: Sequence[Any], douts: Sequence[Dict[str, Any]], half: int,
                 ranks: Optional[Sequence[int]] = None, phases: int = 3, timeout_ns: int = 20_000_000_000,
@@ -179,21 +188,32 @@ class World:
         ranks = list(range(self.R)) if ranks is None else list(ranks)
         if outs is None:   # a send launch and its receive launch share the caller's outputs
             outs = self.combine_outputs(inputs)
-        calls = []
-        for r in ranks:
-            x, topk, w = inputs[r]
-            d = douts[r]
-            abort = (aborts or {}).get(r, 0)
-            calls.append(dict(x=ys[r].data_ptr(), topk=topk.data_ptr(), weights=w.data_ptr(),
-                              num_tokens=0 if abort else x.shape[0], seq=_seq_of(seq, half, r), abort=abort,
-                              num_topk=topk.shape[1], half=half, src_info=d["src_info"].data_ptr(),
-                              recv_slot=d["recv_slot"].data_ptr(), layout_range=d["layout_range"].data_ptr(),
-                              active=self.active[r].data_ptr(), out=outs[r].data_ptr(), timeout_ns=timeout_ns,
-                              phases=phases, use_logfmt=int(use_logfmt),
-                              wait_stats=self.wait_stats["combine"][r].data_ptr() if wait_stats else 0,
-                              repeat=int(repeat)))
+        calls = [self.combine_call(r, ys, inputs, douts, half, outs, phases, timeout_ns, use_logfmt, wait_stats,
+                                   repeat, seq, aborts) for r in ranks]
         self.sim.combine([self.statics[r] for r in ranks], calls)
         return outs
+
+    def combine_call(self, r: int, ys: Sequence[Any], inputs: Sequence[Any], douts: Sequence[Dict[str, Any]],
+                     half: int, outs: List[Any], phases: int = 3, timeout_ns: int = 20_000_000_000,
+                     use_logfmt: bool = False, wait_stats: bool = False, repeat: bool = False, seq: Any = None,
+                     aborts: Optional[Dict[int, int]] = None) -> Dict[str, int]:
+        """Rank r's combine launch (as dispatch_call)."""
+        x, topk, w = inputs[r]
+        d = douts[r]
+        abort = (aborts or {}).get(r, 0)
+        return dict(x=ys[r].data_ptr(), topk=topk.data_ptr(), weights=w.data_ptr(),
+                    num_tokens=0 if abort else x.shape[0], seq=_seq_of(seq, half, r), abort=abort,
+                    num_topk=topk.shape[1], half=half, src_info=d["src_info"].data_ptr(),
+                    recv_slot=d["recv_slot"].data_ptr(), layout_range=d["layout_range"].data_ptr(),
+                    active=self.active[r].data_ptr(), out=outs[r].data_ptr(), timeout_ns=timeout_ns,
+                    phases=phases, use_logfmt=int(use_logfmt),
+                    wait_stats=self.wait_stats["combine"][r].data_ptr() if wait_stats else 0,
+                    repeat=int(repeat))
+
+    def streams(self, launches: Sequence[Sequence[Tuple[str, Dict[str, int]]]]) -> None:
+        """launches[r]: rank r's ("dispatch" | "combine", call) in stream order, with no host step between
+        them (a call launched right after the previous one, no synchronisation); all ranks at once."""
+        self.sim.streams([[(kind, self.statics[r], call) for kind, call in ls] for r, ls in enumerate(launches)])
 
     def combine_outputs(self, inputs: Sequence[Any]) -> List[Any]:
         return [torch.full((inputs[r][0].shape[0], self.H), float("nan"), dtype=torch.bfloat16) for r in range(self.R)]

@@ -439,7 +439,7 @@ class NativeBackend(NativeSetup, NativeMembership, NativeCallTags):
         """One entry per rank; a rank this backend's own mask marked after a timeout shows as
         "inactive" (reading the mask waits for the device: a diagnostic, not a hot-path call)."""
         self._check_alive("transport_table")
-        marks = self._active.tolist()
+        marks = self.active_marks()
         return [PeerTransport(link.rank, link.kind if marks[link.rank] else "inactive",
                               link.detail if marks[link.rank] else f"timed out; was {link.kind} ({link.detail})")
                 for link in self._peers.links]

@@ -95,7 +95,20 @@ class NativeMembership:
                 t["qps"][at:at + size].copy_(torch.frombuffer(bytearray(ctx), dtype=torch.uint8))
 
     def inactive_ranks(self) -> List[int]:
-        return [r for r, on in enumerate(self._active.tolist()) if not on]
+        return [r for r, on in enumerate(self.active_marks()) if not on]
+
+    def active_marks(self) -> List[int]:
+        """The backend's own active_ranks on the host, once the device has finished every call launched so
+        far (a diagnostic, never on the hot path). The wait is a device synchronisation, not the copy's:
+        a copy into pageable memory that has to wait for a call still spinning on its peers waits inside
+        the CUDA driver, and over the softnic those peers may need this process's softnic thread to issue
+        that call's RDMA writes (cudaMemcpyAsync) through the same driver -- the stall lazy module loading
+        caused (docs/elastic.md, "Warm up before the first call"). Suspected in a GPU run (emulated, two
+        ranks on one GPU): the rank that refused a combine read its marks right after the abort launch,
+        its dispatch's writes not yet issued, and both ranks timed out on each other."""
+        import torch
+        torch.cuda.synchronize(self.device)
+        return [int(v) for v in self._active.tolist()]
 
     def link_state(self) -> Dict[int, Any]:
         """Per peer: the QP numbers and the softnic's per-QP counters (wqes executed), for tests that
