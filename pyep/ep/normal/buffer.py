@@ -318,9 +318,9 @@ class NormalBuffer:
                 expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                 num_ranks=self._num_ranks, device=self._device, buffer_hidden=self._hidden, owner=self._owner,
                 epoch=self._epoch, num_nodes=self._nodes.num_nodes)
-            if config is None:
+            if config is None:      # the default, as far as this buffer's rings hold it (fit_config)
                 sms = 2 * handle.num_channels if cached else NormalBuffer.num_sms
-                config = _default(self._num_ranks, sms, combine=False)
+                config = self._backend.fit_config(_default(self._num_ranks, sms, combine=False))
             if cached:
                 v.check_channels("cached dispatch", config, handle)
                 in_rank = handle.is_token_in_rank
@@ -375,8 +375,8 @@ class NormalBuffer:
             hd = v.check_handle(handle, owner=self._owner, epoch=self._epoch, num_ranks=self._num_ranks)
             bias_0, bias_1 = v.validate_combine(x=x, handle=hd, topk_weights=topk_weights, bias=bias,
                                                 device=self._device, buffer_hidden=self._hidden)
-            if config is None:
-                config = _default(self._num_ranks, 2 * hd.num_channels, combine=True)
+            if config is None:      # the default, as far as this buffer's rings hold it (fit_config)
+                config = self._backend.fit_config(_default(self._num_ranks, 2 * hd.num_channels, combine=True))
             v.check_channels("combine", config, hd)
             call = CombineCall(x=x, topk_weights=topk_weights, bias=(bias_0, bias_1), handle=hd, config=config,
                                timeout_us=self._timeout_us, seq=self._seq + 1)
