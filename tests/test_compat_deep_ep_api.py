@@ -252,6 +252,8 @@ def check_constructor_and_errors(backend: str = "reference") -> Dict[str, Any]:
     with pytest.raises(TypeError, match="combine_wait_recv_cost_stats.*int64"):   # tests/test_compat_wait_stats.py
         buf.low_latency_combine(recv, idx, w, handle,
                                 combine_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.float32, device=dev))
+    # A refused combine stands for its handle's combine: the next refusal is tried on a fresh handle.
+    recv, count, handle, event, hook = buf.low_latency_dispatch(x, idx, NUM_TOKENS, NUM_EXPERTS, use_fp8=False)
     with pytest.raises(ValueError, match="use_logfmt=True needs hidden to be a multiple of 512"):
         buf.low_latency_combine(recv, idx, w, handle, use_logfmt=True)   # LogFMT needs H % 512
     if backend == "reference":
@@ -259,7 +261,13 @@ def check_constructor_and_errors(backend: str = "reference") -> Dict[str, Any]:
             buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)   # vLLM's clean_buffers call
     else:
         check_local_buffer_tensor(buf, ep.backend.raw_buffer(), True, dev)
-    out, _, _ = buf.low_latency_combine(recv, idx, w, handle)           # the handle survived the refusals
+    # A refused combine stood for the handle's combine on every rank (its abort marker is in the peers'
+    # flags): combining the handle again is refused before anything is sent; a new dispatch combines.
+    from pyep.ep.ll.errors import CombineAfterRefusal
+    with pytest.raises(CombineAfterRefusal, match="dispatch again"):
+        buf.low_latency_combine(recv, idx, w, handle)
+    recv, count, handle, event, hook = buf.low_latency_dispatch(x, idx, NUM_TOKENS, NUM_EXPERTS, use_fp8=False)
+    out, _, _ = buf.low_latency_combine(recv, idx, w, handle)
     assert out.shape == (4, HIDDEN)
     want = x.float() * w.masked_fill(idx < 0, 0).sum(1, keepdim=True)   # recv passed back unchanged
     assert torch.allclose(_cpu(out).float(), _cpu(want), rtol=1e-2, atol=1e-2)

@@ -95,10 +95,12 @@ def check_refusals(backend: str = "reference") -> Dict[str, Any]:
     for stats, err, word in bad:
         with pytest.raises(err, match=f"dispatch_wait_recv_cost_stats.*{word}"):
             ep.dispatch(x, idx, use_fp8=False, dispatch_wait_recv_cost_stats=stats)
-    recv, _, handle, _, _ = ep.dispatch(x, idx, use_fp8=False, dispatch_wait_recv_cost_stats=good)
     for stats, err, word in bad:
+        # A refused combine stands for its handle's combine on every rank: each refusal gets a fresh one.
+        recv, _, handle, _, _ = ep.dispatch(x, idx, use_fp8=False, dispatch_wait_recv_cost_stats=good)
         with pytest.raises(err, match=f"combine_wait_recv_cost_stats.*{word}"):
             ep.combine(recv, idx, w, handle, combine_wait_recv_cost_stats=stats)
+    recv, _, handle, _, _ = ep.dispatch(x, idx, use_fp8=False, dispatch_wait_recv_cost_stats=good)
     out, _, _ = ep.combine(recv, idx, w, handle, combine_wait_recv_cost_stats=good)
     assert out.shape == (4, H) and min(_cpu(good).tolist()) >= 0
     ep.destroy()

@@ -74,8 +74,13 @@ def check_bad_inputs_leave_buffer_usable() -> int:
         with pytest.raises(exc):
             call()
         del name
-    # Every refused call took part in its exchange (both ranks refused the same ones): the handle still
-    # combines, and the buffer works.
+    # Every refused call took part in its exchange (both ranks refused the same ones). The last refused
+    # combine stood for its handle's combine on every rank, so that handle is refused (CombineAfterRefusal,
+    # before anything is sent); the buffer works: a new dispatch combines.
+    from pyep.ep.ll.errors import CombineAfterRefusal
+    with pytest.raises(CombineAfterRefusal):
+        buf.combine(recv, idx, w, handle)
+    recv, _, handle, _, _ = buf.dispatch(x, idx, use_fp8=False)
     out, _, _ = buf.combine(recv, idx, w, handle)
     assert out.shape == (5, H)
     _round_trip(buf, 2)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pyep.ep.ll import EpBuffer
-from pyep.ep.ll.errors import DuplicateExpertIndex, InvalidExpertIndex
+from pyep.ep.ll.errors import CombineAfterRefusal, DuplicateExpertIndex, InvalidExpertIndex
 from pyep.ep.ll.validate import sanitize_topk
 
 T, H, E, K = 8, 256, 8, 2
@@ -144,6 +144,9 @@ def check_strict_and_off() -> List[str]:
     dup[0, 1] = dup[0, 0]
     with pytest.raises(DuplicateExpertIndex):
         strict.combine(recv, dup, w, h)              # strict checks combine's ids too
+    with pytest.raises(CombineAfterRefusal):         # the refused combine stood for h's combine
+        strict.combine(recv, idx, w, h)
+    recv, _, h, _, _ = strict.dispatch(x, idx, use_fp8=False)
     out, _, _ = strict.combine(recv, idx, w, h)
     assert torch.equal(out, _expected(x, idx, w))
     strict.destroy()

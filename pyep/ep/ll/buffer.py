@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ..control import ControlPlane, make_control
-from .contract import CombineOptions, DispatchOptions, EpBackend
+from .contract import COMBINE_REFUSED, CombineOptions, DispatchOptions, EpBackend
 from ..backend import profiled_range, CompletedEvent, EventLike, PeerTransport
 from ..config import DEFAULT_TIMEOUT_US, MAX_TOPK
 from .config import MAX_REJOIN_LEAD_CALLS, EpConfig
@@ -138,6 +138,7 @@ class EpBuffer(EpBufferMembership, EpBufferCalls):
         self._owner = uuid.uuid4().hex
         self._epoch = 0
         self._seq = 0
+        self._combines_refused_by_peers: Dict[int, str] = {}   # dispatch seq -> who refused its combine (buffer_calls)
         self._grace_seq = 0      # call #A of the latest rejoin: it and the grace window after it wait longer
         # Store-based buffers have a membership (pyep.ep.elastic.membership, docs/elastic.md): a process whose
         # rank already had one is a restarted rank and joins the running job instead of setting up.
@@ -249,6 +250,7 @@ class EpBuffer(EpBufferMembership, EpBufferCalls):
         if take is not None:
             err = take(latest_call=self._seq)
             if err is not None:
+                self._note_refused_combine(err)
                 raise err
 
     def _checked(self, event: EventLike, hook: Hook) -> Tuple[EventLike, Hook]:
@@ -337,7 +339,8 @@ class EpBuffer(EpBufferMembership, EpBufferCalls):
         # use_logfmt takes the Python path (the fast path launches BF16 combines only).
         if (fast is not None and use_logfmt is False and async_finish is False and return_recv_hook is False
                 and (zero_copy is False or zero_copy is True) and not self._destroyed
-                and not self._prof._is_profiler_enabled and self._handle_ok(handle)):
+                and not self._prof._is_profiler_enabled and self._handle_ok(handle)
+                and COMBINE_REFUSED not in handle.extras and handle.seq not in self._combines_refused_by_peers):
             res = fast(x, topk_idx, topk_weights, handle, active_ranks, timeout_us, out, zero_copy,
                        combine_wait_recv_cost_stats)
             if res is not None:

@@ -10,8 +10,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 from ..backend import EventLike
-from .contract import CALL_ERROR, CombineOptions, DispatchOptions
-from .errors import CombineOfFailedDispatch, refusal_reason
+from .contract import CALL_ERROR, COMBINE_REFUSED, CombineOptions, DispatchOptions
+from .errors import CombineAfterRefusal, CombineOfFailedDispatch, PeerRefusedCall, refusal_reason
 from .handle import Handle
 from .validate import check_active_ranks, check_timeout
 
@@ -96,7 +96,9 @@ class EpBufferCalls:
                       self._rank, seq, exc, abort_exc)
 
     def _refuse_combine(self, exc: BaseException, handle: Handle, active_ranks: Any, timeout_us: Any) -> None:
-        """The host refused the combine of a handle of this buffer: abort marker instead of its rows."""
+        """The host refused the combine of a handle of this buffer: abort marker instead of its rows. The
+        refused combine stands for the handle's combine on every rank (CombineAfterRefusal after it)."""
+        handle.extras[COMBINE_REFUSED] = refusal_reason(exc)
         abort = getattr(self._backend, "abort_combine", None)
         if abort is None:
             return
@@ -120,6 +122,20 @@ class EpBufferCalls:
         failed = handle.extras.get(CALL_ERROR)
         if failed is not None:
             raise CombineOfFailedDispatch(self._rank, handle.seq, str(failed))
+        refused = handle.extras.get(COMBINE_REFUSED)
+        if refused is None and handle.seq in self._combines_refused_by_peers:
+            refused = self._combines_refused_by_peers[handle.seq]
+        if refused is not None:
+            raise CombineAfterRefusal(self._rank, handle.seq, refused)
+
+    def _note_refused_combine(self, err: BaseException) -> None:
+        """A peer's refusal of a combine, as this rank takes it: later combines of that dispatch's handle
+        are refused here too (only the latest few dispatches can still be combined)."""
+        if isinstance(err, PeerRefusedCall) and getattr(err, "kind", "") == "combine":
+            seen = self._combines_refused_by_peers
+            seen[int(err.my_call)] = f"rank {err.peer}: {err.reason}"
+            while len(seen) > 4:
+                seen.pop(next(iter(seen)))
 
     def _realign_calls(self, what: str) -> None:
         """Collective (clean(), update_ep_member() on a group): every rank takes the largest call number

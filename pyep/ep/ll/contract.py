@@ -109,6 +109,7 @@ if TYPE_CHECKING:  # torch is imported lazily everywhere in pyep
 
 # Handle extras: the error of a dispatch whose exchange failed, when the backend knows it on the host.
 CALL_ERROR = "call_error"
+COMBINE_REFUSED = "combine_refused"   # Handle.extras: why an earlier combine of the handle was refused
 
 
 @dataclass(frozen=True)

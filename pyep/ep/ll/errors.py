@@ -133,6 +133,19 @@ class CombineOfFailedDispatch(LLCallMismatch):
                      "(docs/elastic.md, 'Call-tagged exchanges')",)
 
 
+class CombineAfterRefusal(LLCallMismatch):
+    """A combine of a handle whose earlier combine was refused (on this rank, or by a peer whose
+    PeerRefusedCall this rank has taken). That refused combine was the handle's combine on every rank:
+    its abort marker stands in the peers' flags in place of rows, so a second combine of the handle would
+    pair with it. Refused before anything is sent; dispatch again to combine."""
+
+    def __init__(self, rank: int, my_call: int, why: str = "") -> None:
+        super().__init__("combine", rank, -1, my_call, None, why)
+        self.args = (f"combine of dispatch #{my_call} on rank {rank}: an earlier combine of this handle was refused"
+                     + (f" ({why})" if why else "") + " and stood for it on every rank; dispatch again "
+                     "(docs/elastic.md, 'Call-tagged exchanges')",)
+
+
 def describe_tag(tag: int) -> str:
     span = 1 << TAG_CALL_BITS
     return (f"call = {(tag >> TAG_GEN_BITS) & (span - 1)} (mod {span}), generation "
