@@ -66,10 +66,11 @@ def fresh_dispatch(buf: "ElasticBuffer", nb: NormalBuffer, data: "torch.Tensor",
     async_, expand = flags["async_"], flags["expand"]
     config = buf._config(num_sms, num_experts, k, combine=False)
     # The shim reads the caller's tensors (scale packs, weights) before pyep's calls.
-    prev = buf._pre_wait(nb, events, async_)
+    buf._pre_wait(nb, events)
     x_in: Any = data if sf is None else (data, lay.pack_scales(sf, int(data.shape[1])))
     weights = topk_weights if topk_weights is not None else torch.zeros((n, k), dtype=torch.float32,
                                                                        device=topk_idx.device)
+    prev = buf._after_pre(events, async_)
     ntpr, ntprr, ntpe, in_rank, lev = nb.get_dispatch_layout(topk_idx, num_experts, prev, async_,
                                                              flags["alloc"] and async_ and prev is not None)
     worst = 0 if cpu_sync else t_max * buf.num_ranks
@@ -141,15 +142,17 @@ def cached_dispatch(buf: "ElasticBuffer", nb: NormalBuffer, data: "torch.Tensor"
     if stats is not None:
         check_stats(stats, hd.num_experts // buf.num_ranks, nb.device)
     async_ = flags["async_"]
-    prev = buf._pre_wait(nb, events, async_)
+    buf._pre_wait(nb, events)
     x_in: Any = data if sf is None else (data, lay.pack_scales(sf, int(data.shape[1])))
+    # pyep's cached dispatch moves rows only: the weights ride in a second one, as bf16 bits.
+    packed_w = lay.pack_weights(topk_weights) if topk_weights is not None else None
+    prev = buf._after_pre(events, async_)
     alloc = flags["alloc"] and async_ and prev is not None
     recv, _, _, _, _, nev = nb.dispatch(x_in, hd.normal, previous_event=prev, async_finish=async_,
                                         allocate_on_comm_stream=alloc)
     wrecv = None
-    if topk_weights is not None:
-        # pyep's cached dispatch moves rows only: the weights ride in a second one, as bf16 bits.
-        wrecv, _, _, _, _, nev = nb.dispatch(lay.pack_weights(topk_weights), hd.normal,
+    if packed_w is not None:
+        wrecv, _, _, _, _, nev = nb.dispatch(packed_w, hd.normal,
                                              previous_event=nev if async_ else None, async_finish=async_,
                                              allocate_on_comm_stream=flags["alloc"] and async_)
     with buf._on(nb, async_):

@@ -228,9 +228,10 @@ class ElasticBuffer:
         # V2 sizes its buffer before it knows the SM count of a call: run the largest config that fits.
         return self._buffer("dispatch").fit_config(config)
 
-    def _pre_wait(self, nb: NormalBuffer, events: List[Any], async_: bool) -> Any:
-        """The shim reads the caller's tensors on the current stream before pyep's call: make it wait
-        for the caller's events there; pyep's call then follows the current stream."""
+    def _pre_wait(self, nb: NormalBuffer, events: List[Any]) -> None:
+        """The shim reads the caller's tensors on the current stream before pyep's call (scale packs,
+        weights, the expanded rows' local reduction): make the current stream wait for the caller's
+        events first."""
         if nb.device.type == "cuda":
             import torch
             current = torch.cuda.current_stream(nb.device)
@@ -238,6 +239,12 @@ class ElasticBuffer:
                 cuda = cuda_event_of(ev)
                 if cuda is not None:
                     current.wait_event(cuda)
+
+    @staticmethod
+    def _after_pre(events: List[Any], async_: bool) -> Any:
+        """The event pyep's call waits for: recorded on the current stream after the shim's own
+        pre-processing, so the comm stream never reads a tensor the shim is still writing (an event
+        taken before it raced: the combine read a half-reduced x on the GPU)."""
         return EventHandle() if async_ and events else None
 
     @contextlib.contextmanager
@@ -320,10 +327,9 @@ class ElasticBuffer:
             log.debug("combine(num_sms=%d): pyep combines on the dispatch's %d SMs (its handle is per channel)",
                       num_sms, hd.num_sms)
         events = [e for e in (previous_event, previous_event_before_epilogue) if e is not None]
-        if hd.do_expand or previous_event_before_epilogue is not None:
-            prev = self._pre_wait(nb, events, async_)
-        else:
-            prev = previous_event
+        pre = hd.do_expand or previous_event_before_epilogue is not None
+        if pre:
+            self._pre_wait(nb, events)
         weights = topk_weights
         if hd.do_expand:
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != hd.expand_capacity:
@@ -335,6 +341,7 @@ class ElasticBuffer:
                     raise ValueError(f"combine with an expanded handle: topk_weights must be 1-D "
                                      f"[{hd.expand_capacity}], got {list(getattr(weights, 'shape', []))}")
                 weights = lay.fold_rows(weights, hd.slots)
+        prev = self._after_pre(events, async_) if pre else previous_event
         combined, combined_w, nev = nb.combine(x, hd.normal, weights, bias, None, prev, async_,
                                                alloc and async_ and prev is not None)
         return combined, combined_w, self._event(nb, async_, nev.wait, [], [])
