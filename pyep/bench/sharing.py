@@ -170,6 +170,12 @@ class Sharing:
             sms.append(int(parts[1]))
             names.append(parts[2])
         cuda = device.type == "cuda"
+        if cuda:
+            import torch
+            # The daemon starts a server at a client's first context: make this rank's context first, or
+            # get_server_list answers "none" under a running daemon (a run reported MPS off wrongly).
+            torch.empty(1, device=device)
+            torch.cuda.synchronize(device)
         mps = detect_mps(os.environ if environ is None else environ) if cuda else MpsStatus(None, "not a CUDA run")
         if not cuda:
             how = f"{sync.comm.type} tensors over {sync.backend}"
