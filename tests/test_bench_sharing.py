@@ -86,17 +86,20 @@ def _fake_control(tmp_path, answer: str) -> str:  # type: ignore[no-untyped-def]
 
 def test_mps_detection_with_a_fake_control_binary(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("PATH", _fake_control(tmp_path, "4242 4343") + os.pathsep + os.environ.get("PATH", ""))
-    on = detect_mps({})
+    on = detect_mps({}, default_pipe=str(tmp_path / "none"))
     assert on.on is True and "4242, 4343" in on.how
     monkeypatch.setenv("PATH", _fake_control(tmp_path, "") + os.pathsep + os.environ.get("PATH", ""))
-    off = detect_mps({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})      # the binary's answer wins
+    off = detect_mps({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})      # no server and no control pipe
     assert off.on is False and "no MPS server" in off.how
+    (tmp_path / "control").write_text("")                              # a daemon that listed no server yet
+    up = detect_mps({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})
+    assert up.on is True and "control pipe" in up.how and "no MPS server" in up.how
 
 
 def test_mps_detection_from_the_pipe_directory(tmp_path) -> None:  # type: ignore[no-untyped-def]
     def none(_name: str) -> None:
         return None
-    assert detect_mps({}, which=none).on is False
+    assert detect_mps({}, which=none, default_pipe=str(tmp_path / "none")).on is False
     assert detect_mps({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}, which=none).on is False
     (tmp_path / "control").write_text("")
     got = detect_mps({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}, which=none)

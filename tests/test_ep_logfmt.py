@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pyep.ep.ll import EpBuffer, logfmt
+from pyep.ep.ll.errors import CombineAfterRefusal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_STEP = 32.0 / 510.0
@@ -137,7 +138,13 @@ def check_hidden_rule() -> str:
     recv, _, handle, _, _ = buf.dispatch(x, idx, use_fp8=False)
     with pytest.raises(ValueError, match="multiple of 512"):
         buf.combine(recv, idx, torch.ones(2, 2), handle, use_logfmt=True)
-    out, _, _ = buf.combine(recv, idx, torch.ones(2, 2), handle)   # the refusal consumed nothing
+    # A refused combine stands for its handle's combine on every rank (CombineAfterRefusal); the
+    # inputs are intact, so dispatching again and combining works.
+    with pytest.raises(CombineAfterRefusal):
+        buf.combine(recv, idx, torch.ones(2, 2), handle)
+    recv, _, handle, _, _ = buf.dispatch(x, idx, use_fp8=False)
+    out, _, _ = buf.combine(recv, idx, torch.ones(2, 2), handle)
+    assert out.shape == (2, 384)
     buf.destroy()
     return "ok"
 

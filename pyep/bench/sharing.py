@@ -53,26 +53,33 @@ class MpsStatus:
         return asdict(self)
 
 
+DEFAULT_MPS_PIPE = "/tmp/nvidia-mps"   # the daemon's pipe directory when CUDA_MPS_PIPE_DIRECTORY is unset
+
+
 def detect_mps(environ: Mapping[str, str], which: Callable[[str], Optional[str]] = shutil.which,
-               servers: Optional[Callable[[], List[int]]] = None) -> MpsStatus:
+               servers: Optional[Callable[[], List[int]]] = None, default_pipe: str = DEFAULT_MPS_PIPE) -> MpsStatus:
     """Call after this process created its CUDA context (a running daemon has then started a server for
-    it). The control binary's answer wins where it is installed: it finds the daemon through
-    CUDA_MPS_PIPE_DIRECTORY itself. Without the binary (a container that only mounts the pipes), a
-    pipe directory that holds the daemon's control pipe counts as on."""
+    it). The control binary's server list wins where it names a server. When it names none (or the
+    binary is missing: a container that only mounts the pipes), a pipe directory that holds the daemon's
+    control pipe counts as on: several ranks asking the daemon at once were seen to get an empty list
+    while their kernels ran under MPS."""
+    pipe = environ.get("CUDA_MPS_PIPE_DIRECTORY", "") or default_pipe
+    control = os.path.join(pipe, "control") if pipe else ""
+    listed = ""
     if which(MPS_CONTROL) is not None:
         if servers is None:
             from ..ep.elastic.mps import mps_servers as servers
         pids = servers()
         if pids:
             return MpsStatus(True, f"{MPS_CONTROL} get_server_list: server pid(s) {', '.join(map(str, pids))}")
-        return MpsStatus(False, f"{MPS_CONTROL} get_server_list: no MPS server (daemon not running)")
-    pipe = environ.get("CUDA_MPS_PIPE_DIRECTORY", "")
-    if pipe:
-        control = os.path.join(pipe, "control")
-        if os.path.exists(control):
-            return MpsStatus(True, f"CUDA_MPS_PIPE_DIRECTORY={pipe} holds the daemon's control pipe")
+        listed = f"{MPS_CONTROL} get_server_list: no MPS server"
+    if control and os.path.exists(control):
+        return MpsStatus(True, f"{pipe} holds the daemon's control pipe" + (f" ({listed})" if listed else ""))
+    if listed:
+        return MpsStatus(False, f"{listed} and no control pipe in {pipe} (daemon not running)")
+    if environ.get("CUDA_MPS_PIPE_DIRECTORY", ""):
         return MpsStatus(False, f"CUDA_MPS_PIPE_DIRECTORY={pipe} has no control pipe")
-    return MpsStatus(False, f"{MPS_CONTROL} not found and CUDA_MPS_PIPE_DIRECTORY unset")
+    return MpsStatus(False, f"{MPS_CONTROL} not found, CUDA_MPS_PIPE_DIRECTORY unset, no control pipe in {pipe}")
 
 
 def device_identity(device: "torch.device") -> Dict[str, Any]:
