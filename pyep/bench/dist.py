@@ -23,7 +23,7 @@ class DistPlan:
     rank: int
     local_rank: int
     local_world: int
-    own_store: bool       # one rank and no MASTER_ADDR: a TCPStore on 127.0.0.1 instead of env://
+    own_store: bool       # one rank and no MASTER_ADDR: an in-process HashStore instead of env://
     gpus: int = 0         # CUDA devices visible to this process (0 on a CPU run)
     device_index: Optional[int] = None   # this rank's GPU: local rank % gpus
 
@@ -116,7 +116,9 @@ def start_distributed(plan: Optional[DistPlan], timeout_s: float, device: str = 
         # Ranks on one machine share its cores: one share each keeps them from fighting.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, plan.local_world)))
     if plan.own_store:
-        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+        # In-process: a one-rank group needs no rendezvous, and a TCPStore server would listen on every
+        # interface (c10d binds them all) for as long as the bench runs (docs/elastic.md, threat model).
+        store = dist.HashStore()
         dist.init_process_group(plan.backend, store=store, rank=0, world_size=1, timeout=timeout, **kwargs)
     else:
         dist.init_process_group(plan.backend, init_method="env://", rank=plan.rank, world_size=plan.world,
