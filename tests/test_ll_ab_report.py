@@ -1,0 +1,51 @@
+"""tools/ll_ab_report.py: the figures it reads from DeepEP's test_low_latency.py logs, and what it says
+when a side is missing."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("ll_ab_report", ROOT / "tools" / "ll_ab_report.py")
+report = importlib.util.module_from_spec(spec)
+assert spec.loader is not None
+spec.loader.exec_module(report)
+
+
+def _log(d_us: float, c_us: float, e_us: float) -> str:
+    return "\n".join([
+        "Allocating buffer size: 179.3 MB ...",
+        f"[rank 0] Dispatch + combine bandwidth: 264.67 GB/s, avg_t={e_us} us, min_t=1.0 us, max_t=2.0 us",
+        f"[rank 1] Dispatch + combine bandwidth: 265.02 GB/s, avg_t={e_us + 2} us, min_t=1.0 us, max_t=2.0 us",
+        f"[rank 0] Dispatch bandwidth: 216.82 GB/s, avg_t={d_us} us | Combine bandwidth: 436.21 GB/s, avg_t={c_us} us",
+        f"[rank 1] Dispatch bandwidth: 216.82 GB/s, avg_t={d_us + 2} us | Combine bandwidth: 4.2 GB/s, avg_t={c_us} us",
+        "[rank 0] Dispatch send/recv time: 37.38 + 29.43 us | Combine send/recv time: 27.63 + 31.71 us",
+    ])
+
+
+def test_parse_and_ratio(tmp_path: Path) -> None:
+    for side, scale in (("base", 1.0), ("new", 0.5)):
+        p = tmp_path / side / "T128"
+        p.mkdir(parents=True)
+        (p / "pyep_ll_2.log").write_text(_log(40 * scale, 30 * scale, 80 * scale))
+    (tmp_path / "base" / "T1").mkdir()
+    assert report.main([str(tmp_path), "--baseline", "b0", "--current", "c1"]) == 1   # T=1 incomplete
+    doc = json.loads((tmp_path / "ll_ab.json").read_text())
+    row = [r for r in doc["rows"] if r["tokens"] == 128][0]
+    assert row["base"]["dispatch_us"] == {"0": 40.0, "1": 42.0}
+    assert row["new"]["combine_us"] == {"0": 15.0, "1": 15.0}
+    assert row["new"]["eager_us"] == {"0": 40.0, "1": 42.0}
+    text = (tmp_path / "ll_ab.txt").read_text()
+    assert "no figures from base and new" in text
+    t128 = [line for line in text.splitlines() if line.strip().startswith("128")][0]
+    assert "40.0 / 20.0" in t128 and "0.50" in t128       # least over ranks; ratio new / base
+
+
+def test_a_log_without_kernel_lines_is_not_a_figure(tmp_path: Path) -> None:
+    for side in ("base", "new"):
+        p = tmp_path / side / "T32"
+        p.mkdir(parents=True)
+        (p / "pyep_ll_2.log").write_text(_log(10, 10, 20) if side == "base" else "Traceback: boom\n")
+    assert report.main([str(tmp_path)]) == 1
+    assert "no figures from new" in (tmp_path / "ll_ab.txt").read_text()

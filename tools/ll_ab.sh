@@ -1,0 +1,56 @@
+#!/bin/bash
+# LL kernels before and after: DeepEP V1's own tests/test_low_latency.py, unchanged, on pyep's shim as
+# built from an earlier commit (the baseline) and from this checkout, in one run on one GPU, T by T.
+#
+#   bash tools/ll_ab.sh prepare REV            # here (needs git): the baseline's tree in .baseline/REV
+#   bash tools/ll_ab.sh run REV [T ...]        # on the GPU machine (carry .anchors and .baseline)
+#
+# Why DeepEP's test and not `pyep bench`: it is the one harness both trees run unchanged (the bench and
+# the package layout changed since the baselines of interest). It times the dispatch and combine kernels
+# with kineto and the back-to-back dispatch + combine with CUDA events -- the kernel time and the eager
+# loop a user sees. Each T runs the baseline, then this tree, so both see the same machine state.
+# run builds the baseline's engine in place (same flags as ours), links .anchors into it (deepep_v1.sh
+# finds pyep in the folder above its own), starts the MPS daemon (2 ranks share the GPU) and writes
+# OUT/ll_ab.{txt,json,png} through tools/ll_ab_report.py. T defaults to 1 32 128 256; other
+# test_low_latency.py defaults stay (H=7168, K=8, E=288). .baseline/ is ignored (.git/info/exclude).
+set -uo pipefail
+cmd=${1:?usage: ll_ab.sh prepare REV | run REV [T ...]}; rev=${2:?baseline commit}; shift 2
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+base=$root/.baseline/$rev
+case $cmd in
+  prepare)
+    rm -rf "$base" && mkdir -p "$base"
+    git -C "$root" archive "$rev" | tar x -C "$base" || exit 1
+    grep -qx '/.baseline/' "$root/.git/info/exclude" 2>/dev/null || echo '/.baseline/' >> "$root/.git/info/exclude"
+    echo "baseline $rev in $base ($(du -sh "$base" | cut -f1)); carry .baseline and .anchors to the GPU machine"
+    ;;
+  run)
+    [ -d "$base/engine" ] || { echo "no baseline tree at $base: run 'll_ab.sh prepare $rev' first"; exit 2; }
+    [ -d "$root/.anchors/deepep" ] || { echo "no .anchors/deepep (see .anchors/deepep_v1.sh's header)"; exit 2; }
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    out=${OUT:-/tmp}/ll_ab; mkdir -p "$out"
+    tokens=("$@"); [ ${#tokens[@]} -eq 0 ] && tokens=(1 32 128 256)
+    for tree in "$base" "$root"; do
+      if ! python3 -c "import sys; sys.path.insert(0, '$tree'); import pyep._engine as e; assert e.has_cuda" 2>/dev/null; then
+        t0=$SECONDS
+        (cd "$tree" && CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-16} \
+          python3 setup.py build_ext --inplace > "$out/build_$(basename "$tree").log" 2>&1) \
+          || { echo "build of $tree failed: $out/build_$(basename "$tree").log"; exit 1; }
+        echo "built $tree in $((SECONDS - t0)) s"
+      fi
+    done
+    ln -sfn "$root/.anchors" "$base/.anchors"
+    pgrep -f nvidia-cuda-mps-control >/dev/null || { nvidia-cuda-mps-control -d && echo "MPS daemon started"; }
+    for t in "${tokens[@]}"; do
+      for side in base new; do
+        tree=$root; [ $side = base ] && tree=$base
+        mkdir -p "$out/$side/T$t"
+        OUT=$out/$side/T$t DEEPEP_ON=pyep bash "$tree/.anchors/deepep_v1.sh" ll 2 --num-tokens "$t" \
+          > "$out/$side/T$t/run.txt" 2>&1
+        echo "T=$t $side: rc $? ($(grep -c 'Dispatch bandwidth' "$out/$side/T$t/pyep_ll_2.log" 2>/dev/null || echo 0) rank lines)"
+      done
+    done
+    python3 "$root/tools/ll_ab_report.py" "$out" --baseline "$rev" --current "$(cd "$root" && git rev-parse --short HEAD 2>/dev/null || echo checkout)"
+    ;;
+  *) echo "usage: ll_ab.sh prepare REV | run REV [T ...]"; exit 2 ;;
+esac

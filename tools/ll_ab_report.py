@@ -1,0 +1,136 @@
+"""Table, JSON and plot of tools/ll_ab.sh's runs: DeepEP's test_low_latency.py on pyep's shim, baseline
+tree against this one, T by T.
+
+Reads OUT/{base,new}/T<t>/pyep_ll_2.log, the lines DeepEP's test prints per rank:
+  [rank r] Dispatch + combine bandwidth: B GB/s, avg_t=X us, ...        (CUDA events, back to back)
+  [rank r] Dispatch bandwidth: B GB/s, avg_t=X us | Combine bandwidth: B GB/s, avg_t=Y us   (kineto)
+Per side and T: the least over ranks of each figure (every rank's value is in the JSON). A kernel spins
+until its peers' data arrive, so a rank that launched ahead of a late peer counts the peer's lateness as
+its own kernel time (one such run: rank 1 304 us, rank 0 34.7 us): the rank that waited least is the
+closest to the kernel's own time; both trees get the same statistic. Ratio = current / baseline: below
+1 is faster. A missing or unparsable log is named in the table, never guessed."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+EAGER = re.compile(r"^\[rank (\d+)\] Dispatch \+ combine bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us")
+KERNELS = re.compile(r"^\[rank (\d+)\] Dispatch bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us \| "
+                     r"Combine bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us")
+FIGURES = ("dispatch_us", "combine_us", "eager_us")
+
+
+def parse_log(text: str) -> Dict[str, Dict[int, float]]:
+    """{figure: {rank: microseconds}} from one test_low_latency.py log."""
+    got: Dict[str, Dict[int, float]] = {f: {} for f in FIGURES}
+    for line in text.splitlines():
+        m = EAGER.match(line.strip())
+        if m:
+            got["eager_us"][int(m.group(1))] = float(m.group(2))
+            continue
+        m = KERNELS.match(line.strip())
+        if m:
+            got["dispatch_us"][int(m.group(1))] = float(m.group(2))
+            got["combine_us"][int(m.group(1))] = float(m.group(3))
+    return got
+
+
+def side_figures(path: Path) -> Optional[Dict[str, Dict[int, float]]]:
+    if not path.is_file():
+        return None
+    got = parse_log(path.read_text(errors="replace"))
+    return got if all(got[f] for f in FIGURES) else None
+
+
+def least(values: Dict[int, float]) -> float:
+    return min(values.values())
+
+
+def collect(out: Path) -> List[dict]:
+    tokens = sorted({int(p.name[1:]) for side in ("base", "new") for p in (out / side).glob("T*")
+                     if p.name[1:].isdigit()})
+    rows = []
+    for t in tokens:
+        row: dict = {"tokens": t}
+        for side in ("base", "new"):
+            row[side] = side_figures(out / side / f"T{t}" / "pyep_ll_2.log")
+        rows.append(row)
+    return rows
+
+
+def table(rows: List[dict], baseline: str, current: str) -> str:
+    head = (f"DeepEP test_low_latency.py on pyep's shim, 2 ranks on one GPU: baseline {baseline} vs {current}\n"
+            f"{'T':>4}  {'dispatch us base/new':>22}  {'ratio':>5}  {'combine us base/new':>21}  {'ratio':>5}  "
+            f"{'d+c eager us base/new':>23}  {'ratio':>5}")
+    lines = [head, "-" * len(head.splitlines()[1])]
+    for r in rows:
+        if r["base"] is None or r["new"] is None:
+            missing = " and ".join(s for s in ("base", "new") if r[s] is None)
+            lines.append(f"{r['tokens']:>4}  no figures from {missing} (see its run.txt / pyep_ll_2.log)")
+            continue
+        cells = []
+        for f in FIGURES:
+            b, n = least(r["base"][f]), least(r["new"][f])
+            cells.append(f"{b:>10.1f} / {n:<9.1f}  {n / b:>5.2f}")
+        lines.append(f"{r['tokens']:>4}  " + "  ".join(cells))
+    lines.append("us: least over ranks (DeepEP's kineto kernel times; eager = CUDA events around back-to-back "
+                 "dispatch + combine); ratio = new / base")
+    return "\n".join(lines)
+
+
+def plot(rows: List[dict], path: Path) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib missing: no plot (pip install matplotlib)"
+    ok = [r for r in rows if r["base"] and r["new"]]
+    if not ok:
+        return "no complete T: no plot"
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    ts = [r["tokens"] for r in ok]
+    for f in FIGURES:
+        ax[0].plot(ts, [least(r["base"][f]) for r in ok], "--o", label=f"{f} base")
+        ax[0].plot(ts, [least(r["new"][f]) for r in ok], "-o", label=f"{f} new")
+        ax[1].plot(ts, [least(r["new"][f]) / least(r["base"][f]) for r in ok], "-o", label=f)
+    ax[0].set(xscale="log", xlabel="T (tokens per rank)", ylabel="us", title="time")
+    ax[1].axhline(0.8, color="gray", ls=":", label="0.8")
+    ax[1].set(xscale="log", xlabel="T", ylabel="new / base", title="ratio")
+    for a in ax:
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="ll_ab.sh's output folder (holds base/ and new/)")
+    ap.add_argument("--baseline", default="base")
+    ap.add_argument("--current", default="new")
+    a = ap.parse_args(argv)
+    rows = collect(a.out)
+    if not rows:
+        print(f"no T<t> folders under {a.out}/base or {a.out}/new", file=sys.stderr)
+        return 2
+    text = table(rows, a.baseline, a.current)
+    print(text)
+    (a.out / "ll_ab.txt").write_text(text + "\n")
+    doc = {"baseline": a.baseline, "current": a.current,
+           "rows": [{"tokens": r["tokens"],
+                     **{s: ({f: {str(k): v for k, v in r[s][f].items()} for f in FIGURES} if r[s] else None)
+                        for s in ("base", "new")}} for r in rows]}
+    (a.out / "ll_ab.json").write_text(json.dumps(doc, indent=1))
+    note = plot(rows, a.out / "ll_ab.png")
+    if note:
+        print(note)
+    return 0 if all(r["base"] and r["new"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
