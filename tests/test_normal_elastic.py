@@ -1,0 +1,239 @@
+"""The normal mode's active_ranks mask and elastic membership on the reference backend (issue 26;
+docs/elastic.md, "Normal mode"):
+
+- on gloo ranks, a mask that leaves a rank out gives the survivors exactly what a run without that
+  rank gives (its tokens never sent, nothing routed to it), bit for bit: layout, received rows, top-k,
+  per-expert counts, combine; the tokens routed to it are counted dropped on the events and the handle;
+- a store-based buffer (threads on one TCPStore) marks a rank that stops answering, keeps computing
+  the definition (pyep.ep.elastic.drill_normal) for the survivors, and re-admits a restarted process of
+  that rank, after which every rank computes the full definition again;
+- forged or malformed store records (another job's secret, no MAC) never change membership;
+- the native backends refuse a mask that leaves a rank out (ElasticUnsupported), never ignore it.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any, Callable, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multiproc import DistPool
+from pyep.ep.elastic import drill_normal as dn
+from pyep.ep.normal import NormalBuffer
+
+SECRET = b"normal-elastic-test-secret-0123456789"
+OTHER_JOB = b"another-job-secret-0123456789abcdef"
+A: Dict[str, Any] = {"seed": 3, "T": 10, "H": 128, "E": 6, "K": 3}
+
+
+@pytest.fixture(scope="module")
+def pool3() -> Any:
+    with DistPool(3) as pool:
+        yield pool
+
+
+# ---------------------------------------------------------------------------------------- gloo masks
+def _gloo_step(masked: int, with_mask: bool) -> Dict[str, Any]:
+    """One step on this gloo rank. with_mask: every rank passes active_ranks with `masked` left out.
+    Else the oracle run: rank `masked` has no tokens and nobody routes to it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    e_l = A["E"] // world
+    x, idx, w = dn.inputs(A["seed"], 1, rank, A["T"], A["H"], A["E"], A["K"])
+    mask = torch.ones(world, dtype=torch.int32)
+    if with_mask:
+        mask[masked] = 0
+    else:
+        idx = torch.where(idx.div(e_l, rounding_mode="floor") == masked, torch.full_like(idx, -1), idx)
+        if rank == masked:
+            x, idx, w = x[:0], idx[:0], w[:0]
+    buf = NormalBuffer(hidden=A["H"], backend="reference", timeout_us=20_000_000,
+                       active_ranks=mask if with_mask else None)
+    ntpr, _, ntpe, in_rank, ev0 = buf.get_dispatch_layout(idx, A["E"])
+    recv_x, r_idx, r_w, counts, handle, ev1 = buf.dispatch(
+        x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
+        topk_weights=w)
+    y = dn.expert(recv_x, rank)
+    out, out_w, ev2 = buf.combine(y, handle, topk_weights=r_w)
+    cached_x, *_ = buf.dispatch(x, handle=handle)
+    res = {"ntpr": ntpr, "ntpe": ntpe, "in_rank": in_rank, "recv_x": recv_x.view(torch.int16), "r_idx": r_idx,
+           "r_w": r_w, "counts": counts, "out": out.view(torch.int16), "out_w": out_w,
+           "cached": cached_x.view(torch.int16), "drop": [ev0.num_dropped_tokens, ev1.num_dropped_tokens,
+                                                         ev2.num_dropped_tokens, handle.num_dropped_tokens],
+           "mask": buf.get_active_ranks(), "routed": [int(dn.routed(
+               dn.inputs(A["seed"], 1, rank, A["T"], A["H"], A["E"], A["K"])[1], d, e_l).sum()) for d in range(world)]}
+    buf.destroy()
+    return res
+
+
+@pytest.mark.parametrize("masked", [2, 0])
+def test_mask_gives_what_a_run_without_the_rank_gives(pool3: DistPool, masked: int) -> None:
+    got = pool3.run(_gloo_step, masked, True, timeout_s=120)
+    want = pool3.run(_gloo_step, masked, False, timeout_s=120)
+    for r in range(3):
+        g, o = got[r], want[r]
+        assert g["mask"].tolist() == [0 if d == masked else 1 for d in range(3)]
+        if r == masked:
+            # The masked rank sends and receives nothing; every token it routed anywhere is dropped.
+            assert g["recv_x"].shape[0] == 0 and g["ntpr"].tolist() == [0, 0, 0]
+            assert g["drop"][1].tolist() == g["routed"] and g["out"].abs().sum() == 0
+            continue
+        for k in ("ntpr", "ntpe", "in_rank", "recv_x", "r_idx", "r_w", "out", "out_w", "cached"):
+            assert torch.equal(g[k], o[k]), (r, k)
+        assert g["counts"] == o["counts"]
+        assert g["ntpr"][masked] == 0 and not bool(g["in_rank"][:, masked].any())
+        want_drop = [g["routed"][d] if d == masked else 0 for d in range(3)]
+        # layout and dispatch count the tokens routed to the masked rank; the combine drops nothing more
+        assert [t.tolist() for t in g["drop"]] == [want_drop, want_drop, [0, 0, 0], want_drop]
+        assert want_drop[masked] > 0
+
+
+def test_native_backend_refuses_a_mask_that_leaves_a_rank_out() -> None:
+    from pyep.ep.normal.errors import ElasticUnsupported
+    buf = NormalBuffer.__new__(NormalBuffer)
+
+    class Native:
+        name = "native"
+    buf._backend, buf._mask = Native(), torch.tensor([1, 0], dtype=torch.int32)
+    with pytest.raises(ElasticUnsupported, match=r"active_ranks mask that leaves ranks \[1\] out.*native"):
+        buf._check_mask_supported()
+    assert isinstance(ElasticUnsupported("x", "native"), NotImplementedError)
+    buf._mask = torch.ones(2, dtype=torch.int32)
+    buf._check_mask_supported()        # all active: nothing to refuse
+
+
+# ---------------------------------------------------------------------------------------- store buffers
+def _master() -> Any:
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=60))
+
+
+def _client(port: int) -> Any:
+    return dist.TCPStore("127.0.0.1", port, 1, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=60))
+
+
+def _threads(fns: List[Callable[[], Any]], timeout_s: float = 240.0) -> List[Any]:
+    out: List[Any] = [None] * len(fns)
+    errs: List[BaseException] = []
+
+    def body(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errs.append(exc)
+    ts = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in ts), "a rank thread hung"
+    if errs:
+        raise errs[0]
+    return out
+
+
+def _store_buf(port: int, prefix: str, rank: int, world: int, timeout_us: int = 1_000_000) -> NormalBuffer:
+    return NormalBuffer(store=_client(port), rank=rank, world_size=world, store_prefix=prefix, backend="reference",
+                        hidden=A["H"], timeout_us=timeout_us, job_secret=SECRET, rejoin_lead_calls=1)
+
+
+def _steps(buf: NormalBuffer, world: int, count: int, stop: Any = None) -> List[List[int]]:
+    """`count` checked steps (or until `stop()` says so); returns the mask after each."""
+    a = dict(A)
+    masks = []
+    for _ in range(count):
+        if stop is not None and stop(buf):
+            break
+        step = buf.next_call
+        recv_x, handle, out, drop = dn._step(buf, a, step, buf.rank, world, False, "")
+        after = [bool(v) for v in buf.get_active_ranks().tolist()]
+        dn.check_step(a, step, buf.rank, world, after, recv_x, handle, out, drop)
+        masks.append([int(v) for v in after])
+    return masks
+
+
+def test_store_buffer_marks_a_silent_rank_and_readmits_its_restart() -> None:
+    """Rank 2 makes 2 steps and goes silent (its process 'dies'); ranks 0 and 1 mark it in step 3, keep
+    computing the survivors' definition (its tokens dropped and counted), then a new process of rank 2
+    (generation 2) joins and every rank computes the full definition again."""
+    master = _master()
+    prefix = "t/normal-rejoin"
+    world = 3
+    bufs = _threads([lambda r=r: _store_buf(master.port, prefix, r, world) for r in range(world)])
+    _threads([lambda b=b: _steps(b, world, 2) for b in bufs])
+    assert all(b.generation == 1 for b in bufs)
+    # rank 2 is gone: the survivors' next steps mark it (once, within its timeout) and go on
+    survivor_masks = _threads([lambda b=b: _steps(b, world, 3) for b in bufs[:2]])
+    for masks in survivor_masks:
+        assert masks == [[1, 1, 0]] * 3
+    newcomer: List[Any] = []
+
+    def restart() -> Any:
+        nb = _store_buf(master.port, prefix, 2, world)
+        assert nb.joining and nb.generation == 2
+        with pytest.raises(Exception, match="not admitted yet"):
+            nb.get_active_ranks()
+        at = nb.join(120.0)
+        newcomer.append(nb)
+        return at, _steps(nb, world, 5)
+
+    def survive(b: NormalBuffer) -> List[List[int]]:
+        # keep stepping until rank 2 is back, then 4 more steps together
+        before = _steps(b, world, 400, stop=lambda x: bool(x.get_active_ranks()[2]))
+        return before + _steps(b, world, 4)
+
+    out = _threads([lambda: survive(bufs[0]), lambda: survive(bufs[1]), restart])
+    at, new_masks = out[2]
+    assert new_masks == [[1, 1, 1]] * 5          # steps A .. A+4
+    for masks in out[:2]:
+        assert masks[-5:] == [[1, 1, 1]] * 5      # step A (admitted in its layout call) .. A+4
+    assert bufs[0].next_call == bufs[1].next_call == newcomer[0].next_call == at + 5
+    for b in [*bufs, *newcomer]:
+        b.destroy()
+
+
+def _forge(store: Any, prefix: str, secret: Any) -> List[str]:
+    """A forger (another job's secret, or no MAC at all) claims a restarted generation 2 of rank 1 and
+    writes every record of the admission, plus mail rows for the survivors' next calls."""
+    from pyep.ep.elastic.membership import _AT, Announcement
+    from pyep.ep.records import RecordCodec
+    codec = RecordCodec(secret) if secret is not None else None
+    fp = f"normal hidden={A['H']} ranks=2"
+    writes = {
+        f"{prefix}/gen/1/2": (1, 2, b"n" * 16), f"{prefix}/annidx/1": (1, 2, b"n" * 16),
+        f"{prefix}/ann/1/2": (1, 2, Announcement(1, 2, 2, fp, "reference", b"").encode()),
+        f"{prefix}/prepared/1/2/0": (0, 1, b""), f"{prefix}/at/1/2": (0, 1, _AT.pack(3, 0)),
+        f"{prefix}/act/1/2/0": (0, 1, b""), f"{prefix}/ready/1/2": (1, 2, b""),
+        f"{prefix}/alive/1": (1, 1, b"\x00" * 8),
+    }
+    for call in range(1, 40):
+        for stage in ("tag", "hdr", "data"):
+            writes[f"{prefix}/mail/0/n0.{call}.{stage}/1.1"] = (1, 1, b"\x01" * 64)
+    for key, (writer, gen, payload) in writes.items():
+        store.set(key, codec.seal(key, writer, gen, 0, payload) if codec else payload)
+    return list(writes)
+
+
+@pytest.mark.parametrize("secret", [None, OTHER_JOB], ids=["unsealed", "another-jobs-secret"])
+def test_forged_records_never_change_membership(secret: Any) -> None:
+    """A forger writes mail rows in rank 1's name for the next calls (read by rank 0 before rank 1's own
+    rows replace them), then -- rank 1 dead and marked -- a whole admission of a phantom generation 2 of
+    rank 1. Rank 0 refuses every record: no rank is marked while both live, the phantom is never
+    admitted, every step stays the definition."""
+    master = _master()
+    prefix = f"t/normal-forged-{secret is None}"
+    bufs = _threads([lambda r=r: _store_buf(master.port, prefix, r, 2) for r in range(2)])
+    keys = _forge(_client(master.port), prefix, secret)
+    masks = _threads([lambda b=b: _steps(b, 2, 4) for b in bufs])
+    assert masks == [[[1, 1]] * 4] * 2
+    bufs[1].destroy()                   # rank 1 stops answering
+    assert _steps(bufs[0], 2, 1) == [[1, 0]]
+    _forge(_client(master.port), prefix, secret)
+    assert _steps(bufs[0], 2, 6) == [[1, 0]] * 6
+    assert bufs[0].generation == 1 and bufs[0].poll_rejoin() == []
+    refused = {e.key for e in bufs[0].rejected_records}
+    assert f"{prefix}/annidx/1" in refused and refused <= set(keys), refused - set(keys)
+    bufs[0].destroy()
