@@ -280,3 +280,22 @@ def test_cli_drill_mode_normal_arguments(monkeypatch: pytest.MonkeyPatch, capsys
     assert rc == 2 and "--mode normal runs on --backend reference" in err, err
     rc, _, err = run_cli(["drill", "--mode", "normal", "--backend", "reference", "--phases", ","], monkeypatch, capsys)
     assert rc == 2 and "layout, dispatch, combine, between (--mode normal)" in err, err
+
+
+def test_native_check_runs_at_every_call_once_a_mask_was_given() -> None:
+    """A mask the caller holds can be changed in place between calls: with one given, every call checks
+    it again (a native buffer must not ignore a rank the caller left out after construction)."""
+    from pyep.ep.normal.errors import ElasticUnsupported
+    buf = NormalBuffer.__new__(NormalBuffer)
+
+    class Native:
+        name = "native"
+
+        def pending_error(self) -> None:
+            return None
+    mask = torch.ones(2, dtype=torch.int32)
+    buf._backend, buf._mask, buf._mask_given, buf._destroyed, buf._member = Native(), mask, True, False, None
+    assert buf._begin("dispatch") is None
+    mask[1] = 0                         # the caller's tensor, changed in place
+    with pytest.raises(ElasticUnsupported, match=r"ranks \[1\]"):
+        buf._begin("dispatch")

@@ -139,8 +139,15 @@ class NormalBuffer(NormalBufferMembership):
         self._rank = self._control.rank
         self._num_ranks = self._control.world_size
         check_active_ranks(active_ranks, self._num_ranks)
+        # The mask lives on the buffer's device (the group's; a store-based buffer's is the CPU).
+        mask_device = group_device(self._group) if self._group is not None else torch.device("cpu")
+        if active_ranks is not None and active_ranks.device != mask_device:
+            raise ValueError(f"active_ranks is on {active_ranks.device}, the buffer on {mask_device}")
         self._mask: "torch.Tensor" = (active_ranks if active_ranks is not None
-                                      else torch.ones(self._num_ranks, dtype=torch.int32))
+                                      else torch.ones(self._num_ranks, dtype=torch.int32, device=mask_device))
+        # Only a mask the caller holds can leave a rank out without this buffer knowing (update_ep_member
+        # checks its own): the per-call check (a host read of the mask) is skipped otherwise.
+        self._mask_given = active_ranks is not None
         self._step = 0
         self._member: Optional[Membership] = None
         self._hidden = hidden
@@ -158,8 +165,6 @@ class NormalBuffer(NormalBufferMembership):
                 num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport=transport, timeout_us=timeout_us,
                 num_sms=sms, nodes=self._nodes, num_rdma_bytes=num_rdma_bytes, mask=self._mask))
         self._device: "torch.device" = self._backend.device
-        if self._mask.device != self._device:
-            raise ValueError(f"active_ranks is on {self._mask.device}, the buffer on {self._device}")
         self._check_mask_supported()
         self._destroyed = False
         log.debug("NormalBuffer rank %d/%d: backend %s, hidden %d, device %s", self._rank, self._num_ranks,
@@ -288,7 +293,8 @@ class NormalBuffer(NormalBufferMembership):
         """The error the device recorded for an earlier call (taken; raised by this call once it has
         been made, see _launch), or a raise: destroyed, or broken (a broken buffer exchanges nothing)."""
         self._check_alive(what)
-        self._check_mask_supported()
+        if self._mask_given:
+            self._check_mask_supported()
         return self._backend.pending_error()
 
     @contextlib.contextmanager

@@ -50,6 +50,7 @@ class NormalBufferMembership:
     _rank: int
     _num_ranks: int
     _mask: "torch.Tensor"
+    _mask_given: bool
     _step: int
 
     # ------------------------------------------------------------------ the mask
@@ -79,6 +80,7 @@ class NormalBufferMembership:
         if member is None:
             want = active_ranks if active_ranks is not None else torch.ones_like(self._mask)
             self._mask.copy_(want.to(self._mask.device))
+            self._mask_given = self._mask_given or active_ranks is not None
             self._check_mask_supported()
             return
         if member.joining:
