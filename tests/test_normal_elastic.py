@@ -299,3 +299,33 @@ def test_native_check_runs_at_every_call_once_a_mask_was_given() -> None:
     mask[1] = 0                         # the caller's tensor, changed in place
     with pytest.raises(ElasticUnsupported, match=r"ranks \[1\]"):
         buf._begin("dispatch")
+
+
+def test_newcomer_that_dies_before_confirming_does_not_stop_the_survivor() -> None:
+    """A restarted process of rank 1 announces itself and dies before join(): the survivor waits for
+    its confirmation at the agreed step (bounded), goes on without it, and later admits a newer process
+    of rank 1 that does join."""
+    master = _master()
+    prefix = "t/normal-dead-newcomer"
+    bufs = _threads([lambda r=r: _store_buf(master.port, prefix, r, 2) for r in range(2)])
+    _threads([lambda b=b: _steps(b, 2, 1) for b in bufs])
+    bufs[1].destroy()
+    assert _steps(bufs[0], 2, 1) == [[1, 0]]
+    bufs[0]._member.timeout_s = 2.0           # the handshake's bound, short for the test
+    ghost = _store_buf(master.port, prefix, 1, 2)     # announces (generation 2), never joins
+    assert ghost.joining and ghost.generation == 2
+    assert _steps(bufs[0], 2, 6) == [[1, 0]] * 6       # the admission step timed out inside; no raise
+    assert bufs[0].poll_rejoin() == []
+
+    def restart() -> Any:
+        nb = _store_buf(master.port, prefix, 1, 2)
+        assert nb.generation == 3
+        nb.join(120.0)
+        return nb, _steps(nb, 2, 4)      # step A .. A+3
+
+    out = _threads([lambda: _steps(bufs[0], 2, 400, stop=lambda x: bool(x.get_active_ranks()[1]))
+                    + _steps(bufs[0], 2, 3), restart])
+    # the survivor ran step A in its first loop (admitted in its layout call), then A+1 .. A+3
+    assert out[0][-4:] == [[1, 1]] * 4 and out[1][1] == [[1, 1]] * 4
+    for b in (bufs[0], out[1][0]):
+        b.destroy()

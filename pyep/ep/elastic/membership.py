@@ -303,6 +303,11 @@ class Membership:
         del self._pending[r]
         log.warning("rank %d: rank %d (generation %d) admitted at call #%d", self.rank, r, p.generation, next_call)
 
+    def abandon(self, r: int) -> None:
+        """Forget rank r's pending rejoin (its newcomer never confirmed call #A): a newer process of r
+        announces again."""
+        self._pending.pop(r, None)
+
     # ------------------------------------------------------------------ newcomer side
     def announce(self) -> None:
         ann = Announcement(self.rank, self.world, self.generation, self.fingerprint, self.backend.name,

@@ -164,15 +164,25 @@ class NormalBufferMembership:
         if member is None or member.joining:
             return []
         member.poll(step, lead_calls)
-        due = member.due(step)
-        for r in due:
+        admitted: List[int] = []
+        for r in member.due(step):
             epoch, calls = self._backend.step_state()
             mask = self._mask.to("cpu").clone()
             mask[r] = 1
             payload = _STEP.pack(epoch, calls) + bytes(int(v) for v in mask.tolist())
-            member.activate(r, step, None, payload)
+            try:
+                member.activate(r, step, None, payload)
+            except ControlTimeout as exc:
+                # The newcomer never confirmed (it died after announcing): this step runs without it, as
+                # before; a newer process of the rank announces again.
+                log.warning("rank %d: rank %d did not confirm its admission at step %d (%s); going on without it",
+                            self._rank, r, step, exc)
+                self._mask[r] = 0
+                member.abandon(r)
+                continue
+            admitted.append(r)
             self._backend.open_grace()
-        return due
+        return admitted
 
 
 def _decode_act(payload: bytes, num_ranks: int, src: int) -> Any:
