@@ -57,7 +57,7 @@ def expected_dispatch(a: Dict[str, Any], step: int, rank: int, world: int, sourc
         if sources[s]:
             x, idx, _ = inputs(a["seed"], step, s, a["T"], a["H"], a["E"], a["K"])
             rows.append(x[routed(idx, rank, e_l)])
-    return torch.cat(rows) if rows else torch.zeros((0, a["H"]), dtype=torch.bfloat16)
+    return torch.cat(rows) if rows else torch.zeros((0, a["H"]), dtype=torch.bfloat16, device="cpu")
 
 
 def expected_combine(a: Dict[str, Any], step: int, rank: int, world: int, active: Sequence[bool]) -> Any:
@@ -66,7 +66,7 @@ def expected_combine(a: Dict[str, Any], step: int, rank: int, world: int, active
     import torch
     e_l = a["E"] // world
     x, idx, _ = inputs(a["seed"], step, rank, a["T"], a["H"], a["E"], a["K"])
-    acc = torch.zeros(x.shape[0], a["H"], dtype=torch.float32)
+    acc = torch.zeros(x.shape[0], a["H"], dtype=torch.float32, device="cpu")
     for d in range(world):
         if active[d]:
             sel = routed(idx, d, e_l)

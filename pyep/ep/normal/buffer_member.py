@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("pyep.ep.normal")
-_STEP = struct.Struct("<qq")     # act payload: the survivors' generation (clean count) and call counter, then mask bytes
+# act payload: the survivors' generation (clean count) and call counter, then one byte per rank of their mask
+_STEP = struct.Struct("<qq")
 
 
 def check_active_ranks(active_ranks: Any, num_ranks: int) -> None:
@@ -146,7 +147,7 @@ class NormalBufferMembership:
             raise MembershipError(f"rank {self._rank}: the survivors sent different call counters at step {at}: "
                                   f"{ {s: v[:2] for s, v in states.items()} }")
         epoch, calls = counters.pop()
-        mask = torch.ones(self._num_ranks, dtype=torch.int32)
+        mask = torch.ones(self._num_ranks, dtype=torch.int32, device="cpu")
         for s, (_, _, m) in states.items():
             mask &= m
         mask[self._rank] = 1
@@ -194,4 +195,4 @@ def _decode_act(payload: bytes, num_ranks: int, src: int) -> Any:
     bits = list(payload[_STEP.size:])
     if epoch < 0 or calls < 0 or any(b not in (0, 1) for b in bits):
         raise MembershipError(f"act record of rank {src}: counters ({epoch}, {calls}) or mask {bits} out of range")
-    return epoch, calls, torch.tensor(bits, dtype=torch.int32)
+    return epoch, calls, torch.tensor(bits, dtype=torch.int32, device="cpu")

@@ -370,7 +370,7 @@ class NormalReferenceBackend(NormalExchange):
         # (num_worst_tokens padding) are not sent, nor the rows of a source that is inactive now.
         per_source = self._rows_per_source(handle.rank_prefix_matrix)
         keep = torch.cat([torch.full((c,), bool(active[s_]), dtype=torch.bool, device=dev)
-                          for s_, c in enumerate(per_source)]) if per_source else torch.zeros(0, dtype=torch.bool)
+                          for s_, c in enumerate(per_source)])
         real = sum(per_source)
         parts = [row_bytes(handle.recv_src_idx[:real].to(torch.int64).reshape(-1, 1)), row_bytes(call.x[:real])]
         if call.topk_weights is not None:

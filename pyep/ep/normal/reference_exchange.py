@@ -82,7 +82,7 @@ class NormalExchange:
             return recv * active.to(recv.device).view(-1, 1).to(recv.dtype)
         width = 8 * int(rows.shape[1])
         send = rows.to("cpu").contiguous().view(torch.uint8).reshape(self.num_ranks, width)
-        counts = torch.tensor([1 if a else 0 for a in active.tolist()], dtype=torch.int64)
+        counts = torch.tensor([1 if a else 0 for a in active.tolist()], dtype=torch.int64, device="cpu")
         recv, lens, _ = self._mail.exchange(send, counts, width, self.call_timeout(timeout_us), what,
                                             self._mail_tag(stage), active, None)
         self._store_mask(active, what)
@@ -109,8 +109,9 @@ class NormalExchange:
             all_to_all(recv, send, recv_counts, send_counts, self.group, timeout_us, what)
             return recv, list(recv_counts)
         width = int(send.shape[1])
-        recv, lens, _ = self._mail.exchange(send.to("cpu"), torch.tensor(send_counts, dtype=torch.int64), width,
-                                            self.call_timeout(timeout_us), what, self._mail_tag(stage), active, None)
+        counts = torch.tensor(send_counts, dtype=torch.int64, device="cpu")
+        recv, lens, _ = self._mail.exchange(send.to("cpu"), counts, width, self.call_timeout(timeout_us), what,
+                                            self._mail_tag(stage), active, None)
         self._store_mask(active, what)
         got = [int(n) for n in lens.tolist()]
         keep = []
@@ -124,7 +125,7 @@ class NormalExchange:
             else:
                 got[src] = 0
             at += n
-        rows = torch.cat(keep) if keep else torch.empty((0, width), dtype=torch.uint8)
+        rows = torch.cat(keep) if keep else torch.empty((0, width), dtype=torch.uint8, device="cpu")
         return rows.to(self.device), got
 
     def _mail_tag(self, stage: str) -> str:
@@ -187,7 +188,8 @@ class NormalExchange:
         row = torch.tensor(words, dtype=torch.int64, device=self.device)
         rows = row.reshape(1, -1).expand(self.num_ranks, -1).contiguous()
         if self._mail is None:
-            active = torch.ones(self.num_ranks, dtype=torch.bool)   # every rank takes part in the collective
+            # every rank takes part in the collective
+            active = torch.ones(self.num_ranks, dtype=torch.bool, device="cpu")
         table = self._fixed(rows, active, self.timeout_us, what, "tag")
         return active, table
 
