@@ -337,3 +337,20 @@ def test_newcomer_that_dies_before_confirming_does_not_stop_the_survivor() -> No
     assert out[0][-4:] == [[1, 1]] * 4 and out[1][1] == [[1, 1]] * 4
     for b in (bufs[0], out[1][0]):
         b.destroy()
+
+
+def test_store_buffer_refuses_what_it_does_not_implement() -> None:
+    """A store-based buffer runs the reference backend on one node: asking for the native kernels or
+    for nodes raises ElasticUnsupported (a NotImplementedError) naming the feature, before any key is
+    written; a mask of the wrong shape or values is refused like the LL buffer's."""
+    from pyep.ep.normal.errors import ElasticUnsupported
+    master = _master()
+    with pytest.raises(ElasticUnsupported, match="store-based buffer.*native"):
+        NormalBuffer(store=_client(master.port), rank=0, world_size=2, backend="native", job_secret=SECRET)
+    with pytest.raises(ElasticUnsupported, match="across nodes"):
+        NormalBuffer(store=_client(master.port), rank=0, world_size=2, ranks_per_node=1, job_secret=SECRET)
+    for bad, exc in ((torch.ones(3, dtype=torch.int32), ValueError), (torch.ones(2, dtype=torch.int64), ValueError),
+                     (torch.tensor([1, 2], dtype=torch.int32), ValueError), ([1, 1], TypeError)):
+        with pytest.raises(exc, match="active_ranks"):
+            NormalBuffer(store=_client(master.port), rank=0, world_size=2, active_ranks=bad, job_secret=SECRET)
+    assert master.num_keys() == 0      # nothing was written to the store

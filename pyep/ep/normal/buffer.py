@@ -158,6 +158,9 @@ class NormalBuffer(NormalBufferMembership):
         self._seq = 0
         self._comm: Any = None
         if self._group is None:
+            if ranks_per_node is not None and ranks_per_node != self._num_ranks:
+                raise ElasticUnsupported(f"a store-based buffer across nodes (ranks_per_node={ranks_per_node} of "
+                                         f"{self._num_ranks} ranks)", "reference (store)")
             self._backend = self._store_backend(backend, hidden, timeout_us, rejoin_lead_calls)
         else:
             self._nodes = detect_node_layout(self._group, ranks_per_node, timeout_us)
