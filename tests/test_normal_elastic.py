@@ -354,3 +354,43 @@ def test_store_buffer_refuses_what_it_does_not_implement() -> None:
         with pytest.raises(exc, match="active_ranks"):
             NormalBuffer(store=_client(master.port), rank=0, world_size=2, active_ranks=bad, job_secret=SECRET)
     assert master.num_keys() == 0      # nothing was written to the store
+
+
+def test_mailbox_marks_a_silent_source_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 waits for rank 1 (alive: it beats, itself waiting on dead rank 2, and sends at 1.5 timeouts)
+    and rank 2 (dead: no heartbeat). At the deadline rank 2 is marked; rank 1 gets one more timeout and
+    its rows are used; the exchange returns when they arrive -- not a second timeout later, kept waiting
+    for rank 2 by rank 1's heartbeat. A fake clock: no timing of the machine is involved."""
+    import struct
+
+    from pyep.ep.control import StoreControl
+    from pyep.ep.elastic import mailbox as mb
+    master = _master()
+    c = [StoreControl(_client(master.port), r, 3, "t/silent", SECRET) for r in range(3)]
+    box = mb.StoreMailbox(c[0])
+    timeout_s = 1.0
+    sent: List[int] = []
+
+    class Clock:
+        t = 0.0
+
+        def monotonic(self) -> float:
+            return self.t
+
+        def time(self) -> float:
+            return 1e9 + self.t
+
+        def sleep(self, d: float) -> None:
+            self.t += d
+            c[1].put(c[1].key("alive", 1), struct.pack("<d", self.time()))
+            if self.t >= 1.5 * timeout_s and not sent:
+                c[1].put(c[1].key("mail", 0, "x", "1.1"), b"\x07" * 4)
+                sent.append(1)
+    clock = Clock()
+    monkeypatch.setattr(mb, "time", clock)
+    active = torch.ones(3, dtype=torch.bool)
+    recv, lens, late = box.exchange(torch.zeros((0, 4), dtype=torch.uint8), torch.zeros(3, dtype=torch.int64), 4,
+                                    int(timeout_s * 1e6), "test exchange", "x", active, None)
+    assert late == [2] and active.tolist() == [True, True, False] and lens.tolist() == [0, 1, 0]
+    assert recv.reshape(-1).tolist() == [7, 7, 7, 7]
+    assert 1.5 * timeout_s <= clock.t < 2 * timeout_s, clock.t
