@@ -148,31 +148,34 @@ def _steps(buf: NormalBuffer, world: int, count: int, stop: Any = None) -> List[
         if stop is not None and stop(buf):
             break
         step = buf.next_call
-        recv_x, handle, out, drop = dn._step(buf, a, step, buf.rank, world, False, "")
+        got, handle, out, drop = dn._step(buf, a, step, buf.rank, world, False, "")
         after = [bool(v) for v in buf.get_active_ranks().tolist()]
-        dn.check_step(a, step, buf.rank, world, after, recv_x, handle, out, drop)
+        dn.check_step(a, step, buf.rank, world, after, got, handle, out, drop)
         masks.append([int(v) for v in after])
     return masks
 
 
-def test_store_buffer_marks_a_silent_rank_and_readmits_its_restart() -> None:
-    """Rank 2 makes 2 steps and goes silent (its process 'dies'); ranks 0 and 1 mark it in step 3, keep
-    computing the survivors' definition (its tokens dropped and counted), then a new process of rank 2
-    (generation 2) joins and every rank computes the full definition again."""
+@pytest.mark.parametrize("dead", [2, 1])
+def test_store_buffer_marks_a_silent_rank_and_readmits_its_restart(dead: int) -> None:
+    """Rank `dead` makes 2 steps and goes silent (its process 'dies'); the others mark it in step 3, keep
+    computing the survivors' definition (its tokens dropped and counted), then a new process of that
+    rank (generation 2) joins and every rank computes the full definition again. A dead rank in the
+    middle (1) checks that each survivor's per-destination header still reaches the right rank."""
     master = _master()
-    prefix = "t/normal-rejoin"
+    prefix = f"t/normal-rejoin-{dead}"
     world = 3
     bufs = _threads([lambda r=r: _store_buf(master.port, prefix, r, world) for r in range(world)])
     _threads([lambda b=b: _steps(b, world, 2) for b in bufs])
     assert all(b.generation == 1 for b in bufs)
-    # rank 2 is gone: the survivors' next steps mark it (once, within its timeout) and go on
-    survivor_masks = _threads([lambda b=b: _steps(b, world, 3) for b in bufs[:2]])
+    # the dead rank is gone: the survivors' next steps mark it (once, within its timeout) and go on
+    live = [b for b in bufs if b.rank != dead]
+    survivor_masks = _threads([lambda b=b: _steps(b, world, 3) for b in live])
     for masks in survivor_masks:
-        assert masks == [[1, 1, 0]] * 3
+        assert masks == [[0 if r == dead else 1 for r in range(world)]] * 3
     newcomer: List[Any] = []
 
     def restart() -> Any:
-        nb = _store_buf(master.port, prefix, 2, world)
+        nb = _store_buf(master.port, prefix, dead, world)
         assert nb.joining and nb.generation == 2
         with pytest.raises(Exception, match="not admitted yet"):
             nb.get_active_ranks()
@@ -182,21 +185,21 @@ def test_store_buffer_marks_a_silent_rank_and_readmits_its_restart() -> None:
 
     def survive(b: NormalBuffer) -> List[List[int]]:
         # keep stepping until rank 2 is back, then 4 more steps together
-        before = _steps(b, world, 400, stop=lambda x: bool(x.get_active_ranks()[2]))
+        before = _steps(b, world, 400, stop=lambda x: bool(x.get_active_ranks()[dead]))
         return before + _steps(b, world, 4)
 
-    owners = [(b._owner, b._epoch, b.backend.epoch) for b in bufs]
-    out = _threads([lambda: survive(bufs[0]), lambda: survive(bufs[1]), restart])
+    owners = [(b._owner, b._epoch, b.backend.epoch) for b in live]
+    out = _threads([lambda: survive(live[0]), lambda: survive(live[1]), restart])
     # The survivors' state other than the mask is untouched by the rejoin: same buffer, same generation
     # (clean count), one call counter running on (3 calls a step), no reset; the newcomer took it.
-    assert [(b._owner, b._epoch, b.backend.epoch) for b in bufs] == owners
-    for b in [*bufs, *newcomer]:
+    assert [(b._owner, b._epoch, b.backend.epoch) for b in live] == owners
+    for b in [*live, *newcomer]:
         assert b.backend.calls == 3 * (b.next_call - 1)
     at, new_masks = out[2]
     assert new_masks == [[1, 1, 1]] * 5          # steps A .. A+4
     for masks in out[:2]:
         assert masks[-5:] == [[1, 1, 1]] * 5      # step A (admitted in its layout call) .. A+4
-    assert bufs[0].next_call == bufs[1].next_call == newcomer[0].next_call == at + 5
+    assert live[0].next_call == live[1].next_call == newcomer[0].next_call == at + 5
     for b in [*bufs, *newcomer]:
         b.destroy()
 

@@ -60,6 +60,25 @@ def expected_dispatch(a: Dict[str, Any], step: int, rank: int, world: int, sourc
     return torch.cat(rows) if rows else torch.zeros((0, a["H"]), dtype=torch.bfloat16, device="cpu")
 
 
+def expected_routing(a: Dict[str, Any], step: int, rank: int, world: int, sources: Sequence[bool]
+                     ) -> Tuple[Any, List[int]]:
+    """(recv_topk_idx int64 [rows, K]: each received row's ids as local experts of `rank`, -1 for the
+    others; tokens per local expert from the active `sources`)."""
+    import torch
+    e_l = a["E"] // world
+    ids, counts = [], [0] * e_l
+    for s in range(world):
+        if sources[s]:
+            _, idx, _ = inputs(a["seed"], step, s, a["T"], a["H"], a["E"], a["K"])
+            mine = idx[routed(idx, rank, e_l)]
+            local = (mine >= rank * e_l) & (mine < (rank + 1) * e_l)
+            ids.append(torch.where(local, mine - rank * e_l, torch.full_like(mine, -1)))
+            for le in range(e_l):
+                counts[le] += int((mine == rank * e_l + le).any(dim=1).sum())
+    out = torch.cat(ids) if ids else torch.zeros((0, a["K"]), dtype=torch.int64, device="cpu")
+    return out, counts
+
+
 def expected_combine(a: Dict[str, Any], step: int, rank: int, world: int, active: Sequence[bool]) -> Any:
     """bf16 [T, H]: fp32 sum over the active ranks ascending of their expert's row for each token routed
     to them (the contract's order), rounded to BF16."""
@@ -89,14 +108,21 @@ def _sources(handle: Any, rank: int, after: Sequence[bool]) -> List[bool]:
     return [bool(after[s]) or rows[s] > 0 for s in range(len(col))]
 
 
-def check_step(a: Dict[str, Any], step: int, rank: int, world: int, after: Sequence[bool], recv_x: Any,
+def check_step(a: Dict[str, Any], step: int, rank: int, world: int, after: Sequence[bool], got: Any,
                handle: Any, out: Any, dropped: Sequence[int]) -> None:
-    """Raises AssertionError naming what differs from the definition."""
+    """Raises AssertionError naming what differs from the definition. `got`: the dispatch's (recv_x,
+    recv_topk_idx, num_recv_tokens_per_expert_list)."""
     import torch
-    want = expected_dispatch(a, step, rank, world, _sources(handle, rank, after))
+    recv_x, recv_idx, counts = got
+    sources = _sources(handle, rank, after)
+    want = expected_dispatch(a, step, rank, world, sources)
     if recv_x.shape != want.shape or not torch.equal(recv_x.view(torch.int16), want.view(torch.int16)):
         raise AssertionError(f"step {step} rank {rank}: received rows differ (got {list(recv_x.shape)}, expected "
                              f"{list(want.shape)}; active after {list(after)})")
+    want_idx, want_counts = expected_routing(a, step, rank, world, sources)
+    if not torch.equal(recv_idx, want_idx) or list(counts) != want_counts:
+        raise AssertionError(f"step {step} rank {rank}: recv_topk_idx or tokens per local expert differ (counts "
+                             f"{list(counts)}, expected {want_counts}; active after {list(after)})")
     want_out = expected_combine(a, step, rank, world, after)
     if not torch.equal(out.view(torch.int16), want_out.view(torch.int16)):
         raise AssertionError(f"step {step} rank {rank}: combine differs from the definition (active {list(after)})")
@@ -107,15 +133,17 @@ def check_step(a: Dict[str, Any], step: int, rank: int, world: int, after: Seque
 
 def _step(buf: Any, a: Dict[str, Any], step: int, rank: int, world: int, mine: bool,
           phase: str) -> Tuple[Any, Any, Any, List[int]]:
-    """One step; returns (recv_x, handle, combined, dropped per rank summed over the step's calls)."""
+    """One step; returns ((recv_x, recv_topk_idx, tokens per local expert), handle, combined, dropped per
+    rank summed over the step's calls)."""
     x, idx, w = inputs(a["seed"], step, rank, a["T"], a["H"], a["E"], a["K"])
     if mine and phase == "layout":
         _arm_reference_kill(buf)            # dies after its first mail of the layout's exchange is out
     ntpr, _, ntpe, in_rank, ev0 = buf.get_dispatch_layout(idx, a["E"])
     if mine and phase == "dispatch":
         _arm_reference_kill(buf)
-    recv_x, _, _, _, handle, ev1 = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
-                                                num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
+    recv_x, recv_idx, _, counts, handle, ev1 = buf.dispatch(
+        x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
+        topk_weights=w)
     y = expert(recv_x, rank)
     if mine and phase == "combine":
         _arm_reference_kill(buf)
@@ -126,7 +154,7 @@ def _step(buf: Any, a: Dict[str, Any], step: int, rank: int, world: int, mine: b
     if any(l_ > d for l_, d in zip(ev0.num_dropped_tokens.tolist(), ev1.num_dropped_tokens.tolist())):
         raise AssertionError(f"step {step} rank {rank}: the layout dropped {ev0.num_dropped_tokens.tolist()}, "
                              f"more than the dispatch {ev1.num_dropped_tokens.tolist()}")
-    return recv_x, handle, out, drop
+    return (recv_x, recv_idx, counts), handle, out, drop
 
 
 def run(a: Dict[str, Any]) -> Dict[str, Any]:
@@ -166,7 +194,7 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
             _die()
         before = [bool(v) for v in buf.get_active_ranks().tolist()]
         ts = time.monotonic()
-        recv_x, handle, out, drop = _step(buf, a, step, rank, world, mine, phase)
+        got, handle, out, drop = _step(buf, a, step, rank, world, mine, phase)
         te = time.monotonic()
         stamps.append([step, ts, te])
         times.append(te - ts)
@@ -184,7 +212,7 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
             res.update(death_call=step, death_call_ms=(te - ts) * 1e3, detect_time=time.time(), marked=lost)
         elif lost:
             res.setdefault("later_marks", []).append({"call": step, "marked": lost, "ms": round((te - ts) * 1e3, 3)})
-        check_step(a, step, rank, world, after, recv_x, handle, out, drop)
+        check_step(a, step, rank, world, after, got, handle, out, drop)
         if stop is None and victim < 0 and step >= a["rounds_after"]:
             stop = step
     first = res.get("admitted_at") or res.get("joined_at")

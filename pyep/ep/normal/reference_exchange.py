@@ -81,7 +81,8 @@ class NormalExchange:
             all_to_all(recv, rows.contiguous(), None, None, self.group, timeout_us, what)
             return recv * active.to(recv.device).view(-1, 1).to(recv.dtype)
         width = 8 * int(rows.shape[1])
-        send = rows.to("cpu").contiguous().view(torch.uint8).reshape(self.num_ranks, width)
+        # The mailbox takes the rows grouped by destination, counts[d] for d: one row per active rank.
+        send = rows.to("cpu").contiguous().view(torch.uint8).reshape(self.num_ranks, width)[active.to("cpu")]
         counts = torch.tensor([1 if a else 0 for a in active.tolist()], dtype=torch.int64, device="cpu")
         recv, lens, _ = self._mail.exchange(send, counts, width, self.call_timeout(timeout_us), what,
                                             self._mail_tag(stage), active, None)
