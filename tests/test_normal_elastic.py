@@ -60,7 +60,7 @@ def _gloo_step(masked: int, with_mask: bool) -> Dict[str, Any]:
     cached_x, *_ = buf.dispatch(x, handle=handle)
     res = {"ntpr": ntpr, "ntpe": ntpe, "in_rank": in_rank, "recv_x": recv_x.view(torch.int16), "r_idx": r_idx,
            "r_w": r_w, "counts": counts, "out": out.view(torch.int16), "out_w": out_w,
-           "cached": cached_x.view(torch.int16), "drop": [ev0.num_dropped_tokens, ev1.num_dropped_tokens,
+           "cached": cached_x.view(torch.int16), "handle": list(handle), "drop": [ev0.num_dropped_tokens, ev1.num_dropped_tokens,
                                                          ev2.num_dropped_tokens, handle.num_dropped_tokens],
            "mask": buf.get_active_ranks(), "routed": [int(dn.routed(
                dn.inputs(A["seed"], 1, rank, A["T"], A["H"], A["E"], A["K"])[1], d, e_l).sum()) for d in range(world)]}
@@ -83,6 +83,8 @@ def test_mask_gives_what_a_run_without_the_rank_gives(pool3: DistPool, masked: i
         for k in ("ntpr", "ntpe", "in_rank", "recv_x", "r_idx", "r_w", "out", "out_w", "cached"):
             assert torch.equal(g[k], o[k]), (r, k)
         assert g["counts"] == o["counts"]
+        for i, (gt, ot) in enumerate(zip(g["handle"], o["handle"])):   # prefix matrices, src idx, send_head
+            assert torch.equal(gt, ot), (r, "handle", i)
         assert g["ntpr"][masked] == 0 and not bool(g["in_rank"][:, masked].any())
         want_drop = [g["routed"][d] if d == masked else 0 for d in range(3)]
         # layout and dispatch count the tokens routed to the masked rank; the combine drops nothing more
