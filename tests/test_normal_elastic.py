@@ -399,3 +399,16 @@ def test_mailbox_marks_a_silent_source_at_the_deadline(monkeypatch: pytest.Monke
     assert late == [2] and active.tolist() == [True, True, False] and lens.tolist() == [0, 1, 0]
     assert recv.reshape(-1).tolist() == [7, 7, 7, 7]
     assert 1.5 * timeout_s <= clock.t < 2 * timeout_s, clock.t
+
+
+def test_act_record_payload_checked() -> None:
+    """What a newcomer takes from a survivor's act record (the call counters and the mask) is checked
+    before it is used: a wrong size, negative counters or mask bytes other than 0/1 raise MembershipError."""
+    from pyep.ep.elastic.membership import MembershipError
+    from pyep.ep.normal.buffer_member import _STEP, _decode_act
+    epoch, calls, mask = _decode_act(_STEP.pack(2, 33) + b"\x01\x00\x01", 3, 0)
+    assert (epoch, calls, mask.tolist()) == (2, 33, [1, 0, 1])
+    for bad in (_STEP.pack(2, 33) + b"\x01\x00", _STEP.pack(-1, 33) + b"\x01\x01\x01",
+                _STEP.pack(0, 3) + b"\x01\x02\x01", b""):
+        with pytest.raises(MembershipError, match="act record of rank 1"):
+            _decode_act(bad, 3, 1)
