@@ -412,3 +412,30 @@ def test_act_record_payload_checked() -> None:
                 _STEP.pack(0, 3) + b"\x01\x02\x01", b""):
         with pytest.raises(MembershipError, match="act record of rank 1"):
             _decode_act(bad, 3, 1)
+
+
+def test_store_buffer_refusal_and_clean() -> None:
+    """The call tags work over the store mailbox too: a call refused on one rank's host makes its peer
+    raise PeerRefusedCall for that call (nobody waits, nobody is marked) and the next steps pair
+    correctly; clean() (collective) starts a new generation on both, and steps go on."""
+    from pyep.ep.normal import PeerRefusedCall
+    master = _master()
+    bufs = _threads([lambda r=r: _store_buf(master.port, "t/normal-refuse", r, 2) for r in range(2)])
+    _threads([lambda b=b: _steps(b, 2, 2) for b in bufs])
+
+    def layout(b: NormalBuffer) -> str:
+        _, idx, _ = dn.inputs(1, 1, b.rank, A["T"], A["H"], A["E"], A["K"])
+        try:
+            b.get_dispatch_layout(idx, A["E"] + 1 if b.rank == 0 else A["E"])   # rank 0: E not divisible by 2
+        except PeerRefusedCall as exc:
+            return f"peer {exc.peer}"
+        except ValueError:
+            return "refused"
+        return "ran"
+    assert _threads([lambda b=b: layout(b) for b in bufs]) == ["refused", "peer 0"]
+    assert _threads([lambda b=b: _steps(b, 2, 2) for b in bufs]) == [[[1, 1]] * 2] * 2
+    _threads([lambda b=b: b.clean() for b in bufs])
+    assert [b.backend.epoch for b in bufs] == [1, 1]
+    assert _threads([lambda b=b: _steps(b, 2, 2) for b in bufs]) == [[[1, 1]] * 2] * 2
+    for b in bufs:
+        b.destroy()
