@@ -5,7 +5,8 @@ The front checks every argument on the host (pyep.ep.normal.validate; never tens
 handle bookkeeping (owner token, epoch), raises errors the device recorded for earlier calls, does the
 stream/event bookkeeping (pyep.ep.normal.events) and hands the work to a backend (contract.py): the
 native NVLink kernels where they can run, else the reference over torch.distributed. All ranks of the
-group make the same calls in the same order.
+group make the same calls in the same order. The active_ranks mask, store-based buffers (reference
+backend over store mailbox keys) and rejoin: buffer_member.py (docs/elastic.md, "Normal mode").
 """
 from __future__ import annotations
 
