@@ -64,6 +64,11 @@ def _gloo_step(masked: int, with_mask: bool) -> Dict[str, Any]:
                                                          ev2.num_dropped_tokens, handle.num_dropped_tokens],
            "mask": buf.get_active_ranks(), "routed": [int(dn.routed(
                dn.inputs(A["seed"], 1, rank, A["T"], A["H"], A["E"], A["K"])[1], d, e_l).sum()) for d in range(world)]}
+    if with_mask:
+        # every rank takes the rank back (collective): the next layout counts it again, drops nothing
+        buf.update_ep_member(None)
+        ntpr2, _, _, _, ev = buf.get_dispatch_layout(idx, A["E"])
+        res["back"] = (buf.get_active_ranks().tolist(), ntpr2.tolist(), ev.num_dropped_tokens.tolist())
     buf.destroy()
     return res
 
@@ -75,6 +80,7 @@ def test_mask_gives_what_a_run_without_the_rank_gives(pool3: DistPool, masked: i
     for r in range(3):
         g, o = got[r], want[r]
         assert g["mask"].tolist() == [0 if d == masked else 1 for d in range(3)]
+        assert g["back"] == ([1, 1, 1], g["routed"], [0, 0, 0])
         if r == masked:
             # The masked rank sends and receives nothing; every token it routed anywhere is dropped.
             assert g["recv_x"].shape[0] == 0 and g["ntpr"].tolist() == [0, 0, 0]
