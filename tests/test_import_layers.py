@@ -10,7 +10,8 @@ Layers, lowest first (CONTRIBUTING.md, "Layers"):
   1 softnic, wqe, nic, config
   2 transport
   3 ep: shared modules (pyep/ep/*.py) < elastic < ll, normal (ll and normal never import each other)
-    < elastic.drill_rank (the drill's rank loop drives an EpBuffer, so it sits above ll and normal)
+    < elastic.drill_rank, elastic.drill_normal (the drills' rank loops drive an EpBuffer / a NormalBuffer,
+      so they sit above ll and normal)
   4 compat, bench, launch, doctor
   5 cli
 and the top-level `pyep` package and `pyep.__main__` above all of them (nothing imports them).
@@ -32,7 +33,8 @@ LAYERS: Dict[str, float] = {
     "_native": 0, "_version": 0, "_input": 0, "softnic": 1, "wqe": 1, "nic": 1, "config": 1, "transport": 2, "ep": 3.0,
     "compat": 4, "bench": 4, "launch": 4, "doctor": 4, "cli": 5,
 }
-EP_SUBLAYERS: Dict[str, float] = {"elastic": 3.1, "ll": 3.2, "normal": 3.2, "elastic.drill_rank": 3.3}
+EP_SUBLAYERS: Dict[str, float] = {"elastic": 3.1, "ll": 3.2, "normal": 3.2, "elastic.drill_rank": 3.3,
+                                  "elastic.drill_normal": 3.3}
 TOP = 99.0
 
 

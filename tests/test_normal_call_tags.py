@@ -350,10 +350,11 @@ def test_reference_refusal_that_meets_no_peer(monkeypatch: pytest.MonkeyPatch) -
     b = NormalReferenceBackend.__new__(NormalReferenceBackend)
     b.rank, b.num_ranks, b.epoch, b.calls, b._broken, b.timeout_us = 0, 2, 0, 3, None, 1000
     b.device = torch.device("cpu")
+    b._mail, b.mask, b.grace_until = None, torch.ones(2, dtype=torch.int32), 0
 
     def silent(*_: Any) -> Any:
         raise TimeoutError("normal combine #4 (call tags): ranks [0, 1] did not all take part within 1000 us")
-    monkeypatch.setattr(b, "_exchange_records", silent)
+    monkeypatch.setattr(b, "_fixed", silent)
     got = b.refuse(tags.KIND_COMBINE, "TypeError: x")
     assert isinstance(got, TimeoutError)
     with pytest.raises(BufferBroken, match="found no peers"):

@@ -20,7 +20,7 @@ import dataclasses
 import json
 from typing import Any, List
 
-from ..launch.drill import PHASES, DrillConfig, DrillOutcome, run_drill
+from ..launch.drill import MODES, NORMAL_PHASES, PHASES, DrillConfig, DrillOutcome, run_drill
 from . import CliError, check_output
 
 
@@ -28,11 +28,16 @@ def add_parser(sub: Any) -> None:
     d = DrillConfig   # its class attributes are the defaults
     p = sub.add_parser("drill", help="kill a rank mid-call, restart it, check survivors and rejoin",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=list(MODES), default=d.mode,
+                   help="ll: EpBuffer; normal: a store-based NormalBuffer (layout, dispatch, combine per step; "
+                        "--backend reference)")
     p.add_argument("--backend", choices=["native", "reference"], default=d.backend)
     p.add_argument("--transport", default=d.transport, help="native: nvlink, emulated, ... (reference: ignored)")
     p.add_argument("--world", type=int, default=d.world, help="ranks (they may share a GPU)")
     p.add_argument("--drills", type=int, default=d.drills, help="drills, cycling through --phases")
-    p.add_argument("--phases", default=",".join(PHASES))
+    p.add_argument("--phases", default="",
+                   help=f"comma-separated; default every phase of the mode (ll: {','.join(PHASES)}; normal: "
+                        f"{','.join(NORMAL_PHASES)})")
     p.add_argument("--victim", type=int, default=d.victim, help="rank to kill (default: the last)")
     p.add_argument("--kill-call", type=int, default=d.kill_call,
                    help="call the victim dies in; after the first calls' grace window (docs/elastic.md)")
@@ -62,6 +67,9 @@ def add_parser(sub: Any) -> None:
 def config_from_args(ns: argparse.Namespace) -> DrillConfig:
     names = {f.name for f in dataclasses.fields(DrillConfig)} - {"phases"}
     phases = tuple(x.strip() for x in ns.phases.split(",") if x.strip())
+    if ns.phases and not phases:      # given, but names none (not given: every phase of the mode)
+        allowed = NORMAL_PHASES if ns.mode == "normal" else PHASES
+        raise CliError(f"--phases must name some of {', '.join(allowed)} (--mode {ns.mode})")
     try:
         return DrillConfig(phases=phases, **{k: v for k, v in vars(ns).items() if k in names})
     except ValueError as exc:
@@ -90,8 +98,8 @@ def _main(ns: argparse.Namespace) -> int:
         print(_line(cfg, o), flush=True)
     passed = sum(o.ok for o in outcomes)
     hangs = sum(o.hang for o in outcomes)
-    print(f"pyep drill: {passed}/{len(outcomes)} drills passed, {hangs} hangs ({cfg.backend}, {cfg.transport}, "
-          f"{cfg.world} ranks)", flush=True)
+    print(f"pyep drill: {passed}/{len(outcomes)} drills passed, {hangs} hangs ({cfg.mode} mode, {cfg.backend}, "
+          f"{cfg.transport}, {cfg.world} ranks)", flush=True)
     if ns.json:
         with open(ns.json, "w", encoding="utf-8") as fh:
             json.dump({"args": vars(ns) | {"func": None}, "drills": [dataclasses.asdict(o) for o in outcomes]}, fh,

@@ -28,6 +28,9 @@ from .secret import SECRET_FILE_VAR, remove_secret_dir, temp_job_secret
 from .store import JobStore
 
 PHASES = ("dispatch", "combine", "between")
+# --mode normal (NormalBuffer, pyep.ep.elastic.drill_normal): also the layout (notify) exchange.
+NORMAL_PHASES = ("layout", "dispatch", "combine", "between")
+MODES = ("ll", "normal")
 
 
 # Each rank is a process sharing the host (and usually one GPU); each call is a loop iteration.
@@ -43,12 +46,15 @@ def _bound(flag: str, value: object, lo: int, hi: int, note: str = "") -> None:
 @dataclass
 class DrillConfig:
     """One `pyep drill` run. The fields are that command's options, so the errors name them as its
-    command line spells them. experts = 0: 4 per rank."""
+    command line spells them. experts = 0: 4 per rank. mode "normal" drills a store-based NormalBuffer
+    (reference backend: the native normal kernels take no mask yet); its calls are steps (layout,
+    dispatch, combine)."""
+    mode: str = "ll"                 # ll (EpBuffer) or normal (NormalBuffer)
     backend: str = "native"          # native or reference
     transport: str = "nvlink"        # native: nvlink, emulated, ... (reference: ignored)
     world: int = 2                   # ranks (they may share a GPU)
     drills: int = 3                  # drills, cycling through phases
-    phases: Tuple[str, ...] = PHASES
+    phases: Tuple[str, ...] = ()     # () = every phase of the mode
     victim: int = -1                 # rank to kill (-1: the last)
     kill_call: int = 24              # call the victim dies in; after the first calls' grace window
     timeout_us: int = 50_000
@@ -72,11 +78,17 @@ class DrillConfig:
         # Every option against the others, before a store or a rank is started.
         from ..ep.config import FP8_GROUP, MAX_HIDDEN, MAX_TOPK, TRANSPORTS
         from ..ep.elastic.membership import REJOIN_GRACE_CALLS
-        self.phases = tuple(self.phases)
-        if not self.phases or any(x not in PHASES for x in self.phases):
-            raise ValueError(f"--phases must name some of {', '.join(PHASES)}")
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        allowed = NORMAL_PHASES if self.mode == "normal" else PHASES
+        self.phases = tuple(self.phases) or allowed
+        if any(x not in allowed for x in self.phases):
+            raise ValueError(f"--phases must name some of {', '.join(allowed)} (--mode {self.mode})")
         if self.backend not in ("native", "reference"):
             raise ValueError(f"--backend must be native or reference, got {self.backend!r}")
+        if self.mode == "normal" and self.backend != "reference":
+            raise ValueError("--mode normal runs on --backend reference: the native normal kernels take no "
+                             "active_ranks mask yet (docs/elastic.md, 'Normal mode')")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         _bound("--world", self.world, 2, MAX_WORLD)
@@ -156,7 +168,7 @@ def _say(line: str) -> None:
 
 
 def _rank_args(cfg: DrillConfig, rank: int, port: int, prefix: str, phase: str) -> Dict[str, Any]:
-    return {"rank": rank, "world": cfg.world, "host": "127.0.0.1", "port": port, "prefix": prefix,
+    return {"mode": cfg.mode, "rank": rank, "world": cfg.world, "host": "127.0.0.1", "port": port, "prefix": prefix,
             "backend": cfg.backend, "transport": cfg.transport, "T": cfg.tokens, "H": cfg.hidden, "E": cfg.experts,
             "K": cfg.topk, "timeout_us": cfg.timeout_us, "lead": cfg.lead_calls, "seed": cfg.seed,
             "victim": cfg.victim_rank, "kill_call": cfg.kill_call, "phase": phase,
@@ -173,7 +185,8 @@ def _spawn(args: Dict[str, Any], secret_file: str) -> subprocess.Popen:
     env[SECRET_FILE_VAR] = secret_file      # the path only: the secret stays off every command line
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
-    return subprocess.Popen([sys.executable, "-u", "-m", "pyep.ep.elastic.drill_rank", json.dumps(args)], env=env,
+    module = "pyep.ep.elastic.drill_normal" if args.get("mode") == "normal" else "pyep.ep.elastic.drill_rank"
+    return subprocess.Popen([sys.executable, "-u", "-m", module, json.dumps(args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 

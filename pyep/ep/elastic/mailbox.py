@@ -96,6 +96,8 @@ class StoreMailbox:
         start = time.monotonic()
         deadline = start + timeout_us / 1e6
         extended = False
+        silent: List[int] = []        # not beating at the deadline: not waited for any longer
+        late: List[int] = []
         beat = 0.0
         delay = POLL_S / 4
         while waiting:
@@ -107,9 +109,13 @@ class StoreMailbox:
             if now > deadline and not extended:
                 # A late source may be alive and itself waiting out the timeout on a dead third rank
                 # (it saw less of the dead rank's last messages than we did): marking it would drop a
-                # healthy rank. Wait once more, for the sources that are still beating.
+                # healthy rank. Wait once more, for the sources that are still beating; one that is not
+                # (a dead rank: it never beats again) is marked at the deadline, after one more look at its
+                # key, instead of one timeout later -- with 3 ranks the survivor that got the dead rank's
+                # last message used to wait two timeouts, kept waiting by the other, beating, survivor.
                 extended = True
-                if any(self._beating(src) for src in waiting):
+                silent = [src for src in waiting if not self._beating(src)]
+                if len(silent) < len(waiting):
                     deadline = now + timeout_us / 1e6
             for src, key in list(waiting.items()):
                 rows = self._rows(key, src, row)
@@ -117,11 +123,17 @@ class StoreMailbox:
                     got[src] = rows
                     self.store.delete_key(key)
                     del waiting[src]
+            for src in silent:
+                if src in waiting:
+                    late.append(src)
+                    del waiting[src]
+            silent = []
             if not waiting or (time.monotonic() > deadline and extended):
                 break
             time.sleep(delay)
             delay = min(POLL_S * 8, delay * 2)
-        for src in waiting:      # late: treated as dead from now on, like the kernels' timeout
+        late += list(waiting)
+        for src in late:         # late: treated as dead from now on, like the kernels' timeout
             log.warning("rank %d: %s: rank %d did not answer within %d us; marked inactive", self.rank, what, src,
                         timeout_us)
             active[src] = False
@@ -131,4 +143,4 @@ class StoreMailbox:
         body = b"".join(got.get(src, b"") for src in range(self.world))
         recv = (torch.frombuffer(bytearray(body), dtype=torch.uint8).view(-1, row) if body
                 else torch.empty((0, row), dtype=torch.uint8, device="cpu"))
-        return recv, torch.tensor(lens, dtype=torch.int64, device="cpu"), sorted(waiting)
+        return recv, torch.tensor(lens, dtype=torch.int64, device="cpu"), sorted(late)

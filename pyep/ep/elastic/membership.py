@@ -39,6 +39,7 @@ log = logging.getLogger("pyep.ep.elastic.membership")
 FORMAT = "pyep-member/1"
 MAX_ANNOUNCEMENT = 1 << 20
 MAX_REJECT = 4096
+MAX_ACT = 4096          # an act record's payload (the normal mode: counters and a mask)
 _AT = struct.Struct("<QB")      # call #A, buffer half
 DEFAULT_LEAD_CALLS = 8
 # Call #A (the newcomer's first call) waits at least this long on every member (EpBuffer._rejoin_timeout).
@@ -170,6 +171,7 @@ class Membership:
         self._seen = 0
         self._pending: Dict[int, _Pending] = {}
         self._joined = self.generation == 1
+        self.act_payloads: Dict[int, bytes] = {}     # survivor -> its act payload (newcomer, after join)
 
     def attach(self, backend: Any) -> None:
         self.backend = backend
@@ -283,21 +285,28 @@ class Membership:
                 out.append(p.rank)
         return out
 
-    def activate(self, r: int, next_call: int, active: Optional["torch.Tensor"]) -> None:
-        """At call #A: the backend drains its stream and marks r active; then the handshake."""
+    def activate(self, r: int, next_call: int, active: Optional["torch.Tensor"], payload: bytes = b"") -> None:
+        """At call #A: the backend drains its stream and marks r active; then the handshake. `payload`
+        (at most MAX_ACT bytes) rides in the act record: what the newcomer takes from the survivors
+        (the normal mode's call counters and mask)."""
         p = self._pending[r]
         expect = self.backend.next_half(next_call, next_call)
         if p.half is not None and expect is not None and expect != p.half:
             raise MembershipError(f"rank {self.rank}: at call #{next_call} this buffer uses half {expect}, the "
                                   f"agreed half is {p.half}: the survivors' call sequences differ")
         self.backend.activate_peer(r, active)
-        self.c.put(self.k("act", r, p.generation, self.rank), b"", call=next_call)
+        self.c.put(self.k("act", r, p.generation, self.rank), payload[:MAX_ACT], call=next_call)
         self.c.wait_records([self.k("ready", r, p.generation)], [r], self.timeout_s,
                             f"rank {self.rank} admitting rank {r} (generation {p.generation}) at call #{next_call}",
                             0, max_poll_s=HANDSHAKE_POLL_S, generation=p.generation, call=next_call)
         self.admitted[r] = p.generation
         del self._pending[r]
         log.warning("rank %d: rank %d (generation %d) admitted at call #%d", self.rank, r, p.generation, next_call)
+
+    def abandon(self, r: int) -> None:
+        """Forget rank r's pending rejoin (its newcomer never confirmed call #A): a newer process of r
+        announces again."""
+        self._pending.pop(r, None)
 
     # ------------------------------------------------------------------ newcomer side
     def announce(self) -> None:
@@ -341,9 +350,10 @@ class Membership:
             self.admitted[s] = newest_generation(self.c, s, self.admitted[s])
         self.backend.join(blobs, half)
         left = max(1.0, deadline - time.monotonic())
-        self.c.wait_records([self.k("act", r, g, s) for s in others], others, left,
-                            f"rank {r} (generation {g}) waiting for the survivors to reach call #{at}", 0,
-                            max_poll_s=HANDSHAKE_POLL_S, current=True, call=at)
+        acts = self.c.wait_records([self.k("act", r, g, s) for s in others], others, left,
+                                   f"rank {r} (generation {g}) waiting for the survivors to reach call #{at}",
+                                   MAX_ACT, max_poll_s=HANDSHAKE_POLL_S, current=True, call=at)
+        self.act_payloads = {s: rec.payload for s, rec in zip(others, acts)}
         self.c.put(self.k("ready", r, g), b"", call=at)
         self._joined = True
         log.warning("rank %d: admitted (generation %d); first call #%d on half %d", r, g, at, half)

@@ -6,11 +6,11 @@ from __future__ import annotations
 from .buffer import NormalBuffer
 from .config import Config, default_config
 from .contract import NormalBackend
-from .errors import (BufferBroken, InvalidExpertIndex, LayoutMismatch, NormalCallMismatch, NormalModeError,
-                     NotCapturable, PeerRefusedCall, PeerTimeout, WorstTokensExceeded)
+from .errors import (BufferBroken, ElasticUnsupported, InvalidExpertIndex, LayoutMismatch, NormalCallMismatch,
+                     NormalModeError, NotCapturable, PeerRefusedCall, PeerTimeout, WorstTokensExceeded)
 from .events import NormalEvent
 from .handle import NormalHandle
 
 __all__ = ["NormalBuffer", "Config", "default_config", "NormalBackend", "NormalHandle", "NormalEvent",
            "NormalModeError", "InvalidExpertIndex", "WorstTokensExceeded", "PeerTimeout", "BufferBroken",
-           "NotCapturable", "LayoutMismatch", "NormalCallMismatch", "PeerRefusedCall"]
+           "NotCapturable", "LayoutMismatch", "NormalCallMismatch", "PeerRefusedCall", "ElasticUnsupported"]

@@ -5,7 +5,8 @@ The front checks every argument on the host (pyep.ep.normal.validate; never tens
 handle bookkeeping (owner token, epoch), raises errors the device recorded for earlier calls, does the
 stream/event bookkeeping (pyep.ep.normal.events) and hands the work to a backend (contract.py): the
 native NVLink kernels where they can run, else the reference over torch.distributed. All ranks of the
-group make the same calls in the same order.
+group make the same calls in the same order. The active_ranks mask, store-based buffers (reference
+backend over store mailbox keys) and rejoin: buffer_member.py (docs/elastic.md, "Normal mode").
 """
 from __future__ import annotations
 
@@ -14,13 +15,17 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Tuple, Union
 
-from .._dist import group_device, resolve_group
+from .._dist import group_device
+from ..control import make_control
+from ..elastic.membership import Membership, MembershipError
 from ..backend import profiled_range
 from ..config import DEFAULT_TIMEOUT_US, TRANSPORTS
 from . import validate as v
 from .._dist import all_reduce_min_bounded as all_reduce_min
 from .config import DEFAULT_NUM_SMS, MAX_CHANNELS, Config, default_config
+from .buffer_member import NormalBufferMembership, check_active_ranks
 from .contract import CombineCall, DispatchCall, NormalBackend
+from .errors import ElasticUnsupported
 from .events import NormalEvent, capture_current, launch, wait_bound_s
 from .handle import NormalHandle
 from .limits import MAX_BUFFER_BYTES, MAX_GROUP_RANKS, MAX_TIMEOUT_US
@@ -62,8 +67,9 @@ def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> Nor
     import torch
     from .reference import NormalReferenceBackend
     nodes: NodeLayout = kwargs["nodes"]
+    mask = kwargs.pop("mask")
     if backend == "reference":
-        return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes)
+        return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes, mask=mask)
     reason = _native_unavailable_reason(group, kwargs)
     if backend == "native":
         if reason is not None:
@@ -76,7 +82,7 @@ def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> Nor
     if int(flag.item()) == 1:
         return _native_class(nodes)(group, **kwargs)
     log.info("NormalBuffer: using the reference backend (%s)", reason or "another rank cannot run the native one")
-    return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes)
+    return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes, mask=mask)
 
 
 def _default(num_ranks: int, num_sms: int, combine: bool) -> Config:
@@ -88,7 +94,7 @@ def _default(num_ranks: int, num_sms: int, combine: bool) -> Config:
         return Config(num_sms)
 
 
-class NormalBuffer:
+class NormalBuffer(NormalBufferMembership):
     """DeepEP normal-mode dispatch/combine: within one node, or across nodes (chosen when the group
     spans nodes or virtual nodes: ranks_per_node, $PYEP_VIRTUAL_NODE_SIZE, host names; see topology.py).
 
@@ -97,6 +103,12 @@ class NormalBuffer:
     dispatch -> (recv_x or (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
                  num_recv_tokens_per_expert_list, handle, event); cached: (recv_x, None, None, None, None, event)
     combine  -> (combined_x, combined_topk_weights, event)
+
+    active_ranks (int32 [R], 1 = active; the buffer keeps the tensor and clears an entry when it marks
+    that rank) leaves ranks out of every call: their tokens are dropped and counted in
+    `event.num_dropped_tokens` (and `handle.num_dropped_tokens`). store=/rank=/world_size= build it on a
+    c10d Store instead of a group (reference backend): a dead rank is marked, the others go on, and its
+    restarted process rejoins (docs/elastic.md, "Normal mode").
     """
 
     num_sms: int = DEFAULT_NUM_SMS
@@ -104,8 +116,11 @@ class NormalBuffer:
     def __init__(self, group: Optional["dist.ProcessGroup"] = None, num_nvl_bytes: Optional[int] = None, *,
                  hidden: int = 7168, backend: str = "auto", transport: str = "auto",
                  timeout_us: int = DEFAULT_TIMEOUT_US, num_sms: Optional[int] = None,
-                 ranks_per_node: Optional[int] = None, num_rdma_bytes: Optional[int] = None) -> None:
-        import torch.distributed as dist
+                 ranks_per_node: Optional[int] = None, num_rdma_bytes: Optional[int] = None,
+                 active_ranks: Optional["torch.Tensor"] = None, store: Any = None, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, store_prefix: str = "pyep/normal",
+                 job_secret: Optional[bytes] = None, rejoin_lead_calls: int = 2) -> None:
+        import torch
         self._destroyed = True   # until the backend exists nothing may be called
         if num_nvl_bytes is not None:
             v.check_int("num_nvl_bytes", num_nvl_bytes, 0, MAX_BUFFER_BYTES)
@@ -120,9 +135,22 @@ class NormalBuffer:
         v.check_int("timeout_us", timeout_us, 1, MAX_TIMEOUT_US)
         sms = NormalBuffer.num_sms if num_sms is None else num_sms
         _check_num_sms(sms)
-        self._group = resolve_group(group)
-        self._rank = dist.get_rank(self._group)
-        self._num_ranks = dist.get_world_size(self._group)
+        self._control = make_control(group, store, rank, world_size, store_prefix, job_secret)
+        self._group = self._control.group
+        self._rank = self._control.rank
+        self._num_ranks = self._control.world_size
+        check_active_ranks(active_ranks, self._num_ranks)
+        # The mask lives on the buffer's device (the group's; a store-based buffer's is the CPU).
+        mask_device = group_device(self._group) if self._group is not None else torch.device("cpu")
+        if active_ranks is not None and active_ranks.device != mask_device:
+            raise ValueError(f"active_ranks is on {active_ranks.device}, the buffer on {mask_device}")
+        self._mask: "torch.Tensor" = (active_ranks if active_ranks is not None
+                                      else torch.ones(self._num_ranks, dtype=torch.int32, device=mask_device))
+        # Only a mask the caller holds can leave a rank out without this buffer knowing (update_ep_member
+        # checks its own): the per-call check (a host read of the mask) is skipped otherwise.
+        self._mask_given = active_ranks is not None
+        self._step = 0
+        self._member: Optional[Membership] = None
         self._hidden = hidden
         self._timeout_us = timeout_us
         self._bound_s = wait_bound_s(timeout_us)
@@ -130,14 +158,41 @@ class NormalBuffer:
         self._epoch = 0
         self._seq = 0
         self._comm: Any = None
-        self._nodes = detect_node_layout(self._group, ranks_per_node, timeout_us)
-        self._backend: NormalBackend = _make_backend(self._group, backend, dict(
-            num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport=transport, timeout_us=timeout_us, num_sms=sms,
-            nodes=self._nodes, num_rdma_bytes=num_rdma_bytes))
+        if self._group is None:
+            if ranks_per_node is not None and ranks_per_node != self._num_ranks:
+                raise ElasticUnsupported(f"a store-based buffer across nodes (ranks_per_node={ranks_per_node} of "
+                                         f"{self._num_ranks} ranks)", "reference (store)")
+            self._backend = self._store_backend(backend, hidden, timeout_us, rejoin_lead_calls)
+        else:
+            self._nodes = detect_node_layout(self._group, ranks_per_node, timeout_us)
+            self._backend = _make_backend(self._group, backend, dict(
+                num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport=transport, timeout_us=timeout_us,
+                num_sms=sms, nodes=self._nodes, num_rdma_bytes=num_rdma_bytes, mask=self._mask))
         self._device: "torch.device" = self._backend.device
+        self._check_mask_supported()
         self._destroyed = False
         log.debug("NormalBuffer rank %d/%d: backend %s, hidden %d, device %s", self._rank, self._num_ranks,
                   self._backend.name, hidden, self._device)
+
+    def _store_backend(self, backend: str, hidden: int, timeout_us: int, lead_calls: int) -> NormalBackend:
+        """A store-based buffer (reference backend, one node): the membership, then -- for a first
+        process -- a set-up barrier, so that no rank's first call waits for a peer still starting."""
+        from .reference import NormalReferenceBackend
+        if backend == "native":
+            raise ElasticUnsupported("a store-based buffer (store=)", "native")
+        v.check_int("rejoin_lead_calls", lead_calls, 0, 1 << 20)
+        self._nodes = NodeLayout(self._num_ranks, self._num_ranks)
+        timeout_s = max(60.0, 3 * timeout_us / 1e6)
+        self._member = Membership(self._control, f"normal hidden={hidden} ranks={self._num_ranks}", timeout_s,
+                                  lead_calls)
+        ref = NormalReferenceBackend(None, timeout_us=timeout_us, nodes=self._nodes, control=self._control,
+                                     mask=self._mask)
+        self._member.attach(ref)
+        if self._member.joining:
+            self._member.announce()
+        else:
+            self._control.barrier(timeout_s, "NormalBuffer set-up")
+        return ref
 
     # ------------------------------------------------------------------ DeepEP's static API
     @staticmethod
@@ -234,11 +289,16 @@ class NormalBuffer:
     def _check_alive(self, what: str) -> None:
         if self._destroyed:
             raise RuntimeError(f"NormalBuffer.{what}() called after destroy()")
+        if self._member is not None and self._member.joining and what not in ("join", "update_ep_member"):
+            raise MembershipError(f"NormalBuffer.{what}(): rank {self._rank} restarted (generation "
+                                  f"{self._member.generation}) and is not admitted yet: call join() first")
 
     def _begin(self, what: str) -> Optional[Exception]:
         """The error the device recorded for an earlier call (taken; raised by this call once it has
         been made, see _launch), or a raise: destroyed, or broken (a broken buffer exchanges nothing)."""
         self._check_alive(what)
+        if self._mask_given:
+            self._check_mask_supported()
         return self._backend.pending_error()
 
     @contextlib.contextmanager
@@ -282,6 +342,9 @@ class NormalBuffer:
                             allocate_on_comm_stream: bool = False
                             ) -> Tuple["torch.Tensor", None, "torch.Tensor", "torch.Tensor", NormalEvent]:
         pending = self._begin("get_dispatch_layout")
+        if self._member is not None:      # a step begins: admit the ranks whose rejoin step this is
+            self._step += 1
+            self._admit_step(self._step)
         with self._refusing(KIND_LAYOUT, pending):
             v.validate_layout(topk_idx, num_experts, self._num_ranks, self._device)
             v.check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
@@ -291,6 +354,7 @@ class NormalBuffer:
                 lambda r: (topk_idx, r.num_tokens_per_rank, r.num_tokens_per_expert, r.is_token_in_rank,
                            r.num_tokens_per_rdma_rank),
                 previous_event, async_finish, allocate_on_comm_stream, pending)
+        event.num_dropped_tokens = res.num_dropped_tokens
         return (res.num_tokens_per_rank, res.num_tokens_per_rdma_rank, res.num_tokens_per_expert,
                 res.is_token_in_rank, event)
 
@@ -349,16 +413,18 @@ class NormalBuffer:
                            r.recv_channel_prefix_matrix, r.recv_src_idx, r.send_head),
                 previous_event, async_finish, allocate_on_comm_stream, pending)
         recv: RecvX = (res.recv_x, res.recv_x_scales) if scales is not None else res.recv_x
+        event.num_dropped_tokens = res.num_dropped_tokens
         if cached:
             return recv, None, None, None, None, event
         new_handle = NormalHandle(
             rank_prefix_matrix=res.rank_prefix_matrix, channel_prefix_matrix=res.channel_prefix_matrix,
             recv_channel_prefix_matrix=res.recv_channel_prefix_matrix, recv_src_idx=res.recv_src_idx,
-            is_token_in_rank=in_rank, send_head=res.send_head, owner=self._owner, epoch=self._epoch,
+            is_token_in_rank=in_rank if res.is_token_in_rank is None else res.is_token_in_rank,
+            send_head=res.send_head, owner=self._owner, epoch=self._epoch,
             num_channels=config.num_channels(), num_tokens=int(args.x.shape[0]),
             num_recv_tokens=res.num_recv_tokens, num_worst_tokens=num_worst_tokens, hidden=args.hidden,
             num_topk=args.num_topk, ranks_per_node=self._nodes.ranks_per_node if self._nodes.internode else 0,
-            internode=res.internode, tag=res.tag)
+            internode=res.internode, tag=res.tag, num_dropped_tokens=res.num_dropped_tokens)
         return (recv, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
                 new_handle, event)
 
@@ -388,6 +454,7 @@ class NormalBuffer:
                 lambda r: (x, topk_weights, bias_0, bias_1, hd.recv_src_idx, hd.send_head, hd.rank_prefix_matrix,
                            hd.recv_channel_prefix_matrix, r.combined_x, r.combined_topk_weights),
                 previous_event, async_finish, allocate_on_comm_stream, pending)
+        event.num_dropped_tokens = res.num_dropped_tokens
         return res.combined_x, res.combined_topk_weights, event
 
     # ------------------------------------------------------------------ lifetime

@@ -90,6 +90,7 @@ class LayoutResult:
     num_tokens_per_expert: "torch.Tensor"     # int32 [E]
     is_token_in_rank: "torch.Tensor"          # bool [N, R]
     num_tokens_per_rdma_rank: Optional["torch.Tensor"] = None   # int32 [M], None on one node
+    num_dropped_tokens: Optional["torch.Tensor"] = None   # int32 [R]: tokens routed to inactive ranks
 
 
 def combine_order(num_ranks: int, ranks_per_node: int) -> List[List[int]]:
@@ -139,6 +140,10 @@ class DispatchResult:
     tag: Any = None                           # the backend's mark of this dispatch (tags.py: a cached
                                               # dispatch / combine names it so that every rank uses
                                               # the handle of the same dispatch), kept in the handle
+    is_token_in_rank: Any = None              # bool [N, R] the call used (the caller's, less inactive
+                                              # ranks), kept in the handle; None: the caller's
+    num_dropped_tokens: Any = None            # int32 [R]: tokens routed to rank r that the call did not
+                                              # deliver (r inactive); None: the backend drops nothing
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,7 @@ class CombineCall:
 class CombineResult:
     combined_x: "torch.Tensor"                # bf16 [N, H]
     combined_topk_weights: Optional["torch.Tensor"]   # fp32 [N, K] or None
+    num_dropped_tokens: Any = None            # int32 [R]: tokens sent to rank r whose rows did not come back
 
 
 @runtime_checkable

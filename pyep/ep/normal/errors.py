@@ -94,6 +94,17 @@ class PeerTimeout(NormalModeError, TimeoutError):
                          f"call clean() on every live rank before using this buffer again")
 
 
+class ElasticUnsupported(NormalModeError, NotImplementedError):
+    """An elastic feature (an active_ranks mask that leaves a rank out, a store-based buffer) on a
+    backend that does not implement it: the native normal kernels do not take a mask yet, and a mask
+    they ignored would send to and wait for a dead rank. `feature` names what is missing."""
+
+    def __init__(self, feature: str, backend: str) -> None:
+        self.feature, self.backend = feature, backend
+        super().__init__(f"NormalBuffer: {feature} is not implemented on the {backend} backend (the reference "
+                         f"backend has it: backend='reference'; docs/elastic.md, 'Normal mode')")
+
+
 class BufferBroken(NormalModeError):
     """The buffer saw a peer time out (or ranks at different calls) earlier and refuses calls until
     clean()."""

@@ -33,7 +33,7 @@ def wait_bound_s(timeout_us: int) -> float:
 class NormalEvent:
     """The event of one NormalBuffer call (DeepEP EventOverlap's interface, bounded wait)."""
 
-    __slots__ = ("_event", "_device", "what", "bound_s", "_check")
+    __slots__ = ("_event", "_device", "what", "bound_s", "_check", "num_dropped_tokens")
 
     def __init__(self, event: Optional["torch.cuda.Event"], device: Optional["torch.device"], what: str,
                  bound_s: float, check: Check = None) -> None:
@@ -42,6 +42,9 @@ class NormalEvent:
         self.what = what
         self.bound_s = bound_s
         self._check = check
+        # int32 [R]: tokens of this call routed to rank r that it did not deliver (r inactive: the
+        # active_ranks mask, docs/elastic.md "Normal mode"); None where the backend drops nothing.
+        self.num_dropped_tokens: Optional["torch.Tensor"] = None
 
     @property
     def cuda_event(self) -> Optional["torch.cuda.Event"]:

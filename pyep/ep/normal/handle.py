@@ -28,6 +28,7 @@ class NormalHandle:
     ranks_per_node: int = 0                     # P of the buffer's nodes (0: one node of all ranks)
     internode: Any = None                       # the native internode path's state (internode_order.StagedState)
     tag: Any = None                             # the backend's mark of the dispatch (contract.DispatchResult.tag)
+    num_dropped_tokens: Any = None              # int32 [R]: the dispatch's tokens routed to inactive rank r
 
     @property
     def num_nodes(self) -> int:

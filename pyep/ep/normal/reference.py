@@ -15,16 +15,15 @@ dispatch and a combine move rows only: the handle already says how many rows go 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from .._dist import group_device
-from .._dist import all_to_all_bounded as all_to_all
 from ..config import DEFAULT_TIMEOUT_US
 from . import tags
 from .contract import (CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult,
                        combine_order)
-from .errors import (BufferBroken, NormalCallMismatch, WorstTokensExceeded, node_count_mismatch,
-                     rank_count_mismatch)
+from .errors import BufferBroken, NormalCallMismatch, WorstTokensExceeded, node_count_mismatch, rank_count_mismatch
+from .reference_exchange import CALLS_PER_STEP, NormalExchange
 from .reference_values import ERR_WORDS, first_bad_entry, layout_contradiction, raise_first
 from .topology import NodeLayout
 
@@ -61,89 +60,42 @@ def token_channels(n: int, num_channels: int, device: "torch.device") -> "torch.
     return torch.div(torch.arange(n, device=device, dtype=torch.int64), per, rounding_mode="floor")
 
 
-class NormalReferenceBackend:
+class NormalReferenceBackend(NormalExchange):
     name = "reference"
 
-    def __init__(self, group: "dist.ProcessGroup", *, timeout_us: int = DEFAULT_TIMEOUT_US,
-                 nodes: Optional[NodeLayout] = None) -> None:
+    def __init__(self, group: Optional["dist.ProcessGroup"], *, timeout_us: int = DEFAULT_TIMEOUT_US,
+                 nodes: Optional[NodeLayout] = None, control: Any = None,
+                 mask: Optional["torch.Tensor"] = None) -> None:
+        """On a process group (`group`), or -- `control` a StoreControl, group None -- on a store: every
+        exchange is then store mailbox keys (pyep.ep.elastic.mailbox) and a dead rank is marked, not
+        waited for. `mask`: the buffer's active_ranks tensor (int32 [R], 1 = active), updated in place."""
+        import torch
         import torch.distributed as dist
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
+        self._mail: Any = None
+        if group is None:
+            from ..elastic.mailbox import StoreMailbox
+            self.rank, self.num_ranks = control.rank, control.world_size
+            self.device = torch.device("cpu")
+            self._mail = StoreMailbox(control)
+        else:
+            self.rank = dist.get_rank(group)
+            self.num_ranks = dist.get_world_size(group)
+            self.device = group_device(group)
         self.nodes = nodes if nodes is not None else NodeLayout(self.num_ranks, self.num_ranks)
-        self.device = group_device(group)
+        self.mask = mask if mask is not None else torch.ones(self.num_ranks, dtype=torch.int32, device=self.device)
         self.timeout_us = timeout_us
         self.epoch = 0                         # generation: clean() calls so far
         self.calls = 0                         # exchanging calls of this generation
         self._broken: Optional[str] = None     # why, after a NormalCallMismatch (until clean())
+        # A store-based job starts like a rejoin: its first steps wait longer (docs/elastic.md).
+        self.grace_until = CALLS_PER_STEP * 16 if self._mail is not None else 0
 
     @staticmethod
     def unavailable_reason(*args: object, **kwargs: object) -> Optional[str]:
         return None
 
     # ------------------------------------------------------------------ helpers
-    def _all_to_all_rows(self, send: "torch.Tensor", send_counts: List[int], recv_counts: List[int],
-                         timeout_us: int, what: str) -> "torch.Tensor":
-        """uint8 rows of `send` grouped by destination go to their ranks; returns the received rows
-        grouped by source rank ascending."""
-        import torch
-        recv = torch.empty((sum(recv_counts), send.shape[1]), dtype=torch.uint8, device=self.device)
-        all_to_all(recv, send, recv_counts, send_counts, self.group, timeout_us, what)
-        return recv
-
-    def _exchange_records(self, mine: "torch.Tensor", timeout_us: int, what: str) -> "torch.Tensor":
-        """Every rank sends the same int64 [W] record to every rank; returns [R, W] (row s: source s)."""
-        import torch
-        send = mine.reshape(1, -1).expand(self.num_ranks, -1).contiguous()
-        recv = torch.empty_like(send)
-        all_to_all(recv, send, None, None, self.group, timeout_us, what)
-        return recv
-
-    def _exchange_tags(self, kind: int, sig: Tuple[int, ...], *, status: int = tags.STATUS_OK, reason: str = "",
-                       extra: Optional[List[int]] = None) -> Tuple[str, "torch.Tensor"]:
-        """The call's tag exchange (the first collective of every call): returns the call's name and every
-        rank's `extra` words [R, len(extra)]. Raises NormalCallMismatch (and breaks the buffer) when some
-        rank is at another call, PeerRefusedCall when a peer refused this call (unless this rank refuses
-        it too: its own error is raised by the front)."""
-        if self._broken is not None:
-            raise BufferBroken(self._broken)
-        self.calls += 1
-        what = f"normal {tags.KIND_NAMES[kind]} #{self.calls}"
-        mine = tags.CallTag(self.epoch, self.calls, kind, status, sig, self.rank, reason)
-        table = self._tag_table(mine, extra or [], f"{what} (call tags)")
-        try:
-            peers = [tags.decode(table[r].tolist(), what, self.rank, r, self.calls, self.num_ranks)
-                     for r in range(self.num_ranks)]
-            err = tags.verdict(what, self.rank, mine, peers)
-            if isinstance(err, NormalCallMismatch):
-                raise err
-        except NormalCallMismatch as exc:
-            self._broken = f"{exc}; call clean() on every rank"
-            raise
-        if err is not None and status == tags.STATUS_OK:
-            raise err
-        return what, table[:, tags.TAG_INTS:]
-
-    def _tag_table(self, mine: tags.CallTag, extra: List[int], what: str) -> "torch.Tensor":
-        """Every rank's [tag | extra] as int64 [R, TAG_INTS + ERR_WORDS]: one width for every call, so
-        that ranks at different calls still exchange whole tags (and find out) instead of mismatching
-        the collective's sizes."""
-        import torch
-        words = tags.encode(mine) + extra + [0] * (ERR_WORDS - len(extra))
-        return self._exchange_records(torch.tensor(words, dtype=torch.int64, device=self.device), self.timeout_us,
-                                      what)
-
-    def refuse(self, kind: int, reason: str) -> Optional[Exception]:
-        try:
-            self._exchange_tags(kind, (), status=tags.STATUS_REFUSED, reason=reason)
-        except (NormalCallMismatch, BufferBroken) as exc:
-            return exc
-        except TimeoutError as exc:
-            # The peers did not make this call at all: gloo's pending exchange pairs with nothing now.
-            self._broken = f"a refused call's tag exchange found no peers ({exc}); call clean() on every rank"
-            return exc
-        return None
-
     def _rows_per_source(self, rank_prefix_matrix: "torch.Tensor") -> List[int]:
         col = [int(v) for v in rank_prefix_matrix[:, self.rank]]
         return [col[0]] + [col[s] - col[s - 1] for s in range(1, self.num_ranks)]
@@ -154,19 +106,24 @@ class NormalReferenceBackend:
         r_n, dev = self.num_ranks, self.device
         e_l = num_experts // r_n
         # The tag exchange carries every rank's bad-id record: every rank raises at this call or none does.
-        _, bad = self._exchange_tags(tags.KIND_LAYOUT, tags.signature(num_experts),
-                                     extra=first_bad_entry(topk_idx, num_experts))
+        _, bad, active = self._exchange_tags(tags.KIND_LAYOUT, tags.signature(num_experts),
+                                             extra=first_bad_entry(topk_idx, num_experts))
         raise_first(bad, self.rank, num_experts, bad_ids=True)
+        on = active.to(dev)
         n = topk_idx.shape[0]
         valid = topk_idx >= 0
-        per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
         owner = torch.div(topk_idx, e_l, rounding_mode="floor")
-        in_rank = torch.zeros((n, r_n), dtype=torch.bool, device=dev)
+        in_all = torch.zeros((n, r_n), dtype=torch.bool, device=dev)
         for r in range(r_n):
-            in_rank[:, r] = (valid & (owner == r)).any(dim=1)
+            in_all[:, r] = (valid & (owner == r)).any(dim=1)
+        # Inactive ranks are left out: their tokens are dropped (counted), their experts count nothing.
+        in_rank = in_all & on.view(1, -1)
+        live = valid & on[owner.clamp_min(0)]
+        per_expert = torch.bincount(topk_idx[live], minlength=num_experts).to(torch.int32)
         return LayoutResult(num_tokens_per_rank=in_rank.sum(dim=0).to(torch.int32),
                             num_tokens_per_expert=per_expert, is_token_in_rank=in_rank,
-                            num_tokens_per_rdma_rank=self._per_node(in_rank))
+                            num_tokens_per_rdma_rank=self._per_node(in_rank),
+                            num_dropped_tokens=(in_all & ~on.view(1, -1)).sum(dim=0).to(torch.int32))
 
     def _per_node(self, in_rank: "torch.Tensor") -> Optional["torch.Tensor"]:
         """int32 [M]: tokens with a rank on node n (None on one node)."""
@@ -239,20 +196,22 @@ class NormalReferenceBackend:
         e_l = call.num_experts // r_n
         assert call.num_tokens_per_rank is not None and call.num_tokens_per_expert is not None
         k = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
-        what, _ = self._exchange_tags(tags.KIND_DISPATCH, tags.signature(
+        what, _, active = self._exchange_tags(tags.KIND_DISPATCH, tags.signature(
             call.x.shape[1], c_n, call.num_experts, k, call.topk_weights is not None, call.x_scales is not None))
-        in_rank = call.is_token_in_rank
+        in_all = call.is_token_in_rank
+        routed = self._routed(call, in_all)          # [N, R]: tokens routed to each rank, mask or not
+        on = active.to(dev)
+        in_rank = in_all & on.view(1, -1)            # rows to inactive ranks are dropped
         chan = token_channels(n, c_n, dev)
-        per_chan = torch.zeros((r_n, c_n), dtype=torch.int64, device=dev)   # [d][c] my rows for d
-        for d in range(r_n):
-            per_chan[d] = torch.bincount(chan[in_rank[:, d]], minlength=c_n)
         err = first_bad_entry(call.topk_idx, call.num_experts) if call.topk_idx is not None else [0] * ERR_WORDS
-        err += layout_contradiction(call.topk_idx, call.num_experts, r_n, in_rank, call.num_tokens_per_expert)
+        err += layout_contradiction(call.topk_idx, call.num_experts, r_n, in_all, call.num_tokens_per_expert,
+                                    active=on)
         # Header to d: [bad-id record | layout record | rows I send every rank | my num_tokens_per_rank |
-        # my rows for d per channel | my top-k entries per expert of d]
-        common = torch.cat([torch.tensor(err, dtype=torch.int64, device=dev), per_chan.sum(dim=1),
-                            call.num_tokens_per_rank.to(torch.int64)])
-        experts = call.num_tokens_per_expert.to(torch.int64).reshape(r_n, e_l)
+        # my rows for d per channel | my top-k entries per expert of d]; inactive ranks' entries are 0.
+        per_chan = self._per_channel(in_rank, chan, c_n)
+        claimed_mine = call.num_tokens_per_rank.to(torch.int64) * on.to(torch.int64)
+        common = torch.cat([torch.tensor(err, dtype=torch.int64, device=dev), per_chan.sum(dim=1), claimed_mine])
+        experts = call.num_tokens_per_expert.to(torch.int64).reshape(r_n, e_l) * on.to(torch.int64).view(-1, 1)
         parts = [common.reshape(1, -1).expand(r_n, -1), per_chan, experts]
         if self.nodes.internode:
             # [my num_tokens_per_rdma_rank | what is_token_in_rank gives for it], for every destination
@@ -260,21 +219,22 @@ class NormalReferenceBackend:
             rdma = torch.cat([call.num_tokens_per_rdma_rank.to(torch.int64), self._per_node(in_rank).to(torch.int64)])
             parts.append(rdma.reshape(1, -1).expand(r_n, -1))
         header = torch.cat(parts, dim=1).contiguous()
-        hdr = torch.empty_like(header)
-        all_to_all(hdr, header, None, None, self.group, call.timeout_us, f"{what} (header all-to-all)")
+        hdr = self._fixed(header, active, call.timeout_us, f"{what} (header all-to-all)", "hdr")
         o_rows = 2 * ERR_WORDS
         o_claim, o_chan = o_rows + r_n, o_rows + 2 * r_n
         raise_first(hdr[:, :ERR_WORDS], me, call.num_experts, bad_ids=True)
         raise_first(hdr[:, ERR_WORDS:o_rows], me, call.num_experts, bad_ids=False)
         sent = hdr[:, o_rows:o_claim]          # [s][d]: rows source s sends d
-        claimed = hdr[:, o_claim:o_chan]       # [s][d]: num_tokens_per_rank of source s
+        claimed = hdr[:, o_claim:o_chan]       # [s][d]: num_tokens_per_rank of source s (its active ranks)
         if not torch.equal(sent, claimed):
             s, d = (int(v) for v in (sent != claimed).nonzero()[0])
-            err = rank_count_mismatch(d, int(claimed[s, d]), int(sent[s, d]))
-            err.add_note(f"in the tensors of rank {s} ({what}); every rank raises at this call")
-            raise err
+            err_c = rank_count_mismatch(d, int(claimed[s, d]), int(sent[s, d]))
+            err_c.add_note(f"in the tensors of rank {s} ({what}); every rank raises at this call")
+            raise err_c
         if self.nodes.internode:
             self._check_rdma_claims(hdr[:, o_chan + c_n + e_l:], what)
+        live = active.to(dev).to(torch.int64)
+        sent = sent * live.view(-1, 1) * live.view(1, -1)    # a rank marked in the header exchange is out
         arrive = sent.sum(dim=0)               # [d]: rows rank d receives
         nwt = call.num_worst_tokens
         if nwt > 0 and bool((arrive > nwt).any()):
@@ -283,30 +243,59 @@ class NormalReferenceBackend:
             err_w.add_note(f"on rank {d}; every rank raises at this call")
             raise err_w
 
-        send_counts = [int(v) for v in sent[me]]
-        recv_counts = [int(v) for v in sent[:, me]]
+        in_rank = in_all & active.to(dev).view(1, -1)
+        send_counts = [int(v) for v in in_rank.sum(dim=0)]
         tokens = torch.cat([in_rank[:, d].nonzero().reshape(-1) for d in range(r_n)])
         send = self._payload(call, tokens, with_topk=True)
-        recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us, f"{what} (data all-to-all)")
+        recv, got = self._rows(send, send_counts, [int(v) for v in sent[:, me]], active, call.timeout_us,
+                               f"{what} (data all-to-all)", "data")
+        # Sources (and destinations) marked in the data exchange are out of this call too.
+        live = active.to(dev).to(torch.int64)
+        sent = sent * live.view(-1, 1) * live.view(1, -1)
+        in_rank = in_all & active.to(dev).view(1, -1)
+        per_chan = self._per_channel(in_rank, chan, c_n)
         m = recv.shape[0]
         rows = nwt if nwt > 0 else m
         recv_x, scales, src, idx_out, w_out = self._unpack(call, recv, rows, with_topk=True)
 
-        rank_prefix = torch.cumsum(claimed, dim=0).to(torch.int32)
+        rank_prefix = torch.cumsum(sent, dim=0).to(torch.int32)
         channel_prefix = torch.cumsum(per_chan, dim=1).to(torch.int32)
-        recv_chan = hdr[:, o_chan:o_chan + c_n]                       # [s][c] rows s sends me on c
+        recv_chan = hdr[:, o_chan:o_chan + c_n] * live.view(-1, 1)   # [s][c] rows s sends me on c
         recv_channel_prefix = (torch.cumsum(recv_chan, dim=1) - recv_chan).to(torch.int32)
         send_head = self._send_head(in_rank, chan, per_chan)
         counts_list: List[int] = []
         if nwt == 0:
             align = call.expert_alignment
-            per_local = hdr[:, o_chan + c_n:o_chan + c_n + e_l].sum(dim=0)
+            per_local = (hdr[:, o_chan + c_n:o_chan + c_n + e_l] * live.view(-1, 1)).sum(dim=0)
             counts_list = [(int(v) + align - 1) // align * align for v in per_local]
+        dropped = (routed & ~active.to(dev).view(1, -1)).sum(dim=0).to(torch.int32)
         return DispatchResult(recv_x=recv_x, recv_x_scales=scales, recv_topk_idx=idx_out,
                               recv_topk_weights=w_out, num_recv_tokens_per_expert_list=counts_list,
                               rank_prefix_matrix=rank_prefix, channel_prefix_matrix=channel_prefix,
                               recv_channel_prefix_matrix=recv_channel_prefix, recv_src_idx=src,
-                              send_head=send_head, num_recv_tokens=m, tag=self._mark())
+                              send_head=send_head, num_recv_tokens=m, tag=self._mark(),
+                              is_token_in_rank=in_rank, num_dropped_tokens=dropped)
+
+    def _routed(self, call: DispatchCall, in_rank: "torch.Tensor") -> "torch.Tensor":
+        """bool [N, R]: the ranks each token is routed to -- by topk_idx where the call has it (a layout
+        made with an older mask left a rank out already), else by is_token_in_rank."""
+        import torch
+        if call.topk_idx is None:
+            return in_rank
+        e_l = call.num_experts // self.num_ranks
+        valid = (call.topk_idx >= 0) & (call.topk_idx < call.num_experts)
+        owner = torch.div(torch.where(valid, call.topk_idx, torch.zeros_like(call.topk_idx)), e_l,
+                          rounding_mode="floor")
+        return torch.stack([(valid & (owner == r)).any(dim=1) for r in range(self.num_ranks)], dim=1) \
+            if call.topk_idx.shape[0] else torch.zeros_like(in_rank)
+
+    def _per_channel(self, in_rank: "torch.Tensor", chan: "torch.Tensor", c_n: int) -> "torch.Tensor":
+        """int64 [R, C]: my rows for each destination per channel."""
+        import torch
+        per_chan = torch.zeros((self.num_ranks, c_n), dtype=torch.int64, device=self.device)
+        for d in range(self.num_ranks):
+            per_chan[d] = torch.bincount(chan[in_rank[:, d]], minlength=c_n)
+        return per_chan
 
     def _mark(self) -> int:
         """A handle's tag: the generation and number of the dispatch that made it."""
@@ -342,22 +331,32 @@ class NormalReferenceBackend:
         import torch
         handle = call.handle
         assert handle is not None
-        r_n = self.num_ranks
-        what, _ = self._exchange_tags(tags.KIND_CACHED, tags.signature(
+        r_n, dev = self.num_ranks, self.device
+        what, _, active = self._exchange_tags(tags.KIND_CACHED, tags.signature(
             call.x.shape[1], handle.num_channels, call.x_scales is not None, handle.tag & 0xFFFFFFFF, handle.tag >> 32))
-        in_rank = handle.is_token_in_rank
+        in_rank = handle.is_token_in_rank & active.to(dev).view(1, -1)
         send_counts = [int(v) for v in in_rank.sum(dim=0)]
-        recv_counts = self._rows_per_source(handle.rank_prefix_matrix)
+        per_source = self._rows_per_source(handle.rank_prefix_matrix)
         tokens = torch.cat([in_rank[:, d].nonzero().reshape(-1) for d in range(r_n)])
         send = self._payload(call, tokens, with_topk=False)
-        recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us, f"{what} (data all-to-all)")
-        m = recv.shape[0]
-        recv_x, scales, src, _, _ = self._unpack(call, recv, handle.num_recv_rows, with_topk=False)
+        recv, got = self._rows(send, send_counts, [n if active[s] else 0 for s, n in enumerate(per_source)], active,
+                               call.timeout_us, f"{what} (data all-to-all)", "data")
+        # Every source's rows at the handle's places; a source left out leaves zero rows (and src -1).
+        full = torch.zeros((sum(per_source), send.shape[1]), dtype=torch.uint8, device=dev)
+        full[:, :8] = row_bytes(torch.full((full.shape[0], 1), -1, dtype=torch.int64, device=dev))
+        at = 0
+        for s_, (n, g) in enumerate(zip(per_source, got)):
+            begin = sum(per_source[:s_])
+            if g:
+                full[begin:begin + n] = recv[at:at + g]
+            at += g
+        recv_x, scales, src, _, _ = self._unpack(call, full, handle.num_recv_rows, with_topk=False)
+        dropped = (handle.is_token_in_rank & ~active.to(dev).view(1, -1)).sum(dim=0).to(torch.int32)
         return DispatchResult(recv_x=recv_x, recv_x_scales=scales, recv_topk_idx=None, recv_topk_weights=None,
                               num_recv_tokens_per_expert_list=None, rank_prefix_matrix=handle.rank_prefix_matrix,
                               channel_prefix_matrix=handle.channel_prefix_matrix,
                               recv_channel_prefix_matrix=handle.recv_channel_prefix_matrix, recv_src_idx=src,
-                              send_head=handle.send_head, num_recv_tokens=m)
+                              send_head=handle.send_head, num_recv_tokens=sum(got), num_dropped_tokens=dropped)
 
     # ------------------------------------------------------------------ combine
     def combine(self, call: CombineCall) -> CombineResult:
@@ -365,24 +364,31 @@ class NormalReferenceBackend:
         handle, dev, r_n = call.handle, self.device, self.num_ranks
         n, h = handle.num_tokens, call.x.shape[1]
         k = call.topk_weights.shape[1] if call.topk_weights is not None else 0
-        what, _ = self._exchange_tags(tags.KIND_COMBINE, tags.signature(
+        what, _, active = self._exchange_tags(tags.KIND_COMBINE, tags.signature(
             h, handle.num_channels, k, handle.tag & 0xFFFFFFFF, handle.tag >> 32))
         # Received row j of source s goes back to s with its source index; rows past the real count
-        # (num_worst_tokens padding) are not sent.
-        send_counts = self._rows_per_source(handle.rank_prefix_matrix)
-        real = sum(send_counts)
-        parts = [row_bytes(handle.recv_src_idx[:real].to(torch.int64).reshape(-1, 1)),
-                 row_bytes(call.x[:real])]
+        # (num_worst_tokens padding) are not sent, nor the rows of a source that is inactive now.
+        per_source = self._rows_per_source(handle.rank_prefix_matrix)
+        keep = torch.cat([torch.full((c,), bool(active[s_]), dtype=torch.bool, device=dev)
+                          for s_, c in enumerate(per_source)])
+        real = sum(per_source)
+        parts = [row_bytes(handle.recv_src_idx[:real].to(torch.int64).reshape(-1, 1)), row_bytes(call.x[:real])]
         if call.topk_weights is not None:
             parts.append(row_bytes(call.topk_weights[:real]))
-        send = torch.cat(parts, dim=1)
-        recv_counts = [int(v) for v in handle.is_token_in_rank.sum(dim=0)]
-        recv = self._all_to_all_rows(send, send_counts, recv_counts, call.timeout_us, f"{what} (data all-to-all)")
+        send = torch.cat(parts, dim=1)[keep]
+        send_counts = [c if active[s_] else 0 for s_, c in enumerate(per_source)]
+        expected = [int(v) for v in handle.is_token_in_rank.sum(dim=0)]
+        recv, recv_counts = self._rows(send, send_counts, [c if active[d] else 0 for d, c in enumerate(expected)],
+                                       active, call.timeout_us, f"{what} (data all-to-all)", "data")
         src = columns(recv, 0, 8, torch.int64).reshape(-1)
+        if src.numel() and (int(src.min()) < 0 or int(src.max()) >= n):
+            raise NormalCallMismatch(what, self.rank, -1, self.calls, None,
+                                     f"a returned row names token {int(src.min())}..{int(src.max())} of {n}")
         xs = columns(recv, 8, 2 * h, torch.bfloat16).float()
         ws = columns(recv, 8 + 2 * h, 4 * k, torch.float32) if k else None
         # fp32, in the contract's order: 0, + bias_0, + bias_1, then the ranks ascending (a token
-        # comes back at most once from each rank, so each step is one rounding per element).
+        # comes back at most once from each rank, so each step is one rounding per element). A rank
+        # that is inactive contributes nothing: combine sums what remains.
         acc = torch.zeros((n, h), dtype=torch.float32, device=dev)
         for b in call.bias:
             if b is not None:
@@ -408,7 +414,10 @@ class NormalReferenceBackend:
                 acc[touched] = acc[touched] + part[touched].to(torch.bfloat16).float()
                 if acc_w is not None and part_w is not None:
                     acc_w[touched] = acc_w[touched] + part_w[touched]
-        return CombineResult(combined_x=acc.to(torch.bfloat16), combined_topk_weights=acc_w)
+        dropped = torch.tensor([c if not active[d] else 0 for d, c in enumerate(expected)], dtype=torch.int32,
+                               device=dev)
+        return CombineResult(combined_x=acc.to(torch.bfloat16), combined_topk_weights=acc_w,
+                             num_dropped_tokens=dropped)
 
     # ------------------------------------------------------------------ the rest
     def check_errors(self) -> None:
@@ -427,24 +436,48 @@ class NormalReferenceBackend:
         """No rings: every config fits."""
         return config
 
-    def clean(self) -> None:
-        """Collective: every rank must be cleaning (the tags of this exchange compare kinds only: the
-        ranks may have been at different calls, which is what clean() repairs), then every rank starts
-        a new generation at call 1."""
-        mine = tags.CallTag(self.epoch, 0, tags.KIND_CLEAN, origin=self.rank)
-        table = self._tag_table(mine, [], "normal reference clean (call tags)")
-        what = "normal clean"
-        for r in range(self.num_ranks):
-            peer = tags.decode(table[r].tolist(), what, self.rank, r, 0, self.num_ranks)
-            if peer.kind != tags.KIND_CLEAN:
-                raise NormalCallMismatch(what, self.rank, r, "clean", peer.describe(),
-                                         "clean() is collective: every rank must call it")
-        self.epoch += 1
-        self.calls = 0
-        self._broken = None
-
     def buffer_bytes(self) -> int:
         return 0
+
+    # ------------------------------------------------------------------ membership (store-based buffers)
+    # The reference backend has no links: a rejoin rebuilds nothing; the mailbox keys carry each
+    # source's generation, so a dead process's mail is never read as its successor's.
+    def member_payload(self) -> bytes:
+        return b""
+
+    def prepare_peer(self, rank: int, payload: bytes) -> bytes:
+        if self._mail is not None:
+            self._mail.forget(rank)
+        return b""
+
+    def prepare_done(self, rank: int) -> bool:
+        return True
+
+    def next_half(self, next_call: int, at: int) -> int:
+        return 0                          # no buffer halves
+
+    def set_generations(self, generations: List[int]) -> None:
+        if self._mail is not None:
+            self._mail.generations = generations   # the membership's list, shared (admissions update it)
+
+    def activate_peer(self, rank: int, active: Optional["torch.Tensor"]) -> None:
+        self.mask[rank] = 1
+        if active is not None and active is not self.mask:
+            active[rank] = 1
+
+    def join(self, blobs: Dict[int, bytes], half: int) -> None:
+        return None
+
+    def inactive_ranks(self) -> List[int]:
+        return [r for r, on in enumerate(self.mask.tolist()) if not on]
+
+    def step_state(self) -> Tuple[int, int]:
+        """(generation, calls): what a restarted rank takes from the survivors at its first step."""
+        return self.epoch, self.calls
+
+    def take_step_state(self, epoch: int, calls: int) -> None:
+        self.epoch, self.calls = epoch, calls
+        self.open_grace()
 
     def destroy(self) -> None:
         pass

@@ -24,11 +24,14 @@ def first_bad_entry(topk_idx: "torch.Tensor", num_experts: int) -> List[int]:
 
 
 def layout_contradiction(topk_idx: Optional["torch.Tensor"], num_experts: int, num_ranks: int,
-                         is_token_in_rank: "torch.Tensor", num_tokens_per_expert: "torch.Tensor") -> List[int]:
+                         is_token_in_rank: "torch.Tensor", num_tokens_per_expert: "torch.Tensor",
+                         active: Optional["torch.Tensor"] = None) -> List[int]:
     """The first contradiction between the caller's layout tensors and topk_idx, as an error record
     (errors.ERR_IN_RANK / ERR_EXPERT_COUNT), or zeros: a negative count first, then is_token_in_rank
     (row-major), then num_tokens_per_expert (lowest expert). Without topk_idx only the signs can be
-    checked. Ids outside [-1, E) count as -1 (they are reported by first_bad_entry)."""
+    checked. Ids outside [-1, E) count as -1 (they are reported by first_bad_entry). `active` (bool [R]):
+    only the columns and experts of active ranks are compared (a layout made with an older mask may
+    still name a rank marked since, or leave it out: either way the call drops its tokens)."""
     import torch
     per_expert = num_tokens_per_expert.to(torch.int64)
     neg = (per_expert < 0).nonzero()
@@ -42,12 +45,15 @@ def layout_contradiction(topk_idx: Optional["torch.Tensor"], num_experts: int, n
                       rounding_mode="floor")
     derived_in = torch.stack([(valid & (owner == r)).any(dim=1) for r in range(num_ranks)], dim=1) \
         if topk_idx.shape[0] else torch.zeros_like(is_token_in_rank)
-    diff = (derived_in != is_token_in_rank).nonzero()
+    cols = active.view(1, -1) if active is not None else torch.ones_like(is_token_in_rank[:1])
+    diff = ((derived_in != is_token_in_rank) & cols).nonzero()
     if diff.shape[0]:
         t, r = (int(v) for v in diff[0])
         return [ERR_IN_RANK, t, r, int(is_token_in_rank[t, r])]
     derived = torch.bincount(topk_idx[valid], minlength=num_experts)
-    diff_e = (derived != per_expert).nonzero()
+    live_e = (active.repeat_interleave(num_experts // num_ranks) if active is not None
+              else torch.ones_like(derived, dtype=torch.bool))
+    diff_e = ((derived != per_expert) & live_e).nonzero()
     if diff_e.shape[0]:
         e = int(diff_e[0])
         return [ERR_EXPERT_COUNT, e, int(per_expert[e]), int(derived[e])]

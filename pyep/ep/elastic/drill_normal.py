@@ -1,0 +1,241 @@
+"""One rank of the normal-mode elastic drill (`pyep drill --mode normal`): a store-based NormalBuffer
+step loop -- get_dispatch_layout, dispatch, an expert, combine -- that checks every step against a
+definition written here from the inputs alone, survives a killed peer, and -- as the restarted process
+of a killed rank -- joins the running job. pyep.launch.drill spawns it as `python -m
+pyep.ep.elastic.drill_normal JSON`; its results line is drill_rank's (`PYEP_DRILL_RESULT {...}`).
+
+Step s uses inputs derived from (seed, s, rank), so each rank rebuilds every sender's tokens. Given who
+was active in the step (the rank's mask after it; in the step that found the victim dead, the sources
+its dispatch counted), the received rows must be every active source's tokens routed to this rank, in
+source then token order, and the combined rows the sum, over the active ranks ascending, of what each
+one's expert returned -- bit for bit. The tokens routed to an inactive rank must be counted dropped,
+exactly once in the step (layout, dispatch or combine). The victim kills itself (SIGKILL) in the
+middle of the layout exchange, of dispatch, of combine, or between steps.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .drill_rank import RESULT_TAG, STAMP_TAG, _arm_reference_kill, _die
+
+PHASES = ("layout", "dispatch", "combine", "between")
+
+
+def inputs(seed: int, step: int, rank: int, n: int, h: int, e: int, k: int) -> Tuple[Any, Any, Any]:
+    """(x bf16 [n, h], topk_idx int64 [n, k] with distinct experts and some -1, weights fp32 [n, k])."""
+    import torch
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + rank)
+    cpu, f32 = torch.device("cpu"), torch.float32
+    x = (torch.randn(n, h, generator=g, dtype=f32, device=cpu) * 2).to(torch.bfloat16)
+    idx = torch.rand(n, e, generator=g, dtype=f32, device=cpu).argsort(dim=1)[:, :k].to(torch.int64).contiguous()
+    idx[torch.rand(n, k, generator=g, dtype=f32, device=cpu) < 0.15] = -1
+    w = torch.rand(n, k, generator=g, dtype=f32, device=cpu)
+    return x, idx, w
+
+
+def routed(idx: Any, rank: int, e_l: int) -> Any:
+    """bool [n]: tokens with an entry on one of `rank`'s experts."""
+    return ((idx >= 0) & (idx.div(e_l, rounding_mode="floor") == rank)).any(dim=1)
+
+
+def expert(recv: Any, rank: int) -> Any:
+    """The drill's expert on `rank`: every row times (1 + rank / 16), rounded to BF16."""
+    import torch
+    return (recv.float() * (1.0 + rank / 16.0)).to(torch.bfloat16)
+
+
+def expected_dispatch(a: Dict[str, Any], step: int, rank: int, world: int, sources: Sequence[bool]) -> Any:
+    """bf16 [rows, H]: the rows `rank` receives from the active `sources`, source then token order."""
+    import torch
+    e_l = a["E"] // world
+    rows = []
+    for s in range(world):
+        if sources[s]:
+            x, idx, _ = inputs(a["seed"], step, s, a["T"], a["H"], a["E"], a["K"])
+            rows.append(x[routed(idx, rank, e_l)])
+    return torch.cat(rows) if rows else torch.zeros((0, a["H"]), dtype=torch.bfloat16, device="cpu")
+
+
+def expected_routing(a: Dict[str, Any], step: int, rank: int, world: int, sources: Sequence[bool]
+                     ) -> Tuple[Any, List[int]]:
+    """(recv_topk_idx int64 [rows, K]: each received row's ids as local experts of `rank`, -1 for the
+    others; tokens per local expert from the active `sources`)."""
+    import torch
+    e_l = a["E"] // world
+    ids, counts = [], [0] * e_l
+    for s in range(world):
+        if sources[s]:
+            _, idx, _ = inputs(a["seed"], step, s, a["T"], a["H"], a["E"], a["K"])
+            mine = idx[routed(idx, rank, e_l)]
+            local = (mine >= rank * e_l) & (mine < (rank + 1) * e_l)
+            ids.append(torch.where(local, mine - rank * e_l, torch.full_like(mine, -1)))
+            for le in range(e_l):
+                counts[le] += int((mine == rank * e_l + le).any(dim=1).sum())
+    out = torch.cat(ids) if ids else torch.zeros((0, a["K"]), dtype=torch.int64, device="cpu")
+    return out, counts
+
+
+def expected_combine(a: Dict[str, Any], step: int, rank: int, world: int, active: Sequence[bool]) -> Any:
+    """bf16 [T, H]: fp32 sum over the active ranks ascending of their expert's row for each token routed
+    to them (the contract's order), rounded to BF16."""
+    import torch
+    e_l = a["E"] // world
+    x, idx, _ = inputs(a["seed"], step, rank, a["T"], a["H"], a["E"], a["K"])
+    acc = torch.zeros(x.shape[0], a["H"], dtype=torch.float32, device="cpu")
+    for d in range(world):
+        if active[d]:
+            sel = routed(idx, d, e_l)
+            acc[sel] = acc[sel] + expert(x[sel], d).float()
+    return acc.to(torch.bfloat16)
+
+
+def expected_dropped(a: Dict[str, Any], step: int, rank: int, world: int, active: Sequence[bool]) -> List[int]:
+    """Tokens of `rank` routed to each rank that is inactive at the end of the step (0 for active ones)."""
+    e_l = a["E"] // world
+    _, idx, _ = inputs(a["seed"], step, rank, a["T"], a["H"], a["E"], a["K"])
+    return [0 if active[d] else int(routed(idx, d, e_l).sum()) for d in range(world)]
+
+
+def _sources(handle: Any, rank: int, after: Sequence[bool]) -> List[bool]:
+    """The sources a dispatch counted: active after the step, or rows arrived from it (the victim's
+    rows can arrive before it dies; the handle's rank_prefix_matrix says how many came from each)."""
+    col = [int(v) for v in handle.rank_prefix_matrix[:, rank].tolist()]
+    rows = [col[0]] + [col[s] - col[s - 1] for s in range(1, len(col))]
+    return [bool(after[s]) or rows[s] > 0 for s in range(len(col))]
+
+
+def check_step(a: Dict[str, Any], step: int, rank: int, world: int, after: Sequence[bool], got: Any,
+               handle: Any, out: Any, dropped: Sequence[int]) -> None:
+    """Raises AssertionError naming what differs from the definition. `got`: the dispatch's (recv_x,
+    recv_topk_idx, num_recv_tokens_per_expert_list)."""
+    import torch
+    recv_x, recv_idx, counts = got
+    sources = _sources(handle, rank, after)
+    want = expected_dispatch(a, step, rank, world, sources)
+    if recv_x.shape != want.shape or not torch.equal(recv_x.view(torch.int16), want.view(torch.int16)):
+        raise AssertionError(f"step {step} rank {rank}: received rows differ (got {list(recv_x.shape)}, expected "
+                             f"{list(want.shape)}; active after {list(after)})")
+    want_idx, want_counts = expected_routing(a, step, rank, world, sources)
+    if not torch.equal(recv_idx, want_idx) or list(counts) != want_counts:
+        raise AssertionError(f"step {step} rank {rank}: recv_topk_idx or tokens per local expert differ (counts "
+                             f"{list(counts)}, expected {want_counts}; active after {list(after)})")
+    want_out = expected_combine(a, step, rank, world, after)
+    if not torch.equal(out.view(torch.int16), want_out.view(torch.int16)):
+        raise AssertionError(f"step {step} rank {rank}: combine differs from the definition (active {list(after)})")
+    want_drop = expected_dropped(a, step, rank, world, after)
+    if list(dropped) != want_drop:
+        raise AssertionError(f"step {step} rank {rank}: dropped tokens per rank {list(dropped)}, expected {want_drop}")
+
+
+def _step(buf: Any, a: Dict[str, Any], step: int, rank: int, world: int, mine: bool,
+          phase: str) -> Tuple[Any, Any, Any, List[int]]:
+    """One step; returns ((recv_x, recv_topk_idx, tokens per local expert), handle, combined, dropped per
+    rank summed over the step's calls)."""
+    x, idx, w = inputs(a["seed"], step, rank, a["T"], a["H"], a["E"], a["K"])
+    if mine and phase == "layout":
+        _arm_reference_kill(buf)            # dies after its first mail of the layout's exchange is out
+    ntpr, _, ntpe, in_rank, ev0 = buf.get_dispatch_layout(idx, a["E"])
+    if mine and phase == "dispatch":
+        _arm_reference_kill(buf)
+    recv_x, recv_idx, _, counts, handle, ev1 = buf.dispatch(
+        x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
+        topk_weights=w)
+    y = expert(recv_x, rank)
+    if mine and phase == "combine":
+        _arm_reference_kill(buf)
+    out, _, ev2 = buf.combine(y, handle)
+    # The layout's drops are the dispatch's too (both count tokens routed to ranks inactive then): the
+    # step's count is the dispatch's plus the combine's (rows that did not come back).
+    drop = (ev1.num_dropped_tokens + ev2.num_dropped_tokens).tolist()
+    if any(l_ > d for l_, d in zip(ev0.num_dropped_tokens.tolist(), ev1.num_dropped_tokens.tolist())):
+        raise AssertionError(f"step {step} rank {rank}: the layout dropped {ev0.num_dropped_tokens.tolist()}, "
+                             f"more than the dispatch {ev1.num_dropped_tokens.tolist()}")
+    return (recv_x, recv_idx, counts), handle, out, drop
+
+
+def run(a: Dict[str, Any]) -> Dict[str, Any]:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from ..normal import NormalBuffer
+    rank, world = int(a["rank"]), int(a["world"])
+    torch.set_num_threads(int(os.environ.get("PYEP_DRILL_THREADS", "1")))
+    store = dist.TCPStore(a["host"], int(a["port"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
+    t0 = time.monotonic()
+    buf = NormalBuffer(store=store, rank=rank, world_size=world, store_prefix=a["prefix"], backend="reference",
+                       hidden=a["H"], timeout_us=a["timeout_us"], rejoin_lead_calls=a["lead"])
+    res: Dict[str, Any] = {"rank": rank, "generation": buf.generation, "setup_s": time.monotonic() - t0}
+    stop: Optional[int] = None
+    if buf.joining:
+        tj = time.monotonic()
+        res["joined_at"] = buf.join(a["join_timeout_s"])
+        res["join_s"] = time.monotonic() - tj
+        stop = res["joined_at"] + a["rounds_after"]
+    victim, kill_call, phase = a["victim"], a["kill_call"], a["phase"]
+    times: List[float] = []
+    stamps: List[List[float]] = []
+    deadline = time.monotonic() + a["wall_s"]
+    death = None
+    while True:
+        step = buf.next_call
+        if stop is not None and step > stop:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no rejoin within {a['wall_s']} s (at step {step})")
+        mine = rank == victim and buf.generation == 1 and step == kill_call
+        if mine and phase == "between":
+            _die()
+        before = [bool(v) for v in buf.get_active_ranks().tolist()]
+        ts = time.monotonic()
+        got, handle, out, drop = _step(buf, a, step, rank, world, mine, phase)
+        te = time.monotonic()
+        stamps.append([step, ts, te])
+        times.append(te - ts)
+        if rank == victim and buf.generation == 1:
+            print(STAMP_TAG + json.dumps([step, ts, te]), flush=True)
+        after = [bool(v) for v in buf.get_active_ranks().tolist()]
+        admitted = [r for r in range(world) if after[r] and not before[r]]
+        lost = [r for r in range(world) if before[r] and not after[r]]
+        if admitted and stop is None:
+            stop = step + a["rounds_after"]
+            res["admitted_at"] = step
+            res["admit_time"] = time.time()
+        if lost and death is None and buf.generation == 1:
+            death = step
+            res.update(death_call=step, death_call_ms=(te - ts) * 1e3, detect_time=time.time(), marked=lost)
+        elif lost:
+            res.setdefault("later_marks", []).append({"call": step, "marked": lost, "ms": round((te - ts) * 1e3, 3)})
+        check_step(a, step, rank, world, after, got, handle, out, drop)
+        if stop is None and victim < 0 and step >= a["rounds_after"]:
+            stop = step
+    first = res.get("admitted_at") or res.get("joined_at")
+    res.update(stamps=stamps, calls=len(times), times_ms=[round(t * 1e3, 3) for t in times],
+               calls_after_join=(stop - first + 1) if first is not None and stop is not None else 0,
+               final_active=[int(v) for v in buf.get_active_ranks().tolist()],
+               rejected=[str(e) for e in buf.rejected_records][-8:])
+    buf.destroy()
+    return res
+
+
+def main(argv: List[str]) -> int:
+    a = json.loads(argv[0])
+    import logging
+    logging.basicConfig(level=logging.WARNING, format=f"rank {a['rank']} %(levelname)s %(name)s: %(message)s")
+    try:
+        res = run(a)
+    except BaseException:
+        print(f"rank {a['rank']} failed in normal drill", flush=True)
+        raise
+    print(RESULT_TAG + json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

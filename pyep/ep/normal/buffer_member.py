@@ -1,0 +1,198 @@
+"""The elastic side of `NormalBuffer` (docs/elastic.md, "Normal mode"): the buffer's active_ranks mask,
+and -- on a store-based buffer -- re-admitting a restarted rank through the same authenticated
+membership protocol as the LL mode (pyep.ep.elastic.membership). A mixin, so that the calls reach
+these as plain methods of the buffer.
+
+A store-based buffer counts *steps*: a step begins with get_dispatch_layout. The membership's call #A
+is a step number; every survivor admits the restarted rank inside the layout call of step A, before
+its exchange, and hands it (in the act record) the call counters and the mask the survivors hold, so
+the newcomer's first call -- the layout of step A -- carries the survivors' call number.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from typing import TYPE_CHECKING, Any, List, Optional
+
+from ..control import ControlTimeout
+from ..elastic.membership import Membership, MembershipError, Rejoin
+from .errors import ElasticUnsupported
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("pyep.ep.normal")
+# act payload: the survivors' generation (clean count) and call counter, then one byte per rank of their mask
+_STEP = struct.Struct("<qq")
+
+
+def check_active_ranks(active_ranks: Any, num_ranks: int) -> None:
+    """active_ranks: int32 [num_ranks] of 0/1 (the LL buffer's mask), or None."""
+    import torch
+    if active_ranks is None:
+        return
+    if not isinstance(active_ranks, torch.Tensor):
+        raise TypeError(f"active_ranks must be a torch.Tensor, got {type(active_ranks).__name__}")
+    if active_ranks.dtype != torch.int32 or tuple(active_ranks.shape) != (num_ranks,):
+        raise ValueError(f"active_ranks must be int32 [{num_ranks}] (1 = active), got {active_ranks.dtype} "
+                         f"{list(active_ranks.shape)}")
+    if bool(((active_ranks != 0) & (active_ranks != 1)).any()):
+        raise ValueError("active_ranks must hold only 0 and 1")
+
+
+class NormalBufferMembership:
+    """Mixed into NormalBuffer (which provides _backend, _member, _control, _rank, _num_ranks, _mask,
+    _step, _check_alive)."""
+
+    _backend: Any
+    _member: Optional[Membership]
+    _control: Any
+    _rank: int
+    _num_ranks: int
+    _mask: "torch.Tensor"
+    _mask_given: bool
+    _step: int
+
+    # ------------------------------------------------------------------ the mask
+    def get_active_ranks(self) -> "torch.Tensor":
+        """A copy of the buffer's mask: int32 [R], 1 = active. The buffer clears an entry when that rank
+        stops answering (a store-based buffer) and sets it again when the rank's restarted process is
+        admitted; calls neither send to nor wait for a rank whose entry is 0."""
+        self._check_alive("get_active_ranks")
+        return self._mask.clone()
+
+    def _check_mask_supported(self) -> None:
+        """The native backends take no mask: one that leaves a rank out is an error there, never ignored."""
+        if self._backend.name != "reference" and bool((self._mask == 0).any()):
+            out = [r for r, v in enumerate(self._mask.tolist()) if not v]
+            raise ElasticUnsupported(f"an active_ranks mask that leaves ranks {out} out", self._backend.name)
+
+    def update_ep_member(self, active_ranks: Optional["torch.Tensor"] = None) -> None:
+        """On a process group: set the buffer's mask (every rank must pass the same one; None: all
+        active). Every call takes the AND of every rank's mask, so a rank left out by one is left out
+        by all. On a store: a restarted rank joins, and each survivor waits (bounded) until the ranks it
+        expects back -- those 1 in active_ranks but 0 in its mask, or all its 0s when None -- are
+        admitted (as its next get_dispatch_layout would admit them)."""
+        import torch
+        self._check_alive("update_ep_member")
+        check_active_ranks(active_ranks, self._num_ranks)
+        member = self._member
+        if member is None:
+            want = active_ranks if active_ranks is not None else torch.ones_like(self._mask)
+            self._mask.copy_(want.to(self._mask.device))
+            self._mask_given = self._mask_given or active_ranks is not None
+            self._check_mask_supported()
+            return
+        if member.joining:
+            self.join()
+            return
+        expect = [r for r, v in enumerate(self._mask.tolist()) if not v]
+        if active_ranks is not None:
+            expect = [r for r in expect if active_ranks[r]]
+        deadline = time.monotonic() + member.timeout_s
+        left = set(expect)
+        while left:
+            for r in self._admit_step(self._step + 1, lead_calls=0):
+                left.discard(r)
+            if left and time.monotonic() > deadline:
+                raise ControlTimeout(f"rank {self._rank} update_ep_member: waiting for restarted ranks to announce "
+                                     f"themselves", sorted(left), member.timeout_s)
+            if left:
+                time.sleep(0.002)
+
+    # ------------------------------------------------------------------ rejoin (store-based buffers)
+    @property
+    def generation(self) -> int:
+        """This process's membership generation (store-based buffers: 1 for a first process, +1 per
+        restart of the rank); 0 for a buffer on a process group."""
+        return self._member.generation if self._member is not None else 0
+
+    @property
+    def joining(self) -> bool:
+        """A restarted rank that has not been admitted yet (call join())."""
+        return self._member is not None and self._member.joining
+
+    @property
+    def next_call(self) -> int:
+        """The step the next get_dispatch_layout begins (store-based buffers; the same on every member)."""
+        return self._step + 1
+
+    @property
+    def rejected_records(self) -> List[Any]:
+        """Store records this buffer refused (pyep.ep.errors.RecordRejected, each naming its key):
+        forged, malformed or stale. Empty for a buffer on a process group."""
+        rejects = getattr(self._control, "rejects", None)
+        return rejects.entries if rejects is not None else []
+
+    def poll_rejoin(self) -> List[Rejoin]:
+        """Non-blocking: learn of restarted ranks and report each one's stage and the step it joins at."""
+        self._check_alive("poll_rejoin")
+        if self._member is None:
+            return []
+        return self._member.poll(self._step + 1)
+
+    def join(self, timeout_s: Optional[float] = None) -> int:
+        """A restarted rank: wait (bounded) until the survivors admit it; returns the step its next
+        get_dispatch_layout begins (the survivors' too). It takes the survivors' call counters and
+        mask from their act records; they must agree."""
+        import torch
+        member = self._member
+        if member is None or not member.joining:
+            raise MembershipError("join() is for a restarted rank of a store-based NormalBuffer")
+        at = member.join(member.timeout_s if timeout_s is None else float(timeout_s))
+        states = {s: _decode_act(p, self._num_ranks, s) for s, p in member.act_payloads.items()}
+        counters = {v[:2] for v in states.values()}
+        if len(counters) != 1:
+            raise MembershipError(f"rank {self._rank}: the survivors sent different call counters at step {at}: "
+                                  f"{ {s: v[:2] for s, v in states.items()} }")
+        epoch, calls = counters.pop()
+        mask = torch.ones(self._num_ranks, dtype=torch.int32, device="cpu")
+        for s, (_, _, m) in states.items():
+            mask &= m
+        mask[self._rank] = 1
+        for s in states:
+            mask[s] = 1
+        self._mask.copy_(mask.to(self._mask.device))
+        self._backend.take_step_state(epoch, calls)
+        self._step = at - 1
+        return at
+
+    def _admit_step(self, step: int, lead_calls: Optional[int] = None) -> List[int]:
+        """Survivor, at the start of step `step`: poll the membership and admit every restarted rank
+        whose agreed step this is (its mask entry becomes 1; it gets the counters and the mask)."""
+        member = self._member
+        if member is None or member.joining:
+            return []
+        member.poll(step, lead_calls)
+        admitted: List[int] = []
+        for r in member.due(step):
+            epoch, calls = self._backend.step_state()
+            mask = self._mask.to("cpu").clone()
+            mask[r] = 1
+            payload = _STEP.pack(epoch, calls) + bytes(int(v) for v in mask.tolist())
+            try:
+                member.activate(r, step, None, payload)
+            except ControlTimeout as exc:
+                # The newcomer never confirmed (it died after announcing): this step runs without it, as
+                # before; a newer process of the rank announces again.
+                log.warning("rank %d: rank %d did not confirm its admission at step %d (%s); going on without it",
+                            self._rank, r, step, exc)
+                self._mask[r] = 0
+                member.abandon(r)
+                continue
+            admitted.append(r)
+            self._backend.open_grace()
+        return admitted
+
+
+def _decode_act(payload: bytes, num_ranks: int, src: int) -> Any:
+    """(epoch, calls, mask int32 [R]) from survivor src's act record; MembershipError when malformed."""
+    import torch
+    if len(payload) != _STEP.size + num_ranks:
+        raise MembershipError(f"act record of rank {src}: {len(payload)} bytes, expected {_STEP.size + num_ranks}")
+    epoch, calls = _STEP.unpack_from(payload, 0)
+    bits = list(payload[_STEP.size:])
+    if epoch < 0 or calls < 0 or any(b not in (0, 1) for b in bits):
+        raise MembershipError(f"act record of rank {src}: counters ({epoch}, {calls}) or mask {bits} out of range")
+    return epoch, calls, torch.tensor(bits, dtype=torch.int32, device="cpu")
