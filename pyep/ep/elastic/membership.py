@@ -365,3 +365,29 @@ def _check_at(rec: Record) -> None:
     at, half = unpack(rec, _AT)
     if not 1 <= at < 1 << 62 or half not in (0, 1):
         raise RecordRejected(rec.key, f"call #{at} / half {half} out of range")
+
+
+class MemberView:
+    """What a buffer (LL or normal mode) says of its own membership: the properties both buffers' mixins
+    share. The buffer holds `_member` (a Membership, or None on a process group) and `_control`."""
+
+    _member: Optional["Membership"]
+    _control: Any
+
+    @property
+    def generation(self) -> int:
+        """This process's membership generation (store-based buffers: 1 for a first process, +1 per
+        restart of the rank); 0 for a buffer on a process group."""
+        return self._member.generation if self._member is not None else 0
+
+    @property
+    def joining(self) -> bool:
+        """A restarted rank that has not been admitted yet (call join())."""
+        return self._member is not None and self._member.joining
+
+    @property
+    def rejected_records(self) -> List[Any]:
+        """Store records this buffer refused (pyep.ep.errors.RecordRejected, each naming its key; the
+        newest REJECT_LOG_SIZE): forged, malformed or stale. Empty for a buffer on a process group."""
+        rejects = getattr(self._control, "rejects", None)
+        return rejects.entries if rejects is not None else []

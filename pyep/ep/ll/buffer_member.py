@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, List, Optional
 
-from ..elastic.membership import REJOIN_CALL_TIMEOUT_US, REJOIN_GRACE_CALLS, MembershipError, Rejoin
+from ..elastic.membership import REJOIN_CALL_TIMEOUT_US, REJOIN_GRACE_CALLS, MemberView, MembershipError, Rejoin
 from .validate import check_active_ranks
 
 if TYPE_CHECKING:
     import torch
 
 
-class EpBufferMembership:
+class EpBufferMembership(MemberView):
     """Mixed into EpBuffer (which provides _member, _seq, _grace_seq, _epoch, _backend, _config,
     _check_alive, _init_fast, _realign_calls, ...)."""
 
@@ -79,24 +79,6 @@ class EpBufferMembership:
                                      f"themselves", sorted(left), member.timeout_s)
             if left:
                 time.sleep(0.002)
-
-    @property
-    def generation(self) -> int:
-        """This process's membership generation (store-based buffers: 1 for a first process, +1 per
-        restart of the rank); 0 for a buffer on a process group."""
-        return self._member.generation if self._member is not None else 0
-
-    @property
-    def rejected_records(self) -> List[Any]:
-        """Store records this buffer refused (pyep.ep.errors.RecordRejected, each naming its key; the
-        newest REJECT_LOG_SIZE): forged, malformed or stale. Empty for a buffer on a process group."""
-        rejects = getattr(self._control, "rejects", None)
-        return rejects.entries if rejects is not None else []
-
-    @property
-    def joining(self) -> bool:
-        """A restarted rank that has not been admitted yet (call join())."""
-        return self._member is not None and self._member.joining
 
     @property
     def next_call(self) -> int:

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, List, Optional
 
 from ..control import ControlTimeout
-from ..elastic.membership import Membership, MembershipError, Rejoin
+from ..elastic.membership import MemberView, Membership, MembershipError, Rejoin
 from .errors import ElasticUnsupported
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ def check_active_ranks(active_ranks: Any, num_ranks: int) -> None:
         raise ValueError("active_ranks must hold only 0 and 1")
 
 
-class NormalBufferMembership:
+class NormalBufferMembership(MemberView):
     """Mixed into NormalBuffer (which provides _backend, _member, _control, _rank, _num_ranks, _mask,
     _step, _check_alive)."""
 
@@ -103,27 +103,9 @@ class NormalBufferMembership:
 
     # ------------------------------------------------------------------ rejoin (store-based buffers)
     @property
-    def generation(self) -> int:
-        """This process's membership generation (store-based buffers: 1 for a first process, +1 per
-        restart of the rank); 0 for a buffer on a process group."""
-        return self._member.generation if self._member is not None else 0
-
-    @property
-    def joining(self) -> bool:
-        """A restarted rank that has not been admitted yet (call join())."""
-        return self._member is not None and self._member.joining
-
-    @property
     def next_call(self) -> int:
         """The step the next get_dispatch_layout begins (store-based buffers; the same on every member)."""
         return self._step + 1
-
-    @property
-    def rejected_records(self) -> List[Any]:
-        """Store records this buffer refused (pyep.ep.errors.RecordRejected, each naming its key):
-        forged, malformed or stale. Empty for a buffer on a process group."""
-        rejects = getattr(self._control, "rejects", None)
-        return rejects.entries if rejects is not None else []
 
     def poll_rejoin(self) -> List[Rejoin]:
         """Non-blocking: learn of restarted ranks and report each one's stage and the step it joins at."""
