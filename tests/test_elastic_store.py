@@ -138,7 +138,7 @@ def _drill_args(**kw: Any) -> dict:
 def test_store_bootstrap_reference_matches_definition() -> None:
     import torch
 
-    from pyep.ep.elastic.drill_rank import _check_dispatch, _expected_combine, _expert, _inputs
+    from pyep.ep.elastic.drill_rank import _check_dispatch, _expected_combine, _expert, inputs as _inputs
     from pyep.ep.ll import EpBuffer
     master = _master()
     a = _drill_args()

@@ -35,7 +35,7 @@ def _call(buf: Any, call: int, world: int = 2) -> List[int]:
     """One dispatch + combine checked against the reference definition; returns the mask after it."""
     import torch
 
-    from pyep.ep.elastic.drill_rank import _check_dispatch, _expected_combine, _expert, _inputs
+    from pyep.ep.elastic.drill_rank import _check_dispatch, _expected_combine, _expert, inputs as _inputs
     a = {"T": 8, "H": 128, "E": 6, "K": 3, "seed": 7}
     r = buf.rank
     active = torch.ones(world, dtype=torch.int32)

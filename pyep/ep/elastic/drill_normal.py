@@ -20,21 +20,9 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .drill_rank import RESULT_TAG, STAMP_TAG, _arm_reference_kill, _die
+from .drill_rank import RESULT_TAG, STAMP_TAG, _arm_reference_kill, _die, inputs
 
 PHASES = ("layout", "dispatch", "combine", "between")
-
-
-def inputs(seed: int, step: int, rank: int, n: int, h: int, e: int, k: int) -> Tuple[Any, Any, Any]:
-    """(x bf16 [n, h], topk_idx int64 [n, k] with distinct experts and some -1, weights fp32 [n, k])."""
-    import torch
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + rank)
-    cpu, f32 = torch.device("cpu"), torch.float32
-    x = (torch.randn(n, h, generator=g, dtype=f32, device=cpu) * 2).to(torch.bfloat16)
-    idx = torch.rand(n, e, generator=g, dtype=f32, device=cpu).argsort(dim=1)[:, :k].to(torch.int64).contiguous()
-    idx[torch.rand(n, k, generator=g, dtype=f32, device=cpu) < 0.15] = -1
-    w = torch.rand(n, k, generator=g, dtype=f32, device=cpu)
-    return x, idx, w
 
 
 def routed(idx: Any, rank: int, e_l: int) -> Any:

@@ -22,7 +22,9 @@ RESULT_TAG = "PYEP_DRILL_RESULT "
 STAMP_TAG = "PYEP_DRILL_STAMP "
 
 
-def _inputs(seed: int, call: int, rank: int, n: int, h: int, e: int, k: int) -> Tuple[Any, Any, Any]:
+def inputs(seed: int, call: int, rank: int, n: int, h: int, e: int, k: int) -> Tuple[Any, Any, Any]:
+    """(x bf16 [n, h], topk_idx int64 [n, k] with distinct experts and some -1, weights fp32 [n, k]) of
+    rank `rank` at call (LL) or step (normal mode) `call`: both drills' definitions rebuild them."""
     import torch
     # On the CPU generator's device, whatever default device or dtype the caller set: every rank must
     # rebuild the same inputs.
@@ -45,7 +47,7 @@ def _check_dispatch(a: Dict[str, Any], call: int, rank: int, world: int, active:
                     cnt: Any, handle: Any) -> None:
     import torch
     e_l = a["E"] // world
-    ins = [_inputs(a["seed"], call, r, a["T"], a["H"], a["E"], a["K"]) for r in range(world)]
+    ins = [inputs(a["seed"], call, r, a["T"], a["H"], a["E"], a["K"]) for r in range(world)]
     cnt, src, recv = cnt.cpu(), handle.src_info.cpu(), recv.cpu()
     for le in range(e_l):
         ge = rank * e_l + le
@@ -71,7 +73,7 @@ def _check_dispatch(a: Dict[str, Any], call: int, rank: int, world: int, active:
 def _expected_combine(a: Dict[str, Any], call: int, rank: int, world: int, active: Sequence[bool]) -> Any:
     import torch
     e_l = a["E"] // world
-    x, idx, w = _inputs(a["seed"], call, rank, a["T"], a["H"], a["E"], a["K"])
+    x, idx, w = inputs(a["seed"], call, rank, a["T"], a["H"], a["E"], a["K"])
     acc = torch.zeros(x.shape[0], a["H"], dtype=torch.float32, device="cpu")
     owner_on = torch.tensor([bool(active[int(v) // e_l]) if v >= 0 else False for v in idx.reshape(-1).tolist()],
                             dtype=torch.bool, device="cpu").view(idx.shape)
@@ -130,7 +132,7 @@ def _warm_up(a: Dict[str, Any], rank: int, world: int, dev: Any) -> None:
     late for the job's first call over the softnic (marked in call 1 even with the start's 2 s wait)."""
     import torch
     e_l = a["E"] // world
-    x, idx, w = (t.to(dev) for t in _inputs(a["seed"], 0, rank, a["T"], a["H"], a["E"], a["K"]))
+    x, idx, w = (t.to(dev) for t in inputs(a["seed"], 0, rank, a["T"], a["H"], a["E"], a["K"]))
     recv = torch.zeros((e_l, world * a["T"], a["H"]), dtype=torch.bfloat16, device=dev)
     y = _expert(recv, rank * e_l)
     for t in (x, idx, w, y):
@@ -294,7 +296,7 @@ def run(a: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[st
             _die()
         t_us = _call_timeout_us(a, call, admit_call or res.get("joined_at"))
         t_admit = time.monotonic()
-        x, idx, w = (t.to(dev) for t in _inputs(a["seed"], call, rank, a["T"], a["H"], a["E"], a["K"]))
+        x, idx, w = (t.to(dev) for t in inputs(a["seed"], call, rank, a["T"], a["H"], a["E"], a["K"]))
         before = active.tolist()
         t_inputs = time.monotonic()
         sync()
