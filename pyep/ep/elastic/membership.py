@@ -25,7 +25,7 @@ import logging
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional
 
 from ..control import ControlTimeout, StoreControl
 from ..errors import BadAnnouncement, MembershipError, RecordRejected, StaleAnnouncement
@@ -391,3 +391,19 @@ class MemberView:
         newest REJECT_LOG_SIZE): forged, malformed or stale. Empty for a buffer on a process group."""
         rejects = getattr(self._control, "rejects", None)
         return rejects.entries if rejects is not None else []
+
+    def _wait_admitted(self, expect: List[int], admit_once: Callable[[], Iterable[int]], rank: int) -> None:
+        """update_ep_member's bounded wait: admit_once() (which admits whoever is due and returns them)
+        until every rank of `expect` is admitted; ControlTimeout naming the others after the
+        membership's timeout."""
+        member = self._member
+        assert member is not None
+        deadline = time.monotonic() + member.timeout_s
+        left = set(expect)
+        while left:
+            left.difference_update(admit_once())
+            if left and time.monotonic() > deadline:
+                raise ControlTimeout(f"rank {rank} update_ep_member: waiting for restarted ranks to announce "
+                                     f"themselves", sorted(left), member.timeout_s)
+            if left:
+                time.sleep(0.002)

@@ -62,23 +62,18 @@ class EpBufferMembership(MemberView):
         self._epoch += 1
 
     def _admit_blocking(self, expect: List[int], active_ranks: Optional["torch.Tensor"]) -> None:
-        import time
         member = self._member
         assert member is not None
-        deadline = time.monotonic() + member.timeout_s
-        left = set(expect)
-        while left:
+
+        def admit_once() -> List[int]:
             member.poll(self._seq + 1, lead_calls=0)
+            done = []
             for r in member.due(self._seq + 1):
                 member.activate(r, self._seq + 1, active_ranks)
                 self._admitted()
-                left.discard(r)
-            if left and time.monotonic() > deadline:
-                from ..control import ControlTimeout
-                raise ControlTimeout(f"rank {self._rank} update_ep_member: waiting for restarted ranks to announce "
-                                     f"themselves", sorted(left), member.timeout_s)
-            if left:
-                time.sleep(0.002)
+                done.append(r)
+            return done
+        self._wait_admitted(expect, admit_once, self._rank)
 
     @property
     def next_call(self) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import struct
-import time
 from typing import TYPE_CHECKING, Any, List, Optional
 
 from ..control import ControlTimeout
@@ -90,16 +89,7 @@ class NormalBufferMembership(MemberView):
         expect = [r for r, v in enumerate(self._mask.tolist()) if not v]
         if active_ranks is not None:
             expect = [r for r in expect if active_ranks[r]]
-        deadline = time.monotonic() + member.timeout_s
-        left = set(expect)
-        while left:
-            for r in self._admit_step(self._step + 1, lead_calls=0):
-                left.discard(r)
-            if left and time.monotonic() > deadline:
-                raise ControlTimeout(f"rank {self._rank} update_ep_member: waiting for restarted ranks to announce "
-                                     f"themselves", sorted(left), member.timeout_s)
-            if left:
-                time.sleep(0.002)
+        self._wait_admitted(expect, lambda: self._admit_step(self._step + 1, lead_calls=0), self._rank)
 
     # ------------------------------------------------------------------ rejoin (store-based buffers)
     @property
