@@ -301,9 +301,10 @@ def test_cli_drill_mode_normal_arguments(monkeypatch: pytest.MonkeyPatch, capsys
     assert rc == 2 and "layout, dispatch, combine, between (--mode normal)" in err, err
 
 
-def test_native_check_runs_at_every_call_once_a_mask_was_given() -> None:
-    """A mask the caller holds can be changed in place between calls: with one given, every call checks
-    it again (a native buffer must not ignore a rank the caller left out after construction)."""
+def test_native_refuses_a_caller_held_mask_and_checks_update_ep_member() -> None:
+    """A native buffer takes no mask it would have to re-read at every call (a host sync): active_ranks=
+    is refused at construction; update_ep_member copies the mask into the buffer's own tensor and
+    refuses one that leaves a rank out. Calls themselves read no mask."""
     from pyep.ep.normal.errors import ElasticUnsupported
     buf = NormalBuffer.__new__(NormalBuffer)
 
@@ -312,12 +313,12 @@ def test_native_check_runs_at_every_call_once_a_mask_was_given() -> None:
 
         def pending_error(self) -> None:
             return None
-    mask = torch.ones(2, dtype=torch.int32)
-    buf._backend, buf._mask, buf._mask_given, buf._destroyed, buf._member = Native(), mask, True, False, None
+    buf._backend, buf._mask, buf._destroyed, buf._member = Native(), torch.ones(2, dtype=torch.int32), False, None
+    buf._num_ranks = 2
     assert buf._begin("dispatch") is None
-    mask[1] = 0                         # the caller's tensor, changed in place
+    buf.update_ep_member(torch.ones(2, dtype=torch.int32))
     with pytest.raises(ElasticUnsupported, match=r"ranks \[1\]"):
-        buf._begin("dispatch")
+        buf.update_ep_member(torch.tensor([1, 0], dtype=torch.int32))
 
 
 def test_newcomer_that_dies_before_confirming_does_not_stop_the_survivor() -> None:

@@ -146,9 +146,6 @@ class NormalBuffer(NormalBufferMembership):
             raise ValueError(f"active_ranks is on {active_ranks.device}, the buffer on {mask_device}")
         self._mask: "torch.Tensor" = (active_ranks if active_ranks is not None
                                       else torch.ones(self._num_ranks, dtype=torch.int32, device=mask_device))
-        # Only a mask the caller holds can leave a rank out without this buffer knowing (update_ep_member
-        # checks its own): the per-call check (a host read of the mask) is skipped otherwise.
-        self._mask_given = active_ranks is not None
         self._step = 0
         self._member: Optional[Membership] = None
         self._hidden = hidden
@@ -169,7 +166,11 @@ class NormalBuffer(NormalBufferMembership):
                 num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport=transport, timeout_us=timeout_us,
                 num_sms=sms, nodes=self._nodes, num_rdma_bytes=num_rdma_bytes, mask=self._mask))
         self._device: "torch.device" = self._backend.device
-        self._check_mask_supported()
+        if active_ranks is not None and self._backend.name != "reference":
+            # A mask the caller holds can change in place between calls; the native kernels take none,
+            # and checking it at every call would read it on the host (a sync per dispatch/combine).
+            self._backend.destroy()
+            raise ElasticUnsupported("active_ranks= (a mask the caller holds)", self._backend.name)
         self._destroyed = False
         log.debug("NormalBuffer rank %d/%d: backend %s, hidden %d, device %s", self._rank, self._num_ranks,
                   self._backend.name, hidden, self._device)
@@ -297,8 +298,6 @@ class NormalBuffer(NormalBufferMembership):
         """The error the device recorded for an earlier call (taken; raised by this call once it has
         been made, see _launch), or a raise: destroyed, or broken (a broken buffer exchanges nothing)."""
         self._check_alive(what)
-        if self._mask_given:
-            self._check_mask_supported()
         return self._backend.pending_error()
 
     @contextlib.contextmanager

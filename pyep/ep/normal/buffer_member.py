@@ -50,7 +50,6 @@ class NormalBufferMembership(MemberView):
     _rank: int
     _num_ranks: int
     _mask: "torch.Tensor"
-    _mask_given: bool
     _step: int
 
     # ------------------------------------------------------------------ the mask
@@ -62,7 +61,8 @@ class NormalBufferMembership(MemberView):
         return self._mask.clone()
 
     def _check_mask_supported(self) -> None:
-        """The native backends take no mask: one that leaves a rank out is an error there, never ignored."""
+        """The native backends take no mask: one that leaves a rank out (update_ep_member sets the
+        buffer's own copy) is an error there, never ignored."""
         if self._backend.name != "reference" and bool((self._mask == 0).any()):
             out = [r for r, v in enumerate(self._mask.tolist()) if not v]
             raise ElasticUnsupported(f"an active_ranks mask that leaves ranks {out} out", self._backend.name)
@@ -80,7 +80,6 @@ class NormalBufferMembership(MemberView):
         if member is None:
             want = active_ranks if active_ranks is not None else torch.ones_like(self._mask)
             self._mask.copy_(want.to(self._mask.device))
-            self._mask_given = self._mask_given or active_ranks is not None
             self._check_mask_supported()
             return
         if member.joining:
