@@ -39,7 +39,7 @@ def _fake_backend(drains: bool) -> Any:
 
     def launch(*_a: Any, **_k: Any) -> None:
         raise Launched()
-    b.node = SimpleNamespace(settle_ring_depth=launch)
+    b.node = SimpleNamespace(settle_ring_geometry=launch)
     return b
 
 
@@ -88,7 +88,7 @@ def test_intranode_dispatch_without_worst_tokens_is_refused(monkeypatch: pytest.
 
     def launch(*_a: Any, **_k: Any) -> None:
         raise Launched()
-    b._settle_ring_depth = launch
+    b._settle_ring_geometry = launch
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(ni.NotCapturable, match="a normal dispatch without num_worst_tokens"):
         b.dispatch(_dispatch_call(nwt=0))                     # not Launched: nothing ran, no call number moved
@@ -123,7 +123,7 @@ def test_eager_calls_warm_their_kind_only(capturing: List[bool], monkeypatch: py
     """An eager call that completes marks its kind; a capture of that kind proceeds to the launches,
     one of another kind (FP8 instead of BF16, combine without weights) is still refused."""
     b = _fake_backend(drains=True)
-    b.node = SimpleNamespace(settle_ring_depth=lambda *a: None)
+    b.node = SimpleNamespace(settle_ring_geometry=lambda *a: None)
     monkeypatch.setattr(b, "_dispatch", lambda call: "dispatched", raising=False)
     monkeypatch.setattr(b, "_cached_dispatch", lambda call: "cached", raising=False)
     monkeypatch.setattr(b, "_combine", lambda call, st: "combined", raising=False)

@@ -50,9 +50,10 @@ struct NormalStatic {
     uint64_t peer_base = 0;       // device uint64[R]: peer r's buffer as mapped here (own buffer for r = rank)
     uint64_t ring_off = 0;        // bytes: start of the rings (layout.py ring_offset)
     uint64_t ring_capacity = 0;   // bytes available for rings
-    // Bytes between ring slots, the same for every call and row kind (layout.py slot_bytes(hidden)): a
-    // ring's place then depends on (channel, source, ring depth) only, so the rings of two streams
-    // never overlap even when one call sends FP8 rows and the next BF16 or combine rows.
+    // Bytes between ring slots: layout.py slot_bytes(H) of the call's hidden H, the same for every row
+    // kind, so the rings of two streams never overlap when one call sends FP8 rows and the next BF16 or
+    // combine rows. The host changes it (with the ring depth) only after every rank is idle
+    // (native.py _settle_ring_geometry); the launches check that a row fits.
     uint64_t slot_bytes = 0;
     // Word (int32) offsets of the control arrays (layout.py control_words).
     uint32_t off_tail = 0, off_head = 0, off_tx = 0, off_rx = 0, off_flag = 0, off_notify = 0;

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from .._dist import group_device
 from .._dist import barrier_bounded as barrier
@@ -107,11 +107,12 @@ class NormalNativeBackend:
         self._peers: Any = None
         self._broken = False
         self._destroyed = False
-        self._ring_tokens: Optional[int] = None   # ring depth of the last launched call
+        self._geometry: Optional[Tuple[int, int]] = None   # (ring depth, slot stride) of the last launched call
         # PYEP_NORMAL_TMA=0: the dispatch receiver copies rows with warp loads/stores instead of the bulk
         # copy engine (an A/B switch for measurements; both give the same bytes).
         import os
         self._use_tma = os.environ.get("PYEP_NORMAL_TMA", "1") != "0"
+        self._slot_per_row = os.environ.get("PYEP_NORMAL_SLOT", "hidden") == "row"
         # Pinned host words the kernels write and the host reads without synchronising.
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host = torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cpu",
@@ -302,23 +303,39 @@ class NormalNativeBackend:
                 raise exc if exc is not None else BufferBroken(f"{what}: the call is void and no record says why")
         return int(self._host_np[1])
 
-    def _settle_ring_depth(self, ring_tokens: int, what: str) -> None:
-        """A ring's place in the buffer depends on the ring depth (layout.py): a call with another depth
-        than the last one lays its rings over streams that a slower peer may still be reading from the
-        earlier call. Such a call first lets every rank finish its earlier calls (device synchronise,
-        then the call's gate); calls of one depth never wait here."""
+    def _settle_ring_geometry(self, ring_tokens: int, hidden: int, what: str,
+                              row: Optional[Tuple[bool, int, bool]] = None) -> None:
+        """A ring's place in the buffer depends on its depth and on the slot stride (layout.py). The
+        stride is that of the call's hidden size (slot_bytes(hidden): the largest row of any call of that
+        hidden, so FP8 dispatch, BF16 dispatch and combine rows of one model share one layout), not of the
+        largest hidden the buffer could hold: a buffer sized by bytes (the DeepEP shim's num_nvl_bytes)
+        would otherwise spread every row over slots two or more times its size, and the rings of all
+        ranks over that much more memory. A call with another geometry than the last one lays its rings
+        over streams that a slower peer may still be reading from the earlier call: it first lets every
+        rank finish its earlier calls (device synchronise, then the call's gate); calls of one geometry
+        never wait here. PYEP_NORMAL_SLOT=row (a measuring switch) makes the stride that of the call's row
+        kind instead, `row` = (fp8, top-k, combine)."""
         import torch
-        if self._ring_tokens is None or self._ring_tokens == ring_tokens:
-            self._ring_tokens = ring_tokens
+        slot = layout.slot_bytes(hidden)
+        if self._slot_per_row and row is not None:
+            fp8, k, combine = row
+            b = int(self._n.combine_row_bytes(hidden, k) if combine else self._n.dispatch_row_bytes(hidden, int(fp8), k))
+            slot = -(-b // layout.RING_ALIGN) * layout.RING_ALIGN
+        geometry = (ring_tokens, slot)
+        if self._geometry is None or self._geometry == geometry:
+            self._geometry = geometry
+            self._static.slot_bytes = slot
             return
         if torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"{what}: num_max_nvl_chunked_recv_tokens changes from {self._ring_tokens} to "
-                             f"{ring_tokens} inside a CUDA graph capture; a new ring depth needs every rank idle "
-                             f"first: make one eager call with the new config before capturing")
+            raise ValueError(f"{what}: the ring geometry changes from {self._geometry[0]} rows of {self._geometry[1]} "
+                             f"bytes to {ring_tokens} rows of {slot} bytes (num_max_nvl_chunked_recv_tokens or the "
+                             f"hidden size changed) inside a CUDA graph capture; a new geometry needs every rank "
+                             f"idle first: make one eager call with the new config and shape before capturing")
         # The call's gate is the barrier: no rank passes it before every rank posted its flag, which a
-        # rank does after this synchronisation (the ring depth is in the tag: the ranks change it alike).
+        # rank does after this synchronisation (ring depth and hidden are in the tag: the ranks change alike).
         torch.cuda.synchronize(self.device)
-        self._ring_tokens = ring_tokens
+        self._geometry = geometry
+        self._static.slot_bytes = slot
 
     def dispatch(self, call: DispatchCall) -> DispatchResult:
         import torch
@@ -328,10 +345,11 @@ class NormalNativeBackend:
             raise NotCapturable(capture_refusal("a normal dispatch", host_wait=True, drains=False, warmed=True))
         dev, r_n = self.device, self.num_ranks
         cfg = call.config
-        self._settle_ring_depth(cfg.num_max_nvl_chunked_recv_tokens, "normal dispatch")
         c_n = cfg.num_channels()
         n, h = call.x.shape
         fp8 = call.x_scales is not None
+        k_rows = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
+        self._settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, h, "normal dispatch", (fp8, k_rows, False))
         stream = raw_current_stream(dev)
         handle = call.handle
         k = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
@@ -388,9 +406,9 @@ class NormalNativeBackend:
         import torch
         hd = call.handle
         cfg = call.config
-        self._settle_ring_depth(cfg.num_max_nvl_chunked_recv_tokens, "normal combine")
         n, h = hd.num_tokens, int(call.x.shape[1])
         k = int(call.topk_weights.shape[1]) if call.topk_weights is not None else 0
+        self._settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, h, "normal combine", (False, k, True))
         self.gate(tags.KIND_COMBINE, [h, hd.num_channels, cfg.num_max_nvl_chunked_recv_tokens, k], handle_tag=hd.tag)
         out = torch.empty((n, h), dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty((n, k), dtype=torch.float32, device=self.device) if k else None
@@ -420,8 +438,8 @@ class NormalNativeBackend:
         """The pinned tag record (device_records.py): the relay's gate records its voids there too."""
         return int(self._tag_record.data_ptr())
 
-    def settle_ring_depth(self, ring_tokens: int, what: str) -> None:
-        self._settle_ring_depth(ring_tokens, what)
+    def settle_ring_geometry(self, ring_tokens: int, hidden: int, what: str) -> None:
+        self._settle_ring_geometry(ring_tokens, hidden, what)
 
     def launch_dispatch(self, x: "torch.Tensor", scales: Any, topk: Any, weights: Any, in_rank: "torch.Tensor",
                         rpm: "torch.Tensor", cpm: "torch.Tensor", rcp: "torch.Tensor", n: int, h: int, k: int,

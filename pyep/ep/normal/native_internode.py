@@ -257,7 +257,8 @@ class NormalInternodeBackend:
                  call.num_worst_tokens > 0))
         eager = self._capture_gate(kind, "a cached internode dispatch" if cached else "an internode dispatch",
                                    host_wait=not cached and call.num_worst_tokens == 0)
-        self.node.settle_ring_depth(call.config.num_max_nvl_chunked_recv_tokens, "normal internode dispatch")
+        self.node.settle_ring_geometry(call.config.num_max_nvl_chunked_recv_tokens, int(call.x.shape[1]),
+                                       "normal internode dispatch")
         try:
             res = self._cached_dispatch(call) if cached else self._dispatch(call)
         except (PeerTimeout, RelayError, NormalCallMismatch):   # raised by a host wait of this call
@@ -417,7 +418,7 @@ class NormalInternodeBackend:
         st: order.StagedState = hd.internode
         kind = ("combine", call.topk_weights is not None, call.bias[0] is not None, call.bias[1] is not None)
         eager = self._capture_gate(kind, "an internode combine", host_wait=False)
-        self.node.settle_ring_depth(cfg.num_max_nvl_chunked_recv_tokens, "normal internode combine")
+        self.node.settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, int(call.x.shape[1]), "normal internode combine")
         res = self._combine(call, st)
         if eager:
             self._warmed.add(kind)

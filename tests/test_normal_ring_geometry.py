@@ -1,0 +1,82 @@
+"""CPU tests of the native normal buffer's ring geometry (docs/normal_mode.md, "Rings move only with Q
+and H"): the slot stride follows the call's hidden size, not the largest hidden the buffer could hold
+(the DeepEP shim sizes its buffer by bytes: 2e9 bytes gave 33 KB slots to 7168-wide rows, the 4-rank
+FP8 fall of issue 23); a call with another ring depth or hidden than the last one synchronises the device
+first, calls of one geometry never do; a change inside a CUDA graph capture is refused and changes
+nothing. The kernels' side runs on the GPU (tests/test_normal_gpu.py, DeepEP's test_intranode.py)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, List
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pyep.ep.normal import layout  # noqa: E402
+from pyep.ep.normal import native as intranode  # noqa: E402
+
+
+def _backend(monkeypatch: Any, buffer_hidden: int = 16384, per_row: bool = False) -> Any:
+    b = intranode.NormalNativeBackend.__new__(intranode.NormalNativeBackend)
+    b.device = torch.device("cpu")
+    b.hidden = buffer_hidden
+    b._geometry = None
+    b._slot_per_row = per_row
+    b._static = SimpleNamespace(slot_bytes=layout.slot_bytes(buffer_hidden))
+    # The kernels' row sizes (normal_common.cuh DispatchRow / CombineRow) as the binding reports them.
+    b._n = SimpleNamespace(dispatch_row_bytes=lambda h, fp8, k: (h if fp8 else 2 * h) + (h // 128 * 4 if fp8 else 0) + 8 * k + 4,
+                           combine_row_bytes=lambda h, k: 2 * h + 4 * k)
+    b.syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: b.syncs.append(device))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return b
+
+
+def test_stride_follows_the_calls_hidden_not_the_buffers(monkeypatch: Any) -> None:
+    b = _backend(monkeypatch, buffer_hidden=16384)
+    b._settle_ring_geometry(256, 7168, "normal dispatch", (True, 0, False))
+    assert b._static.slot_bytes == layout.slot_bytes(7168) == 14592
+    assert b._static.slot_bytes < layout.slot_bytes(16384)
+    assert b.syncs == []                                   # the first call has nothing to wait for
+
+
+def test_one_geometry_never_synchronises(monkeypatch: Any) -> None:
+    b = _backend(monkeypatch)
+    for row in [(True, 8, False), (False, 8, False), (False, 8, True), (True, 0, False), (False, 0, True)] * 3:
+        b._settle_ring_geometry(256, 7168, "call", row)   # FP8 / BF16 dispatch and combine rows: one stride
+    assert b.syncs == []
+    assert b._geometry == (256, layout.slot_bytes(7168))
+
+
+@pytest.mark.parametrize("change", ["hidden", "ring"])
+def test_a_new_geometry_synchronises_once(monkeypatch: Any, change: str) -> None:
+    b = _backend(monkeypatch)
+    b._settle_ring_geometry(256, 7168, "call")
+    ring, hidden = (256, 4096) if change == "hidden" else (512, 7168)
+    b._settle_ring_geometry(ring, hidden, "call")
+    b._settle_ring_geometry(ring, hidden, "call")
+    assert b.syncs == [b.device]
+    assert b._static.slot_bytes == layout.slot_bytes(hidden)
+    assert b._geometry == (ring, layout.slot_bytes(hidden))
+
+
+def test_a_new_geometry_inside_a_capture_is_refused_and_changes_nothing(monkeypatch: Any) -> None:
+    b = _backend(monkeypatch)
+    b._settle_ring_geometry(256, 7168, "call")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="ring geometry changes from 256 rows of 14592 bytes to 256 rows of"):
+        b._settle_ring_geometry(256, 2048, "normal dispatch")
+    assert b._geometry == (256, 14592) and b._static.slot_bytes == 14592 and b.syncs == []
+    b._settle_ring_geometry(256, 7168, "call")             # the same geometry is fine inside a capture
+
+
+def test_per_row_stride_switch(monkeypatch: Any) -> None:
+    b = _backend(monkeypatch, per_row=True)
+    b._settle_ring_geometry(256, 7168, "dispatch", (True, 0, False))
+    fp8_row = 7168 + 56 * 4 + 4
+    assert b._static.slot_bytes == -(-fp8_row // 128) * 128 == 7424
+    b._settle_ring_geometry(256, 7168, "combine", (False, 0, True))
+    assert b.syncs == [b.device]                           # a row-kind change moves the rings: it waits
+    seen: List[int] = [b._static.slot_bytes]
+    assert seen == [-(-(2 * 7168) // 128) * 128]
