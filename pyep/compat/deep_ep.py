@@ -21,9 +21,10 @@ and what differs.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ..ep.config import DEFAULT_TIMEOUT_US
+from ..ep._dist import group_device
 from ..ep.ll.layout import size_hint as _size_hint
 from ..ep.ll.handle import Handle
 from ..ep.normal.buffer import NormalBuffer
@@ -227,9 +228,22 @@ class Buffer:
                 nvl: Optional[int] = self.num_nvl_bytes
             else:
                 hidden, nvl = 7168, None   # sized by pyep for DeepSeek's hidden
-            self._normal = NormalBuffer(self.group, nvl, hidden=hidden, **self._normal_kwargs)
+            kwargs: Dict[str, Any] = dict(self._normal_kwargs)
+            if self._mask is not None and self._normal_takes_mask():
+                # One mask per Buffer: the low-latency kernels' marks and the caller's
+                # low_latency_update_mask_buffer reach the normal mode's calls too (docs/elastic.md).
+                kwargs["active_ranks"] = self._mask.bind(group_device(self.group))
+            self._normal = NormalBuffer(self.group, nvl, hidden=hidden, **kwargs)
             log.debug("normal-mode buffer: %s", self._normal.describe())
         return self._normal
+
+    def _normal_takes_mask(self) -> bool:
+        """Whether this Buffer's normal mode runs on the reference backend, the one whose calls take the
+        shrink mask: asked for by name, or "auto" on a group whose tensors live on the CPU (no GPU: the
+        native kernels cannot run). The native normal kernels take no mask yet; a normal buffer of them is
+        built without it, and masking a rank says so (low_latency_update_mask_buffer)."""
+        backend = self._normal_kwargs.get("backend", "auto")
+        return backend == "reference" or (backend == "auto" and group_device(self.group).type == "cpu")
 
     def normal_buffer(self) -> NormalBuffer:
         """pyep extension: the underlying NormalBuffer (describe(), backend_name, ...); creates it if
@@ -354,6 +368,11 @@ class Buffer:
         Local to this rank and stream-ordered, as DeepEP's. A rank that really restarted also needs
         update_ep_member() (collective) to rebuild its connections."""
         self._shrink("low_latency_update_mask_buffer").update(rank_to_mask, bool(mask))
+        if mask and self._normal is not None and self._normal.backend_name != "reference":
+            log.warning("rank %d masked: the low-latency calls leave it out, but this Buffer's normal mode runs "
+                        "the %s kernels, which take no mask yet -- its calls still include rank %d (and raise "
+                        "PeerTimeout if it is dead); the reference backend (backend='reference') takes the mask",
+                        rank_to_mask, self._normal.backend_name, rank_to_mask)
 
     def low_latency_query_mask_buffer(self, mask_status: "torch.Tensor") -> None:
         """Writes int32 [num_ranks] into mask_status: 1 = masked (by the caller or by a timeout)."""
