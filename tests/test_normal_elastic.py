@@ -8,7 +8,9 @@ docs/elastic.md, "Normal mode"):
   the definition (pyep.ep.elastic.drill_normal) for the survivors, and re-admits a restarted process of
   that rank, after which every rank computes the full definition again;
 - forged or malformed store records (another job's secret, no MAC) never change membership;
-- the native backends refuse a mask that leaves a rank out (ElasticUnsupported), never ignore it.
+- a native backend that takes no mask (the internode kernels) refuses one that leaves a rank out
+  (ElasticUnsupported), never ignores it; the native intranode kernels take one (set_mask, read on the
+  GPU; tests/test_normal_elastic_gpu.py runs them) and refuse taking a rank back (no rejoin yet).
 """
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ def test_mask_gives_what_a_run_without_the_rank_gives(pool3: DistPool, masked: i
         assert want_drop[masked] > 0
 
 
-def test_native_backend_refuses_a_mask_that_leaves_a_rank_out() -> None:
+def test_maskless_native_backend_refuses_a_mask_that_leaves_a_rank_out() -> None:
     from pyep.ep.normal.errors import ElasticUnsupported
     buf = NormalBuffer.__new__(NormalBuffer)
 
@@ -301,10 +303,9 @@ def test_cli_drill_mode_normal_arguments(monkeypatch: pytest.MonkeyPatch, capsys
     assert rc == 2 and "layout, dispatch, combine, between (--mode normal)" in err, err
 
 
-def test_native_refuses_a_caller_held_mask_and_checks_update_ep_member() -> None:
-    """A native buffer takes no mask it would have to re-read at every call (a host sync): active_ranks=
-    is refused at construction; update_ep_member copies the mask into the buffer's own tensor and
-    refuses one that leaves a rank out. Calls themselves read no mask."""
+def test_maskless_native_refuses_a_caller_held_mask_and_checks_update_ep_member() -> None:
+    """A native backend without takes_mask (the internode kernels): update_ep_member copies the mask
+    into the buffer's own tensor and refuses one that leaves a rank out. Calls themselves read no mask."""
     from pyep.ep.normal.errors import ElasticUnsupported
     buf = NormalBuffer.__new__(NormalBuffer)
 
@@ -446,3 +447,68 @@ def test_store_buffer_refusal_and_clean() -> None:
     assert _threads([lambda b=b: _steps(b, 2, 2) for b in bufs]) == [[[1, 1]] * 2] * 2
     for b in bufs:
         b.destroy()
+
+
+class _MaskNative:
+    """A native intranode backend's mask side, without a GPU (the "device" is the CPU here)."""
+    name = "native"
+    takes_mask = True
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self._mask = None
+        self.sets: List[Any] = []
+
+    def set_mask(self, mask: Any) -> None:
+        self._mask = mask
+        self.sets.append(mask)
+
+    def pending_error(self) -> None:
+        return None
+
+
+def _mask_buffer() -> Any:
+    buf = NormalBuffer.__new__(NormalBuffer)
+    buf._backend, buf._mask, buf._destroyed, buf._member = _MaskNative(), torch.ones(3, dtype=torch.int32), False, None
+    buf._num_ranks = 3
+    return buf
+
+
+def test_native_mask_first_update_attaches_it_and_takes_no_rank_back() -> None:
+    """update_ep_member on a native intranode buffer: all active and no mask yet changes nothing; the first
+    mask that leaves a rank out becomes the kernels' (set_mask) and the buffer's; a later one may leave
+    more out (copied in place, the kernels keep reading the same tensor) but not take a rank back: that
+    is refused before anything changes."""
+    from pyep.ep.normal.errors import ElasticUnsupported
+    buf = _mask_buffer()
+    buf.update_ep_member(None)
+    assert buf._backend.sets == []
+    buf.update_ep_member(torch.tensor([1, 0, 1], dtype=torch.int32))
+    assert len(buf._backend.sets) == 1 and buf._mask is buf._backend.sets[0]
+    assert buf.get_active_ranks().tolist() == [1, 0, 1]
+    held = buf._mask
+    buf.update_ep_member(torch.tensor([1, 0, 0], dtype=torch.int32))
+    assert buf._mask is held and held.tolist() == [1, 0, 0] and len(buf._backend.sets) == 1
+    with pytest.raises(ElasticUnsupported, match=r"taking ranks \[1, 2\] back"):
+        buf.update_ep_member(None)
+    assert held.tolist() == [1, 0, 0]
+
+
+def test_native_mask_at_construction() -> None:
+    """active_ranks= goes to a native intranode backend as is (its kernels read the caller's tensor); a
+    native backend without takes_mask refuses it; no mask leaves a native buffer without one (a silent
+    peer then voids the call with PeerTimeout, as before)."""
+    from pyep.ep.normal.errors import ElasticUnsupported
+    buf = _mask_buffer()
+    buf._attach_native_mask(None)
+    assert buf._backend.sets == []
+    mine = torch.tensor([1, 1, 0], dtype=torch.int32)
+    buf._attach_native_mask(mine)
+    assert buf._backend.sets == [mine] and buf._mask is mine
+
+    class Internode:
+        name = "native-internode"
+    buf._backend = Internode()
+    buf._attach_native_mask(None)
+    with pytest.raises(ElasticUnsupported, match="active_ranks="):
+        buf._attach_native_mask(mine)

@@ -41,7 +41,8 @@ void register_normal(py::module_& m) {
         .def_readwrite("timeout_ns", &NormalStatic::timeout_ns)
         .def_readwrite("tag_record", &NormalStatic::tag_record)
         .def_readwrite("global_base", &NormalStatic::global_base)
-        .def_readwrite("layout_scratch", &NormalStatic::layout_scratch);
+        .def_readwrite("layout_scratch", &NormalStatic::layout_scratch)
+        .def_readwrite("active", &NormalStatic::active);
     n.attr("MAX_CHANNELS") = kMaxChannels;
     n.attr("MAX_RANKS") = kMaxRanks;
     n.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
@@ -54,8 +55,9 @@ void register_normal(py::module_& m) {
     n.def(
         "layout",
         [](const NormalStatic& s, uint64_t topk, int num_tokens, int num_topk, int num_experts, uint64_t per_rank,
-           uint64_t per_expert, uint64_t in_rank, uint64_t stream) {
+           uint64_t per_expert, uint64_t in_rank, uint64_t stream, uint64_t dropped) {
             LayoutArgs a;
+            a.dropped = dropped;
             a.topk = topk;
             a.num_tokens = num_tokens;
             a.num_topk = num_topk;
@@ -65,7 +67,9 @@ void register_normal(py::module_& m) {
             a.is_token_in_rank = in_rank;
             launch_layout(s, a, stream);
         },
-        "get_dispatch_layout's kernel");
+        py::arg("static"), py::arg("topk"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"),
+        py::arg("per_rank"), py::arg("per_expert"), py::arg("in_rank"), py::arg("stream"), py::arg("dropped") = 0,
+        "get_dispatch_layout's kernel (dropped: device int32 [R] or 0, tokens routed to inactive ranks)");
 
     // The notify kernel's arguments (routing, counts and the call tag; gate_only: the tag alone).
     py::class_<NotifyArgs>(n, "NotifyArgs")
@@ -94,6 +98,7 @@ void register_normal(py::module_& m) {
         .def_readwrite("tag_out", &NotifyArgs::tag_out)
         .def_readwrite("upstream", &NotifyArgs::upstream)
         .def_readwrite("check_layout", &NotifyArgs::check_layout)
+        .def_readwrite("dropped", &NotifyArgs::dropped)
         .def_property(
             "sig", [](const NotifyArgs& a) { return std::vector<int>(a.sig, a.sig + kTagSigHandle); },
             [](NotifyArgs& a, const std::vector<int>& v) {
@@ -122,8 +127,11 @@ void register_normal(py::module_& m) {
            int num_tokens, int hidden, int num_topk, int num_local_experts, bool fp8, int num_channels,
            int ring_tokens, int chunk_tokens, int num_out_rows, int num_worst_tokens, bool use_tma, uint64_t recv_x,
            uint64_t recv_x_scales, uint64_t recv_topk_idx, uint64_t recv_topk_weights, uint64_t recv_src_idx,
-           uint64_t src_idx, uint64_t row_map, uint64_t stream, uint64_t x_row_bytes) {
+           uint64_t src_idx, uint64_t row_map, uint64_t stream, uint64_t x_row_bytes, uint64_t dropped,
+           uint64_t send_head) {
             DispatchArgs a;
+            a.dropped = dropped;
+            a.send_head = send_head;
             a.x = x;
             a.x_scales = x_scales;
             a.topk_idx = topk_idx;
@@ -153,15 +161,25 @@ void register_normal(py::module_& m) {
             a.x_row_bytes = x_row_bytes;
             launch_dispatch(s, a, stream);
         },
-        "Launch the dispatch kernel (x_row_bytes: payload stride, 0 = dense)");
+        py::arg("static"), py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"), py::arg("topk_weights"),
+        py::arg("in_rank"), py::arg("rank_prefix"), py::arg("channel_prefix"), py::arg("recv_channel_prefix"),
+        py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("num_local_experts"), py::arg("fp8"),
+        py::arg("num_channels"), py::arg("ring_tokens"), py::arg("chunk_tokens"), py::arg("num_out_rows"),
+        py::arg("num_worst_tokens"), py::arg("use_tma"), py::arg("recv_x"), py::arg("recv_x_scales"),
+        py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("src_idx"),
+        py::arg("row_map"), py::arg("stream"), py::arg("x_row_bytes") = 0, py::arg("dropped") = 0,
+        py::arg("send_head") = 0,
+        "Launch the dispatch kernel (x_row_bytes: payload stride, 0 = dense; dropped: device int32 [R] or 0; "
+        "send_head: the routing positions whose rows a mask drops are cleared, or 0)");
 
     n.def(
         "combine",
         [](const NormalStatic& s, uint64_t x, uint64_t topk_weights, uint64_t bias0, uint64_t bias1,
            uint64_t send_head, uint64_t rank_prefix, uint64_t channel_prefix, uint64_t recv_channel_prefix,
            int num_tokens, int hidden, int num_topk, int num_channels, int ring_tokens, int chunk_tokens,
-           uint64_t out, uint64_t out_weights, uint64_t row_map, uint64_t stream) {
+           uint64_t out, uint64_t out_weights, uint64_t row_map, uint64_t stream, uint64_t dropped) {
             CombineArgs a;
+            a.dropped = dropped;
             a.x = x;
             a.topk_weights = topk_weights;
             a.bias0 = bias0;
@@ -181,7 +199,11 @@ void register_normal(py::module_& m) {
             a.row_map = row_map;
             launch_combine(s, a, stream);
         },
-        "Launch the combine kernel");
+        py::arg("static"), py::arg("x"), py::arg("topk_weights"), py::arg("bias0"), py::arg("bias1"),
+        py::arg("send_head"), py::arg("rank_prefix"), py::arg("channel_prefix"), py::arg("recv_channel_prefix"),
+        py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("num_channels"), py::arg("ring_tokens"),
+        py::arg("chunk_tokens"), py::arg("out"), py::arg("out_weights"), py::arg("row_map"), py::arg("stream"),
+        py::arg("dropped") = 0, "Launch the combine kernel (dropped: device int32 [R] or 0)");
 }
 
 pyep::bindings::Registrar reg("normal", &register_normal);

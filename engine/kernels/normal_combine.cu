@@ -38,17 +38,20 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
     // Room: the receiver needs up to one round of positions beyond its head before it frees any.
     const int chunk = max(1, min(max(a.chunk_tokens, 2 * W), Q - reduce_round(Q)));   // every warp busy
     const bool leader = wi == 0 && lane == 0;
+    // A source out of the call gets none of its rows back; the group decides together (another block
+    // may clear the bit while its warps read it).
+    if (s.active && group_sync_or(g, W, !in_mask(call_mask(s), d))) return;
 
-    bool failed = false;
-    if (leader && !wait_counter(head, base, s.timeout_ns)) {   // every call starts on an empty ring
-        record_error(s, kErrPeerTimeout, d, kPhaseCombine, c);
+    bool failed = false, marked = false;
+    if (leader && !wait_peer_counter(s, head, base, d, &marked)) {   // every call starts on an empty ring
+        if (!marked) record_error(s, kErrPeerTimeout, d, kPhaseCombine, c);
         failed = true;
     }
     if (group_sync_or(g, W, failed)) return;
     for (int sent = 0; sent < count;) {
         const int n = min(chunk, count - sent);
-        if (sent + n > Q && leader && !wait_counter(head, base + (uint32_t)(sent + n - Q), s.timeout_ns)) {
-            record_error(s, kErrPeerTimeout, d, kPhaseCombine, c);
+        if (sent + n > Q && leader && !wait_peer_counter(s, head, base + (uint32_t)(sent + n - Q), d, &marked)) {
+            if (!marked) record_error(s, kErrPeerTimeout, d, kPhaseCombine, c);
             failed = true;
         }
         if (group_sync_or(g, W, failed)) return;
@@ -126,9 +129,22 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
         if (warp < round && t < t1) {
             int pos = lane < R ? send_head[(int64_t)t * R + lane] : -1;
             bool ok = true;
-            if (pos >= 0 && lane != me && !wait_counter(tail_of(s, own, c, lane), sh_base[lane] + (uint32_t)pos + 1, s.timeout_ns)) {
-                record_error(s, kErrPeerTimeout, lane, kPhaseCombine, c);
-                ok = false;
+            if (s.active && pos >= 0 && lane != me && !in_mask(call_mask(s), lane)) {
+                // With a mask: the rank is out of the call (or was marked): its row of this token does
+                // not come back; the sum goes on without it and the token counts as dropped for it.
+                add_dropped(a.dropped, lane, 1);
+                pos = -1;
+            }
+            bool marked = false;
+            if (pos >= 0 && lane != me &&
+                !wait_peer_counter(s, tail_of(s, own, c, lane), sh_base[lane] + (uint32_t)pos + 1, lane, &marked)) {
+                if (marked) {
+                    add_dropped(a.dropped, lane, 1);
+                    pos = -1;
+                } else {
+                    record_error(s, kErrPeerTimeout, lane, kPhaseCombine, c);
+                    ok = false;
+                }
             }
             if (__all_sync(0xffffffffu, ok)) {
                 fence_acq_rel_sys();   // the other lanes' acquires cover the rows this lane reads
@@ -173,7 +189,8 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
         int consumed = -1;
         if (threadIdx.x < R) consumed = sh_max[threadIdx.x];
         __syncthreads();                       // read before the next round raises it again
-        if (consumed >= 0 && threadIdx.x != me) st_release_sys(head_of(s, peer_buf(s, threadIdx.x), c, me), (int)(sh_base[threadIdx.x] + consumed + 1));
+        if (consumed >= 0 && threadIdx.x != me && (!s.active || in_mask(call_mask(s), threadIdx.x)))
+            st_release_sys(head_of(s, peer_buf(s, threadIdx.x), c, me), (int)(sh_base[threadIdx.x] + consumed + 1));
     }
     if (threadIdx.x < R && threadIdx.x != me) {
         const int n = prefix_count(reinterpret_cast<const int*>(a.channel_prefix_matrix), C, threadIdx.x, c);

@@ -93,6 +93,33 @@ __device__ __forceinline__ void record_error(const NormalStatic& s, int code, in
     record_error_words(s.err, s.workspace, code, a, b, c);
 }
 
+// ---- the active-ranks mask (docs/elastic.md, "Normal mode") -------------------------------------------
+// Bits of the buffer's mask now (all R set without one). A rank whose own entry is 0 is out of every
+// call: it sends to, receives from and waits for nobody, so its bits are then 0.
+__device__ __forceinline__ uint32_t mask_bits(const NormalStatic& s) {
+    const uint32_t all = (1u << s.num_ranks) - 1u;
+    if (!s.active) return all;
+    const volatile int* m = reinterpret_cast<const volatile int*>(s.active);
+    uint32_t bits = 0;
+    for (int r = 0; r < s.num_ranks; ++r) bits |= (m[r] != 0 ? 1u : 0u) << r;
+    return (bits >> s.rank) & 1u ? bits : 0u;
+}
+__device__ __forceinline__ bool in_mask(uint32_t bits, int r) { return (bits >> r) & 1u; }
+// The latest call's active ranks (its gate set them; a kernel that marks a peer clears its bit).
+__device__ __forceinline__ uint32_t call_mask(const NormalStatic& s) {
+    return (uint32_t)ld_volatile(reinterpret_cast<const int*>(s.workspace) + kWsMask);
+}
+// A peer that stayed silent past the timeout, with a mask: out of the buffer's mask (every later call
+// leaves it out, and the next call's tags tell the other ranks) and of this call's (the call's other
+// blocks stop waiting for it). The call goes on among the others; nothing is recorded as an error.
+__device__ __forceinline__ void mark_peer_failed(const NormalStatic& s, int r) {
+    reinterpret_cast<volatile int*>(s.active)[r] = 0;
+    atomicAnd(reinterpret_cast<int*>(s.workspace) + kWsMask, ~(1 << r));
+}
+__device__ __forceinline__ void add_dropped(uint64_t dropped, int r, int n) {
+    if (dropped && n > 0) atomicAdd(reinterpret_cast<int*>(dropped) + r, n);
+}
+
 // ---- call tags (normal_tags.h) -----------------------------------------------------------------------
 // A void call's record for the host (a seqlock, last void wins; one gate at a time per buffer, so one
 // writer): the details, then the count. `peer_tag` may be null (the peer's tag was not read: its flags
@@ -125,8 +152,10 @@ __device__ __forceinline__ void record_void(uint64_t record, int kind, int peer,
 // A gate's wait for one peer's flags (its call numbers by parity, written by the peer into this rank's
 // buffer): kGateArrived, kGateOther (the peer is at another call: *peer_call says which), or -1 after
 // timeout_ns. `other` is read before `mine` (normal_tags.h gate_classify says why).
+// `gone()` true ends the wait early (-1 too): the peer left the call while it was awaited.
+template <typename Gone>
 __device__ __forceinline__ int gate_wait(const int* mine, const int* other, uint32_t seq, uint64_t timeout_ns,
-                                         uint32_t* peer_call) {
+                                         uint32_t* peer_call, Gone gone) {
     uint64_t start = 0;
     for (;;) {
         const uint32_t o = (uint32_t)ld_acquire_sys(other);
@@ -136,6 +165,7 @@ __device__ __forceinline__ int gate_wait(const int* mine, const int* other, uint
             *peer_call = st == kGateArrived ? seq : gate_peer_call(m, o);
             return st;
         }
+        if (gone()) return -1;
         if (!start) start = gda::now_ns();
         else if (gda::now_ns() - start > timeout_ns) return -1;
         LL_SPIN_HINT();
@@ -194,6 +224,30 @@ __device__ __forceinline__ bool wait_counter(const int* ctr, uint32_t target, ui
     const uint64_t start = gda::now_ns();
     while ((int)((uint32_t)ld_acquire_sys(ctr) - target) < 0) {
         if (gda::now_ns() - start > timeout_ns) return false;
+        LL_SPIN_HINT();
+    }
+    return true;
+}
+
+// wait_counter for a wait on peer `r`: with a mask it also ends (false) as soon as another block of the
+// call marked r, and on its own timeout it marks r (mark_peer_failed); `marked` says which happened.
+// Without a mask it is wait_counter, and the caller records the timeout.
+__device__ __forceinline__ bool wait_peer_counter(const NormalStatic& s, const int* ctr, uint32_t target, int r,
+                                                  bool* marked) {
+    *marked = false;
+    if (!s.active) return wait_counter(ctr, target, s.timeout_ns);
+    if ((int)((uint32_t)ld_acquire_sys(ctr) - target) >= 0) return true;
+    const uint64_t start = gda::now_ns();
+    while ((int)((uint32_t)ld_acquire_sys(ctr) - target) < 0) {
+        if (!in_mask(call_mask(s), r)) {
+            *marked = true;
+            return false;
+        }
+        if (gda::now_ns() - start > s.timeout_ns) {
+            mark_peer_failed(s, r);
+            *marked = true;
+            return false;
+        }
         LL_SPIN_HINT();
     }
     return true;

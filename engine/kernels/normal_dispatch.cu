@@ -34,6 +34,21 @@ struct Group {
     __device__ bool leader() const { return wi == 0 && lane == 0; }
 };
 
+// With a mask: the rows of stream (c, -> d) from position `from` on are not sent (d is out of the call,
+// or was marked): counted dropped, and their tokens' send_head entries cleared, so that the combine of
+// this dispatch neither waits for nor counts again rows that never went.
+__device__ void drop_stream(const NormalStatic& s, const DispatchArgs& a, int c, const Group& G, int d, int from,
+                            int count) {
+    if (G.leader()) add_dropped(a.dropped, d, count - from);
+    if (!a.send_head) return;
+    int t0, t1;
+    channel_range(a.num_tokens, a.num_channels, c, t0, t1);
+    int* send_head = reinterpret_cast<int*>(a.send_head);
+    const int R = s.num_ranks;
+    for (int t = t0 + G.wi * 32 + G.lane; t < t1; t += G.W * 32)
+        if (send_head[(int64_t)t * R + d] >= from) send_head[(int64_t)t * R + d] = -1;
+}
+
 // Sender of channel c to peer d. Tokens are routed 32 at a time (one ballot per window); the j-th row
 // of a round goes to warp j % W, so rows of one round are written in parallel and the round is
 // complete at the group barrier. The tail is published once `chunk` rows are pending, before any wait
@@ -54,13 +69,22 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
     const float* weights = reinterpret_cast<const float*>(a.topk_weights);
     const int groups = a.hidden / 128;
 
+    // A peer out of the call (its gate, or marked since): nothing is sent, its rows are dropped. The
+    // group decides together (another block may clear the bit while its warps read it).
+    if (s.active && group_sync_or(G.g, G.W, !in_mask(call_mask(s), d))) {
+        drop_stream(s, a, c, G, d, 0, count);
+        return;
+    }
     // Every call starts on an empty ring: the receiver consumed everything sent before.
-    bool failed = false;
-    if (G.leader() && !wait_counter(head, base, s.timeout_ns)) {
-        record_error(s, kErrPeerTimeout, d, kPhaseDispatch, c);
+    bool failed = false, marked = false;
+    if (G.leader() && !wait_peer_counter(s, head, base, d, &marked)) {
+        if (!marked) record_error(s, kErrPeerTimeout, d, kPhaseDispatch, c);
         failed = true;
     }
-    if (group_sync_or(G.g, G.W, failed)) return;
+    if (group_sync_or(G.g, G.W, failed)) {
+        if (s.active) drop_stream(s, a, c, G, d, 0, count);
+        return;
+    }
 
     // A round routes up to kMaxWindows ballots of 32 tokens, so that W warps get several rows each
     // between two barriers; all of a round's rows must fit the ring at once.
@@ -81,8 +105,8 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
             published = sent;
         }
         if (sent + n > Q && G.lane == 0) {          // wait for room: head >= base + sent + n - Q
-            if (!wait_counter(head, base + (uint32_t)(sent + n - Q), s.timeout_ns)) {
-                record_error(s, kErrPeerTimeout, d, kPhaseDispatch, c);
+            if (!wait_peer_counter(s, head, base + (uint32_t)(sent + n - Q), d, &marked)) {
+                if (!marked) record_error(s, kErrPeerTimeout, d, kPhaseDispatch, c);
                 failed = true;
             }
         }
@@ -108,7 +132,10 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
             }
         }
         // The round's rows are written, or a warp gave up waiting and the group stops together.
-        if (group_sync_or(G.g, G.W, failed)) return;
+        if (group_sync_or(G.g, G.W, failed)) {
+            if (s.active) drop_stream(s, a, c, G, d, sent, count);
+            return;
+        }
         sent += n;
     }
     if (G.leader()) {
@@ -140,6 +167,25 @@ __device__ __forceinline__ void emit_row(const DispatchArgs& a, const DispatchRo
             reinterpret_cast<float*>(a.recv_topk_weights)[(int64_t)out * K + lane] = local ? weight(lane) : 0.f;
     }
     if (a.recv_src_idx && lane == 0) reinterpret_cast<int*>(a.recv_src_idx)[out] = src_token;
+}
+
+// Output rows [r0, r1) of a source that was marked mid-stream: zero payload and scales, top-k ids -1,
+// weights 0, source index -1 (the worst-token padding's convention).
+__device__ void empty_rows(const DispatchArgs& a, const DispatchRow& row, int r0, int r1, const Group& G) {
+    const int K = a.num_topk, groups = a.hidden / 128;
+    r1 = min(r1, a.num_out_rows);
+    for (int out = r0 + G.wi; out < r1; out += G.W) {
+        const int o = a.row_map ? reinterpret_cast<const int*>(a.row_map)[out] : out;
+        int4* dst = reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(a.recv_x) + (uint64_t)o * row.payload);
+        for (int i = G.lane; i < (int)(row.payload / 16); i += 32) dst[i] = make_int4(0, 0, 0, 0);
+        if (a.fp8)
+            for (int g = G.lane; g < groups; g += 32) reinterpret_cast<float*>(a.recv_x_scales)[(int64_t)o * groups + g] = 0.f;
+        if (a.recv_topk_idx && G.lane < K) {
+            reinterpret_cast<int64_t*>(a.recv_topk_idx)[(int64_t)o * K + G.lane] = -1;
+            if (a.recv_topk_weights) reinterpret_cast<float*>(a.recv_topk_weights)[(int64_t)o * K + G.lane] = 0.f;
+        }
+        if (a.recv_src_idx && G.lane == 0) reinterpret_cast<int*>(a.recv_src_idx)[o] = -1;
+    }
 }
 
 // This rank's own rows of channel c go from x straight to their output rows (no ring, no counters):
@@ -198,10 +244,11 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
     while (done < count) {
         if (G.leader()) {
             int avail = -1;
-            if (wait_counter(tail, base + (uint32_t)done + 1, s.timeout_ns)) {
+            bool marked = false;
+            if (wait_peer_counter(s, tail, base + (uint32_t)done + 1, src, &marked)) {
                 const int published = (int)((uint32_t)ld_acquire_sys(tail) - base);
                 avail = min(published, count) - done;
-            } else {
+            } else if (!marked) {
                 record_error(s, kErrPeerTimeout, src, kPhaseDispatch, c);
             }
             sh_flag[G.g] = avail;
@@ -209,6 +256,9 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
         group_sync(G.g, G.W);
         const int avail = sh_flag[G.g];
         if (avail < 0) {
+            // With a mask the source was marked: its rows that never came are emptied (zero payload, no
+            // expert, no weight, source -1), never left holding another call's bytes.
+            if (s.active) empty_rows(a, row, start + done, start + count, G);
             tma_drain(G.lane);
             return;
         }

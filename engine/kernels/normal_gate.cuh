@@ -13,13 +13,19 @@
 namespace pyep {
 namespace normal {
 
+// Per peer, besides GateState: the wait ran out without a mask (the call is void), the peer was marked
+// (its wait ran out with a mask, or an answering peer's tag left it out), the peer was out before the call.
+constexpr int kGateTimedOut = -1, kGateMarked = -2, kGateSkipped = -3;
+
 struct GateShared {
     uint32_t seq, epoch;
     int status, origin;                 // this rank's tag (after a void passed on from upstream)
     int hsig[2];                        // the handle's dispatch (call, generation), or 0
-    int state[kMaxRanks];               // per peer: GateState, or -1 after the timeout
+    int state[kMaxRanks];               // per peer: GateState or one of the kGate* above
     uint32_t peer_call[kMaxRanks];
     int is_void;
+    uint32_t mine;                      // the buffer's mask at the call (mask_bits)
+    unsigned int cmask;                 // the call's mask: mine AND every answering peer's, less the marked
 };
 
 // Thread 0: this call's number (advanced on the device: a graph replay is a new call), the generation,
@@ -40,6 +46,8 @@ __device__ __forceinline__ void gate_begin(const NormalStatic& s, const NotifyAr
     g.hsig[0] = h ? h[0] : 0;
     g.hsig[1] = h ? h[1] : 0;
     g.is_void = 0;
+    g.mine = mask_bits(s);
+    g.cmask = g.mine;
     if (h && g.hsig[1] == kHandleVoid && g.status == kTagOk) {
         // The handle is of a void dispatch: this call is refused here, and the host is told why (every
         // rank's handle of that dispatch is void, so every rank refuses and none records a peer's).
@@ -58,7 +66,7 @@ __device__ __forceinline__ int gate_tag_word(const NotifyArgs& a, const GateShar
         case 4: return status;
         case 5: return g.origin;
         case kTagOffReasonLen: return a.reason_len;
-        case kTagOffReasonLen + 1: return 0;
+        case kTagOffMask: return (int)g.mine;
         default: break;
     }
     if (i < kTagOffSig + kTagSigHandle) return a.sig[i - kTagOffSig];
@@ -78,8 +86,17 @@ __device__ __forceinline__ int* gate_flag(const NormalStatic& s, uint8_t* base, 
 // All threads: this rank's tag into every peer's slot (before the flags are published).
 __device__ __forceinline__ void gate_write_tags(const NormalStatic& s, const NotifyArgs& a, const GateShared& g) {
     const int R = s.num_ranks, parity = (int)(g.seq & 1u);
-    for (int i = threadIdx.x; i < R * kTagInts; i += blockDim.x)
-        gate_slot(s, peer_buf(s, i / kTagInts), parity, s.rank)[i % kTagInts] = gate_tag_word(a, g, i % kTagInts, g.seq, g.status);
+    for (int i = threadIdx.x; i < R * kTagInts; i += blockDim.x) {
+        const int d = i / kTagInts;
+        if (d != s.rank && !in_mask(g.mine, d)) continue;   // nothing goes to a rank out of the call
+        gate_slot(s, peer_buf(s, d), parity, s.rank)[i % kTagInts] = gate_tag_word(a, g, i % kTagInts, g.seq, g.status);
+    }
+}
+
+// A peer leaves this call (with a mask): out of the call's mask and of the buffer's.
+__device__ __forceinline__ void gate_drop_peer(const NormalStatic& s, GateShared& g, int d) {
+    atomicAnd(&g.cmask, ~(1u << d));
+    reinterpret_cast<volatile int*>(s.active)[d] = 0;
 }
 
 // Thread d < R: publish this call's flag in peer d and wait for d's. A peer found at a later call gets
@@ -87,16 +104,32 @@ __device__ __forceinline__ void gate_write_tags(const NormalStatic& s, const Not
 // ends and it reports the mismatch too (it could not tell from its flags: to a rank one call ahead, a
 // peer one call behind looks like a slow peer). A peer found behind gets none: it has not posted its
 // next call yet, so its parity is not known, and when it does it finds this rank's later flag itself.
+// With a mask (docs/elastic.md, "Normal mode"): a rank out of the buffer's mask gets nothing and is not
+// waited for; an answering peer's tag ANDs its mask bits into the call's, which also ends the wait for a
+// peer it left out (no second timeout); a wait that runs out marks the peer and the call goes on.
 __device__ __forceinline__ void gate_publish_and_wait(const NormalStatic& s, const NotifyArgs& a, GateShared& g, int d) {
     const int parity = (int)(g.seq & 1u), me = s.rank;
     uint8_t* own = reinterpret_cast<uint8_t*>(s.buf);
+    g.peer_call[d] = g.seq;
+    if (d != me && !in_mask(g.mine, d)) {
+        g.state[d] = kGateSkipped;
+        return;
+    }
     __threadfence_system();
     st_release_sys(gate_flag(s, peer_buf(s, d), parity, me), (int)g.seq);
     uint32_t pc = 0;
-    const int st = gate_wait(gate_flag(s, own, parity, d), gate_flag(s, own, parity ^ 1, d), g.seq, s.timeout_ns, &pc);
+    const volatile unsigned int* cmask = &g.cmask;
+    const int st = gate_wait(gate_flag(s, own, parity, d), gate_flag(s, own, parity ^ 1, d), g.seq, s.timeout_ns, &pc,
+                             [&] { return s.active && !((*cmask >> d) & 1u); });
     g.state[d] = st;
     g.peer_call[d] = pc;
-    if (st < 0) {
+    if (st == kGateArrived && s.active && d != me) {
+        // The peer's tag (written before its flag) says whom it takes part with.
+        atomicAnd(&g.cmask, (unsigned int)ld_volatile(gate_slot(s, own, parity, d) + kTagOffMask) | ~((1u << s.num_ranks) - 1u));
+    } else if (st < 0 && s.active) {
+        g.state[d] = kGateMarked;
+        gate_drop_peer(s, g, d);
+    } else if (st < 0) {
         record_error(s, kErrPeerTimeout, d, kPhaseNotify, -1);
     } else if (st == kGateOther && call_is_after(pc, g.seq)) {
         int* slot = gate_slot(s, peer_buf(s, d), (int)(pc & 1u), me);
@@ -114,8 +147,8 @@ __device__ __forceinline__ void gate_decide(const NormalStatic& s, const NotifyA
     int mismatch = -1, refused = -1, origin = g.origin;
     bool timed_out = false;
     for (int d = 0; d < R && mismatch < 0; ++d) {
-        if (d == me) continue;
-        if (g.state[d] < 0) {
+        if (d == me || g.state[d] == kGateSkipped || g.state[d] == kGateMarked) continue;
+        if (g.state[d] == kGateTimedOut) {
             timed_out = true;
             continue;
         }
@@ -152,9 +185,17 @@ __device__ __forceinline__ void gate_decide(const NormalStatic& s, const NotifyA
                     gate_slot(s, own, parity, refused), 0, 0);
     }
     g.is_void = g.status != kTagOk || timed_out || mismatch >= 0 || refused >= 0;
+    // The call's ranks: a rank that a peer left out is out of this rank's mask from now on too; a rank
+    // that others left out itself takes part in nothing (every peer has stopped sending to it).
+    uint32_t cm = g.cmask & ((1u << R) - 1u);
+    if (!in_mask(cm, me)) cm = 0;
+    for (int d = 0; d < R && s.active; ++d)
+        if (in_mask(g.mine, d) && !in_mask(cm, d)) reinterpret_cast<volatile int*>(s.active)[d] = 0;
+    g.cmask = cm;
     int* ws = reinterpret_cast<int*>(s.workspace);
     ws[kWsVoid] = g.is_void;
     ws[kWsOrigin] = g.status == kTagOk ? origin : g.origin;
+    ws[kWsMask] = (int)cm;
 }
 
 }  // namespace normal

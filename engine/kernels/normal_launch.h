@@ -68,6 +68,11 @@ struct NormalStatic {
                                   // and records name global ranks)
     uint64_t layout_scratch = 0;  // device int32[kMaxRanks * kMaxLocalExperts]: per-expert entries of
                                   // topk_idx, counted by the route kernel to check num_tokens_per_expert
+    // Device int32[R], 1 = active (docs/elastic.md, "Normal mode"), or 0: no mask. With a mask, calls
+    // neither send to nor wait for an inactive rank, and a peer that stays silent past timeout_ns is
+    // marked (its entry cleared) and the call completes among the others; without one it voids the call
+    // with kErrPeerTimeout.
+    uint64_t active = 0;
 };
 
 struct LayoutArgs {
@@ -76,6 +81,7 @@ struct LayoutArgs {
     uint64_t num_tokens_per_rank = 0;     // out int32 [R]
     uint64_t num_tokens_per_expert = 0;   // out int32 [E]
     uint64_t is_token_in_rank = 0;        // out bool [N, R]
+    uint64_t dropped = 0;                 // device int32 [R] or 0: tokens this call did not deliver to rank r
 };
 
 struct NotifyArgs {
@@ -107,6 +113,7 @@ struct NotifyArgs {
     int reason_len = 0;
     char reason[kTagReasonBytes] = {};
     int check_layout = 0;         // check is_token_in_rank and num_tokens_per_expert against topk_idx
+    uint64_t dropped = 0;         // device int32 [R] or 0: tokens routed to rank r left out (inactive)
 };
 
 struct DispatchArgs {
@@ -130,6 +137,8 @@ struct DispatchArgs {
     // Bytes from one token's payload to the next (0: dense rows of the payload size). A forwarder reads
     // the payloads in place from its relayed rows (normal_internode.h RelayRow) instead of a copy.
     uint64_t x_row_bytes = 0;
+    uint64_t send_head = 0;               // int32 [N, R] or 0: with a mask, entries of rows not sent are cleared
+    uint64_t dropped = 0;                 // device int32 [R] or 0: tokens this call did not deliver to rank r
 };
 
 struct CombineArgs {
@@ -143,6 +152,7 @@ struct CombineArgs {
     uint64_t out = 0;                     // bf16 [N, H]
     uint64_t out_weights = 0;             // fp32 [N, K] or 0
     uint64_t row_map = 0;                 // int32 [rows] or 0: where row i of the dispatch order sits in x
+    uint64_t dropped = 0;                 // device int32 [R] or 0: tokens this call did not deliver to rank r
 };
 
 // Bytes of one ring slot for a call (payload, FP8 scales, top-k ids and weights, source index).

@@ -19,10 +19,13 @@ constexpr int kNotifyThreads = 256;
 // One thread per token: its ranks (a bit mask), per-expert and per-rank counts in shared memory,
 // flushed with one atomic per non-zero counter and block. Ids outside [-1, E) count as -1 and are
 // recorded (the first one wins), never used as an index.
+// With a mask, an inactive rank is left out: its column stays false, its count and its experts' counts 0,
+// and the tokens routed to it are counted in `dropped` (docs/elastic.md, "Normal mode").
 __global__ void __launch_bounds__(kLayoutThreads) normal_layout_kernel(NormalStatic s, LayoutArgs a) {
-    extern __shared__ int counts[];   // [E] experts, then [R] ranks
+    extern __shared__ int counts[];   // [E] experts, then [R] ranks, then [R] dropped
     const int E = a.num_experts, R = s.num_ranks, El = E / R, K = a.num_topk;
-    for (int i = threadIdx.x; i < E + R; i += blockDim.x) counts[i] = 0;
+    const uint32_t on = mask_bits(s);
+    for (int i = threadIdx.x; i < E + 2 * R; i += blockDim.x) counts[i] = 0;
     __syncthreads();
     const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk);
     bool* in_rank = reinterpret_cast<bool*>(a.is_token_in_rank);
@@ -35,13 +38,14 @@ __global__ void __launch_bounds__(kLayoutThreads) normal_layout_kernel(NormalSta
                 record_error(s, kErrExpertId, t, k, (int)v);
                 continue;
             }
-            atomicAdd(&counts[v], 1);
+            if (in_mask(on, (int)(v / El))) atomicAdd(&counts[v], 1);
             mask |= 1u << (int)(v / El);
         }
         for (int r = 0; r < R; ++r) {
-            const bool in = (mask >> r) & 1u;
+            const bool routed = (mask >> r) & 1u, in = routed && in_mask(on, r);
             in_rank[(int64_t)t * R + r] = in;
             if (in) atomicAdd(&counts[E + r], 1);
+            else if (routed) atomicAdd(&counts[E + R + r], 1);
         }
     }
     __syncthreads();
@@ -50,6 +54,7 @@ __global__ void __launch_bounds__(kLayoutThreads) normal_layout_kernel(NormalSta
     for (int i = threadIdx.x; i < E + R; i += blockDim.x) {
         if (counts[i]) atomicAdd(i < E ? per_expert + i : per_rank + (i - E), counts[i]);
     }
+    for (int r = threadIdx.x; r < R; r += blockDim.x) add_dropped(a.dropped, r, counts[E + R + r]);
 }
 
 // Block c, warp d: the positions of channel c's tokens in the stream to rank d (send_head) and the
@@ -58,6 +63,9 @@ __global__ void __launch_bounds__(kLayoutThreads) normal_layout_kernel(NormalSta
 // kernel, and an id outside [-1, E) must be reported, not silently dropped. With check_layout the
 // caller's layout tensors are values to check too: warp d compares is_token_in_rank[:, d] with what
 // topk_idx says, warp 0 counts the entries per expert for notify to compare with num_tokens_per_expert.
+// With a mask, an inactive peer d gets no stream: send_head[:, d] = -1, no rows, and the tokens
+// is_token_in_rank routes to it are counted in `dropped` (a layout made with an older mask is accepted:
+// its column is ignored, not checked).
 __global__ void normal_route_kernel(NormalStatic s, NotifyArgs a) {
     const int c = blockIdx.x, d = threadIdx.x / 32, lane = threadIdx.x % 32, R = s.num_ranks;
     if (d >= R) return;
@@ -65,7 +73,24 @@ __global__ void normal_route_kernel(NormalStatic s, NotifyArgs a) {
     channel_range(a.num_tokens, a.num_channels, c, t0, t1);
     const bool* in_rank = reinterpret_cast<const bool*>(a.is_token_in_rank);
     int* send_head = reinterpret_cast<int*>(a.send_head);
-    const int pos = route_to_peer(in_rank, send_head, R, d, t0, t1, lane);
+    const bool on = in_mask(mask_bits(s), d);
+    if (!on) {
+        // Dropped: the tokens topk_idx routes to d (the reference backend's count), else -- a cached
+        // dispatch has no top-k -- those is_token_in_rank routes to it.
+        const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk);
+        const int El = a.num_experts > 0 ? a.num_experts / R : 1;
+        int n = 0;
+        for (int t = t0 + lane; t < t1; t += 32) {
+            bool routed = false;
+            if (topk) for_valid_ids(topk, t, a.num_topk, a.num_experts, [&](int64_t v) { routed = routed || v / El == d; });
+            else routed = in_rank[(int64_t)t * R + d];
+            n += routed ? 1 : 0;
+            send_head[(int64_t)t * R + d] = -1;
+        }
+        for (int o = 16; o; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
+        if (lane == 0) add_dropped(a.dropped, d, n);
+    }
+    const int pos = on ? route_to_peer(in_rank, send_head, R, d, t0, t1, lane) : 0;
     if (lane == 0) reinterpret_cast<int*>(a.channel_prefix_matrix)[d * a.num_channels + c] = pos;
     if (!a.topk) return;
     const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk);
@@ -81,7 +106,7 @@ __global__ void normal_route_kernel(NormalStatic s, NotifyArgs a) {
             if (d == 0) atomicAdd(per_expert + v, 1);
         });
         const bool said = in_rank[(int64_t)t * R + d];
-        if (said != wants) record_error(s, kErrInRank, t, d, said ? 1 : 0);
+        if (on && said != wants) record_error(s, kErrInRank, t, d, said ? 1 : 0);
     }
 }
 
@@ -109,13 +134,15 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
         for (int c = 0; c < C; ++c) n += cpm[threadIdx.x * C + c];
         rows_to[threadIdx.x] = n;
         const int* claimed = reinterpret_cast<const int*>(a.num_tokens_per_rank);
-        if (claimed && claimed[threadIdx.x] != n) record_error(s, kErrRankCount, threadIdx.x, claimed[threadIdx.x], n);
+        if (claimed && in_mask(g.mine, threadIdx.x) && claimed[threadIdx.x] != n)
+            record_error(s, kErrRankCount, threadIdx.x, claimed[threadIdx.x], n);
     }
     // The caller's per-expert counts: never negative, and (check_layout) what topk_idx says.
     const int* counted = reinterpret_cast<const int*>(s.layout_scratch);
     for (int e = threadIdx.x; e < El * R; e += blockDim.x) {
         if (per_expert[e] < 0) record_error(s, kErrExpertCount, e, per_expert[e], -1);
-        else if (a.check_layout && per_expert[e] != counted[e]) record_error(s, kErrExpertCount, e, per_expert[e], counted[e]);
+        else if (a.check_layout && in_mask(g.mine, e / El) && per_expert[e] != counted[e])
+            record_error(s, kErrExpertCount, e, per_expert[e], counted[e]);
     }
     __syncthreads();
     // Slot layout (layout.py NOTIFY_INTS): [kMaxRanks] rows per rank, [kMaxChannels] rows per channel
@@ -123,6 +150,7 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
     const int fields = a.gate_only ? 0 : kMaxRanks + kMaxChannels + El;
     for (int i = threadIdx.x; i < R * fields; i += blockDim.x) {
         const int d = i / fields, j = i % fields;
+        if (d != me && !in_mask(g.mine, d)) continue;   // nothing goes to a rank out of the call
         int v;
         if (j < kMaxRanks) v = j < R ? rows_to[j] : 0;
         else if (j < kMaxRanks + kMaxChannels) v = (j - kMaxRanks) < C ? cpm[d * C + (j - kMaxRanks)] : 0;
@@ -131,9 +159,11 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
     }
     // Extra words, the same for every peer, after the tag (normal_internode.md).
     const int* extra = reinterpret_cast<const int*>(a.extra);
-    for (int i = threadIdx.x; i < R * a.extra_ints; i += blockDim.x)
+    for (int i = threadIdx.x; i < R * a.extra_ints; i += blockDim.x) {
+        if (i / a.extra_ints != me && !in_mask(g.mine, i / a.extra_ints)) continue;
         words(peer_buf(s, i / a.extra_ints), s.off_notify)[(parity * R + me) * NI + kNotifyExtra + i % a.extra_ints] =
             extra[i % a.extra_ints];
+    }
     gate_write_tags(s, a, g);
     __syncthreads();
     if (threadIdx.x < R) {
@@ -155,38 +185,50 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
         reinterpret_cast<int*>(a.tag_out)[1] = aborted ? kHandleVoid : (int)g.epoch;
     }
     if (a.gate_only) return;
+    // A peer this rank routed rows to but the gate left out (marked, or left out by a peer's tag): its
+    // rows are dropped here, as if the route had found it inactive -- no stream, send_head -1.
+    for (int d = 0; d < R && !aborted; ++d) {
+        if (d == me || !in_mask(g.mine, d) || in_mask(g.cmask, d)) continue;
+        if (threadIdx.x == 0) add_dropped(a.dropped, d, rows_to[d]);
+        for (int c = threadIdx.x; c < C; c += blockDim.x) cpm[d * C + c] = 0;
+        int* send_head = reinterpret_cast<int*>(a.send_head);
+        for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) send_head[(int64_t)t * R + d] = -1;
+    }
     const int* slots = words(reinterpret_cast<uint8_t*>(s.buf), s.off_notify) + parity * R * NI;
     int* host = reinterpret_cast<int*>(s.host_counts);
+    // A source out of the call wrote nothing this call (its slots hold an older call's counts): 0 rows.
+    const uint32_t cm = g.cmask;
+    auto counted_src = [&](int i) { return !aborted && in_mask(cm, i); };
     if (threadIdx.x < R) {
         // Column j of the rank prefix matrix; the row offsets of source j's channels here.
         const int j = threadIdx.x;
         int* rpm = reinterpret_cast<int*>(a.rank_prefix_matrix);
         int acc = 0;
         for (int i = 0; i < R; ++i) {
-            acc += aborted ? 0 : slots[i * NI + j];
+            acc += counted_src(i) && in_mask(cm, j) ? slots[i * NI + j] : 0;
             rpm[i * R + j] = acc;
         }
         int row = 0;   // counted from the first row of source j (DeepEP's convention)
         int* rcp = reinterpret_cast<int*>(a.recv_channel_prefix_matrix);
         for (int c = 0; c < C; ++c) {
             rcp[j * C + c] = row;
-            row += aborted ? 0 : slots[j * NI + kMaxRanks + c];
+            row += counted_src(j) ? slots[j * NI + kMaxRanks + c] : 0;
         }
     }
     int* extra_out = reinterpret_cast<int*>(a.extra_out);
     for (int i = threadIdx.x; i < R * a.extra_ints; i += blockDim.x)
-        extra_out[i] = aborted ? 0 : slots[(i / a.extra_ints) * NI + kNotifyExtra + i % a.extra_ints];
+        extra_out[i] = counted_src(i / a.extra_ints) ? slots[(i / a.extra_ints) * NI + kNotifyExtra + i % a.extra_ints] : 0;
     // Host-visible counts only for a call whose host waits for them (num_worst_tokens == 0): a
     // worst-case-sized call never writes there, so it cannot overwrite the counts of a later call.
     const bool host_waits = a.num_worst_tokens == 0;
     for (int e = threadIdx.x; e < El && host_waits; e += blockDim.x) {
         int n = 0;
-        for (int i = 0; i < R && !aborted; ++i) n += slots[i * NI + kMaxRanks + kMaxChannels + e];
+        for (int i = 0; i < R; ++i) n += counted_src(i) ? slots[i * NI + kMaxRanks + kMaxChannels + e] : 0;
         host[2 + e] = (n + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment;
     }
     if (threadIdx.x == 0) {
         int rows = 0;
-        for (int i = 0; i < R && !aborted; ++i) rows += slots[i * NI + me];
+        for (int i = 0; i < R; ++i) rows += counted_src(i) ? slots[i * NI + me] : 0;
         ws[kWsRows] = rows;
         if (host_waits) host[1] = rows;
         if (a.num_worst_tokens > 0 && rows > a.num_worst_tokens)
@@ -228,7 +270,7 @@ void launch_layout(const NormalStatic& s, const LayoutArgs& a, uint64_t stream) 
     check(cudaMemsetAsync(reinterpret_cast<void*>(a.num_tokens_per_rank), 0, 4ull * s.num_ranks, st), "memset");
     check(cudaMemsetAsync(reinterpret_cast<void*>(a.num_tokens_per_expert), 0, 4ull * a.num_experts, st), "memset");
     if (a.num_tokens == 0) return;
-    const int smem = 4 * (a.num_experts + s.num_ranks);
+    const int smem = 4 * (a.num_experts + 2 * s.num_ranks);
     if (smem > 48 * 1024) check(cudaFuncSetAttribute(normal_layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                                 "cudaFuncSetAttribute(layout)");
     const int blocks = std::min(132, (a.num_tokens + kLayoutThreads - 1) / kLayoutThreads);

@@ -18,6 +18,9 @@ constexpr int kTagSigInts = 8;
 constexpr int kTagReasonBytes = 128;
 constexpr int kTagOffSig = 6, kTagOffReasonLen = kTagOffSig + kTagSigInts, kTagOffReason = 16;
 constexpr int kTagInts = kTagOffReason + kTagReasonBytes / 4;
+// Word 15: the rank's active-ranks bits at the call (bit r: rank r active; all set without a mask). A
+// rank takes the AND of every answering peer's bits (docs/elastic.md, "Normal mode").
+constexpr int kTagOffMask = kTagOffReasonLen + 1;
 enum TagKind : int { kKindLayout = 1, kKindDispatch = 2, kKindCached = 3, kKindCombine = 4 };
 // OK: made; REFUSED: refused on its host; PROXY: void because a rank it exchanged with earlier in this
 // call refused (origin names it); NOTICE: written into a peer that is at another call.
@@ -36,6 +39,8 @@ constexpr int kWsEpoch = 2;    // generation: set by clean() on the host
 constexpr int kWsVoid = 3;     // 1 when the latest call is void (a rank refused it, or ranks disagree)
 constexpr int kWsClaim = 4;    // first-error-wins claim of the error record (normal_common.cuh)
 constexpr int kWsOrigin = 5;   // the rank whose refusal voided the latest call (-1: a call mismatch)
+constexpr int kWsMask = 6;     // the latest call's active ranks (bits), set by its gate; a kernel that
+                               // marks a peer clears its bit, so the call's other blocks stop waiting
 
 // ---- the tag record (pinned host int32 [kTagRecordInts]) -------------------------------------------
 // What a void call leaves for the host, last void wins, written as a seqlock: the details, then (after

@@ -240,8 +240,9 @@ class Buffer:
     def _normal_takes_mask(self) -> bool:
         """Whether this Buffer's normal mode runs on the reference backend, the one whose calls take the
         shrink mask: asked for by name, or "auto" on a group whose tensors live on the CPU (no GPU: the
-        native kernels cannot run). The native normal kernels take no mask yet; a normal buffer of them is
-        built without it, and masking a rank says so (low_latency_update_mask_buffer)."""
+        native kernels cannot run). A normal buffer of the native kernels is built without it (the internode
+        ones take none, and which kernels run is known only once the buffer exists), and masking a rank
+        says so (low_latency_update_mask_buffer)."""
         backend = self._normal_kwargs.get("backend", "auto")
         return backend == "reference" or (backend == "auto" and group_device(self.group).type == "cpu")
 
@@ -370,8 +371,9 @@ class Buffer:
         self._shrink("low_latency_update_mask_buffer").update(rank_to_mask, bool(mask))
         if mask and self._normal is not None and self._normal.backend_name != "reference":
             log.warning("rank %d masked: the low-latency calls leave it out, but this Buffer's normal mode runs "
-                        "the %s kernels, which take no mask yet -- its calls still include rank %d (and raise "
-                        "PeerTimeout if it is dead); the reference backend (backend='reference') takes the mask",
+                        "the %s kernels, to which this shim does not hand the mask yet -- its calls still include "
+                        "rank %d (and raise PeerTimeout if it is dead); the reference backend "
+                        "(backend='reference') takes the mask",
                         rank_to_mask, self._normal.backend_name, rank_to_mask)
 
     def low_latency_query_mask_buffer(self, mask_status: "torch.Tensor") -> None:

@@ -140,9 +140,10 @@ class NormalBuffer(NormalBufferMembership):
         self._rank = self._control.rank
         self._num_ranks = self._control.world_size
         check_active_ranks(active_ranks, self._num_ranks)
-        # The mask lives on the buffer's device (the group's; a store-based buffer's is the CPU).
+        # The mask lives on the group's device for the reference backend (a store-based buffer's: the
+        # CPU), on the GPU for the native kernels, which read it there (checked once the backend exists).
         mask_device = group_device(self._group) if self._group is not None else torch.device("cpu")
-        if active_ranks is not None and active_ranks.device != mask_device:
+        if active_ranks is not None and active_ranks.device != mask_device and active_ranks.device.type != "cuda":
             raise ValueError(f"active_ranks is on {active_ranks.device}, the buffer on {mask_device}")
         self._mask: "torch.Tensor" = (active_ranks if active_ranks is not None
                                       else torch.ones(self._num_ranks, dtype=torch.int32, device=mask_device))
@@ -166,14 +167,28 @@ class NormalBuffer(NormalBufferMembership):
                 num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport=transport, timeout_us=timeout_us,
                 num_sms=sms, nodes=self._nodes, num_rdma_bytes=num_rdma_bytes, mask=self._mask))
         self._device: "torch.device" = self._backend.device
-        if active_ranks is not None and self._backend.name != "reference":
-            # A mask the caller holds can change in place between calls; the native kernels take none,
-            # and checking it at every call would read it on the host (a sync per dispatch/combine).
-            self._backend.destroy()
-            raise ElasticUnsupported("active_ranks= (a mask the caller holds)", self._backend.name)
+        if self._backend.name != "reference":
+            try:
+                self._attach_native_mask(active_ranks)
+            except BaseException:
+                self._backend.destroy()
+                raise
         self._destroyed = False
         log.debug("NormalBuffer rank %d/%d: backend %s, hidden %d, device %s", self._rank, self._num_ranks,
                   self._backend.name, hidden, self._device)
+
+    def _attach_native_mask(self, active_ranks: Optional["torch.Tensor"]) -> None:
+        """The native intranode kernels read the mask on the GPU at every call (no host read, so the
+        caller may change it in place) and clear a silent peer's entry; the internode kernels take none
+        yet: a mask given to them is refused, never ignored. Without a mask (neither active_ranks= nor
+        update_ep_member) a native buffer keeps the non-elastic rule: a silent peer voids the call with
+        PeerTimeout."""
+        if active_ranks is None:
+            return
+        if not getattr(self._backend, "takes_mask", False):
+            raise ElasticUnsupported("active_ranks= (a mask the caller holds)", self._backend.name)
+        self._backend.set_mask(active_ranks)
+        self._mask = active_ranks
 
     def _store_backend(self, backend: str, hidden: int, timeout_us: int, lead_calls: int) -> NormalBackend:
         """A store-based buffer (reference backend, one node): the membership, then -- for a first

@@ -46,6 +46,7 @@ def _engine() -> Any:
 
 class NormalNativeBackend:
     name = "native"
+    takes_mask = True   # set_mask: the kernels read and clear an active_ranks mask (docs/elastic.md)
 
     @staticmethod
     def unavailable_reason(group: "dist.ProcessGroup", *, transport: str = "auto", nodes: Optional[NodeLayout] = None,
@@ -123,6 +124,7 @@ class NormalNativeBackend:
         self._ws = torch.zeros(8, dtype=torch.int32, device=self.device)
         self._scratch = torch.zeros(MAX_RANKS * MAX_LOCAL_EXPERTS, dtype=torch.int32, device=self.device)
         self._epoch = 0
+        self._mask: Optional["torch.Tensor"] = None   # set_mask: the buffer's active_ranks
         self.global_base = 0   # an internode buffer's node: the group rank of this node's first rank
         self.records = DeviceRecords(self._err, self._tag_record, self._rearm_claim, self.rank, self.num_ranks,
                                      timeout_us)
@@ -168,6 +170,24 @@ class NormalNativeBackend:
         s.global_base = self.global_base
         s.layout_scratch = self._scratch.data_ptr()
         return s
+
+    def set_mask(self, mask: "torch.Tensor") -> None:
+        """The buffer's active_ranks (int32 [R] on this device, 1 = active), read by every call's kernels
+        on the device -- no host read, so the caller may change it in place between calls -- and cleared
+        by them for a peer that stays silent past the timeout (docs/elastic.md, "Normal mode")."""
+        import torch
+        if mask.device != self.device or mask.dtype != torch.int32 or tuple(mask.shape) != (self.num_ranks,):
+            raise ValueError(f"the native normal mode reads active_ranks on the GPU: it must be int32 "
+                             f"[{self.num_ranks}] on {self.device}, got {mask.dtype} {list(mask.shape)} on {mask.device}")
+        if not mask.is_contiguous():
+            raise ValueError("active_ranks must be contiguous")
+        self._mask = mask
+        self._static.active = mask.data_ptr()
+
+    def _dropped(self) -> Optional["torch.Tensor"]:
+        """A call's per-rank count of tokens it did not deliver (with a mask), or None."""
+        import torch
+        return torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device) if self._mask is not None else None
 
     def join_group(self, global_ranks: List[int], num_ranks: int) -> None:
         """A node of an internode buffer: tags and records name the group's ranks (global_ranks[local])."""
@@ -251,9 +271,11 @@ class NormalNativeBackend:
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
         in_rank = torch.empty((n, self.num_ranks), dtype=torch.bool, device=dev)
         self.records.num_experts = num_experts
+        dropped = self._dropped()
         self._n.layout(self._static, topk_idx.data_ptr(), n, k, num_experts, per_rank.data_ptr(),
-                       per_expert.data_ptr(), in_rank.data_ptr(), raw_current_stream(dev))
-        return LayoutResult(per_rank, per_expert, in_rank)
+                       per_expert.data_ptr(), in_rank.data_ptr(), raw_current_stream(dev),
+                       dropped.data_ptr() if dropped is not None else 0)
+        return LayoutResult(per_rank, per_expert, in_rank, num_dropped_tokens=dropped)
 
     def _wait_counts(self, what: str) -> int:
         """The pinned word the notify kernel sets once the counts are in: 1, or 2 when the call is void
@@ -356,6 +378,7 @@ class NormalNativeBackend:
         counts: Optional[List[int]] = None
         q_n = cfg.num_max_nvl_chunked_recv_tokens
         tag = None
+        dropped = self._dropped()
         if handle is None:
             e_n = call.num_experts
             self.records.num_experts = e_n
@@ -370,6 +393,7 @@ class NormalNativeBackend:
                                 call.expert_alignment, call.num_worst_tokens, rpm, cpm, rcp, send_head,
                                 tags.KIND_DISPATCH, [h, c_n, q_n, e_n, k, int(call.topk_weights is not None) | int(fp8) << 1])
             a.num_tokens_per_rank, a.tag_out = call.num_tokens_per_rank.data_ptr(), tag.data_ptr()
+            a.dropped = dropped.data_ptr() if dropped is not None else 0
             if call.topk_idx is not None and n:
                 a.topk, a.num_topk, a.check_layout = call.topk_idx.data_ptr(), k, 1
             rows = self.notify(a, f"normal dispatch #{call.seq}")
@@ -396,11 +420,16 @@ class NormalNativeBackend:
                          rcp.data_ptr(), n, h, k, (call.num_experts // r_n) if call.num_experts else 0, fp8, c_n,
                          cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, rows,
                          call.num_worst_tokens, self._use_tma, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w),
-                         0 if cached else recv_src.data_ptr(), 0, 0, stream, 0)
+                         0 if cached else recv_src.data_ptr(), 0, 0, stream, 0, ptr(dropped),
+                         send_head.data_ptr() if dropped is not None else 0)
+        # With a mask the handle keeps the call's is_token_in_rank less the ranks out of it (as the
+        # reference backend's does); the kernels' own view is send_head, cleared for rows not sent.
+        in_rank_kept = (in_rank & (self._mask != 0).view(1, -1)) if dropped is not None and not cached else None
         return DispatchResult(recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=recv_idx,
                               recv_topk_weights=recv_w, num_recv_tokens_per_expert_list=None if cached else counts,
                               rank_prefix_matrix=rpm, channel_prefix_matrix=cpm, recv_channel_prefix_matrix=rcp,
-                              recv_src_idx=recv_src, send_head=send_head, num_recv_tokens=real, tag=tag)
+                              recv_src_idx=recv_src, send_head=send_head, num_recv_tokens=real, tag=tag,
+                              is_token_in_rank=in_rank_kept, num_dropped_tokens=dropped)
 
     def combine(self, call: CombineCall) -> CombineResult:
         import torch
@@ -412,14 +441,15 @@ class NormalNativeBackend:
         self.gate(tags.KIND_COMBINE, [h, hd.num_channels, cfg.num_max_nvl_chunked_recv_tokens, k], handle_tag=hd.tag)
         out = torch.empty((n, h), dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty((n, k), dtype=torch.float32, device=self.device) if k else None
+        dropped = self._dropped()
         b0, b1 = call.bias
         ptr = (lambda t: t.data_ptr() if t is not None else 0)
         self._n.combine(self._static, call.x.data_ptr(), ptr(call.topk_weights), ptr(b0), ptr(b1),
                         hd.send_head.data_ptr(), hd.rank_prefix_matrix.data_ptr(), hd.channel_prefix_matrix.data_ptr(),
                         hd.recv_channel_prefix_matrix.data_ptr(), n, h, k, hd.num_channels,
                         cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, out.data_ptr(),
-                        ptr(out_w), 0, raw_current_stream(self.device))
-        return CombineResult(out, out_w)
+                        ptr(out_w), 0, raw_current_stream(self.device), ptr(dropped))
+        return CombineResult(out, out_w, num_dropped_tokens=dropped)
 
     # ------------------------------------------------------------------ for native_internode.py
     # The staged internode path runs these kernels on a node's forwarded rows (docs/normal_internode.md).

@@ -10,7 +10,9 @@ waiting for it or pairing its next call with this one. A tag of another generati
 or signature raises `NormalCallMismatch` on every rank of the exchange and nothing of it is used.
 
 The word layout is shared with the kernels (engine/kernels/normal_launch.h, kTag*): TAG_INTS int32
-words, [magic, epoch, call, kind, status, origin, signature x SIG_INTS, reason length, 0, reason bytes].
+words, [magic, epoch, call, kind, status, origin, signature x SIG_INTS, reason length, mask, reason bytes];
+the mask word is the native kernels' active-ranks bits (normal_tags.h kTagOffMask; 0 from the host,
+whose exchanges carry the mask beside the tag).
 A tag read from a peer is input: `decode` refuses anything that is not a well-formed tag.
 """
 from __future__ import annotations

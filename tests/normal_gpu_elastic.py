@@ -1,0 +1,158 @@
+"""Per-rank bodies of the native normal mode's active_ranks tests (tests/test_normal_elastic_gpu.py; issue
+26, docs/elastic.md "Normal mode"). Each rank drives a native NormalBuffer on its GPU beside a reference
+NormalBuffer on the CPU with the same mask and inputs, and compares what both return, bit for bit: the
+reference backend is the definition of a call among the survivors."""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Tuple
+
+from ep_native_cases import setup_device
+from normal_gpu_cases import Shape, _on, compare_dispatch, expert, make_inputs, same
+
+
+def _masks(world: int, out: List[int]) -> Tuple[Any, Any]:
+    import torch
+    m = torch.ones(world, dtype=torch.int32)
+    for r in out:
+        m[r] = 0
+    return m.cuda(), m.clone()
+
+
+def _round(nat: Any, ref: Any, s: Shape, seed: int, fp8: bool, tag: str, layout_from: str = "both") -> Dict[str, Any]:
+    """layout, dispatch, cached dispatch and combine on both; every output and every dropped count
+    compared. layout_from="native_before": the native dispatch uses a layout made before this call
+    (done by the caller: see silent_rank), so the layouts are not compared."""
+    import torch
+    import torch.distributed as dist
+    from pyep.ep import fp8 as f8
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, t, w = make_inputs(seed, rank, s, "random", world)
+    xin = f8.quantize_fp8(x) if fp8 else x
+    gx = tuple(_on("cuda", *xin)) if fp8 else x.cuda()
+    gt, gw = _on("cuda", t, w)
+    lay_n = nat.get_dispatch_layout(gt, s.E)
+    lay_r = ref.get_dispatch_layout(t, s.E)
+    torch.cuda.synchronize()
+    for i, name in ((0, "num_tokens_per_rank"), (2, "num_tokens_per_expert"), (3, "is_token_in_rank")):
+        same(f"{tag} layout {name}", lay_n[i], lay_r[i])
+    same(f"{tag} layout dropped", lay_n[4].num_dropped_tokens, lay_r[4].num_dropped_tokens)
+    got = nat.dispatch(gx, num_tokens_per_rank=lay_n[0], is_token_in_rank=lay_n[3], num_tokens_per_expert=lay_n[2],
+                       topk_idx=gt, topk_weights=gw)
+    want = ref.dispatch(xin, num_tokens_per_rank=lay_r[0], is_token_in_rank=lay_r[3], num_tokens_per_expert=lay_r[2],
+                        topk_idx=t, topk_weights=w)
+    torch.cuda.synchronize()
+    compare_dispatch(tag, got, want)
+    same(f"{tag} dispatch dropped", got[5].num_dropped_tokens, want[5].num_dropped_tokens)
+    same(f"{tag} handle dropped", got[4].num_dropped_tokens, want[4].num_dropped_tokens)
+    c_n = nat.dispatch(gx, handle=got[4])
+    c_r = ref.dispatch(xin, handle=want[4])
+    torch.cuda.synchronize()
+    compare_dispatch(tag + " (cached)", c_n, c_r, cached=True, real=int((want[4].recv_src_idx >= 0).sum()))
+    y = expert(want[0], rank)
+    out_n = nat.combine(y.cuda(), got[4], topk_weights=got[2])
+    out_r = ref.combine(y, want[4], topk_weights=want[2])
+    torch.cuda.synchronize()
+    same(f"{tag} combined_x", out_n[0], out_r[0])
+    same(f"{tag} combined_topk_weights", out_n[1], out_r[1])
+    same(f"{tag} combine dropped", out_n[2].num_dropped_tokens, out_r[2].num_dropped_tokens)
+    return {"dropped": want[5].num_dropped_tokens.tolist()}
+
+
+def static_mask(shape_args: Tuple[int, int, int, int], masked: int) -> List[int]:
+    """Every rank passes the same mask that leaves `masked` out: the native calls give what the reference
+    gives for it (nothing sent to or awaited from it; its tokens dropped and counted), for BF16 and FP8,
+    cached dispatch and combine; the masked rank itself moves nothing. Then the mask changes in place (a
+    second rank out) and the next calls follow it with no other call. Returns the dropped counts."""
+    import torch
+    import torch.distributed as dist
+    from pyep.ep.normal import NormalBuffer
+    setup_device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = Shape(*shape_args)
+    gmask, cmask = _masks(world, [masked])
+    nat = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="native", active_ranks=gmask, timeout_us=5_000_000)
+    ref = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="reference", active_ranks=cmask)
+    try:
+        r1 = _round(nat, ref, s, 41, False, f"rank {rank} mask -{masked} bf16")
+        _round(nat, ref, s, 42, True, f"rank {rank} mask -{masked} fp8")
+        other = (masked + 1) % world
+        gmask[other] = 0              # in place, as a caller may: the kernels read it on the GPU
+        cmask[other] = 0
+        _round(nat, ref, s, 43, False, f"rank {rank} mask -{masked},-{other}")
+        assert nat.get_active_ranks().tolist() == cmask.tolist()
+        return r1["dropped"]
+    finally:
+        nat.destroy()
+        ref.destroy()
+        torch.cuda.synchronize()
+
+
+def silent_rank(shape_args: Tuple[int, int, int, int], timeout_us: int) -> Dict[str, Any]:
+    """A rank goes silent in a dispatch (it sleeps instead of calling it): with a mask, every other rank's
+    dispatch completes among the survivors within about the timeout -- no error -- with exactly what the
+    reference gives with that rank masked; the rank is marked in every survivor's mask, and the later
+    calls (layout, dispatch, cached dispatch, combine) run among the survivors without waiting for it.
+    The silent rank takes part only in the reference calls afterwards (a masked gloo rank)."""
+    import torch
+    import torch.distributed as dist
+    from pyep.ep.normal import NormalBuffer
+    setup_device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = Shape(*shape_args)
+    victim = world - 1
+    gmask, _ = _masks(world, [])
+    _, cmask = _masks(world, [victim])
+    nat = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="native", active_ranks=gmask, timeout_us=timeout_us)
+    ref = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="reference", active_ranks=cmask)
+    out: Dict[str, Any] = {"rank": rank}
+    try:
+        x, t, w = make_inputs(51, rank, s, "random", world)
+        gx, gt, gw = _on("cuda", x, t, w)
+        lay = nat.get_dispatch_layout(gt, s.E)      # made while every rank is active
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == victim:
+            time.sleep(3 * timeout_us / 1e6)
+        else:
+            start = time.monotonic()
+            got = nat.dispatch(gx, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                               topk_idx=gt, topk_weights=gw)
+            torch.cuda.synchronize()
+            out["took_s"] = time.monotonic() - start
+            out["mask"] = nat.get_active_ranks().tolist()
+        lay_r = ref.get_dispatch_layout(t, s.E)
+        want = ref.dispatch(x, num_tokens_per_rank=lay_r[0], is_token_in_rank=lay_r[3], num_tokens_per_expert=lay_r[2],
+                            topk_idx=t, topk_weights=w)
+        if rank != victim:
+            tag = f"rank {rank} silent {victim}"
+            compare_dispatch(tag, got, want)
+            same(f"{tag} dispatch dropped", got[5].num_dropped_tokens, want[5].num_dropped_tokens)
+            y = expert(want[0], rank)
+            # The combine of that dispatch's handle, and later rounds, among the survivors only.
+            out_n = nat.combine(y.cuda(), got[4], topk_weights=got[2])
+        out_r = ref.combine(expert(want[0], rank), want[4], topk_weights=want[2])
+        if rank != victim:
+            torch.cuda.synchronize()
+            same(f"{tag} combined_x", out_n[0], out_r[0])
+            same(f"{tag} combine dropped", out_n[2].num_dropped_tokens, out_r[2].num_dropped_tokens)
+        for seed in (52, 53):
+            if rank == victim:      # reference calls only: the native buffer left it out
+                xv, tv, wv = make_inputs(seed, rank, s, "random", world)
+                if seed == 53:      # the survivors' round of this seed is FP8 (the tags must agree)
+                    from pyep.ep import fp8 as f8
+                    xv = f8.quantize_fp8(xv)
+                lv = ref.get_dispatch_layout(tv, s.E)
+                dv = ref.dispatch(xv, num_tokens_per_rank=lv[0], is_token_in_rank=lv[3], num_tokens_per_expert=lv[2],
+                                  topk_idx=tv, topk_weights=wv)
+                ref.dispatch(xv, handle=dv[4])
+                ref.combine(expert(dv[0], rank), dv[4], topk_weights=dv[2])
+            else:
+                t0 = time.monotonic()
+                _round(nat, ref, s, seed, seed == 53, f"rank {rank} after silent {victim} seed {seed}")
+                out[f"round_{seed}_s"] = time.monotonic() - t0
+        return out
+    finally:
+        nat.destroy()        # local (a synchronisation and the release of this rank's memory)
+        ref.destroy()
+        torch.cuda.synchronize()
