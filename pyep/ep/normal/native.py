@@ -24,6 +24,7 @@ from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .device_records import TAG_RECORD_INTS, DeviceRecords
 from .errors import ERR_PEER_TIMEOUT, BufferBroken, NormalCallMismatch, NotCapturable, PeerTimeout
+from .native_state import NativeCallState
 from .topology import NodeLayout
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def _engine() -> Any:
     return mod
 
 
-class NormalNativeBackend:
+class NormalNativeBackend(NativeCallState):
     name = "native"
     takes_mask = True   # set_mask: the kernels read and clear an active_ranks mask (docs/elastic.md)
 
@@ -170,24 +171,6 @@ class NormalNativeBackend:
         s.global_base = self.global_base
         s.layout_scratch = self._scratch.data_ptr()
         return s
-
-    def set_mask(self, mask: "torch.Tensor") -> None:
-        """The buffer's active_ranks (int32 [R] on this device, 1 = active), read by every call's kernels
-        on the device -- no host read, so the caller may change it in place between calls -- and cleared
-        by them for a peer that stays silent past the timeout (docs/elastic.md, "Normal mode")."""
-        import torch
-        if mask.device != self.device or mask.dtype != torch.int32 or tuple(mask.shape) != (self.num_ranks,):
-            raise ValueError(f"the native normal mode reads active_ranks on the GPU: it must be int32 "
-                             f"[{self.num_ranks}] on {self.device}, got {mask.dtype} {list(mask.shape)} on {mask.device}")
-        if not mask.is_contiguous():
-            raise ValueError("active_ranks must be contiguous")
-        self._mask = mask
-        self._static.active = mask.data_ptr()
-
-    def _dropped(self) -> Optional["torch.Tensor"]:
-        """A call's per-rank count of tokens it did not deliver (with a mask), or None."""
-        import torch
-        return torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device) if self._mask is not None else None
 
     def join_group(self, global_ranks: List[int], num_ranks: int) -> None:
         """A node of an internode buffer: tags and records name the group's ranks (global_ranks[local])."""
@@ -324,40 +307,6 @@ class NormalNativeBackend:
             if state == 2:
                 raise exc if exc is not None else BufferBroken(f"{what}: the call is void and no record says why")
         return int(self._host_np[1])
-
-    def _settle_ring_geometry(self, ring_tokens: int, hidden: int, what: str,
-                              row: Optional[Tuple[bool, int, bool]] = None) -> None:
-        """A ring's place in the buffer depends on its depth and on the slot stride (layout.py). The
-        stride is that of the call's hidden size (slot_bytes(hidden): the largest row of any call of that
-        hidden, so FP8 dispatch, BF16 dispatch and combine rows of one model share one layout), not of the
-        largest hidden the buffer could hold: a buffer sized by bytes (the DeepEP shim's num_nvl_bytes)
-        would otherwise spread every row over slots two or more times its size, and the rings of all
-        ranks over that much more memory. A call with another geometry than the last one lays its rings
-        over streams that a slower peer may still be reading from the earlier call: it first lets every
-        rank finish its earlier calls (device synchronise, then the call's gate); calls of one geometry
-        never wait here. PYEP_NORMAL_SLOT=row (a measuring switch) makes the stride that of the call's row
-        kind instead, `row` = (fp8, top-k, combine)."""
-        import torch
-        slot = layout.slot_bytes(hidden)
-        if self._slot_per_row and row is not None:
-            fp8, k, combine = row
-            b = int(self._n.combine_row_bytes(hidden, k) if combine else self._n.dispatch_row_bytes(hidden, int(fp8), k))
-            slot = -(-b // layout.RING_ALIGN) * layout.RING_ALIGN
-        geometry = (ring_tokens, slot)
-        if self._geometry is None or self._geometry == geometry:
-            self._geometry = geometry
-            self._static.slot_bytes = slot
-            return
-        if torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"{what}: the ring geometry changes from {self._geometry[0]} rows of {self._geometry[1]} "
-                             f"bytes to {ring_tokens} rows of {slot} bytes (num_max_nvl_chunked_recv_tokens or the "
-                             f"hidden size changed) inside a CUDA graph capture; a new geometry needs every rank "
-                             f"idle first: make one eager call with the new config and shape before capturing")
-        # The call's gate is the barrier: no rank passes it before every rank posted its flag, which a
-        # rank does after this synchronisation (ring depth and hidden are in the tag: the ranks change alike).
-        torch.cuda.synchronize(self.device)
-        self._geometry = geometry
-        self._static.slot_bytes = slot
 
     def dispatch(self, call: DispatchCall) -> DispatchResult:
         import torch

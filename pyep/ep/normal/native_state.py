@@ -1,0 +1,77 @@
+"""What a call of the native normal backend settles on the host before it launches (native.py mixes it
+in): the ring geometry of its rings, and the active_ranks mask its kernels read, with the per-call
+dropped-token counts a mask gives."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Tuple
+
+from . import layout
+
+if TYPE_CHECKING:
+    import torch
+
+
+class NativeCallState:
+    """Mixed into NormalNativeBackend (which provides _n, _static, _geometry, _slot_per_row, _mask, device,
+    num_ranks)."""
+
+    _geometry: Optional[Tuple[int, int]]
+    _slot_per_row: bool
+    _mask: Optional["torch.Tensor"]
+    _static: Any
+    _n: Any
+    device: "torch.device"
+    num_ranks: int
+
+    def set_mask(self, mask: "torch.Tensor") -> None:
+        """The buffer's active_ranks (int32 [R] on this device, 1 = active), read by every call's kernels
+        on the device -- no host read, so the caller may change it in place between calls -- and cleared
+        by them for a peer that stays silent past the timeout (docs/elastic.md, "Normal mode")."""
+        import torch
+        if mask.device != self.device or mask.dtype != torch.int32 or tuple(mask.shape) != (self.num_ranks,):
+            raise ValueError(f"the native normal mode reads active_ranks on the GPU: it must be int32 "
+                             f"[{self.num_ranks}] on {self.device}, got {mask.dtype} {list(mask.shape)} on {mask.device}")
+        if not mask.is_contiguous():
+            raise ValueError("active_ranks must be contiguous")
+        self._mask = mask
+        self._static.active = mask.data_ptr()
+
+    def _dropped(self) -> Optional["torch.Tensor"]:
+        """A call's per-rank count of tokens it did not deliver (with a mask), or None."""
+        import torch
+        return torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device) if self._mask is not None else None
+
+    def _settle_ring_geometry(self, ring_tokens: int, hidden: int, what: str,
+                              row: Optional[Tuple[bool, int, bool]] = None) -> None:
+        """A ring's place in the buffer depends on its depth and on the slot stride (layout.py). The
+        stride is that of the call's hidden size (slot_bytes(hidden): the largest row of any call of that
+        hidden, so FP8 dispatch, BF16 dispatch and combine rows of one model share one layout), not of the
+        largest hidden the buffer could hold: a buffer sized by bytes (the DeepEP shim's num_nvl_bytes)
+        would otherwise spread every row over slots two or more times its size, and the rings of all
+        ranks over that much more memory. A call with another geometry than the last one lays its rings
+        over streams that a slower peer may still be reading from the earlier call: it first lets every
+        rank finish its earlier calls (device synchronise, then the call's gate); calls of one geometry
+        never wait here. PYEP_NORMAL_SLOT=row (a measuring switch) makes the stride that of the call's row
+        kind instead, `row` = (fp8, top-k, combine)."""
+        import torch
+        slot = layout.slot_bytes(hidden)
+        if self._slot_per_row and row is not None:
+            fp8, k, combine = row
+            b = int(self._n.combine_row_bytes(hidden, k) if combine else self._n.dispatch_row_bytes(hidden, int(fp8), k))
+            slot = -(-b // layout.RING_ALIGN) * layout.RING_ALIGN
+        geometry = (ring_tokens, slot)
+        if self._geometry is None or self._geometry == geometry:
+            self._geometry = geometry
+            self._static.slot_bytes = slot
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"{what}: the ring geometry changes from {self._geometry[0]} rows of {self._geometry[1]} "
+                             f"bytes to {ring_tokens} rows of {slot} bytes (num_max_nvl_chunked_recv_tokens or the "
+                             f"hidden size changed) inside a CUDA graph capture; a new geometry needs every rank "
+                             f"idle first: make one eager call with the new config and shape before capturing")
+        # The call's gate is the barrier: no rank passes it before every rank posted its flag, which a
+        # rank does after this synchronisation (ring depth and hidden are in the tag: the ranks change alike).
+        torch.cuda.synchronize(self.device)
+        self._geometry = geometry
+        self._static.slot_bytes = slot
+
