@@ -7,7 +7,7 @@
 #
 # PART (times measured on one H200, 2026-11-26; docs/results/2026-11-26b-h200x1/):
 #   suites      compat, normal call tags, normal internode native (2x8 included)          ~6 min
-#   more        LL native, GDA + softnic, normal intranode + order, relay                 ~9 min
+#   more        LL native, GDA + softnic, normal intranode + order + mask, relay          ~9 min
 #   anchors     DeepEP V1's test_intranode / test_low_latency / test_internode (16 ranks)
 #               and V2's test_ep.py (sync and no-sync) on the shims (carry .anchors)      ~8 min
 #   drills-mps  pyep drill, MPS on: softnic and NVLink 20 each at 2 ranks, 4 each at 4    ~7 min
@@ -66,6 +66,7 @@ case "$PART" in
     step ll 150 "$PY" -m pytest -q -m gpu -rfE tests/test_ep_native_gpu.py
     step gda 60 "$PY" -m pytest -q -m gpu -rfE tests/test_gda_gpu.py tests/test_softnic_gpu.py
     step normal 90 "$PY" -m pytest -q -m gpu -rfE tests/test_normal_gpu.py tests/test_normal_internode_order_gpu.py
+    step nelastic 60 "$PY" -m pytest -q -m gpu -rfE tests/test_normal_elastic_gpu.py
     step relay 270 "$PY" -m pytest -q -m gpu -rfE tests/test_normal_internode_gpu.py ;;
   anchors)
     step v1_intra 150 env DEEPEP_ON=pyep OUT="$OUTDIR" bash .anchors/deepep_v1.sh intranode 2
