@@ -205,6 +205,84 @@ def run(mode: str, num_ranks: int, extra: Sequence[str] = (), out_dir: Optional[
     return doc
 
 
+PROBE = os.path.join("tools", "dev", "normal_b2b_probe.py")
+DEEPEP_TEST_SMS = 24          # test_intranode.py's num_sms (hard-coded in its test_loop)
+_B2B_KEYS = (("fp8_colmajor", "dispatch_fp8"), ("bf16", "dispatch_bf16"), ("combine", "combine"))
+
+
+def figures_from_probe(doc: Dict[str, Any], sms: int, chunk: int) -> Dict[str, Any]:
+    """test_intranode.py-shaped figures from tools/dev/normal_b2b_probe.py's JSON: per call kind, rank 0's
+    GB/s counted DeepEP's way (received rows x 2H, FP8 x (1 + 4/128) / 2) over the mean event time of its
+    back-to-back calls (DeepEP's bench())."""
+    args, ranks = doc["args"], doc["ranks"]
+    r0 = next(r for r in ranks if r["rank"] == 0)
+    out: Dict[str, Any] = {"shape": {"num_tokens": args["num_tokens"], "hidden": args["hidden"],
+                                     "num_topk": args["num_topk"]}}
+    for variant, key in _B2B_KEYS:
+        v = r0["variants"].get(variant, {}).get("b2b")
+        if not v:
+            continue
+        factor = (1 + 4 / 128) / 2 if variant.startswith("fp8") else 1.0
+        t_us = float(v["event_us_mean"])
+        gbps = r0["recv_rows"] * 2 * args["hidden"] * factor / (t_us * 1e3)
+        out[key] = {"num_sms": sms, "nvl_chunk": chunk, "gbps": gbps, "t_us": t_us}
+    return out
+
+
+def run_b2b(num_ranks: int, sms: int, shape: Sequence[str] = (), out_dir: Optional[str] = None,
+            timeout_s: float = 600.0, root: str = ROOT, on: str = "deepep", chunk: int = 8,
+            ring: int = 256) -> Dict[str, Any]:
+    """DeepEP's bench() loop (tools/dev/normal_b2b_probe.py) on DeepEP or on pyep's shim at `sms` SMs:
+    where DeepEP's own test cannot run (its 24 SMs per rank do not fit the ranks sharing one GPU), the
+    same calls, inputs and byte counts at an SM count that fits both. `shape`: --num-tokens N --hidden H
+    --num-topk K --num-experts E. Ranks share the GPUs as deepep_v1.sh lets them (.anchors/onegpu)."""
+    if on not in ON:
+        raise ValueError(f"on must be one of {ON}, got {on!r}")
+    check_available(root)
+    out_dir = out_dir or os.path.join(root, "runs", "deepep-" + time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    anchors = os.path.join(root, ".anchors")
+    t0 = time.monotonic()
+    if on == "deepep":    # built once by its runner script (DEEPEP_BUILD_ONLY=1)
+        built = subprocess.run(["bash", SCRIPT, "intranode", "2"], cwd=root, capture_output=True, text=True,
+                               env={**env, "DEEPEP_BUILD_ONLY": "1", "OUT": os.path.abspath(out_dir)},
+                               timeout=timeout_s)
+        if built.returncode != 0:
+            raise DeepEpUnavailable(f"DeepEP did not build: {(built.stdout + built.stderr).strip()[-400:]}")
+        lib = os.path.join(anchors, "deepep")
+    else:
+        lib = os.path.join(out_dir, "shim")
+        os.makedirs(os.path.join(lib, "deep_ep"), exist_ok=True)
+        with open(os.path.join(lib, "deep_ep", "__init__.py"), "w", encoding="utf-8") as fh:
+            fh.write("from pyep.compat.deep_ep import *  # noqa\nimport pyep.compat.deep_ep as _m\nBuffer = _m.Buffer\n")
+        lib = lib + os.pathsep + root
+    env.update(ONEGPU="1", PYTHONPATH=os.pathsep.join([os.path.join(anchors, "onegpu"), lib]))
+    js = os.path.join(out_dir, f"b2b_{on}_{num_ranks}.json")
+    cmd = [sys.executable, os.path.join(root, PROBE), "--ranks", str(num_ranks), "--sms", str(sms), "--chunk", str(chunk),
+           "--ring", str(ring), *shape, "--variants", "fp8_colmajor", "bf16", "combine", "--modes", "b2b",
+           "--json", js, "--trace-dir", os.path.join(out_dir, f"b2b_traces_{on}")]
+    log.info("running %s", " ".join(cmd))
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, text = 124, _text(exc.stdout) + _text(exc.stderr) + f"\ntimed out after {timeout_s:g} s"
+    log_path = os.path.join(out_dir, f"b2b_{on}_{num_ranks}.log")
+    with open(log_path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    figures: Dict[str, Any] = {}
+    if rc == 0 and os.path.isfile(js):
+        with open(js, encoding="utf-8") as fh:
+            figures = figures_from_probe(json.load(fh), sms, chunk)
+    who = "DeepEP V1 (.anchors/deepep)" if on == "deepep" else "pyep's DeepEP shim"
+    return {"schema": SCHEMA, "mode": "intranode", "harness": "b2b", "num_ranks": num_ranks, "on": on,
+            "command": cmd, "rc": rc, "out_dir": out_dir, "seconds": round(time.monotonic() - t0, 1), "log": log_path,
+            "mps_started": False, "source": f"{who}, DeepEP's bench() loop at {sms} SMs ({PROBE})",
+            "label": ("DeepEP (its bench() loop)" if on == "deepep" else "pyep shim (DeepEP's bench() loop)"),
+            "ok": rc == 0 and has_figures("intranode", figures), "figures": figures, "output_tail": text[-4000:]}
+
+
 def _text(v: Any) -> str:
     if v is None:
         return ""

@@ -29,10 +29,12 @@ def load_baseline_tool() -> Any:
 
 
 def deepep_figures(mode: str, num_ranks: int, extra: Sequence[str], out_dir: str,
-                   json_path: Optional[str] = None, on: str = "deepep") -> Tuple[Optional[Dict[str, Any]], str]:
+                   json_path: Optional[str] = None, on: str = "deepep",
+                   b2b_sms: Optional[int] = None) -> Tuple[Optional[Dict[str, Any]], str]:
     """(document, note). Loads json_path when given, else runs DeepEP's test now, on DeepEP (`on`
-    "deepep") or on pyep's shim ("pyep"). Never raises for a missing DeepEP: the note says what
-    happened."""
+    "deepep") or on pyep's shim ("pyep") -- or, with b2b_sms (intranode only), DeepEP's bench() loop at
+    that SM count (tools/deepep_baseline.py run_b2b), where its test's 24 SMs per rank do not fit. Never
+    raises for a missing DeepEP: the note says what happened."""
     if on not in ON:
         raise ValueError(f"on must be one of {ON}, got {on!r}")
     who = "DeepEP" if on == "deepep" else "pyep's shim under DeepEP's test"
@@ -44,8 +46,13 @@ def deepep_figures(mode: str, num_ranks: int, extra: Sequence[str], out_dir: str
                 raise ValueError(f"{json_path} holds no JSON object")
             return doc, f"{who}: figures from {json_path}"
         tool = load_baseline_tool()
-        doc = tool.run(mode, num_ranks, list(extra), os.path.join(out_dir, f"deepep-on-{on}"), on=on)
-        tool.write(os.path.join(out_dir, f"deepep_{mode}_on_{on}.json"), doc)
+        if b2b_sms:
+            who = "DeepEP" if on == "deepep" else "pyep's shim in DeepEP's bench() loop"
+            doc = tool.run_b2b(num_ranks, b2b_sms, list(extra), os.path.join(out_dir, f"deepep-b2b-on-{on}"), on=on)
+            tool.write(os.path.join(out_dir, f"deepep_{mode}_b2b_on_{on}.json"), doc)
+        else:
+            doc = tool.run(mode, num_ranks, list(extra), os.path.join(out_dir, f"deepep-on-{on}"), on=on)
+            tool.write(os.path.join(out_dir, f"deepep_{mode}_on_{on}.json"), doc)
     except (OSError, ValueError) as exc:
         return None, f"{who}: figures unavailable: {exc}"
     except Exception as exc:  # noqa: BLE001 - DeepEpUnavailable and friends: a note, not a crash

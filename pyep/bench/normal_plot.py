@@ -55,7 +55,8 @@ def plot(path: str, rows: Sequence[NormalRow], deepep: Optional[Dict[str, Any]],
             ax.axhspan(lo, hi, color="g", alpha=0.1, label="DeepEP internode RDMA, published")
         for f, color, name in ((figs.get(key), "k", "DeepEP best"), (shim_figs.get(key), "m", "pyep shim best")):
             if f:
-                ax.axhline(f["gbps"], color=color, linestyle=":", label=f"{name} ({f['num_sms']} SMs, its test)")
+                how = "its bench() loop" if (deepep or {}).get("harness") == "b2b" else "its test"
+                ax.axhline(f["gbps"], color=color, linestyle=":", label=f"{name} ({f['num_sms']} SMs, {how})")
         ax.set_title(TITLES[phase])
         ax.set_xlabel("SMs")
         ax.grid(True, alpha=0.3)

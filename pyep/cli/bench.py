@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..bench.config import BENCH_BACKENDS, DISPATCH_DTYPES, SWEEP_TOKENS, BenchConfig, RoutingSpec
 from ..bench.normal import DEFAULT_SWEEP_SMS as NORMAL_SWEEP_SMS
@@ -292,7 +292,7 @@ def _run_normal_rank(cfg: NormalBenchConfig, args: argparse.Namespace, environ: 
     out_dir = args.out or environ.get("PYEP_RUN_DIR") or os.path.join("runs", "bench-normal-" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
     sharing = suite.sharing
-    deepep, shim = _deepep_normal_run(cfg, args, suite.world_size, out_dir, device, notes)
+    deepep, shim = _deepep_normal_run(cfg, args, suite.world_size, out_dir, device, notes, sharing)
     if deepep is not None and deepep.get("mps_started") and sharing.time_sliced:
         notes.append("DeepEP ran under MPS (deepep_v1.sh started the daemon) while pyep's rows were time-sliced: "
                      "not the same conditions; start the MPS daemon before the benchmark")
@@ -321,7 +321,7 @@ def _run_normal_rank(cfg: NormalBenchConfig, args: argparse.Namespace, environ: 
 
 
 def _deepep_normal_run(cfg: NormalBenchConfig, args: argparse.Namespace, world: int, out_dir: str, device: Any,
-                       notes: List[str]) -> Tuple[Optional[dict], Optional[dict]]:
+                       notes: List[str], sharing: Any = None) -> Tuple[Optional[dict], Optional[dict]]:
     """(DeepEP's document, pyep's shim under DeepEP's harness): DeepEP's test_intranode.py on both
     libraries, after our ranks left the GPUs; --deepep-json loads DeepEP's from a file instead."""
     from ..bench.deepep_run import deepep_figures
@@ -335,13 +335,34 @@ def _deepep_normal_run(cfg: NormalBenchConfig, args: argparse.Namespace, world: 
         torch.cuda.empty_cache()
     extra = ["--num-tokens", str(cfg.tokens), "--hidden", str(cfg.hidden), "--num-topk", str(cfg.topk),
              "--num-experts", str(cfg.experts)]
-    deepep, note = deepep_figures("intranode", world, extra, out_dir, args.deepep_json)
+    b2b = None if args.deepep_json or sharing is None else deepep_b2b_sms(sharing, cfg.num_sms)
+    if b2b:
+        notes.append(f"DeepEP's test_intranode.py runs {DEEPEP_TEST_SMS} SMs per rank, which do not fit "
+                     f"{sharing.ranks_per_device} ranks on one GPU of {sharing.sms} SMs: DeepEP and pyep's shim ran "
+                     f"DeepEP's bench() loop at {b2b} SMs instead (tools/dev/normal_b2b_probe.py, the same inputs "
+                     f"and byte counts)")
+    deepep, note = deepep_figures("intranode", world, extra, out_dir, args.deepep_json, b2b_sms=b2b)
     notes.append(note)
     shim = None
     if args.deepep and deepep is not None and device.type == "cuda":
-        shim, note = deepep_figures("intranode", world, extra, out_dir, on="pyep")
+        shim, note = deepep_figures("intranode", world, extra, out_dir, on="pyep", b2b_sms=b2b)
         notes.append(note)
     return deepep, shim
+
+
+DEEPEP_TEST_SMS = 24     # tests/test_intranode.py's num_sms
+
+
+def deepep_b2b_sms(sharing: Any, swept: Sequence[int]) -> Optional[int]:
+    """None when DeepEP's test (24 SMs per rank) fits the ranks on their GPU; else the largest SM count of
+    the sweep that fits them (every block of every rank resident), at which DeepEP's bench() loop then
+    runs on both libraries; None when none fits."""
+    from ..bench.sharing import sm_fit
+    per = sharing.ranks_per_device
+    if not sharing.cuda or not sm_fit(DEEPEP_TEST_SMS, per, sharing.sms):
+        return None
+    fits = [n for n in swept if not sm_fit(n, per, sharing.sms)]
+    return max(fits) if fits else None
 
 
 def _deepep_ll_run(cfg: BenchConfig, world_size: int, out_dir: str, device, shared: bool) -> Tuple[Optional[dict], str]:  # type: ignore[no-untyped-def]
