@@ -20,7 +20,7 @@ requires_gpus = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU and the CU
 def test_static_mask_matches_reference(pools, masked):
     from normal_gpu_elastic import static_mask
     res = pools[4].run(static_mask, (96, 1024, 32, 4), masked, timeout_s=220)
-    assert sum(res[0]) > 0 or masked == 0        # rank 0 routed tokens to the masked rank: counted dropped
+    assert sum(res[0]) > 0     # rank 0 routed tokens to the masked rank (or is it): counted dropped
 
 
 @requires_gpus

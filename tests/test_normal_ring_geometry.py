@@ -17,16 +17,12 @@ from pyep.ep.normal import layout  # noqa: E402
 from pyep.ep.normal import native as intranode  # noqa: E402
 
 
-def _backend(monkeypatch: Any, buffer_hidden: int = 16384, per_row: bool = False) -> Any:
+def _backend(monkeypatch: Any, buffer_hidden: int = 16384) -> Any:
     b = intranode.NormalNativeBackend.__new__(intranode.NormalNativeBackend)
     b.device = torch.device("cpu")
     b.hidden = buffer_hidden
     b._geometry = None
-    b._slot_per_row = per_row
     b._static = SimpleNamespace(slot_bytes=layout.slot_bytes(buffer_hidden))
-    # The kernels' row sizes (normal_common.cuh DispatchRow / CombineRow) as the binding reports them.
-    b._n = SimpleNamespace(dispatch_row_bytes=lambda h, fp8, k: (h if fp8 else 2 * h) + (h // 128 * 4 if fp8 else 0) + 8 * k + 4,
-                           combine_row_bytes=lambda h, k: 2 * h + 4 * k)
     b.syncs = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: b.syncs.append(device))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -35,7 +31,7 @@ def _backend(monkeypatch: Any, buffer_hidden: int = 16384, per_row: bool = False
 
 def test_stride_follows_the_calls_hidden_not_the_buffers(monkeypatch: Any) -> None:
     b = _backend(monkeypatch, buffer_hidden=16384)
-    b._settle_ring_geometry(256, 7168, "normal dispatch", (True, 0, False))
+    b._settle_ring_geometry(256, 7168, "normal dispatch")
     assert b._static.slot_bytes == layout.slot_bytes(7168) == 14592
     assert b._static.slot_bytes < layout.slot_bytes(16384)
     assert b.syncs == []                                   # the first call has nothing to wait for
@@ -43,8 +39,8 @@ def test_stride_follows_the_calls_hidden_not_the_buffers(monkeypatch: Any) -> No
 
 def test_one_geometry_never_synchronises(monkeypatch: Any) -> None:
     b = _backend(monkeypatch)
-    for row in [(True, 8, False), (False, 8, False), (False, 8, True), (True, 0, False), (False, 0, True)] * 3:
-        b._settle_ring_geometry(256, 7168, "call", row)   # FP8 / BF16 dispatch and combine rows: one stride
+    for _ in range(5):     # FP8 / BF16 dispatch and combine calls of one model: one geometry
+        b._settle_ring_geometry(256, 7168, "call")
     assert b.syncs == []
     assert b._geometry == (256, layout.slot_bytes(7168))
 
@@ -69,14 +65,3 @@ def test_a_new_geometry_inside_a_capture_is_refused_and_changes_nothing(monkeypa
         b._settle_ring_geometry(256, 2048, "normal dispatch")
     assert b._geometry == (256, 14592) and b._static.slot_bytes == 14592 and b.syncs == []
     b._settle_ring_geometry(256, 7168, "call")             # the same geometry is fine inside a capture
-
-
-def test_per_row_stride_switch(monkeypatch: Any) -> None:
-    b = _backend(monkeypatch, per_row=True)
-    b._settle_ring_geometry(256, 7168, "dispatch", (True, 0, False))
-    fp8_row = 7168 + 56 * 4 + 4
-    assert b._static.slot_bytes == -(-fp8_row // 128) * 128 == 7424
-    b._settle_ring_geometry(256, 7168, "combine", (False, 0, True))
-    assert b.syncs == [b.device]                           # a row-kind change moves the rings: it waits
-    seen: List[int] = [b._static.slot_bytes]
-    assert seen == [-(-(2 * 7168) // 128) * 128]

@@ -60,22 +60,14 @@ class NormalBufferMembership(MemberView):
         self._check_alive("get_active_ranks")
         return self._mask.clone()
 
-    def _check_mask_supported(self, before: Optional[List[int]] = None) -> None:
-        """What a backend does not take is an error, never ignored: the internode kernels take no mask
-        (one that leaves a rank out); the native intranode kernels take one, but do not rebuild a rank's
-        links yet (a mask that takes back a rank they left out)."""
-        if self._backend.name == "reference":
+    def _check_mask_supported(self) -> None:
+        """A backend that takes no mask (the internode kernels): one that leaves a rank out is an error
+        there, never ignored (update_ep_member sets the buffer's own copy)."""
+        if self._backend.name == "reference" or getattr(self._backend, "takes_mask", False):
             return
-        now = self._mask.tolist()
-        if not getattr(self._backend, "takes_mask", False):
-            out = [r for r, v in enumerate(now) if not v]
-            if out:
-                raise ElasticUnsupported(f"an active_ranks mask that leaves ranks {out} out", self._backend.name)
-            return
-        back = [r for r, v in enumerate(now) if v and before is not None and not before[r]]
-        if back:
-            raise ElasticUnsupported(f"taking ranks {back} back into the calls (a rejoin: their links are not "
-                                     f"rebuilt yet)", self._backend.name)
+        out = [r for r, v in enumerate(self._mask.tolist()) if not v]
+        if out:
+            raise ElasticUnsupported(f"an active_ranks mask that leaves ranks {out} out", self._backend.name)
 
     def update_ep_member(self, active_ranks: Optional["torch.Tensor"] = None) -> None:
         """On a process group: set the buffer's mask (every rank must pass the same one; None: all
@@ -89,8 +81,8 @@ class NormalBufferMembership(MemberView):
         member = self._member
         if member is None:
             want = active_ranks if active_ranks is not None else torch.ones_like(self._mask)
-            before = self._mask.tolist()
             if self._backend.name != "reference" and getattr(self._backend, "takes_mask", False):
+                before = self._mask.tolist()
                 back = [r for r, v in enumerate(want.tolist()) if v and not before[r]]
                 if back:   # refused before the mask changes: the buffer keeps working as it was
                     raise ElasticUnsupported(f"taking ranks {back} back into the calls (a rejoin: their links are "
@@ -104,7 +96,7 @@ class NormalBufferMembership(MemberView):
                     self._mask = mask
                     return
             self._mask.copy_(want.to(self._mask.device))
-            self._check_mask_supported(before)
+            self._check_mask_supported()
             return
         if member.joining:
             self.join()

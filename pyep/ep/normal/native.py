@@ -114,7 +114,6 @@ class NormalNativeBackend(NativeCallState):
         # copy engine (an A/B switch for measurements; both give the same bytes).
         import os
         self._use_tma = os.environ.get("PYEP_NORMAL_TMA", "1") != "0"
-        self._slot_per_row = os.environ.get("PYEP_NORMAL_SLOT", "hidden") == "row"
         # Pinned host words the kernels write and the host reads without synchronising.
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host = torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cpu",
@@ -319,8 +318,7 @@ class NormalNativeBackend(NativeCallState):
         c_n = cfg.num_channels()
         n, h = call.x.shape
         fp8 = call.x_scales is not None
-        k_rows = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
-        self._settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, h, "normal dispatch", (fp8, k_rows, False))
+        self._settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, h, "normal dispatch")
         stream = raw_current_stream(dev)
         handle = call.handle
         k = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
@@ -386,7 +384,7 @@ class NormalNativeBackend(NativeCallState):
         cfg = call.config
         n, h = hd.num_tokens, int(call.x.shape[1])
         k = int(call.topk_weights.shape[1]) if call.topk_weights is not None else 0
-        self._settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, h, "normal combine", (False, k, True))
+        self._settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, h, "normal combine")
         self.gate(tags.KIND_COMBINE, [h, hd.num_channels, cfg.num_max_nvl_chunked_recv_tokens, k], handle_tag=hd.tag)
         out = torch.empty((n, h), dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty((n, k), dtype=torch.float32, device=self.device) if k else None

@@ -12,14 +12,11 @@ if TYPE_CHECKING:
 
 
 class NativeCallState:
-    """Mixed into NormalNativeBackend (which provides _n, _static, _geometry, _slot_per_row, _mask, device,
-    num_ranks)."""
+    """Mixed into NormalNativeBackend (which provides _static, _geometry, _mask, device, num_ranks)."""
 
     _geometry: Optional[Tuple[int, int]]
-    _slot_per_row: bool
     _mask: Optional["torch.Tensor"]
     _static: Any
-    _n: Any
     device: "torch.device"
     num_ranks: int
 
@@ -41,8 +38,7 @@ class NativeCallState:
         import torch
         return torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device) if self._mask is not None else None
 
-    def _settle_ring_geometry(self, ring_tokens: int, hidden: int, what: str,
-                              row: Optional[Tuple[bool, int, bool]] = None) -> None:
+    def _settle_ring_geometry(self, ring_tokens: int, hidden: int, what: str) -> None:
         """A ring's place in the buffer depends on its depth and on the slot stride (layout.py). The
         stride is that of the call's hidden size (slot_bytes(hidden): the largest row of any call of that
         hidden, so FP8 dispatch, BF16 dispatch and combine rows of one model share one layout), not of the
@@ -51,14 +47,9 @@ class NativeCallState:
         ranks over that much more memory. A call with another geometry than the last one lays its rings
         over streams that a slower peer may still be reading from the earlier call: it first lets every
         rank finish its earlier calls (device synchronise, then the call's gate); calls of one geometry
-        never wait here. PYEP_NORMAL_SLOT=row (a measuring switch) makes the stride that of the call's row
-        kind instead, `row` = (fp8, top-k, combine)."""
+        never wait here."""
         import torch
         slot = layout.slot_bytes(hidden)
-        if self._slot_per_row and row is not None:
-            fp8, k, combine = row
-            b = int(self._n.combine_row_bytes(hidden, k) if combine else self._n.dispatch_row_bytes(hidden, int(fp8), k))
-            slot = -(-b // layout.RING_ALIGN) * layout.RING_ALIGN
         geometry = (ring_tokens, slot)
         if self._geometry is None or self._geometry == geometry:
             self._geometry = geometry
