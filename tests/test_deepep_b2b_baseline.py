@@ -1,6 +1,6 @@
 """DeepEP's bench() loop as the normal-mode baseline where DeepEP's own test cannot run (issue 23: its 24
 SMs per rank do not fit 8 ranks on one GPU): tools/deepep_baseline.py run_b2b and figures_from_probe,
-and pyep bench's choice of the SM count (cli/bench.py deepep_b2b_sms). CPU only: the probe itself runs
+and pyep bench's choice of the SM count (pyep/bench/deepep_run.py deepep_b2b_sms). CPU only: the probe itself runs
 on the GPU (docs/results/2026-11-26c-h200x1/probe/)."""
 from __future__ import annotations
 
@@ -12,26 +12,28 @@ from typing import Any, List
 import pytest
 
 from pyep.bench import deepep_run as dr
+from pyep.bench.deepep_run import deepep_b2b_sms
 from pyep.bench.sharing import MpsStatus, Sharing
-from pyep.cli.bench import deepep_b2b_sms
 
 
 def _probe_doc(recv_rows: int = 14000, hidden: int = 7168) -> dict:
-    variants = {"fp8_colmajor": {"b2b": {"event_us_mean": 500.0}}, "bf16": {"b2b": {"event_us_mean": 1000.0}},
-                "combine": {"b2b": {"event_us_mean": 800.0}}}
+    variants = {"fp8_colmajor": {"b2b": {"event_us_mean": 500.0, "gbps": 105.0}},
+                "bf16": {"b2b": {"event_us_mean": 1000.0, "gbps": 200.0}},
+                "combine": {"b2b": {"event_us_mean": 800.0, "gbps": 250.0}}}
     return {"library": "DeepEP", "args": {"num_tokens": 4096, "hidden": hidden, "num_topk": 8},
             "ranks": [{"rank": 1, "recv_rows": 1, "variants": {}},
                       {"rank": 0, "recv_rows": recv_rows, "variants": variants}]}
 
 
-def test_figures_from_probe_count_bytes_as_deepeps_test() -> None:
+def test_figures_from_probe_take_rank_zeros_figures() -> None:
     tool = dr.load_baseline_tool()
     f = tool.figures_from_probe(_probe_doc(), 16, 8)
-    bf16 = 14000 * 2 * 7168
-    assert f["dispatch_bf16"]["gbps"] == pytest.approx(bf16 / 1000e3)
-    assert f["dispatch_fp8"]["gbps"] == pytest.approx(bf16 * (1 + 4 / 128) / 2 / 500e3)
-    assert f["combine"] == {"num_sms": 16, "nvl_chunk": 8, "gbps": pytest.approx(bf16 / 800e3), "t_us": 800.0}
+    assert f["dispatch_fp8"] == {"num_sms": 16, "nvl_chunk": 8, "gbps": 105.0, "t_us": 500.0}
+    assert (f["dispatch_bf16"]["gbps"], f["combine"]["t_us"]) == (200.0, 800.0)
     assert tool.has_figures("intranode", f)
+    doc = _probe_doc()
+    del doc["ranks"][1]["variants"]["combine"]          # rank 0's entry (the list's second)
+    assert not tool.has_figures("intranode", tool.figures_from_probe(doc, 16, 8))   # a kind missing: no figures
 
 
 def test_run_b2b_runs_the_probe_on_the_shim(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ nothing. The kernels' side runs on the GPU (tests/test_normal_gpu.py, DeepEP's t
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, List
+from typing import Any
 
 import pytest
 

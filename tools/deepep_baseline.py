@@ -206,26 +206,21 @@ def run(mode: str, num_ranks: int, extra: Sequence[str] = (), out_dir: Optional[
 
 
 PROBE = os.path.join("tools", "dev", "normal_b2b_probe.py")
-DEEPEP_TEST_SMS = 24          # test_intranode.py's num_sms (hard-coded in its test_loop)
 _B2B_KEYS = (("fp8_colmajor", "dispatch_fp8"), ("bf16", "dispatch_bf16"), ("combine", "combine"))
 
 
 def figures_from_probe(doc: Dict[str, Any], sms: int, chunk: int) -> Dict[str, Any]:
     """test_intranode.py-shaped figures from tools/dev/normal_b2b_probe.py's JSON: per call kind, rank 0's
-    GB/s counted DeepEP's way (received rows x 2H, FP8 x (1 + 4/128) / 2) over the mean event time of its
-    back-to-back calls (DeepEP's bench())."""
+    GB/s (the probe counts them as DeepEP's test does) and mean event time of its back-to-back calls
+    (DeepEP's bench())."""
     args, ranks = doc["args"], doc["ranks"]
     r0 = next(r for r in ranks if r["rank"] == 0)
     out: Dict[str, Any] = {"shape": {"num_tokens": args["num_tokens"], "hidden": args["hidden"],
                                      "num_topk": args["num_topk"]}}
     for variant, key in _B2B_KEYS:
         v = r0["variants"].get(variant, {}).get("b2b")
-        if not v:
-            continue
-        factor = (1 + 4 / 128) / 2 if variant.startswith("fp8") else 1.0
-        t_us = float(v["event_us_mean"])
-        gbps = r0["recv_rows"] * 2 * args["hidden"] * factor / (t_us * 1e3)
-        out[key] = {"num_sms": sms, "nvl_chunk": chunk, "gbps": gbps, "t_us": t_us}
+        if v:
+            out[key] = {"num_sms": sms, "nvl_chunk": chunk, "gbps": float(v["gbps"]), "t_us": float(v["event_us_mean"])}
     return out
 
 

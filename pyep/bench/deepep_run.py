@@ -62,3 +62,18 @@ def deepep_figures(mode: str, num_ranks: int, extra: Sequence[str], out_dir: str
                      f"{doc.get('log') or 'its output'}")
     mps = " (deepep_v1.sh started the MPS daemon for it)" if doc.get("mps_started") else ""
     return doc, f"{who}: {mode} measured in this run ({doc.get('seconds', '?')} s, log {doc.get('log')}){mps}"
+
+
+DEEPEP_TEST_SMS = 24     # tests/test_intranode.py's num_sms (hard-coded in its test_loop)
+
+
+def deepep_b2b_sms(sharing: Any, swept: Sequence[int]) -> Optional[int]:
+    """None when DeepEP's test (24 SMs per rank) fits the ranks on their GPU; else the largest SM count of
+    the sweep that fits them (every block of every rank resident), at which DeepEP's bench() loop then
+    runs on both libraries; None when none fits."""
+    from .sharing import sm_fit
+    per = sharing.ranks_per_device
+    if not sharing.cuda or not sm_fit(DEEPEP_TEST_SMS, per, sharing.sms):
+        return None
+    fits = [n for n in swept if not sm_fit(n, per, sharing.sms)]
+    return max(fits) if fits else None

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..bench.config import BENCH_BACKENDS, DISPATCH_DTYPES, SWEEP_TOKENS, BenchConfig, RoutingSpec
 from ..bench.normal import DEFAULT_SWEEP_SMS as NORMAL_SWEEP_SMS
@@ -324,7 +324,7 @@ def _deepep_normal_run(cfg: NormalBenchConfig, args: argparse.Namespace, world: 
                        notes: List[str], sharing: Any = None) -> Tuple[Optional[dict], Optional[dict]]:
     """(DeepEP's document, pyep's shim under DeepEP's harness): DeepEP's test_intranode.py on both
     libraries, after our ranks left the GPUs; --deepep-json loads DeepEP's from a file instead."""
-    from ..bench.deepep_run import deepep_figures
+    from ..bench.deepep_run import DEEPEP_TEST_SMS, deepep_b2b_sms, deepep_figures
     if not (args.deepep or args.deepep_json):
         return None, None
     if args.deepep and not args.deepep_json and device.type != "cuda":
@@ -348,21 +348,6 @@ def _deepep_normal_run(cfg: NormalBenchConfig, args: argparse.Namespace, world: 
         shim, note = deepep_figures("intranode", world, extra, out_dir, on="pyep", b2b_sms=b2b)
         notes.append(note)
     return deepep, shim
-
-
-DEEPEP_TEST_SMS = 24     # tests/test_intranode.py's num_sms
-
-
-def deepep_b2b_sms(sharing: Any, swept: Sequence[int]) -> Optional[int]:
-    """None when DeepEP's test (24 SMs per rank) fits the ranks on their GPU; else the largest SM count of
-    the sweep that fits them (every block of every rank resident), at which DeepEP's bench() loop then
-    runs on both libraries; None when none fits."""
-    from ..bench.sharing import sm_fit
-    per = sharing.ranks_per_device
-    if not sharing.cuda or not sm_fit(DEEPEP_TEST_SMS, per, sharing.sms):
-        return None
-    fits = [n for n in swept if not sm_fit(n, per, sharing.sms)]
-    return max(fits) if fits else None
 
 
 def _deepep_ll_run(cfg: BenchConfig, world_size: int, out_dir: str, device, shared: bool) -> Tuple[Optional[dict], str]:  # type: ignore[no-untyped-def]

@@ -118,7 +118,10 @@ def _worker(local_rank: int, world: int, args: argparse.Namespace, port: int) ->
                     fn()
                 torch.cuda.synchronize()
             prof.export_chrome_trace(path)
-            res[mode] = {"event_us_mean": statistics.fmean(ev_us), "event_us_min": min(ev_us),
+            # GB/s as test_intranode.py counts them: received rows x 2H (FP8: x (1 + 4/128) / 2) per call.
+            factor = FP8_FACTOR if name.startswith("fp8") else 1.0
+            gbps = out["recv_rows"] * 2 * args.hidden * factor / (statistics.fmean(ev_us) * 1e3)
+            res[mode] = {"event_us_mean": statistics.fmean(ev_us), "event_us_min": min(ev_us), "gbps": gbps,
                          "host_us_mean": statistics.fmean(host[1:]), "trace": _kernel_split(path, args.trace_calls)}
         out["variants"][name] = res
     gathered: List[Any] = [None] * world
@@ -159,8 +162,7 @@ def _report(ranks: List[Dict[str, Any]], args: argparse.Namespace) -> None:
     for name in args.variants:
         if "b2b" not in args.modes:
             break
-        g = [(r["recv_rows"] * 2 * args.hidden * (FP8_FACTOR if name.startswith("fp8") else 1.0)) /
-             (r["variants"][name]["b2b"]["event_us_mean"] * 1e3) for r in ranks]
+        g = [r["variants"][name]["b2b"]["gbps"] for r in ranks]
         parts.append(f"{name} {g[0]:.0f} (rank 0; min {min(g):.0f})")
     print(", ".join(parts))
     if args.json:
