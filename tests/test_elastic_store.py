@@ -5,7 +5,6 @@ a real process is SIGKILLed in the middle of dispatch, of combine and between ca
 re-admitted while the survivors keep going (pyep drill)."""
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
 import os
 import signal
@@ -15,6 +14,7 @@ from typing import Any, Callable, Dict, List
 import pytest
 
 from pyep.ep.control import ControlTimeout, StoreControl
+from store_util import client_store, master_store
 from pyep.ep.elastic.membership import (Announcement, BadAnnouncement, StaleAnnouncement, buffer_fingerprint,
                                         decode_announcement)
 
@@ -22,15 +22,11 @@ SECRET = b"elastic-store-test-secret-0123456789"
 
 
 def _master() -> Any:
-    import torch.distributed as dist
-    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=30))
+    return master_store(30.0)
 
 
 def _client(port: int) -> Any:
-    import torch.distributed as dist
-    return dist.TCPStore("127.0.0.1", port, 1, is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=30))
+    return client_store(port, 30.0)
 
 
 def _threads(world: int, fn: Callable[[int], Any], timeout_s: float = 60.0) -> List[Any]:

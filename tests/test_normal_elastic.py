@@ -14,7 +14,6 @@ docs/elastic.md, "Normal mode"):
 """
 from __future__ import annotations
 
-import datetime
 import threading
 from typing import Any, Callable, Dict, List
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from store_util import client_store, master_store
 from multiproc import DistPool
 from pyep.ep.elastic import drill_normal as dn
 from pyep.ep.normal import NormalBuffer
@@ -116,13 +116,11 @@ def test_maskless_native_backend_refuses_a_mask_that_leaves_a_rank_out() -> None
 
 # ---------------------------------------------------------------------------------------- store buffers
 def _master() -> Any:
-    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=60))
+    return master_store(60.0)
 
 
 def _client(port: int) -> Any:
-    return dist.TCPStore("127.0.0.1", port, 1, is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=60))
+    return client_store(port, 60.0)
 
 
 def _threads(fns: List[Callable[[], Any]], timeout_s: float = 240.0) -> List[Any]:

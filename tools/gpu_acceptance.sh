@@ -28,15 +28,7 @@ PY="${PYTHON:-python3}"
 iters=30; warm=5; viters=5
 if [[ "$QUICK" == "quick" ]]; then iters=10; warm=2; viters=3; fi
 failed=0
-step() {   # step NAME TIMEOUT_S CMD...
-    local name="$1" limit="$2"; shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" > "$OUTDIR/$name.log" 2>&1
-    local rc=$?
-    printf '%-7s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" | tee -a "$OUTDIR/summary.txt"
-    grep -E "passed|failed|error" "$OUTDIR/$name.log" | tail -1 | sed 's/^/        /' | tee -a "$OUTDIR/summary.txt"
-    [[ $rc -eq 0 ]] || failed=$((failed + 1))
-}
+source tools/gpu_steps.sh   # the step runner (after the cd to the checkout root above)
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUTDIR/gpus.csv" 2>&1
 step engine 300 "$PY" -m pytest -q -m gpu tests/test_gda_gpu.py tests/test_softnic_gpu.py -rA
 step bench 400 "$PY" -m pyep launch configs/single_node.yaml --run-dir "$OUTDIR/run-bench" \

@@ -27,16 +27,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 failed=0
 
-step() {   # step NAME TIMEOUT_S CMD...
-    local name="$1" limit="$2"; shift 2
-    local t0=$SECONDS
-    timeout -k 10 "$limit" "$@" > "$OUTDIR/$name.log" 2>&1
-    local rc=$?
-    printf '%-12s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" | tee -a "$OUTDIR/summary.txt"
-    grep -E "[0-9]+ (passed|failed)|drills passed|ERROR SUMMARY" "$OUTDIR/$name.log" | tail -2 | sed 's/^/             /' \
-        | tee -a "$OUTDIR/summary.txt"
-    [[ $rc -eq 0 ]] || failed=$((failed + 1))
-}
+source tools/gpu_steps.sh   # the step runner (after the cd to the checkout root above)
 build() {   # once per machine and engine source: keyed by a hash of engine/ and setup.py
     local h; h=$(find engine setup.py -type f | sort | xargs cat | sha1sum | cut -c1-16)
     if [[ "$(cat .gpu_build/hash 2>/dev/null)" == "$h" ]] && "$PY" -c "import pyep._engine as e; assert e.has_cuda" 2>/dev/null; then

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .drill_rank import RESULT_TAG, STAMP_TAG, _arm_reference_kill, _die, inputs
+from .drill_rank import STAMP_TAG, _arm_reference_kill, _die, inputs, rank_main
 
 PHASES = ("layout", "dispatch", "combine", "between")
 
@@ -145,7 +145,8 @@ def _step(buf: Any, a: Dict[str, Any], step: int, rank: int, world: int, mine: b
     return (recv_x, recv_idx, counts), handle, out, drop
 
 
-def run(a: Dict[str, Any]) -> Dict[str, Any]:
+def run(a: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """One rank's drill; `progress` (drill_rank.rank_main's) says which step it was at when it failed."""
     import datetime
 
     import torch
@@ -171,8 +172,10 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
     stamps: List[List[float]] = []
     deadline = time.monotonic() + a["wall_s"]
     death = None
+    progress = {} if progress is None else progress
     while True:
         step = buf.next_call
+        progress["normal drill step"] = step
         if stop is not None and step > stop:
             break
         if time.monotonic() > deadline:
@@ -213,16 +216,7 @@ def run(a: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def main(argv: List[str]) -> int:
-    a = json.loads(argv[0])
-    import logging
-    logging.basicConfig(level=logging.WARNING, format=f"rank {a['rank']} %(levelname)s %(name)s: %(message)s")
-    try:
-        res = run(a)
-    except BaseException:
-        print(f"rank {a['rank']} failed in normal drill", flush=True)
-        raise
-    print(RESULT_TAG + json.dumps(res), flush=True)
-    return 0
+    return rank_main(argv, run)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 RESULT_TAG = "PYEP_DRILL_RESULT "
 STAMP_TAG = "PYEP_DRILL_STAMP "
@@ -430,18 +430,24 @@ def _dispatch_view(buf: Any, handle: Any, world: int, after: List[bool]) -> List
     return [after[r] or bool(sent[r]) for r in range(world)]
 
 
-def main(argv: List[str]) -> int:
+def rank_main(argv: List[str], body: Callable[[Dict[str, Any], Dict[str, Any]], Dict[str, Any]]) -> int:
+    """A drill rank process (this module's, drill_normal's): the JSON arguments, logging, body(args,
+    progress), and the results line pyep.launch.drill reads; on failure, where it was."""
     a = json.loads(argv[0])
     import logging
     logging.basicConfig(level=logging.WARNING, format=f"rank {a['rank']} %(levelname)s %(name)s: %(message)s")
     progress: Dict[str, Any] = {}
     try:
-        res = run(a, progress)
+        res = body(a, progress)
     except BaseException:
         print(f"rank {a['rank']} failed in {progress or 'set-up'}", flush=True)
         raise
     print(RESULT_TAG + json.dumps(res), flush=True)
     return 0
+
+
+def main(argv: List[str]) -> int:
+    return rank_main(argv, run)
 
 
 if __name__ == "__main__":
