@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List
 import pytest
 
 from pyep.ep.control import ControlTimeout, StoreControl
-from store_util import client_store, master_store
+from store_util import client_store, master_store, run_threads
 from pyep.ep.elastic.membership import (Announcement, BadAnnouncement, StaleAnnouncement, buffer_fingerprint,
                                         decode_announcement)
 
@@ -30,23 +30,7 @@ def _client(port: int) -> Any:
 
 
 def _threads(world: int, fn: Callable[[int], Any], timeout_s: float = 60.0) -> List[Any]:
-    out: List[Any] = [None] * world
-    errs: List[BaseException] = []
-
-    def body(r: int) -> None:
-        try:
-            out[r] = fn(r)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errs.append(exc)
-    ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout_s)
-    assert not any(t.is_alive() for t in ts), "a rank thread hung"
-    if errs:
-        raise errs[0]
-    return out
+    return run_threads([lambda r=r: fn(r) for r in range(world)], timeout_s)
 
 
 # ---------------------------------------------------------------------------------------- control plane

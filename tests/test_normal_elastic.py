@@ -14,14 +14,13 @@ docs/elastic.md, "Normal mode"):
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from store_util import client_store, master_store
+from store_util import client_store, master_store, run_threads
 from multiproc import DistPool
 from pyep.ep.elastic import drill_normal as dn
 from pyep.ep.normal import NormalBuffer
@@ -124,23 +123,7 @@ def _client(port: int) -> Any:
 
 
 def _threads(fns: List[Callable[[], Any]], timeout_s: float = 240.0) -> List[Any]:
-    out: List[Any] = [None] * len(fns)
-    errs: List[BaseException] = []
-
-    def body(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errs.append(exc)
-    ts = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout_s)
-    assert not any(t.is_alive() for t in ts), "a rank thread hung"
-    if errs:
-        raise errs[0]
-    return out
+    return run_threads(fns, timeout_s)
 
 
 def _store_buf(port: int, prefix: str, rank: int, world: int, timeout_us: int = 1_000_000) -> NormalBuffer:

@@ -21,14 +21,9 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUTDIR="${1:?usage: tools/gpu_acceptance.sh OUTDIR [quick]}"
 QUICK="${2:-}"
-mkdir -p "$OUTDIR"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
 iters=30; warm=5; viters=5
 if [[ "$QUICK" == "quick" ]]; then iters=10; warm=2; viters=3; fi
-failed=0
-source tools/gpu_steps.sh   # the step runner (after the cd to the checkout root above)
+source tools/gpu_steps.sh   # environment, OUTDIR, PY, the step runner (after the cd to the root)
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUTDIR/gpus.csv" 2>&1
 step engine 300 "$PY" -m pytest -q -m gpu tests/test_gda_gpu.py tests/test_softnic_gpu.py -rA
 step bench 400 "$PY" -m pyep launch configs/single_node.yaml --run-dir "$OUTDIR/run-bench" \

@@ -1,6 +1,14 @@
-# Sourced by tools/gpu_acceptance.sh and tools/onegpu_acceptance.sh: their step runner. The caller sets
-# OUTDIR and failed=0; each step runs bounded by `timeout`, logs to OUTDIR/NAME.log, appends its line and
-# the pass counts it printed to OUTDIR/summary.txt, and counts a failure without stopping the run.
+# Sourced by tools/gpu_acceptance.sh and tools/onegpu_acceptance.sh from the checkout root, after they set
+# OUTDIR: the environment every GPU command runs with (no NVLink multicast anywhere; this checkout on the
+# path), PY, and the step runner. Each step runs bounded by `timeout`, logs to OUTDIR/NAME.log, appends its
+# line and the pass counts it printed to OUTDIR/summary.txt, and counts a failure in `failed` without
+# stopping the run.
+mkdir -p "$OUTDIR"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+failed=0
+
 step() {   # step NAME TIMEOUT_S CMD...
     local name="$1" limit="$2"; shift 2
     local t0=$SECONDS

@@ -21,13 +21,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUTDIR="${1:?usage: tools/onegpu_acceptance.sh OUTDIR PART}"
 PART="${2:?PART: suites, more, anchors, drills-mps, drills-nv, drills-em or bench}"
-mkdir -p "$OUTDIR"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
-failed=0
-
-source tools/gpu_steps.sh   # the step runner (after the cd to the checkout root above)
+source tools/gpu_steps.sh   # environment, OUTDIR, PY, the step runner (after the cd to the root)
 build() {   # once per machine and engine source: keyed by a hash of engine/ and setup.py
     local h; h=$(find engine setup.py -type f | sort | xargs cat | sha1sum | cut -c1-16)
     if [[ "$(cat .gpu_build/hash 2>/dev/null)" == "$h" ]] && "$PY" -c "import pyep._engine as e; assert e.has_cuda" 2>/dev/null; then
