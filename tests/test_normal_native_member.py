@@ -114,3 +114,23 @@ def test_setup_links_sequence_without_a_gpu(monkeypatch: Any) -> None:
     b._setup_links(None, c, True)
     assert calls == [("PeerSet", c, "nvlink"), "prepare_join", "static"]
     assert b.member_payload() == b"announce" and b._peer_base.tolist() == [0, 0, 0]
+
+
+def test_grace_window_counts_calls() -> None:
+    """A store-based native buffer's first calls and those after an admission run with at least
+    REJOIN_CALL_TIMEOUT_US (the kernels read it from the static they are launched with); then the
+    buffer's own timeout again."""
+    from types import SimpleNamespace
+
+    from pyep.ep.elastic.membership import REJOIN_CALL_TIMEOUT_US, REJOIN_GRACE_CALLS
+    from pyep.ep.normal.native import NormalNativeBackend
+    b = NormalNativeBackend.__new__(NormalNativeBackend)
+    b.timeout_us, b._static = 50_000, SimpleNamespace(timeout_ns=0)
+    b._call_timeout()
+    assert b._static.timeout_ns == 50_000_000          # no window open: the buffer's timeout
+    b.open_grace()
+    seen = []
+    for _ in range(2 * REJOIN_GRACE_CALLS + 2):
+        b._call_timeout()
+        seen.append(b._static.timeout_ns)
+    assert seen == [REJOIN_CALL_TIMEOUT_US * 1000] * (2 * REJOIN_GRACE_CALLS) + [50_000_000] * 2

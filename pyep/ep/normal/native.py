@@ -310,6 +310,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         n, h = call.x.shape
         fp8 = call.x_scales is not None
         self._settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, h, "normal dispatch")
+        self._call_timeout()
         stream = raw_current_stream(dev)
         handle = call.handle
         k = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
@@ -376,6 +377,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         n, h = hd.num_tokens, int(call.x.shape[1])
         k = int(call.topk_weights.shape[1]) if call.topk_weights is not None else 0
         self._settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, h, "normal combine")
+        self._call_timeout()
         self.gate(tags.KIND_COMBINE, [h, hd.num_channels, cfg.num_max_nvl_chunked_recv_tokens, k], handle_tag=hd.tag)
         out = torch.empty((n, h), dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty((n, k), dtype=torch.float32, device=self.device) if k else None

@@ -73,6 +73,8 @@ class NativeNormalMembership:
         cfg = LinkConfig(transport="nvlink" if self.num_ranks > 1 else "auto")
         self._peers = PeerSet(control if control is not None else group, cfg, self._ep, self.rank, self.num_ranks,
                               self.device.index, self._buf, self._bytes, self._setup_timeout_s)
+        if control is not None:
+            self.open_grace()         # a store-based buffer's first calls (a restarted rank's too)
         if joining:
             self._join_payload = self._peers.prepare_join()
             self._peer_base = torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
@@ -148,11 +150,26 @@ class NativeNormalMembership:
             if src != self.rank:
                 self._flags_in_step(src, calls)
         torch.cuda.synchronize(self.device)
+        self.open_grace()
+
+    # ------------------------------------------------------------------ the grace window
+    # A store-based buffer's first calls and those after an admission wait at least
+    # REJOIN_CALL_TIMEOUT_US (docs/elastic.md, "The grace window"): a restarted process's first calls run
+    # cold code (module loading, first allocations), and a survivor that marked it would be marked back.
+    _grace_left: int = 0
 
     def open_grace(self) -> None:
-        """The LL mode's grace windows have no native normal counterpart yet: size timeout_us above a
-        restarted process's first calls (module loading), or it is marked again."""
-        return None
+        from ..elastic.membership import REJOIN_GRACE_CALLS
+        self._grace_left = 2 * REJOIN_GRACE_CALLS        # calls: a dispatch and a combine per step
+
+    def _call_timeout(self) -> None:
+        """Before a call's launches: the kernels' timeout of this call (a field of the static they take)."""
+        from ..elastic.membership import REJOIN_CALL_TIMEOUT_US
+        us = int(self.timeout_us)
+        if self._grace_left > 0:
+            self._grace_left -= 1
+            us = max(us, REJOIN_CALL_TIMEOUT_US)
+        self._static.timeout_ns = us * 1000
 
     # ------------------------------------------------------------------ survivor
     def prepare_peer(self, rank: int, payload: bytes) -> bytes:
