@@ -134,3 +134,67 @@ def test_grace_window_counts_calls() -> None:
         b._call_timeout()
         seen.append(b._static.timeout_ns)
     assert seen == [REJOIN_CALL_TIMEOUT_US * 1000] * (2 * REJOIN_GRACE_CALLS) + [50_000_000] * 2
+
+
+def _member_backend(monkeypatch: Any, rank: int = 0, n: int = 3, seq: int = 41) -> Any:
+    """A NormalNativeBackend's membership side over CPU tensors: the control words of its buffer as an int32
+    tensor (layout.control_words), a faked PeerSet; the device's call number `seq`."""
+    import torch
+
+    from pyep.ep.normal import layout
+    from pyep.ep.normal.native import NormalNativeBackend
+    from pyep.transport.base import PeerLink
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    b = NormalNativeBackend.__new__(NormalNativeBackend)
+    b.rank, b.num_ranks, b.device, b._extra, b._epoch = rank, n, torch.device("cpu"), 0, 3
+    words = torch.full((layout.control_words(n)["end"],), 7, dtype=torch.int32)
+    b._words = lambda: words
+    b._ws = torch.zeros(8, dtype=torch.int32)
+    b._ws[1] = seq
+    b._mask = torch.tensor([1] * n, dtype=torch.int32)
+    b._peer_base = torch.tensor([1000 + r for r in range(n)], dtype=torch.int64)
+
+    class Peers:
+        def __init__(self) -> None:
+            self.links = [PeerLink(rank=r, kind="nvlink", store_base=1000 + r) for r in range(n)]
+
+        def rebuild_peer(self, r: int, payload: bytes) -> bytes:
+            self.links[r] = PeerLink(rank=r, kind="nvlink", store_base=5000 + r)
+            return b"blob"
+    b._peers = Peers()
+    return b, words
+
+
+def test_survivor_restarts_only_the_streams_shared_with_the_restarted_rank(monkeypatch: Any) -> None:
+    from pyep.ep.normal import layout
+    from pyep.ep.normal.limits import MAX_CHANNELS
+    b, w = _member_backend(monkeypatch, rank=0, n=3, seq=41)
+    b._mask[2] = 0                                     # rank 2 died and was marked
+    assert b.prepare_peer(2, b"payload") == b"blob"
+    assert b._peer_base.tolist() == [1000, 1001, 5002]  # only its entry of the peer table moved
+    off = layout.control_words(3)
+    for name in ("tail", "head", "tx_pos", "rx_pos"):
+        col = w[off[name]:off[name] + MAX_CHANNELS * 3].view(MAX_CHANNELS, 3)
+        assert col[:, 2].tolist() == [0] * MAX_CHANNELS, name          # its streams restart at 0
+        assert col[:, :2].eq(7).all(), name                             # the others' are untouched
+    b.activate_peer(2, None)
+    flags = w[off["notify_flag"]:off["notify_flag"] + 6].view(2, 3)
+    want = flags_in_step(41)                           # in step before call 42: (40, 41) by parity
+    assert flags[:, 2].tolist() == [want[0], want[1]] == [40, 41]
+    assert flags[:, :2].eq(7).all() and b._mask.tolist() == [1, 1, 1]
+
+
+def test_newcomer_takes_the_survivors_counters(monkeypatch: Any) -> None:
+    from pyep.ep.normal import layout
+    b, w = _member_backend(monkeypatch, rank=2, n=3, seq=0)
+    survivor, _ = _member_backend(monkeypatch, rank=0, n=3, seq=0xFFFFFFFF - 2**32)   # -1 as int32: 0xffffffff
+    assert survivor.step_state() == (3, 0xFFFFFFFF)
+    b.take_step_state(*survivor.step_state())
+    assert (int(b._ws[1]) & 0xFFFFFFFF, int(b._ws[2])) == (0xFFFFFFFF, 3) and b._epoch == 3
+    off = layout.control_words(3)["notify_flag"]
+    flags = w[off:off + 6].view(2, 3)
+    want = flags_in_step(0xFFFFFFFF)                   # next call is 2 (the wrap skips 0)
+    for src in (0, 1):
+        assert [v & 0xFFFFFFFF for v in flags[:, src].tolist()] == [want[0], want[1]]
+    assert flags[:, 2].eq(7).all()                     # its own column is not a peer's
+    assert b._grace_left > 0                           # the grace window is open
