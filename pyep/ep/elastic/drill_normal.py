@@ -106,7 +106,6 @@ def _sources(handle: Any, rank: int, after: Sequence[bool]) -> List[bool]:
 def _rows_match(got: Any, want: Any, partial: Any, empty: int) -> bool:
     """Row by row: equal, or -- where `partial` (bool [rows]) -- every element `empty` (the emptied row
     of a source that died before sending it)."""
-    import torch
     same = (got == want).all(dim=1)
     emptied = (got == empty).all(dim=1)
     return bool((same | (partial & emptied)).all())
@@ -123,9 +122,11 @@ def check_step(a: Dict[str, Any], step: int, rank: int, world: int, after: Seque
     sources = _sources(handle, rank, after)
     died = [sources[s] and not after[s] for s in range(world)] if partial else [False] * world
     want = expected_dispatch(a, step, rank, world, sources)
-    part = torch.cat([torch.full((int(expected_dispatch(a, step, rank, world, [i == s for i in range(world)]).shape[0]),),
-                                 died[s], dtype=torch.bool) for s in range(world) if sources[s]]
-                     or [torch.zeros(0, dtype=torch.bool)])
+    # Which received rows come from a source that died in this step (rows are in source order).
+    e_l = a["E"] // world
+    per_source = [int(routed(inputs(a["seed"], step, s, a["T"], a["H"], a["E"], a["K"])[1], rank, e_l).sum())
+                  if sources[s] else 0 for s in range(world)]
+    part = torch.repeat_interleave(torch.tensor(died, dtype=torch.bool), torch.tensor(per_source))
     if recv_x.shape != want.shape or not _rows_match(recv_x.view(torch.int16), want.view(torch.int16), part, 0):
         raise AssertionError(f"step {step} rank {rank}: received rows differ (got {list(recv_x.shape)}, expected "
                              f"{list(want.shape)}; active after {list(after)})")
