@@ -170,7 +170,16 @@ def test_store_buffer_marks_a_silent_rank_and_readmits_its_restart(dead: int) ->
         assert nb.joining and nb.generation == 2
         with pytest.raises(Exception, match="not admitted yet"):
             nb.get_active_ranks()
+        # The survivors' counters are in place before the newcomer says it is ready: a survivor's call #A
+        # starts on that record, and its first writes into our buffer must not be overwritten by them.
+        take, ready_then = nb.backend.take_step_state, []
+
+        def take_before_ready(epoch: int, calls: int) -> None:
+            ready_then.append(master.check([f"{prefix}/ready/{dead}/2"]))
+            take(epoch, calls)
+        nb.backend.take_step_state = take_before_ready
         at = nb.join(120.0)
+        assert ready_then == [False]
         newcomer.append(nb)
         return at, _steps(nb, world, 5)
 

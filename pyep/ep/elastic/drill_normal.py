@@ -156,6 +156,36 @@ def check_step(a: Dict[str, Any], step: int, rank: int, world: int, after: Seque
         raise AssertionError(f"step {step} rank {rank}: dropped tokens per rank {list(dropped)}, expected {want_drop}")
 
 
+def explain_step(buf: Any, a: Dict[str, Any], step: int, rank: int, world: int, after: Sequence[bool], got: Any,
+                 handle: Any, ms: float) -> str:
+    """What a failed step looked like, for the failure report: the rows each source sent (equal to its
+    definition, or zero), and on the native kernels this rank's stream counters and gate flags per peer."""
+    import torch
+    col = [int(v) for v in handle.rank_prefix_matrix[:, rank].tolist()]
+    rows = [col[0]] + [col[s] - col[s - 1] for s in range(1, len(col))]
+    recv = got[0].view(torch.int16)
+    e_l, start = a["E"] // world, 0
+    out = [f"step {step} rank {rank}: {ms:.1f} ms, active after {list(after)}"]
+    for s in range(world):
+        x, idx, _ = inputs(a["seed"], step, s, a["T"], a["H"], a["E"], a["K"])
+        want = x[routed(idx, rank, e_l)].view(torch.int16)
+        part, m = recv[start:start + rows[s]], min(rows[s], want.shape[0])
+        eq = int((part[:m] == want[:m]).all(dim=1).sum())
+        zero = int((part == 0).all(dim=1).sum())
+        out.append(f"  from {s}: {rows[s]} rows (definition {want.shape[0]}), {eq} equal, {zero} zero")
+        start += rows[s]
+    be = buf.backend
+    if buf.backend_name == "native" and hasattr(be, "_words"):
+        from ..normal import layout
+        w, off = be._words().cpu().tolist(), layout.control_words(world, be._extra)
+        out.append(f"  workspace {be._ws.cpu().tolist()}")
+        for p in range(world):
+            per = {k: [w[off[k] + c * world + p] for c in range(4)] for k in ("tail", "head", "tx_pos", "rx_pos")}
+            flags = [w[off["notify_flag"] + par * world + p] for par in (0, 1)]
+            out.append(f"  peer {p}: {per} flags {flags}")
+    return "\n".join(out)
+
+
 def _arm_native_kill(buf: Any, phase: str) -> None:
     """Native kernels: die right after the phase's exchanging kernel is launched (module doc), through a
     wrapper of the backend's kernel bindings (nothing in the backend itself knows of drills)."""
@@ -270,8 +300,13 @@ def run(a: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[st
             res.update(death_call=step, death_call_ms=(te - ts) * 1e3, detect_time=time.time(), marked=lost)
         elif lost:
             res.setdefault("later_marks", []).append({"call": step, "marked": lost, "ms": round((te - ts) * 1e3, 3)})
-        check_step(a, step, rank, world, after, got, handle, out, drop,
-                   partial=backend == "native" and bool(lost) and buf.generation == 1)
+        try:
+            check_step(a, step, rank, world, after, got, handle, out, drop,
+                       partial=backend == "native" and bool(lost) and buf.generation == 1)
+        except AssertionError:
+            print(explain_step(buf, a, step, rank, world, after, got, handle, (te - ts) * 1e3), file=sys.stderr,
+                  flush=True)
+            raise
         if stop is None and victim < 0 and step >= a["rounds_after"]:
             stop = step
     first = res.get("admitted_at") or res.get("joined_at")
