@@ -126,7 +126,8 @@ def check_step(a: Dict[str, Any], step: int, rank: int, world: int, after: Seque
     e_l = a["E"] // world
     per_source = [int(routed(inputs(a["seed"], step, s, a["T"], a["H"], a["E"], a["K"])[1], rank, e_l).sum())
                   if sources[s] else 0 for s in range(world)]
-    part = torch.repeat_interleave(torch.tensor(died, dtype=torch.bool), torch.tensor(per_source))
+    part = torch.repeat_interleave(torch.tensor(died, dtype=torch.bool, device="cpu"),
+                                   torch.tensor(per_source, dtype=torch.int64, device="cpu"))
     if recv_x.shape != want.shape or not _rows_match(recv_x.view(torch.int16), want.view(torch.int16), part, 0):
         raise AssertionError(f"step {step} rank {rank}: received rows differ (got {list(recv_x.shape)}, expected "
                              f"{list(want.shape)}; active after {list(after)})")

@@ -102,7 +102,7 @@ class NativeNormalMembership:
     def _words(self) -> "torch.Tensor":
         import torch
         n = layout.control_words(self.num_ranks, self._extra)["end"]
-        return torch.as_tensor(_Words(self._buf, n), device=self.device)
+        return torch.as_tensor(_Words(self._buf, n), dtype=torch.int32, device=self.device)
 
     def _restart_streams(self, rank: int) -> None:
         """This rank's words of the streams it shares with `rank` (both directions, every channel) back
@@ -129,7 +129,8 @@ class NativeNormalMembership:
         import torch
         self._peers.finish_join(blobs)
         self._check_links()
-        self._peer_base.copy_(torch.tensor([link.store_base for link in self._peers.links], dtype=torch.int64))
+        self._peer_base.copy_(torch.tensor([link.store_base for link in self._peers.links], dtype=torch.int64,
+                                             device="cpu"))
         torch.cuda.synchronize(self.device)
 
     def next_half(self, next_call: int, at: int) -> int:
