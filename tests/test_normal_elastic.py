@@ -170,7 +170,16 @@ def test_store_buffer_marks_a_silent_rank_and_readmits_its_restart(dead: int) ->
         assert nb.joining and nb.generation == 2
         with pytest.raises(Exception, match="not admitted yet"):
             nb.get_active_ranks()
+        # The survivors' counters are in place before the newcomer says it is ready: a survivor's call #A
+        # starts on that record, and its first writes into our buffer must not be overwritten by them.
+        take, ready_then = nb.backend.take_step_state, []
+
+        def take_before_ready(epoch: int, calls: int) -> None:
+            ready_then.append(master.check([f"{prefix}/ready/{dead}/2"]))
+            take(epoch, calls)
+        nb.backend.take_step_state = take_before_ready
         at = nb.join(120.0)
+        assert ready_then == [False]
         newcomer.append(nb)
         return at, _steps(nb, world, 5)
 
@@ -268,8 +277,9 @@ def test_drill_config_normal_mode_checks() -> None:
     from pyep.launch.drill import NORMAL_PHASES, PHASES, DrillConfig
     assert DrillConfig(mode="normal", backend="reference").phases == NORMAL_PHASES
     assert DrillConfig(backend="reference").phases == PHASES
-    with pytest.raises(ValueError, match="--mode normal runs on --backend reference"):
-        DrillConfig(mode="normal", backend="native")
+    assert DrillConfig(mode="normal", backend="native").transport == "nvlink"
+    with pytest.raises(ValueError, match="--mode normal --backend native runs over --transport nvlink"):
+        DrillConfig(mode="normal", backend="native", transport="emulated")
     with pytest.raises(ValueError, match="--phases must name some of dispatch, combine, between"):
         DrillConfig(backend="reference", phases=("layout",))
     with pytest.raises(ValueError, match="--mode must be one of"):
@@ -278,8 +288,9 @@ def test_drill_config_normal_mode_checks() -> None:
 
 def test_cli_drill_mode_normal_arguments(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     from hostile_util import run_cli
-    rc, _, err = run_cli(["drill", "--mode", "normal", "--backend", "native"], monkeypatch, capsys)
-    assert rc == 2 and "--mode normal runs on --backend reference" in err, err
+    rc, _, err = run_cli(["drill", "--mode", "normal", "--backend", "native", "--transport", "emulated"],
+                         monkeypatch, capsys)
+    assert rc == 2 and "--mode normal --backend native runs over --transport nvlink" in err, err
     rc, _, err = run_cli(["drill", "--mode", "normal", "--backend", "reference", "--phases", ","], monkeypatch, capsys)
     assert rc == 2 and "layout, dispatch, combine, between (--mode normal)" in err, err
 
@@ -334,13 +345,16 @@ def test_newcomer_that_dies_before_confirming_does_not_stop_the_survivor() -> No
 
 
 def test_store_buffer_refuses_what_it_does_not_implement() -> None:
-    """A store-based buffer runs the reference backend on one node: asking for the native kernels or
-    for nodes raises ElasticUnsupported (a NotImplementedError) naming the feature, before any key is
-    written; a mask of the wrong shape or values is refused like the LL buffer's."""
+    """A store-based buffer runs on one node: asking for nodes raises ElasticUnsupported (a
+    NotImplementedError) naming the feature, and the native kernels where they cannot run (no GPU here)
+    BackendUnavailable, before any key is written; a mask of the wrong shape or values is refused like the
+    LL buffer's."""
+    from pyep.ep.backend import BackendUnavailable
     from pyep.ep.normal.errors import ElasticUnsupported
     master = _master()
-    with pytest.raises(ElasticUnsupported, match="store-based buffer.*native"):
-        NormalBuffer(store=_client(master.port), rank=0, world_size=2, backend="native", job_secret=SECRET)
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailable, match=r"store=\.\.\., backend='native'\) cannot run here"):
+            NormalBuffer(store=_client(master.port), rank=0, world_size=2, backend="native", job_secret=SECRET)
     with pytest.raises(ElasticUnsupported, match="across nodes"):
         NormalBuffer(store=_client(master.port), rank=0, world_size=2, ranks_per_node=1, job_secret=SECRET)
     for bad, exc in ((torch.ones(3, dtype=torch.int32), ValueError), (torch.ones(2, dtype=torch.int64), ValueError),

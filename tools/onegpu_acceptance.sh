@@ -13,6 +13,7 @@
 #   drills-mps  pyep drill, MPS on: softnic and NVLink 20 each at 2 ranks, 4 each at 4    ~7 min
 #   drills-nv   pyep drill, MPS off: NVLink 20 at 2 ranks, then one drill under memcheck  ~4 min
 #   drills-em   pyep drill, MPS off: softnic 20 at 2 ranks                                ~5 min
+#   drills-normal  pyep drill --mode normal --backend native over NVLink, 20 at 2 ranks, MPS on
 #   bench       pyep bench --mode normal --sweep-sms --deepep at 2 and 4 ranks, MPS on
 #               (carry .anchors; builds DeepEP, ~1 min)                                   ~8 min
 # Every command exports NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
@@ -20,7 +21,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUTDIR="${1:?usage: tools/onegpu_acceptance.sh OUTDIR PART}"
-PART="${2:?PART: suites, more, anchors, drills-mps, drills-nv, drills-em or bench}"
+PART="${2:?PART: suites, more, anchors, drills-mps, drills-nv, drills-em, drills-normal or bench}"
 source tools/gpu_steps.sh   # environment, OUTDIR, PY, the step runner (after the cd to the root)
 build() {   # once per machine and engine source: keyed by a hash of engine/ and setup.py
     local h; h=$(find engine setup.py -type f | sort | xargs cat | sha1sum | cut -c1-16)
@@ -77,6 +78,12 @@ case "$PART" in
         "$PY" -m pyep drill --backend native --transport nvlink --world 2 --drills 1 --phases combine --rounds-after 20 \
         --timeout-us 20000000 --slack-ms 100000 --max-slowdown 1000 --join-timeout-s 180
     grep -h "ERROR SUMMARY" "$OUTDIR"/memcheck_*.txt | tee -a "$OUTDIR/summary.txt" ;;
+  drills-normal)
+    # The normal mode on the native kernels: SIGKILL in the count exchange, dispatch, combine, between;
+    # restart and rejoin (store-based NormalBuffer), MPS on.
+    mps_on
+    drill nn_on 330 nvlink 2 20 --mode normal
+    mps_off ;;
   drills-em)
     mps_off
     drill em_off 400 emulated 2 20 --rounds-after 200 ;;

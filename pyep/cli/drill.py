@@ -81,9 +81,11 @@ def _line(cfg: DrillConfig, o: DrillOutcome) -> str:
     return (f"pyep drill #{o.index} {o.phase:8s} {status}: detect {o.detect_ms:.2f} ms (timeout "
             f"{cfg.timeout_us / 1e3:g} ms), rejoin {o.rejoin_s:.2f} s at call {o.joined_at}, {o.rounds_checked} "
             f"calls checked after, per call {o.healthy_ms:.3f} ms before / {o.after_ms:.3f} ms after from the last "
-            f"arrival (own {o.healthy_own_ms:.3f} / {o.after_own_ms:.3f}; newcomer {o.newcomer_ms:.3f}; device "
-            f"dispatch/combine {o.split_before_ms} -> {o.split_after_ms}, death call {o.death_split_ms})"
-            + (f" -- {o.why}" if o.why else ""))
+            f"arrival (own {o.healthy_own_ms:.3f} / {o.after_own_ms:.3f}; newcomer {o.newcomer_ms:.3f}"
+            # the LL drill's device split (events around its kernels); the normal drill has none
+            + (f"; device dispatch/combine {o.split_before_ms} -> {o.split_after_ms}, death call {o.death_split_ms}"
+               if o.split_before_ms or o.split_after_ms or o.death_split_ms else "")
+            + ")" + (f" -- {o.why}" if o.why else ""))
 
 
 def _main(ns: argparse.Namespace) -> int:

@@ -47,8 +47,8 @@ def _bound(flag: str, value: object, lo: int, hi: int, note: str = "") -> None:
 class DrillConfig:
     """One `pyep drill` run. The fields are that command's options, so the errors name them as its
     command line spells them. experts = 0: 4 per rank. mode "normal" drills a store-based NormalBuffer
-    (reference backend: the native normal kernels take no mask yet); its calls are steps (layout,
-    dispatch, combine)."""
+    (the reference backend, or the native kernels over NVLink); its calls are steps (layout, dispatch,
+    combine)."""
     mode: str = "ll"                 # ll (EpBuffer) or normal (NormalBuffer)
     backend: str = "native"          # native or reference
     transport: str = "nvlink"        # native: nvlink, emulated, ... (reference: ignored)
@@ -86,9 +86,9 @@ class DrillConfig:
             raise ValueError(f"--phases must name some of {', '.join(allowed)} (--mode {self.mode})")
         if self.backend not in ("native", "reference"):
             raise ValueError(f"--backend must be native or reference, got {self.backend!r}")
-        if self.mode == "normal" and self.backend != "reference":
-            raise ValueError("--mode normal runs on --backend reference: the native normal kernels take no "
-                             "active_ranks mask yet (docs/elastic.md, 'Normal mode')")
+        if self.mode == "normal" and self.backend == "native" and self.transport != "nvlink":
+            raise ValueError("--mode normal --backend native runs over --transport nvlink: the internode "
+                             "native normal kernels take no active_ranks mask yet (docs/elastic.md, 'Normal mode')")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         _bound("--world", self.world, 2, MAX_WORLD)

@@ -11,6 +11,13 @@ source then token order, and the combined rows the sum, over the active ranks as
 one's expert returned -- bit for bit. The tokens routed to an inactive rank must be counted dropped,
 exactly once in the step (layout, dispatch or combine). The victim kills itself (SIGKILL) in the
 middle of the layout exchange, of dispatch, of combine, or between steps.
+
+On the native kernels (`--backend native`, ranks on GPUs over NVLink) the victim dies right after
+launching the step's exchanging kernel: the dispatch's count exchange (the "layout" phase: the native
+layout exchanges nothing), the dispatch or the combine, so its peers meet the death in the kernels.
+There a source can die in the middle of its rows: the rows that never came are emptied (zero payload,
+top-k -1), and a token's combined row holds the dead rank's part or not, as its row came back or not --
+the step that found the death accepts exactly that, and counts the tokens without it as dropped.
 """
 from __future__ import annotations
 
@@ -96,46 +103,134 @@ def _sources(handle: Any, rank: int, after: Sequence[bool]) -> List[bool]:
     return [bool(after[s]) or rows[s] > 0 for s in range(len(col))]
 
 
+def _rows_match(got: Any, want: Any, partial: Any, empty: int) -> bool:
+    """Row by row: equal, or -- where `partial` (bool [rows]) -- every element `empty` (the emptied row
+    of a source that died before sending it)."""
+    same = (got == want).all(dim=1)
+    emptied = (got == empty).all(dim=1)
+    return bool((same | (partial & emptied)).all())
+
+
 def check_step(a: Dict[str, Any], step: int, rank: int, world: int, after: Sequence[bool], got: Any,
-               handle: Any, out: Any, dropped: Sequence[int]) -> None:
+               handle: Any, out: Any, dropped: Sequence[int], partial: bool = False) -> None:
     """Raises AssertionError naming what differs from the definition. `got`: the dispatch's (recv_x,
-    recv_topk_idx, num_recv_tokens_per_expert_list)."""
+    recv_topk_idx, num_recv_tokens_per_expert_list). partial (the native kernels): a source that died in
+    this step may have sent part of its rows, and a token's row from it may or may not have come back
+    (module doc)."""
     import torch
     recv_x, recv_idx, counts = got
     sources = _sources(handle, rank, after)
+    died = [sources[s] and not after[s] for s in range(world)] if partial else [False] * world
     want = expected_dispatch(a, step, rank, world, sources)
-    if recv_x.shape != want.shape or not torch.equal(recv_x.view(torch.int16), want.view(torch.int16)):
+    # Which received rows come from a source that died in this step (rows are in source order).
+    e_l = a["E"] // world
+    per_source = [int(routed(inputs(a["seed"], step, s, a["T"], a["H"], a["E"], a["K"])[1], rank, e_l).sum())
+                  if sources[s] else 0 for s in range(world)]
+    part = torch.repeat_interleave(torch.tensor(died, dtype=torch.bool, device="cpu"),
+                                   torch.tensor(per_source, dtype=torch.int64, device="cpu"))
+    if recv_x.shape != want.shape or not _rows_match(recv_x.view(torch.int16), want.view(torch.int16), part, 0):
         raise AssertionError(f"step {step} rank {rank}: received rows differ (got {list(recv_x.shape)}, expected "
                              f"{list(want.shape)}; active after {list(after)})")
     want_idx, want_counts = expected_routing(a, step, rank, world, sources)
-    if not torch.equal(recv_idx, want_idx) or list(counts) != want_counts:
+    if recv_idx.shape != want_idx.shape or not _rows_match(recv_idx, want_idx, part, -1) or list(counts) != want_counts:
         raise AssertionError(f"step {step} rank {rank}: recv_topk_idx or tokens per local expert differ (counts "
                              f"{list(counts)}, expected {want_counts}; active after {list(after)})")
     want_out = expected_combine(a, step, rank, world, after)
-    if not torch.equal(out.view(torch.int16), want_out.view(torch.int16)):
-        raise AssertionError(f"step {step} rank {rank}: combine differs from the definition (active {list(after)})")
     want_drop = expected_dropped(a, step, rank, world, after)
+    gone = [d for d in range(world) if partial and not after[d]]
+    if partial and len(gone) == 1:
+        # A rank that died during this step: each token routed to it has its part or not; those without
+        # it are the dropped ones (the dispatch's rows that never went, the combine's that never came).
+        v = gone[0]
+        with_v = expected_combine(a, step, rank, world, [after[d] or d == v for d in range(world)])
+        o, wo, wv = out.view(torch.int16), want_out.view(torch.int16), with_v.view(torch.int16)
+        has_v = (o == wv).all(dim=1)
+        if not bool((has_v | (o == wo).all(dim=1)).all()):
+            raise AssertionError(f"step {step} rank {rank}: combine is neither with nor without rank {v}'s part "
+                                 f"(active {list(after)})")
+        _, idx, _ = inputs(a["seed"], step, rank, a["T"], a["H"], a["E"], a["K"])
+        to_v = routed(idx, v, a["E"] // world)
+        want_drop[v] = int((to_v & ~has_v).sum())
+    elif not torch.equal(out.view(torch.int16), want_out.view(torch.int16)):
+        raise AssertionError(f"step {step} rank {rank}: combine differs from the definition (active {list(after)})")
     if list(dropped) != want_drop:
         raise AssertionError(f"step {step} rank {rank}: dropped tokens per rank {list(dropped)}, expected {want_drop}")
+
+
+def explain_step(buf: Any, a: Dict[str, Any], step: int, rank: int, world: int, after: Sequence[bool], got: Any,
+                 handle: Any, ms: float) -> str:
+    """What a failed step looked like, for the failure report: the rows each source sent (equal to its
+    definition, or zero), and on the native kernels this rank's stream counters and gate flags per peer."""
+    import torch
+    col = [int(v) for v in handle.rank_prefix_matrix[:, rank].tolist()]
+    rows = [col[0]] + [col[s] - col[s - 1] for s in range(1, len(col))]
+    recv = got[0].view(torch.int16)
+    e_l, start = a["E"] // world, 0
+    out = [f"step {step} rank {rank}: {ms:.1f} ms, active after {list(after)}"]
+    for s in range(world):
+        x, idx, _ = inputs(a["seed"], step, s, a["T"], a["H"], a["E"], a["K"])
+        want = x[routed(idx, rank, e_l)].view(torch.int16)
+        part, m = recv[start:start + rows[s]], min(rows[s], want.shape[0])
+        eq = int((part[:m] == want[:m]).all(dim=1).sum())
+        zero = int((part == 0).all(dim=1).sum())
+        out.append(f"  from {s}: {rows[s]} rows (definition {want.shape[0]}), {eq} equal, {zero} zero")
+        start += rows[s]
+    be = buf.backend
+    if buf.backend_name == "native" and hasattr(be, "_words"):
+        from ..normal import layout
+        w, off = be._words().cpu().tolist(), layout.control_words(world, be._extra)
+        out.append(f"  workspace {be._ws.cpu().tolist()}")
+        for p in range(world):
+            per = {k: [w[off[k] + c * world + p] for c in range(4)] for k in ("tail", "head", "tx_pos", "rx_pos")}
+            flags = [w[off["notify_flag"] + par * world + p] for par in (0, 1)]
+            out.append(f"  peer {p}: {per} flags {flags}")
+    return "\n".join(out)
+
+
+def _arm_native_kill(buf: Any, phase: str) -> None:
+    """Native kernels: die right after the phase's exchanging kernel is launched (module doc), through a
+    wrapper of the backend's kernel bindings (nothing in the backend itself knows of drills)."""
+    be = buf.backend
+    kernels, launch = be._n, {"layout": "notify", "dispatch": "dispatch", "combine": "combine"}[phase]
+
+    class _Dying:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(kernels, name)
+
+    def dying(*args: Any, **kw: Any) -> Any:
+        getattr(kernels, launch)(*args, **kw)
+        _die()
+    d = _Dying()
+    setattr(d, launch, dying)
+    be._n = d
+
+
+def _arm_kill(buf: Any, phase: str) -> None:
+    if buf.backend_name == "native":
+        _arm_native_kill(buf, phase)
+    else:
+        _arm_reference_kill(buf)            # dies after its first mail of the phase's exchange is out
 
 
 def _step(buf: Any, a: Dict[str, Any], step: int, rank: int, world: int, mine: bool,
           phase: str) -> Tuple[Any, Any, Any, List[int]]:
     """One step; returns ((recv_x, recv_topk_idx, tokens per local expert), handle, combined, dropped per
-    rank summed over the step's calls)."""
-    x, idx, w = inputs(a["seed"], step, rank, a["T"], a["H"], a["E"], a["K"])
+    rank summed over the step's calls), on the CPU."""
+    dev = buf.device
+    x, idx, w = (t.to(dev) for t in inputs(a["seed"], step, rank, a["T"], a["H"], a["E"], a["K"]))
     if mine and phase == "layout":
-        _arm_reference_kill(buf)            # dies after its first mail of the layout's exchange is out
+        _arm_kill(buf, "layout")
     ntpr, _, ntpe, in_rank, ev0 = buf.get_dispatch_layout(idx, a["E"])
     if mine and phase == "dispatch":
-        _arm_reference_kill(buf)
+        _arm_kill(buf, "dispatch")
     recv_x, recv_idx, _, counts, handle, ev1 = buf.dispatch(
         x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
         topk_weights=w)
     y = expert(recv_x, rank)
     if mine and phase == "combine":
-        _arm_reference_kill(buf)
+        _arm_kill(buf, "combine")
     out, _, ev2 = buf.combine(y, handle)
+    recv_x, recv_idx, out = recv_x.cpu(), recv_idx.cpu(), out.cpu()
     # The layout's drops are the dispatch's too (both count tokens routed to ranks inactive then): the
     # step's count is the dispatch's plus the combine's (rows that did not come back).
     drop = (ev1.num_dropped_tokens + ev2.num_dropped_tokens).tolist()
@@ -154,11 +249,14 @@ def run(a: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[st
 
     from ..normal import NormalBuffer
     rank, world = int(a["rank"]), int(a["world"])
+    backend = a.get("backend", "reference")
     torch.set_num_threads(int(os.environ.get("PYEP_DRILL_THREADS", "1")))
+    if backend == "native":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.TCPStore(a["host"], int(a["port"]), world, is_master=False,
                           timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
     t0 = time.monotonic()
-    buf = NormalBuffer(store=store, rank=rank, world_size=world, store_prefix=a["prefix"], backend="reference",
+    buf = NormalBuffer(store=store, rank=rank, world_size=world, store_prefix=a["prefix"], backend=backend,
                        hidden=a["H"], timeout_us=a["timeout_us"], rejoin_lead_calls=a["lead"])
     res: Dict[str, Any] = {"rank": rank, "generation": buf.generation, "setup_s": time.monotonic() - t0}
     stop: Optional[int] = None
@@ -203,7 +301,13 @@ def run(a: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[st
             res.update(death_call=step, death_call_ms=(te - ts) * 1e3, detect_time=time.time(), marked=lost)
         elif lost:
             res.setdefault("later_marks", []).append({"call": step, "marked": lost, "ms": round((te - ts) * 1e3, 3)})
-        check_step(a, step, rank, world, after, got, handle, out, drop)
+        try:
+            check_step(a, step, rank, world, after, got, handle, out, drop,
+                       partial=backend == "native" and bool(lost) and buf.generation == 1)
+        except AssertionError:
+            print(explain_step(buf, a, step, rank, world, after, got, handle, (te - ts) * 1e3), file=sys.stderr,
+                  flush=True)
+            raise
         if stop is None and victim < 0 and step >= a["rounds_after"]:
             stop = step
     first = res.get("admitted_at") or res.get("joined_at")

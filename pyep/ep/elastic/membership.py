@@ -317,9 +317,12 @@ class Membership:
         self._seen = claim_index_slot(self.c, self.timeout_s)
         log.warning("rank %d: announced generation %d (rejoin), waiting to be admitted", self.rank, self.generation)
 
-    def join(self, timeout_s: float) -> int:
+    def join(self, timeout_s: float, take_acts: Optional[Callable[[Dict[int, bytes]], None]] = None) -> int:
         """Wait (bounded) until the survivors admit us; returns call #A, the number our next dispatch
-        carries. Raises the survivors' refusal, or ControlTimeout naming the survivors that are late."""
+        carries. Raises the survivors' refusal, or ControlTimeout naming the survivors that are late.
+        `take_acts` (the survivors' act payloads) runs before our ready record: a survivor launches its
+        call #A as soon as it reads that record, and its first writes into our buffer (the normal mode's
+        gate flags) must find the state it takes from them already in place, never be overwritten by it."""
         r, g = self.rank, self.generation
         others = self._others(r)
         deadline = time.monotonic() + timeout_s
@@ -354,6 +357,8 @@ class Membership:
                                    f"rank {r} (generation {g}) waiting for the survivors to reach call #{at}",
                                    MAX_ACT, max_poll_s=HANDSHAKE_POLL_S, current=True, call=at)
         self.act_payloads = {s: rec.payload for s, rec in zip(others, acts)}
+        if take_acts is not None:
+            take_acts(self.act_payloads)
         self.c.put(self.k("ready", r, g), b"", call=at)
         self._joined = True
         log.warning("rank %d: admitted (generation %d); first call #%d on half %d", r, g, at, half)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from .._dist import group_device
 from ..control import make_control
@@ -160,7 +160,8 @@ class NormalBuffer(NormalBufferMembership):
             if ranks_per_node is not None and ranks_per_node != self._num_ranks:
                 raise ElasticUnsupported(f"a store-based buffer across nodes (ranks_per_node={ranks_per_node} of "
                                          f"{self._num_ranks} ranks)", "reference (store)")
-            self._backend = self._store_backend(backend, hidden, timeout_us, rejoin_lead_calls)
+            self._backend = self._store_backend(backend, hidden, timeout_us, rejoin_lead_calls,
+                                                dict(num_nvl_bytes=num_nvl_bytes, transport=transport, num_sms=sms))
         else:
             self._nodes = detect_node_layout(self._group, ranks_per_node, timeout_us)
             self._backend = _make_backend(self._group, backend, dict(
@@ -190,19 +191,37 @@ class NormalBuffer(NormalBufferMembership):
         self._backend.set_mask(active_ranks)
         self._mask = active_ranks
 
-    def _store_backend(self, backend: str, hidden: int, timeout_us: int, lead_calls: int) -> NormalBackend:
-        """A store-based buffer (reference backend, one node): the membership, then -- for a first
-        process -- a set-up barrier, so that no rank's first call waits for a peer still starting."""
-        from .reference import NormalReferenceBackend
-        if backend == "native":
-            raise ElasticUnsupported("a store-based buffer (store=)", "native")
+    def _store_backend(self, backend: str, hidden: int, timeout_us: int, lead_calls: int,
+                       native_kw: Dict[str, Any]) -> NormalBackend:
+        """A store-based buffer (one node): the membership, then -- for a first process -- a set-up
+        barrier, so that no rank's first call waits for a peer still starting. backend="native": the
+        native kernels over CUDA IPC, with the mask on the GPU (a restarted rank maps its peers when
+        admitted: native_member.py); else the reference backend over store mailboxes."""
         v.check_int("rejoin_lead_calls", lead_calls, 0, 1 << 20)
         self._nodes = NodeLayout(self._num_ranks, self._num_ranks)
+        if backend == "native":   # before the membership writes anything
+            from ..backend import BackendUnavailable
+            from .native import NormalNativeBackend
+            reason = NormalNativeBackend.unavailable_reason(None, transport=native_kw["transport"], nodes=self._nodes,
+                                                            num_ranks=self._num_ranks)
+            if reason is not None:
+                raise BackendUnavailable(f"NormalBuffer(store=..., backend='native') cannot run here: {reason}")
         timeout_s = max(60.0, 3 * timeout_us / 1e6)
-        self._member = Membership(self._control, f"normal hidden={hidden} ranks={self._num_ranks}", timeout_s,
-                                  lead_calls)
-        ref = NormalReferenceBackend(None, timeout_us=timeout_us, nodes=self._nodes, control=self._control,
-                                     mask=self._mask)
+        self._member = Membership(self._control, f"normal {backend} hidden={hidden} ranks={self._num_ranks}",
+                                  timeout_s, lead_calls)
+        ref: NormalBackend
+        if backend == "native":
+            import torch
+            from .native import NormalNativeBackend
+            ref = NormalNativeBackend(None, hidden=hidden, timeout_us=timeout_us, nodes=self._nodes,
+                                      control=self._control, joining=self._member.joining, **native_kw)
+            mask = self._mask.to(device=ref.device, dtype=torch.int32).contiguous().clone()
+            ref.set_mask(mask)
+            self._mask = mask
+        else:
+            from .reference import NormalReferenceBackend
+            ref = NormalReferenceBackend(None, timeout_us=timeout_us, nodes=self._nodes, control=self._control,
+                                         mask=self._mask)
         self._member.attach(ref)
         if self._member.joining:
             self._member.announce()

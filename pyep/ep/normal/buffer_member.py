@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ..control import ControlTimeout
 from ..elastic.membership import MemberView, Membership, MembershipError, Rejoin
@@ -123,15 +123,21 @@ class NormalBufferMembership(MemberView):
         """A restarted rank: wait (bounded) until the survivors admit it; returns the step its next
         get_dispatch_layout begins (the survivors' too). It takes the survivors' call counters and
         mask from their act records; they must agree."""
-        import torch
         member = self._member
         if member is None or not member.joining:
             raise MembershipError("join() is for a restarted rank of a store-based NormalBuffer")
-        at = member.join(member.timeout_s if timeout_s is None else float(timeout_s))
-        states = {s: _decode_act(p, self._num_ranks, s) for s, p in member.act_payloads.items()}
+        at = member.join(member.timeout_s if timeout_s is None else float(timeout_s), self._take_acts)
+        self._step = at - 1
+        return at
+
+    def _take_acts(self, payloads: Dict[int, bytes]) -> None:
+        """The survivors' call counters and mask (their act records; they must agree), in place before
+        the newcomer tells them it is ready (Membership.join)."""
+        import torch
+        states = {s: _decode_act(p, self._num_ranks, s) for s, p in payloads.items()}
         counters = {v[:2] for v in states.values()}
         if len(counters) != 1:
-            raise MembershipError(f"rank {self._rank}: the survivors sent different call counters at step {at}: "
+            raise MembershipError(f"rank {self._rank}: the survivors sent different call counters: "
                                   f"{ {s: v[:2] for s, v in states.items()} }")
         epoch, calls = counters.pop()
         mask = torch.ones(self._num_ranks, dtype=torch.int32, device="cpu")
@@ -142,8 +148,6 @@ class NormalBufferMembership(MemberView):
             mask[s] = 1
         self._mask.copy_(mask.to(self._mask.device))
         self._backend.take_step_state(epoch, calls)
-        self._step = at - 1
-        return at
 
     def _admit_step(self, step: int, lead_calls: Optional[int] = None) -> List[int]:
         """Survivor, at the start of step `step`: poll the membership and admit every restarted rank

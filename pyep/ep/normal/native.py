@@ -13,10 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
-from .._dist import group_device
-from .._dist import barrier_bounded as barrier
 from ..backend import BackendUnavailable, PeerTransport
-from ..config import LinkConfig
 from ..streams import raw_current_stream
 from . import layout, tags
 from .capture import capture_refusal
@@ -24,6 +21,7 @@ from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .device_records import TAG_RECORD_INTS, DeviceRecords
 from .errors import ERR_PEER_TIMEOUT, BufferBroken, NormalCallMismatch, NotCapturable, PeerTimeout
+from .native_member import NativeNormalMembership
 from .native_state import NativeCallState
 from .topology import NodeLayout
 
@@ -45,12 +43,13 @@ def _engine() -> Any:
     return mod
 
 
-class NormalNativeBackend(NativeCallState):
+class NormalNativeBackend(NativeCallState, NativeNormalMembership):
     name = "native"
     takes_mask = True   # set_mask: the kernels read and clear an active_ranks mask (docs/elastic.md)
 
     @staticmethod
-    def unavailable_reason(group: "dist.ProcessGroup", *, transport: str = "auto", nodes: Optional[NodeLayout] = None,
+    def unavailable_reason(group: Optional["dist.ProcessGroup"], *, transport: str = "auto",
+                           nodes: Optional[NodeLayout] = None, num_ranks: Optional[int] = None,
                            **_: Any) -> Optional[str]:
         """Local check (no communication, no allocation): None if this process can run the backend."""
         if nodes is not None and nodes.internode:
@@ -64,7 +63,7 @@ class NormalNativeBackend(NativeCallState):
             return "no CUDA device is available"
         if transport not in ("auto", "nvlink"):
             return f"the native normal mode runs over NVLink (transport 'auto' or 'nvlink'), not {transport!r}"
-        num_ranks = dist.get_world_size(group)
+        num_ranks = dist.get_world_size(group) if num_ranks is None else num_ranks
         if num_ranks > MAX_RANKS:
             return f"the native normal mode runs on at most {MAX_RANKS} ranks of one node"
         try:
@@ -73,12 +72,16 @@ class NormalNativeBackend(NativeCallState):
             return str(exc)
         return None
 
-    def __init__(self, group: "dist.ProcessGroup", *, num_nvl_bytes: Optional[int], hidden: int, transport: str,
-                 timeout_us: int, num_sms: int, nodes: Optional[NodeLayout] = None,
-                 num_rdma_bytes: Optional[int] = None, notify_extra: int = 0) -> None:
+    def __init__(self, group: Optional["dist.ProcessGroup"], *, num_nvl_bytes: Optional[int], hidden: int,
+                 transport: str, timeout_us: int, num_sms: int, nodes: Optional[NodeLayout] = None,
+                 num_rdma_bytes: Optional[int] = None, notify_extra: int = 0, control: Any = None,
+                 joining: bool = False) -> None:
+        """group: a process group; or control: a store-based buffer's control plane (pyep.ep.control),
+        joining for a restarted rank (its links are made when the survivors admit it: native_member.py)."""
         import torch
         import torch.distributed as dist
-        reason = NormalNativeBackend.unavailable_reason(group, transport=transport, nodes=nodes)
+        reason = NormalNativeBackend.unavailable_reason(
+            group, transport=transport, nodes=nodes, num_ranks=control.world_size if control is not None else None)
         if reason is not None:
             raise BackendUnavailable(reason)
         mod = _engine()
@@ -87,8 +90,8 @@ class NormalNativeBackend(NativeCallState):
             raise ValueError(f"the normal mode runs over NVLink inside one node (transport 'auto' or 'nvlink'), "
                              f"not {transport!r}; the internode normal mode is not available yet")
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
+        self.rank = control.rank if control is not None else dist.get_rank(group)
+        self.num_ranks = control.world_size if control is not None else dist.get_world_size(group)
         self.nodes = NodeLayout(self.num_ranks, self.num_ranks)
         if self.num_ranks > MAX_RANKS:
             raise ValueError(f"the native normal mode runs on at most {MAX_RANKS} ranks, got {self.num_ranks}")
@@ -132,19 +135,7 @@ class NormalNativeBackend(NativeCallState):
             self._buf = int(self._ep.device_alloc(self._bytes))
             self._ep.memset_async(self._buf, 0, self._bytes, torch.cuda.current_stream().cuda_stream)
             torch.cuda.current_stream().synchronize()
-            from ..peers import PeerSet
-            cfg = LinkConfig(transport="nvlink" if r_n > 1 else "auto")
-            self._peers = PeerSet(group, cfg, self._ep, self.rank, r_n, self.device.index, self._buf, self._bytes,
-                                  self._setup_timeout_s)
-            self._peers.connect()
-            kinds = {link.kind for link in self._peers.links}
-            if not kinds <= {"local", "nvlink"}:
-                raise ValueError(f"the normal mode needs every rank on NVLink; the plan uses {sorted(kinds)}")
-            self._peer_base = torch.tensor([link.store_base for link in self._peers.links], dtype=torch.int64,
-                                           device=self.device)
-            self._static = self._make_static()
-            barrier(group, group_device(group), int(self._setup_timeout_s * 1e6),
-                            "normal-mode buffer setup (every rank mapped its peers)")
+            self._setup_links(group, control, joining)
         except BaseException:
             self._release()
             raise
@@ -319,6 +310,7 @@ class NormalNativeBackend(NativeCallState):
         n, h = call.x.shape
         fp8 = call.x_scales is not None
         self._settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, h, "normal dispatch")
+        self._call_timeout()
         stream = raw_current_stream(dev)
         handle = call.handle
         k = int(call.topk_idx.shape[1]) if call.topk_idx is not None else 0
@@ -385,6 +377,7 @@ class NormalNativeBackend(NativeCallState):
         n, h = hd.num_tokens, int(call.x.shape[1])
         k = int(call.topk_weights.shape[1]) if call.topk_weights is not None else 0
         self._settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, h, "normal combine")
+        self._call_timeout()
         self.gate(tags.KIND_COMBINE, [h, hd.num_channels, cfg.num_max_nvl_chunked_recv_tokens, k], handle_tag=hd.tag)
         out = torch.empty((n, h), dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty((n, k), dtype=torch.float32, device=self.device) if k else None
@@ -450,7 +443,7 @@ class NormalNativeBackend(NativeCallState):
         import torch
         torch.cuda.synchronize(self.device)
         what = "normal-mode clean"
-        barrier(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
+        self._barrier(what)
         self._ep.memset_async(self._buf, 0, layout.ring_offset(self.num_ranks, self._extra),
                               torch.cuda.current_stream().cuda_stream)
         torch.cuda.current_stream().synchronize()
@@ -464,7 +457,7 @@ class NormalNativeBackend(NativeCallState):
         self._ws[2] = self._epoch            # normal_tags.h kWsEpoch
         torch.cuda.current_stream().synchronize()
         self._broken = False
-        barrier(self.group, group_device(self.group), int(self._setup_timeout_s * 1e6), what)
+        self._barrier(what)
 
     def buffer_bytes(self) -> int:
         return self._bytes
