@@ -156,3 +156,42 @@ def silent_rank(shape_args: Tuple[int, int, int, int], timeout_us: int) -> Dict[
         nat.destroy()        # local (a synchronisation and the release of this rank's memory)
         ref.destroy()
         torch.cuda.synchronize()
+
+
+def shim_mask(shape_args: Tuple[int, int, int, int], masked: int) -> List[List[int]]:
+    """The DeepEP shim's one mask per Buffer on the native intranode kernels: low_latency_update_mask_buffer
+    leaves `masked` out of the Buffer's normal-mode calls (what the reference gives with it masked), an
+    unmask and low_latency_clean_mask_buffer take it back (streams restarted on both sides, the full
+    definition again), twice. Returns what low_latency_query_mask_buffer said after each change."""
+    import torch
+    import torch.distributed as dist
+    from pyep.compat import deep_ep
+    from pyep.ep.normal import NormalBuffer
+    setup_device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = Shape(*shape_args)
+    buf = deep_ep.Buffer(dist.group.WORLD, int(2e8), 0, enable_shrink=True, timeout_us=5_000_000,
+                         explicitly_destroy=True)
+    _, cmask = _masks(world, [])
+    ref = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="reference", active_ranks=cmask)
+    status = torch.zeros(world, dtype=torch.int32, device="cuda")
+    seen: List[List[int]] = []
+    try:
+        nat = buf.normal_buffer()
+        assert nat.backend_name == "native" and nat.takes_active_ranks, nat.describe()
+        steps = [("mask", lambda: buf.low_latency_update_mask_buffer(masked, True), 0),
+                 ("clean", buf.low_latency_clean_mask_buffer, 1),
+                 ("mask again", lambda: buf.low_latency_update_mask_buffer(masked, True), 0),
+                 ("unmask", lambda: buf.low_latency_update_mask_buffer(masked, False), 1)]
+        for i, (what, change, entry) in enumerate(steps):
+            change()
+            cmask[masked] = entry
+            buf.low_latency_query_mask_buffer(status)
+            seen.append(status.tolist())
+            _round(nat, ref, s, 71 + i, i % 2 == 1, f"rank {rank} shim {what} {masked}")
+            assert nat.get_active_ranks().tolist() == cmask.tolist(), (what, nat.get_active_ranks().tolist())
+        return seen
+    finally:
+        buf.destroy()
+        ref.destroy()
+        torch.cuda.synchronize()

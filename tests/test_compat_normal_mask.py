@@ -65,10 +65,45 @@ def test_shim_mask_reaches_the_normal_mode(pool3: DistPool) -> None:
         assert g["counts"] == want[r]["counts"]
 
 
-def test_native_normal_mode_is_built_without_the_mask() -> None:
-    """Which normal backends take the Buffer's mask: the reference (by name, or "auto" on a CPU group)."""
-    b = deep_ep.Buffer.__new__(deep_ep.Buffer)
-    b.group = None
-    for backend, want in (("reference", True), ("native", False)):
-        b._normal_kwargs = {"backend": backend}
-        assert b._normal_takes_mask() is want
+def test_active_mask_reports_the_ranks_it_takes_back() -> None:
+    """What the shim hands the normal mode to restart (NormalBuffer.take_back_ranks): the ranks an unmask
+    or a clean takes back, before and after the mask tensor exists."""
+    from pyep.compat._shapes import ActiveMask
+    m = ActiveMask(4)
+    assert m.update(2, True) == [] and m.update(2, False) == [2] and m.update(2, False) == []
+    m.update(1, True)
+    m.update(3, True)
+    assert m.clean() == [1, 3] and m.clean() == []
+    t = m.bind(torch.device("cpu"))
+    assert m.update(0, True) == [] and t.tolist() == [0, 1, 1, 1]
+    assert m.update(0, False) == [0] and m.update(3, True) == [] and m.clean() == [3] and t.tolist() == [1] * 4
+
+
+def _shared_mask() -> Dict[str, Any]:
+    from pyep.ep.normal import NormalBuffer
+    buf = NormalBuffer(dist.group.WORLD, hidden=256, backend="reference")
+    t = torch.ones(3, dtype=torch.int32)
+    assert buf.takes_active_ranks and buf.mask_device == t.device
+    buf.use_active_ranks(t)
+    t[1] = 0                                  # the caller's tensor, not a copy
+    out: Dict[str, Any] = {"seen": buf.get_active_ranks().tolist(), "errors": []}
+    for bad in (torch.ones(3, dtype=torch.int64), torch.ones(2, dtype=torch.int32), torch.full((3,), 2, dtype=torch.int32)):
+        try:
+            buf.use_active_ranks(bad)
+        except ValueError as exc:
+            out["errors"].append(str(exc)[:24])
+    try:
+        buf.take_back_ranks([5])
+    except ValueError as exc:
+        out["errors"].append(str(exc)[:24])
+    t[1] = 1
+    buf.take_back_ranks([1])                  # the reference backend has nothing to restart
+    out["back"] = buf.get_active_ranks().tolist()
+    buf.destroy()
+    return out
+
+
+def test_normal_buffer_shares_a_caller_mask(pool3: DistPool) -> None:
+    for r in pool3.run(_shared_mask, timeout_s=60):
+        assert r["seen"] == [1, 0, 1] and r["back"] == [1, 1, 1]
+        assert len(r["errors"]) == 4, r["errors"]

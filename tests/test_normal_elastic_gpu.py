@@ -32,3 +32,13 @@ def test_silent_rank_is_marked_and_calls_complete_among_the_survivors(pools):
     for r in res[:3]:
         assert r["mask"] == [1, 1, 1, 0], r
         assert r["took_s"] < 10 * timeout_us / 1e6 + 5, r       # bounded: about one timeout, not a hang
+
+
+@requires_gpus
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("masked", [2])
+def test_deepep_shim_mask_reaches_the_native_normal_mode(pools, masked):
+    from normal_gpu_elastic import shim_mask
+    res = pools[4].run(shim_mask, (96, 1024, 32, 4), masked, timeout_s=220)
+    for seen in res:
+        assert seen == [[1 if d == masked and i % 2 == 0 else 0 for d in range(4)] for i in range(4)], seen

@@ -198,3 +198,24 @@ def test_newcomer_takes_the_survivors_counters(monkeypatch: Any) -> None:
         assert [v & 0xFFFFFFFF for v in flags[:, src].tolist()] == [want[0], want[1]]
     assert flags[:, 2].eq(7).all()                     # its own column is not a peer's
     assert b._grace_left > 0                           # the grace window is open
+
+
+@pytest.mark.parametrize("rank, back, moved", [(0, [2], [2]), (2, [2], [0, 1]), (1, [0, 2], [0, 2])])
+def test_live_rank_taken_back_restarts_the_shared_streams_on_both_sides(monkeypatch: Any, rank: int,
+                                                                       back: List[int], moved: List[int]) -> None:
+    """A group's unmask (the DeepEP shim's): a survivor restarts only its streams with the ranks it takes
+    back and sets their flags in step; the rank taken back (its own entry came back) does so with every
+    peer; the call number is untouched (every rank advanced it through the masked calls)."""
+    from pyep.ep.normal import layout
+    from pyep.ep.normal.limits import MAX_CHANNELS
+    b, w = _member_backend(monkeypatch, rank=rank, n=3, seq=41)
+    b.take_back(back)
+    off = layout.control_words(3)
+    for name in ("tail", "head", "tx_pos", "rx_pos"):
+        col = w[off[name]:off[name] + MAX_CHANNELS * 3].view(MAX_CHANNELS, 3)
+        for p in range(3):
+            assert col[:, p].eq(0 if p in moved else 7).all(), (name, p)
+    flags = w[off["notify_flag"]:off["notify_flag"] + 6].view(2, 3)
+    for p in range(3):
+        assert flags[:, p].tolist() == ([40, 41] if p in moved else [7, 7]), p
+    assert int(b._ws[1]) == 41

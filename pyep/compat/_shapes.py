@@ -168,12 +168,16 @@ class ActiveMask:
             raise ValueError(f"rank_to_mask must be an int in [0, {self.num_ranks}), got {rank!r}")
         return rank
 
-    def update(self, rank: int, mask: bool) -> None:
+    def update(self, rank: int, mask: bool) -> List[int]:
+        """Returns the ranks this takes back (masked before, not now)."""
         r = self._check_rank(rank)
         if self.tensor is None:
+            back = [r] if not mask and not self._pending[r] else []
             self._pending[r] = 0 if mask else 1
-        else:
-            self.tensor[r] = 0 if mask else 1       # stream-ordered, like DeepEP's one-thread kernel
+            return back
+        back = [r] if not mask and not int(self.tensor[r]) else []
+        self.tensor[r] = 0 if mask else 1       # stream-ordered, like DeepEP's one-thread kernel
+        return back
 
     def query(self, mask_status: Any) -> None:
         import torch
@@ -188,11 +192,15 @@ class ActiveMask:
             src = (self.tensor == 0).to(torch.int32)
         mask_status.copy_(src)
 
-    def clean(self) -> None:
+    def clean(self) -> List[int]:
+        """Unmasks every rank; returns the ranks this takes back."""
         if self.tensor is None:
+            back = [r for r, a in enumerate(self._pending) if not a]
             self._pending = [1] * self.num_ranks
-        else:
-            self.tensor.fill_(1)
+            return back
+        back = [r for r, a in enumerate(self.tensor.tolist()) if not a]
+        self.tensor.fill_(1)
+        return back
 
 
 def raw_buffer_tensor(backend: Any, what: str) -> "torch.Tensor":

@@ -21,10 +21,9 @@ and what differs.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
 
 from ..ep.config import DEFAULT_TIMEOUT_US
-from ..ep._dist import group_device
 from ..ep.ll.layout import size_hint as _size_hint
 from ..ep.ll.handle import Handle
 from ..ep.normal.buffer import NormalBuffer
@@ -228,23 +227,19 @@ class Buffer:
                 nvl: Optional[int] = self.num_nvl_bytes
             else:
                 hidden, nvl = 7168, None   # sized by pyep for DeepSeek's hidden
-            kwargs: Dict[str, Any] = dict(self._normal_kwargs)
-            if self._mask is not None and self._normal_takes_mask():
+            normal = NormalBuffer(self.group, nvl, hidden=hidden, **self._normal_kwargs)
+            if self._mask is not None and normal.takes_active_ranks:
                 # One mask per Buffer: the low-latency kernels' marks and the caller's
-                # low_latency_update_mask_buffer reach the normal mode's calls too (docs/elastic.md).
-                kwargs["active_ranks"] = self._mask.bind(group_device(self.group))
-            self._normal = NormalBuffer(self.group, nvl, hidden=hidden, **kwargs)
+                # low_latency_update_mask_buffer reach the normal mode's calls, and the normal kernels'
+                # marks the low-latency calls (docs/elastic.md). Before the first normal call, on every rank.
+                try:
+                    normal.use_active_ranks(self._mask.bind(normal.mask_device))
+                except BaseException:
+                    normal.destroy()
+                    raise
+            self._normal = normal
             log.debug("normal-mode buffer: %s", self._normal.describe())
         return self._normal
-
-    def _normal_takes_mask(self) -> bool:
-        """Whether this Buffer's normal mode runs on the reference backend, the one whose calls take the
-        shrink mask: asked for by name, or "auto" on a group whose tensors live on the CPU (no GPU: the
-        native kernels cannot run). A normal buffer of the native kernels is built without it (the internode
-        ones take none, and which kernels run is known only once the buffer exists), and masking a rank
-        says so (low_latency_update_mask_buffer)."""
-        backend = self._normal_kwargs.get("backend", "auto")
-        return backend == "reference" or (backend == "auto" and group_device(self.group).type == "cpu")
 
     def normal_buffer(self) -> NormalBuffer:
         """pyep extension: the underlying NormalBuffer (describe(), backend_name, ...); creates it if
@@ -368,12 +363,13 @@ class Buffer:
         """mask=True: neither send to nor wait for rank_to_mask from the next call on; False: unmask.
         Local to this rank and stream-ordered, as DeepEP's. A rank that really restarted also needs
         update_ep_member() (collective) to rebuild its connections."""
-        self._shrink("low_latency_update_mask_buffer").update(rank_to_mask, bool(mask))
-        if mask and self._normal is not None and self._normal.backend_name != "reference":
+        back = self._shrink("low_latency_update_mask_buffer").update(rank_to_mask, bool(mask))
+        self._normal_takes_back(back)
+        if mask and self._normal is not None and not self._normal.takes_active_ranks:
             log.warning("rank %d masked: the low-latency calls leave it out, but this Buffer's normal mode runs "
-                        "the %s kernels, to which this shim does not hand the mask yet -- its calls still include "
-                        "rank %d (and raise PeerTimeout if it is dead); the reference backend "
-                        "(backend='reference') takes the mask",
+                        "the internode %s kernels, which take no mask yet -- its calls still include rank %d "
+                        "(and raise PeerTimeout if it is dead); the reference backend (backend='reference') "
+                        "and the intranode kernels take the mask",
                         rank_to_mask, self._normal.backend_name, rank_to_mask)
 
     def low_latency_query_mask_buffer(self, mask_status: "torch.Tensor") -> None:
@@ -381,7 +377,13 @@ class Buffer:
         self._shrink("low_latency_query_mask_buffer").query(mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        self._shrink("low_latency_clean_mask_buffer").clean()
+        self._normal_takes_back(self._shrink("low_latency_clean_mask_buffer").clean())
+
+    def _normal_takes_back(self, ranks: List[int]) -> None:
+        """Ranks the caller unmasked: the normal mode, which shares the mask, restarts its streams with
+        them (NormalBuffer.take_back_ranks; DeepEP's callers unmask on every rank alike, between calls)."""
+        if ranks and self._normal is not None and self._normal.takes_active_ranks:
+            self._normal.take_back_ranks(ranks)
 
     def update_ep_member(self) -> None:
         """pyep extension (Mooncake's name): collective, rebuilds the connections of ranks that

@@ -41,8 +41,8 @@ def check_active_ranks(active_ranks: Any, num_ranks: int) -> None:
 
 
 class NormalBufferMembership(MemberView):
-    """Mixed into NormalBuffer (which provides _backend, _member, _control, _rank, _num_ranks, _mask,
-    _step, _check_alive)."""
+    """Mixed into NormalBuffer (which provides _backend, _device, _member, _control, _rank, _num_ranks,
+    _mask, _step, _check_alive)."""
 
     _backend: Any
     _member: Optional[Membership]
@@ -59,6 +59,56 @@ class NormalBufferMembership(MemberView):
         admitted; calls neither send to nor wait for a rank whose entry is 0."""
         self._check_alive("get_active_ranks")
         return self._mask.clone()
+
+    @property
+    def takes_active_ranks(self) -> bool:
+        """Whether this buffer's calls can leave ranks out: the reference backend and the native
+        intranode kernels (the internode kernels take no mask yet)."""
+        return self._backend.name == "reference" or bool(getattr(self._backend, "takes_mask", False))
+
+    @property
+    def mask_device(self) -> "torch.device":
+        """Where this buffer reads its mask: the native kernels on their GPU, the reference backend on its
+        group's device (a store-based buffer's: the CPU)."""
+        return self._device if self._backend.name != "reference" else self._mask.device
+
+    def use_active_ranks(self, active_ranks: "torch.Tensor") -> None:
+        """From the next call on, read `active_ranks` (int32 [R] on `mask_device`, 1 = active) as this
+        buffer's mask, as if it had been given at construction: the caller's tensor, not a copy, so another
+        user of it (the DeepEP shim's low-latency calls) and this buffer see each other's marks. Every rank
+        switches between the same two calls. A store-based buffer keeps its own mask (its membership
+        sets it); the internode kernels take none: ElasticUnsupported."""
+        self._check_alive("use_active_ranks")
+        check_active_ranks(active_ranks, self._num_ranks)
+        if self._member is not None:
+            raise MembershipError("use_active_ranks: a store-based buffer's mask follows its membership "
+                                  "(poll_rejoin / update_ep_member)")
+        if not self.takes_active_ranks:
+            raise ElasticUnsupported("active_ranks= (a mask the caller holds)", self._backend.name)
+        if active_ranks.device != self.mask_device:
+            raise ValueError(f"active_ranks is on {active_ranks.device}; this buffer reads its mask on "
+                             f"{self.mask_device}")
+        if self._backend.name == "reference":
+            self._backend.mask = active_ranks      # it reads (and clears) the buffer's tensor itself
+        else:
+            self._backend.set_mask(active_ranks)
+        self._mask = active_ranks
+
+    def take_back_ranks(self, ranks: List[int]) -> None:
+        """On a process group, between calls, on every rank alike: the caller set these entries of the
+        mask it shares with this buffer (use_active_ranks) back to 1 -- ranks that stayed alive (the
+        DeepEP shim's low_latency_update_mask_buffer(r, False) and low_latency_clean_mask_buffer). The
+        native kernels restart the streams this rank shares with them and their gate flags in step (a
+        rank whose own entry came back: with every peer); the reference backend needs nothing. A
+        restarted process comes back through a store-based buffer's rejoin instead."""
+        self._check_alive("take_back_ranks")
+        if self._member is not None:
+            raise MembershipError("take_back_ranks: a store-based buffer takes ranks back by their rejoin")
+        bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self._num_ranks]
+        if bad:
+            raise ValueError(f"take_back_ranks: ranks must be ints in [0, {self._num_ranks}), got {bad}")
+        if ranks and self._backend.name != "reference" and hasattr(self._backend, "take_back"):
+            self._backend.take_back(sorted(set(ranks)))
 
     def _check_mask_supported(self) -> None:
         """A backend that takes no mask (the internode kernels): one that leaves a rank out is an error

@@ -203,6 +203,25 @@ class NativeNormalMembership:
         torch.cuda.synchronize(self.device)
         log.debug("rank %d: rank %d's link rebuilt and its streams restarted", self.rank, rank)
 
+    # ------------------------------------------------------------------ a live rank taken back (group)
+    def take_back(self, ranks: List[int]) -> None:
+        """Between calls, on every rank alike: these entries of the mask went back to 1 (the DeepEP
+        shim's unmask; the ranks stayed alive, no process restarted). Every call advanced every rank's
+        call number, masked or not, so the numbers agree; what a masked stretch left behind is this
+        rank's words of the streams shared with them (a rank marked in the middle of a stream) and the
+        gate flags they last wrote here, several calls old, which the gate would read as another call.
+        Both are set as for a restarted rank, on both sides: a rank that takes itself back (its own
+        entry was 0) does it with every peer."""
+        import torch
+        torch.cuda.synchronize(self.device)
+        peers = range(self.num_ranks) if self.rank in ranks else ranks
+        seq = self._device_seq()
+        for p in peers:
+            if p != self.rank:
+                self._restart_streams(p)
+                self._flags_in_step(p, seq)
+        torch.cuda.synchronize(self.device)
+
     def inactive_ranks(self) -> List[int]:
         if self._mask is None:
             return []
