@@ -204,6 +204,36 @@ def test_store_buffer_marks_a_silent_rank_and_readmits_its_restart(dead: int) ->
         b.destroy()
 
 
+def test_a_rank_that_dies_again_after_its_rejoin_is_marked_and_taken_back_again() -> None:
+    """A flaky rank: generation 2 rejoins, dies too, and generation 3 comes back. The survivor marks each
+    death within its timeout and admits each restart; every step is checked against the definition."""
+    master = _master()
+    prefix, world, dead = "t/normal-rejoin-twice", 2, 1
+    bufs = _threads([lambda r=r: _store_buf(master.port, prefix, r, world) for r in range(world)])
+    _threads([lambda b=b: _steps(b, world, 2) for b in bufs])
+    live = bufs[0]
+    procs = [bufs[1]]
+    for gen in (2, 3):
+        assert _steps(live, world, 2) == [[1, 0]] * 2          # the last process of rank 1 went silent
+
+        def restart(g: int = gen) -> Any:
+            nb = _store_buf(master.port, prefix, dead, world)
+            assert nb.joining and nb.generation == g
+            nb.join(120.0)
+            procs.append(nb)
+            return _steps(nb, world, 3)
+
+        def survive() -> List[List[int]]:
+            before = _steps(live, world, 400, stop=lambda x: bool(x.get_active_ranks()[dead]))
+            return before + _steps(live, world, 2)
+        out = _threads([survive, restart])
+        assert out[0][-3:] == [[1, 1]] * 3 and out[1] == [[1, 1]] * 3
+        assert live.next_call == procs[-1].next_call
+    assert live.generation == 1 and procs[-1].generation == 3
+    for b in [live, *procs]:
+        b.destroy()
+
+
 def _forge(store: Any, prefix: str, secret: Any) -> List[str]:
     """A forger (another job's secret, or no MAC at all) claims a restarted generation 2 of rank 1 and
     writes every record of the admission, plus mail rows for the survivors' next calls."""
