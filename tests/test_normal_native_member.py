@@ -219,3 +219,14 @@ def test_live_rank_taken_back_restarts_the_shared_streams_on_both_sides(monkeypa
     for p in range(3):
         assert flags[:, p].tolist() == ([40, 41] if p in moved else [7, 7]), p
     assert int(b._ws[1]) == 41
+
+
+def test_peer_words_report_the_streams_and_flags_shared_with_a_peer(monkeypatch: Any) -> None:
+    from pyep.ep.normal import layout
+    b, w = _member_backend(monkeypatch, rank=0, n=3, seq=41)
+    b.take_back([2])
+    off = layout.control_words(3)
+    w[off["tail"] + 1 * 3 + 1] = 5                      # channel 1, peer 1
+    got = b.peer_words(2, channels=2)
+    assert got["tail"] == got["rx_pos"] == [0, 0] and got["flags"] == [40, 41] and got["workspace"][1] == 41
+    assert b.peer_words(1, channels=2)["tail"] == [7, 5]

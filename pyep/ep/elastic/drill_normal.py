@@ -175,15 +175,9 @@ def explain_step(buf: Any, a: Dict[str, Any], step: int, rank: int, world: int, 
         zero = int((part == 0).all(dim=1).sum())
         out.append(f"  from {s}: {rows[s]} rows (definition {want.shape[0]}), {eq} equal, {zero} zero")
         start += rows[s]
-    be = buf.backend
-    if buf.backend_name == "native" and hasattr(be, "_words"):
-        from ..normal import layout
-        w, off = be._words().cpu().tolist(), layout.control_words(world, be._extra)
-        out.append(f"  workspace {be._ws.cpu().tolist()}")
-        for p in range(world):
-            per = {k: [w[off[k] + c * world + p] for c in range(4)] for k in ("tail", "head", "tx_pos", "rx_pos")}
-            flags = [w[off["notify_flag"] + par * world + p] for par in (0, 1)]
-            out.append(f"  peer {p}: {per} flags {flags}")
+    words = getattr(buf.backend, "peer_words", None)
+    for p in range(world) if words is not None else ():
+        out.append(f"  peer {p}: {words(p)}")
     return "\n".join(out)
 
 

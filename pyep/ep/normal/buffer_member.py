@@ -88,10 +88,10 @@ class NormalBufferMembership(MemberView):
         if active_ranks.device != self.mask_device:
             raise ValueError(f"active_ranks is on {active_ranks.device}; this buffer reads its mask on "
                              f"{self.mask_device}")
-        if self._backend.name == "reference":
-            self._backend.mask = active_ranks      # it reads (and clears) the buffer's tensor itself
-        else:
-            self._backend.set_mask(active_ranks)
+        if self._backend.name != "reference":
+            self._attach_native_mask(active_ranks)     # the one place a native backend gets its mask
+            return
+        self._backend.mask = active_ranks      # it reads (and clears) the buffer's tensor itself
         self._mask = active_ranks
 
     def take_back_ranks(self, ranks: List[int]) -> None:
@@ -107,8 +107,15 @@ class NormalBufferMembership(MemberView):
         bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self._num_ranks]
         if bad:
             raise ValueError(f"take_back_ranks: ranks must be ints in [0, {self._num_ranks}), got {bad}")
-        if ranks and self._backend.name != "reference" and hasattr(self._backend, "take_back"):
-            self._backend.take_back(sorted(set(ranks)))
+        still_out = [r for r in ranks if not int(self._mask[r])]
+        if still_out:
+            raise ValueError(f"take_back_ranks: ranks {still_out} are still 0 in the mask; set their entries to 1 "
+                             f"first (the call only restarts what the masked stretch left behind)")
+        if not ranks or self._backend.name == "reference":
+            return
+        if getattr(self._backend, "_mask", None) is None:
+            raise ElasticUnsupported("take_back_ranks on a buffer whose kernels read no mask", self._backend.name)
+        self._backend.take_back(sorted(set(ranks)))
 
     def _check_mask_supported(self) -> None:
         """A backend that takes no mask (the internode kernels): one that leaves a rank out is an error

@@ -117,6 +117,17 @@ class NativeNormalMembership:
         for parity, value in flags_in_step(seq).items():
             w[off + parity * self.num_ranks + src] = _s32(value)
 
+    def peer_words(self, peer: int, channels: int = 4) -> Dict[str, List[int]]:
+        """This rank's control words of the streams shared with `peer` (the first `channels` channels)
+        and the two gate flags it holds for it, plus the workspace: what a failure report shows."""
+        import torch
+        torch.cuda.synchronize(self.device)
+        w, off, r_n = self._words().cpu().tolist(), layout.control_words(self.num_ranks, self._extra), self.num_ranks
+        out = {k: [w[off[k] + c * r_n + peer] for c in range(channels)] for k in ("tail", "head", "tx_pos", "rx_pos")}
+        out["flags"] = [w[off["notify_flag"] + par * r_n + peer] for par in (0, 1)]
+        out["workspace"] = self._ws.cpu().tolist()
+        return out
+
     def _device_seq(self) -> int:
         return int(self._ws[_WS_SEQ].item()) & 0xFFFFFFFF
 
