@@ -1,11 +1,13 @@
 """Per-rank bodies of the native normal mode's active_ranks tests (tests/test_normal_elastic_gpu.py; issue
 26, docs/elastic.md "Normal mode"). Each rank drives a native NormalBuffer on its GPU beside a reference
 NormalBuffer on the CPU with the same mask and inputs, and compares what both return, bit for bit: the
-reference backend is the definition of a call among the survivors."""
+reference backend is the definition of a call among the survivors. `nodes`: the buffers' node keywords
+(empty: one node; {"ranks_per_node": 1, "transport": "emulated-internode"}: one rank per virtual node,
+the native internode path with its column relay on the softnic)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ep_native_cases import setup_device
 from normal_gpu_cases import Shape, _on, compare_dispatch, expert, make_inputs, same
@@ -17,6 +19,23 @@ def _masks(world: int, out: List[int]) -> Tuple[Any, Any]:
     for r in out:
         m[r] = 0
     return m.cuda(), m.clone()
+
+
+def _layout_kw(lay: Tuple[Any, ...]) -> Dict[str, Any]:
+    kw = dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2])
+    if lay[1] is not None:      # across nodes
+        kw["num_tokens_per_rdma_rank"] = lay[1]
+    return kw
+
+
+def _buffers(s: Shape, nodes: Optional[Dict[str, Any]], gmask: Any, cmask: Any, timeout_us: int) -> Tuple[Any, Any]:
+    from pyep.ep.normal import NormalBuffer
+    import torch.distributed as dist
+    kw = dict(nodes or {})
+    nat = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="native", active_ranks=gmask, timeout_us=timeout_us, **kw)
+    kw.pop("transport", None)
+    ref = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="reference", active_ranks=cmask, **kw)
+    return nat, ref
 
 
 def _round(nat: Any, ref: Any, s: Shape, seed: int, fp8: bool, tag: str, layout_from: str = "both") -> Dict[str, Any]:
@@ -34,13 +53,13 @@ def _round(nat: Any, ref: Any, s: Shape, seed: int, fp8: bool, tag: str, layout_
     lay_n = nat.get_dispatch_layout(gt, s.E)
     lay_r = ref.get_dispatch_layout(t, s.E)
     torch.cuda.synchronize()
-    for i, name in ((0, "num_tokens_per_rank"), (2, "num_tokens_per_expert"), (3, "is_token_in_rank")):
-        same(f"{tag} layout {name}", lay_n[i], lay_r[i])
+    for i, name in ((0, "num_tokens_per_rank"), (1, "num_tokens_per_rdma_rank"), (2, "num_tokens_per_expert"),
+                    (3, "is_token_in_rank")):
+        if lay_r[i] is not None:
+            same(f"{tag} layout {name}", lay_n[i], lay_r[i])
     same(f"{tag} layout dropped", lay_n[4].num_dropped_tokens, lay_r[4].num_dropped_tokens)
-    got = nat.dispatch(gx, num_tokens_per_rank=lay_n[0], is_token_in_rank=lay_n[3], num_tokens_per_expert=lay_n[2],
-                       topk_idx=gt, topk_weights=gw)
-    want = ref.dispatch(xin, num_tokens_per_rank=lay_r[0], is_token_in_rank=lay_r[3], num_tokens_per_expert=lay_r[2],
-                        topk_idx=t, topk_weights=w)
+    got = nat.dispatch(gx, topk_idx=gt, topk_weights=gw, **_layout_kw(lay_n))
+    want = ref.dispatch(xin, topk_idx=t, topk_weights=w, **_layout_kw(lay_r))
     torch.cuda.synchronize()
     compare_dispatch(tag, got, want)
     same(f"{tag} dispatch dropped", got[5].num_dropped_tokens, want[5].num_dropped_tokens)
@@ -59,20 +78,18 @@ def _round(nat: Any, ref: Any, s: Shape, seed: int, fp8: bool, tag: str, layout_
     return {"dropped": want[5].num_dropped_tokens.tolist()}
 
 
-def static_mask(shape_args: Tuple[int, int, int, int], masked: int) -> List[int]:
+def static_mask(shape_args: Tuple[int, int, int, int], masked: int, nodes: Optional[Dict[str, Any]] = None) -> List[int]:
     """Every rank passes the same mask that leaves `masked` out: the native calls give what the reference
     gives for it (nothing sent to or awaited from it; its tokens dropped and counted), for BF16 and FP8,
     cached dispatch and combine; the masked rank itself moves nothing. Then the mask changes in place (a
     second rank out) and the next calls follow it with no other call. Returns the dropped counts."""
     import torch
     import torch.distributed as dist
-    from pyep.ep.normal import NormalBuffer
     setup_device()
     rank, world = dist.get_rank(), dist.get_world_size()
     s = Shape(*shape_args)
     gmask, cmask = _masks(world, [masked])
-    nat = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="native", active_ranks=gmask, timeout_us=5_000_000)
-    ref = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="reference", active_ranks=cmask)
+    nat, ref = _buffers(s, nodes, gmask, cmask, 5_000_000)
     try:
         r1 = _round(nat, ref, s, 41, False, f"rank {rank} mask -{masked} bf16")
         _round(nat, ref, s, 42, True, f"rank {rank} mask -{masked} fp8")
@@ -88,7 +105,8 @@ def static_mask(shape_args: Tuple[int, int, int, int], masked: int) -> List[int]
         torch.cuda.synchronize()
 
 
-def silent_rank(shape_args: Tuple[int, int, int, int], timeout_us: int) -> Dict[str, Any]:
+def silent_rank(shape_args: Tuple[int, int, int, int], timeout_us: int, nodes: Optional[Dict[str, Any]] = None
+                ) -> Dict[str, Any]:
     """A rank goes silent in a dispatch (it sleeps instead of calling it): with a mask, every other rank's
     dispatch completes among the survivors within about the timeout -- no error -- with exactly what the
     reference gives with that rank masked; the rank is marked in every survivor's mask, and the later
@@ -96,15 +114,13 @@ def silent_rank(shape_args: Tuple[int, int, int, int], timeout_us: int) -> Dict[
     The silent rank takes part only in the reference calls afterwards (a masked gloo rank)."""
     import torch
     import torch.distributed as dist
-    from pyep.ep.normal import NormalBuffer
     setup_device()
     rank, world = dist.get_rank(), dist.get_world_size()
     s = Shape(*shape_args)
     victim = world - 1
     gmask, _ = _masks(world, [])
     _, cmask = _masks(world, [victim])
-    nat = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="native", active_ranks=gmask, timeout_us=timeout_us)
-    ref = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="reference", active_ranks=cmask)
+    nat, ref = _buffers(s, nodes, gmask, cmask, timeout_us)
     out: Dict[str, Any] = {"rank": rank}
     try:
         x, t, w = make_inputs(51, rank, s, "random", world)
@@ -116,14 +132,12 @@ def silent_rank(shape_args: Tuple[int, int, int, int], timeout_us: int) -> Dict[
             time.sleep(3 * timeout_us / 1e6)
         else:
             start = time.monotonic()
-            got = nat.dispatch(gx, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
-                               topk_idx=gt, topk_weights=gw)
+            got = nat.dispatch(gx, topk_idx=gt, topk_weights=gw, **_layout_kw(lay))
             torch.cuda.synchronize()
             out["took_s"] = time.monotonic() - start
             out["mask"] = nat.get_active_ranks().tolist()
         lay_r = ref.get_dispatch_layout(t, s.E)
-        want = ref.dispatch(x, num_tokens_per_rank=lay_r[0], is_token_in_rank=lay_r[3], num_tokens_per_expert=lay_r[2],
-                            topk_idx=t, topk_weights=w)
+        want = ref.dispatch(x, topk_idx=t, topk_weights=w, **_layout_kw(lay_r))
         if rank != victim:
             tag = f"rank {rank} silent {victim}"
             compare_dispatch(tag, got, want)
@@ -143,8 +157,7 @@ def silent_rank(shape_args: Tuple[int, int, int, int], timeout_us: int) -> Dict[
                     from pyep.ep import fp8 as f8
                     xv = f8.quantize_fp8(xv)
                 lv = ref.get_dispatch_layout(tv, s.E)
-                dv = ref.dispatch(xv, num_tokens_per_rank=lv[0], is_token_in_rank=lv[3], num_tokens_per_expert=lv[2],
-                                  topk_idx=tv, topk_weights=wv)
+                dv = ref.dispatch(xv, topk_idx=tv, topk_weights=wv, **_layout_kw(lv))
                 ref.dispatch(xv, handle=dv[4])
                 ref.combine(expert(dv[0], rank), dv[4], topk_weights=dv[2])
             else:

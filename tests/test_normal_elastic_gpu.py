@@ -2,7 +2,9 @@
 several (rank % device_count), each beside a reference NormalBuffer with the same mask, compared bit for
 bit (tests/normal_gpu_elastic.py). A static mask, a mask changed in place between calls, and a rank that
 goes silent inside a dispatch: marked by the survivors' kernels within the timeout, the call completing
-among them, the later calls too."""
+among them, the later calls too. The same on the native internode path with one rank per virtual node
+(the column relay on the softnic): the relay's count exchange and rings leave the masked rank out and
+mark the silent one."""
 from __future__ import annotations
 
 import pytest
@@ -42,3 +44,29 @@ def test_deepep_shim_mask_reaches_the_native_normal_mode(pools, masked):
     res = pools[4].run(shim_mask, (96, 1024, 32, 4), masked, timeout_s=220)
     for seen in res:
         assert seen == [[1 if d == masked and i % 2 == 0 else 0 for d in range(4)] for i in range(4)], seen
+
+
+INTERNODE = {"ranks_per_node": 1, "transport": "emulated-internode"}
+requires_relay = pytest.mark.skipif(usable_gpus("relay") < 1, reason="needs a CUDA GPU and the CUDA build of pyep._engine")
+
+
+@requires_relay
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("masked", [3, 0])
+def test_internode_static_mask_matches_reference(pools, masked):
+    """4 virtual nodes of one rank: the mask leaves a rank out of the layout, the column's count exchange,
+    its relays and the combine's partials, exactly as the reference on the same nodes."""
+    from normal_gpu_elastic import static_mask
+    res = pools[4].run(static_mask, (96, 1024, 32, 4), masked, INTERNODE, timeout_s=280)
+    assert sum(res[0]) > 0
+
+
+@requires_relay
+@pytest.mark.timeout(300)
+def test_internode_silent_rank_is_marked_by_the_relay(pools):
+    from normal_gpu_elastic import silent_rank
+    timeout_us = 1_000_000
+    res = pools[4].run(silent_rank, (96, 1024, 32, 4), timeout_us, INTERNODE, timeout_s=280)
+    for r in res[:3]:
+        assert r["mask"] == [1, 1, 1, 0], r
+        assert r["took_s"] < 10 * timeout_us / 1e6 + 5, r

@@ -6,8 +6,10 @@ reuse, the device call counter and its wrap past 0), rows through rings that wra
 and empty routings, row size and ring depth changing between calls), a peer that never launches
 (PeerTimeout naming it and the phase, no hang), the count exchange as the column's call gate (a rank
 that refuses a call: every peer's call void at once, naming it, no row moved, the next calls correct;
-call counters that disagree: a call mismatch on every rank, not a timeout). Each case runs in a worker
-process with a hard timeout."""
+call counters that disagree: a call mismatch on every rank, not a timeout), and with the buffer's mask
+(docs/elastic.md, "Normal mode"): a peer out of the mask skipped, a silent peer marked within the
+timeout with no error and the rows between the others delivered. Each case runs in a worker process
+with a hard timeout."""
 from __future__ import annotations
 
 import os
@@ -22,7 +24,7 @@ SIM_DIR = os.path.join(ROOT, "tests", "ll_sim")
 
 ERR_PEER_TIMEOUT = 3                       # pyep/ep/normal/errors.py
 PHASE_COUNTS, PHASE_DISPATCH = 3, 4        # pyep/ep/normal/internode_relay.py PHASES
-SEQ_WORD, EPOCH_WORD, VOID_WORD, CLAIM_WORD, ORIGIN_WORD = 1, 2, 3, 4, 5   # normal_tags.h kWs*
+SEQ_WORD, EPOCH_WORD, VOID_WORD, CLAIM_WORD, ORIGIN_WORD, MASK_WORD = 1, 2, 3, 4, 5, 6   # normal_tags.h kWs*
 STATUS_OK, STATUS_REFUSED = 0, 1           # pyep/ep/normal/tags.py
 KIND_COMBINE = 4
 
@@ -77,6 +79,17 @@ class RelayWorld:
             tag_record=self.rec[m].data_ptr())
             for m in range(M)]
         self.tickets = 0
+        self.masks: List[Any] = []
+
+    def use_masks(self, masks: List[List[int]]) -> None:
+        """Every rank reads its own mask (int32 [M]: one rank per node) from now on."""
+        import torch
+        self.masks = [torch.tensor(m, dtype=torch.int32) for m in masks]
+        for m in range(self.M):
+            self.statics[m]["active"] = self.masks[m].data_ptr()
+
+    def call_mask(self, m: int) -> int:
+        return int(self.ws[m][MASK_WORD]) & ((1 << self.M) - 1)
 
     def word(self, m: int, name: str, i: int) -> int:
         import torch
@@ -417,6 +430,56 @@ def case_silent_peer(path: str) -> str:
     return "ok"
 
 
+def case_masked_silent_peer(path: str) -> str:
+    """With a mask, node 2 of 3 never launches: nodes 0 and 1 mark it within the timeout (mask entry 0,
+    out of the call's mask), record no error, receive 0 rows from it and nothing is void; the relay that
+    follows moves the rows between them and leaves rank 2's runs untouched; the next call does not wait
+    for rank 2 at all. Then a rank whose own entry is 0 exchanges with nobody."""
+    import torch
+    M, live, timeout_ms = 3, [0, 1], 1000
+    w = _world(path, M, timeout_ms=timeout_ms)
+    w.use_masks([[1, 1, 1]] * M)
+    t0 = time.monotonic()
+    rc, hc = w.counts([[0, 5, 6], [7, 0, 8], [9, 10, 0]], ranks=live)
+    took = time.monotonic() - t0
+    assert took < timeout_ms / 1000 + 10.0, f"counts took {took:.1f} s"
+    for m in live:
+        assert w.errors(m)[0] == 0, f"rank {m}: a marked peer is no error: {w.errors(m)}"
+        assert w.masks[m].tolist() == [1, 1, 0], f"rank {m}: mask {w.masks[m].tolist()}"
+        assert w.call_mask(m) == 0b011 and w.void(m)[0] == 0, f"rank {m}: call mask {w.call_mask(m):#b}, {w.void(m)}"
+        want = [0 if s in (m, 2) else [[0, 5, 6], [7, 0, 8]][s][m] for s in range(M)]
+        assert rc[m] == want + [sum(want)] and hc[m][0] == w.tickets, f"rank {m}: {rc[m]} {hc[m]}"
+    g = torch.Generator().manual_seed(9)
+    n = [[0, 11, 20], [13, 0, 20], [20, 20, 0]]
+    rows = [[_rows(g, n[s][d], 32, 16 * s + d) for d in range(M)] for s in range(M)]
+    dsts = w.relay(rows, 32, 4, 2, ranks=live)
+    for m in live:
+        assert w.errors(m)[0] == 0, f"rank {m}: {w.errors(m)}"
+    for d, s in ((0, 1), (1, 0)):
+        dst, ro = dsts[d]
+        assert bool((dst[int(ro[s]):int(ro[s + 1])] == rows[s][d]).all()), f"rows {s} -> {d} between live nodes"
+        assert bool((dst[int(ro[2]):int(ro[3])] == 0xEE).all()), f"rank {d}: the run of marked rank 2 was written"
+    # The next calls leave rank 2 out without waiting for it.
+    t0 = time.monotonic()
+    for _ in range(3):
+        rc, _ = w.counts([[0, 1, 2], [3, 0, 4], [5, 6, 0]], ranks=live)
+        assert rc[0] == [0, 3, 0, 3] and rc[1] == [1, 0, 0, 1], rc
+    took = time.monotonic() - t0
+    assert took < timeout_ms / 1000, f"three calls with rank 2 masked took {took:.2f} s: they waited for it"
+    assert all(w.errors(m)[0] == 0 for m in live)
+    # Rank 2 is back (as after a rejoin, its counters fresh), but its own entry is 0: it exchanges with
+    # nobody and nobody waits for it (it is out of their masks too).
+    w2 = _world(path, M, timeout_ms=timeout_ms)
+    w2.use_masks([[1, 1, 0]] * M)
+    t0 = time.monotonic()
+    rc, _ = w2.counts([[0, 5, 6], [7, 0, 8], [9, 10, 0]])
+    assert time.monotonic() - t0 < timeout_ms / 1000, "a masked rank was waited for"
+    assert rc[2] == [0, 0, 0, 0] and rc[0] == [0, 7, 0, 7] and rc[1] == [5, 0, 0, 5], rc
+    assert [w2.call_mask(m) for m in range(M)] == [0b011, 0b011, 0b100]
+    assert all(w2.errors(m)[0] == 0 for m in range(M)) and all(w2.masks[m].tolist() == [1, 1, 0] for m in range(M))
+    return "ok"
+
+
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("M", [2, 3])
 def test_relay_counts(sim_pool, M):
@@ -450,3 +513,8 @@ def test_relay_counts_refused_call(sim_pool, M):
 def test_relay_rows_mutation_fails(sim_pool):
     pool, path = sim_pool
     assert pool.run(case_relay_mutation, path, timeout_s=120) == ["ok"]
+
+
+def test_relay_masked_silent_peer_is_marked(sim_pool):
+    pool, path = sim_pool
+    assert pool.run(case_masked_silent_peer, path, timeout_s=120) == ["ok"]

@@ -16,8 +16,9 @@ def test_set_unless_chosen() -> None:
 
 def test_processes_sharing_a_gpu_split_the_queues() -> None:
     from pyep.softnic.cuda_env import CUDA_DEFAULT, connections_for
-    assert connections_for(1) == connections_for(2) == connections_for(4) == RECOMMENDED
-    assert connections_for(8) == 16 and connections_for(16) == CUDA_DEFAULT == connections_for(100)
+    assert connections_for(1) == connections_for(3) == RECOMMENDED
+    assert connections_for(4) == 24 and connections_for(8) == 12
+    assert connections_for(16) == CUDA_DEFAULT == connections_for(100)
     env: dict = {}
     softnic_cuda_env(env, processes_on_gpu=16)
     assert env[VARIABLE] == str(CUDA_DEFAULT)

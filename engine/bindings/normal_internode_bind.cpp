@@ -22,7 +22,8 @@ void register_staged(py::module_& n) {
         .def_readwrite("num_nodes", &InterStatic::num_nodes)
         .def_readwrite("ranks_per_node", &InterStatic::ranks_per_node)
         .def_readwrite("err", &InterStatic::err)
-        .def_readwrite("workspace", &InterStatic::workspace);
+        .def_readwrite("workspace", &InterStatic::workspace)
+        .def_readwrite("active", &InterStatic::active);
     n.def(
         "relay_row",
         [](int hidden, bool fp8, int k, int p, bool full) {
@@ -42,8 +43,9 @@ void register_staged(py::module_& n) {
     n.def(
         "layout",
         [](const InterStatic& s, uint64_t topk, int num_tokens, int num_topk, int num_experts, uint64_t per_rank,
-           uint64_t per_expert, uint64_t per_node, uint64_t in_rank, uint64_t stream) {
+           uint64_t per_expert, uint64_t per_node, uint64_t in_rank, uint64_t stream, uint64_t dropped) {
             InterLayoutArgs a;
+            a.dropped = dropped;
             a.topk = topk;
             a.num_tokens = num_tokens;
             a.num_topk = num_topk;
@@ -60,8 +62,9 @@ void register_staged(py::module_& n) {
         [](const InterStatic& s, uint64_t topk, int num_topk, int num_experts, uint64_t in_rank, int num_tokens,
            int num_channels, uint64_t send_head, uint64_t channel_prefix, uint64_t node_head, uint64_t node_counts,
            uint64_t meta, uint64_t meta_own, int meta_ints, uint64_t stream, uint64_t per_rank, uint64_t per_node,
-           uint64_t per_expert, uint64_t layout_scratch, int check_layout) {
+           uint64_t per_expert, uint64_t layout_scratch, int check_layout, uint64_t dropped) {
             InterRouteArgs a;
+            a.dropped = dropped;
             a.per_rank = per_rank;
             a.per_node = per_node;
             a.per_expert = per_expert;
@@ -125,8 +128,11 @@ void register_staged(py::module_& n) {
         "reduce",
         [](const InterStatic& s, uint64_t node_head, uint64_t f_offsets, uint64_t s_offsets, uint64_t own,
            uint64_t own_weights, uint64_t recv, int row_bytes, uint64_t bias0, uint64_t bias1, int num_tokens,
-           int hidden, int num_topk, uint64_t out, uint64_t out_weights, uint64_t stream) {
+           int hidden, int num_topk, uint64_t out, uint64_t out_weights, uint64_t stream, uint64_t column_mask,
+           uint64_t dropped) {
             InterReduceArgs a;
+            a.column_mask = column_mask;
+            a.dropped = dropped;
             a.node_head = node_head;
             a.f_offsets = f_offsets;
             a.s_offsets = s_offsets;
@@ -148,8 +154,11 @@ void register_staged(py::module_& n) {
         "unpack",
         [](const InterStatic& s, uint64_t forward, int rows, int hidden, int num_topk, bool fp8, int num_local_experts,
            uint64_t f_offsets, uint64_t scales, uint64_t ids, uint64_t weights, uint64_t src, uint64_t in_rank,
-           uint64_t stream) {
+           uint64_t stream, uint64_t column_mask, uint64_t records, int record_ints) {
             InterUnpackArgs a;
+            a.column_mask = column_mask;
+            a.records = records;
+            a.record_ints = record_ints;
             a.forward = forward;
             a.rows = rows;
             a.hidden = hidden;
@@ -165,6 +174,34 @@ void register_staged(py::module_& n) {
             launch_inter_unpack(s, a, stream);
         },
         "the forwarded rows' scales, node-local ids, weights, source indices and ranks, in one pass");
+    n.def(
+        "settle",
+        [](const InterStatic& s, uint64_t column_mask, uint64_t node_head, uint64_t send_head, uint64_t channel_prefix,
+           int num_tokens, int num_channels, uint64_t dropped, uint64_t stream) {
+            InterSettleArgs a;
+            a.column_mask = column_mask;
+            a.node_head = node_head;
+            a.send_head = send_head;
+            a.channel_prefix = channel_prefix;
+            a.num_tokens = num_tokens;
+            a.num_channels = num_channels;
+            a.dropped = dropped;
+            launch_inter_settle(s, a, stream);
+        },
+        "after a dispatch's relays: nothing more for the nodes that left the call, their tokens dropped");
+    n.def(
+        "empty",
+        [](const InterStatic& s, uint64_t forward, int rows, int row_bytes, uint64_t f_offsets, uint64_t column_mask,
+           uint64_t stream) {
+            InterEmptyArgs a;
+            a.forward = forward;
+            a.rows = rows;
+            a.row_bytes = row_bytes;
+            a.f_offsets = f_offsets;
+            a.column_mask = column_mask;
+            launch_inter_empty(s, a, stream);
+        },
+        "zero the forwarded rows of source nodes out of the call (a cached dispatch with a mask)");
     n.def(
         "order",
         [](const InterStatic& s, uint64_t gathered, int meta_ints, int rows, uint64_t row_map, uint64_t rank_prefix,
@@ -226,7 +263,8 @@ void register_relay(py::module_& m) {
         .def_readwrite("err", &RelayStatic::err)
         .def_readwrite("workspace", &RelayStatic::workspace)
         .def_readwrite("timeout_ns", &RelayStatic::timeout_ns)
-        .def_readwrite("tag_record", &RelayStatic::tag_record);
+        .def_readwrite("tag_record", &RelayStatic::tag_record)
+        .def_readwrite("active", &RelayStatic::active);
     n.attr("MAX_NODES") = kMaxNodes;
     n.attr("QP_CONTEXT_SIZE") = sizeof(pyep::gda::Qp);
     n.attr("PHASE_COUNTS") = (int)kPhaseRdmaCounts;

@@ -32,6 +32,18 @@ __device__ void inter_error(const InterStatic& s, int code, int a, int b, int c)
     record_error_words(s.err, s.workspace, code, a, b, c);
 }
 
+// Rank r in this call by the buffer's mask (docs/elastic.md, "Normal mode"); a rank whose own entry is 0
+// takes part in nothing, as inside a node (normal_common.cuh mask_bits).
+__device__ __forceinline__ bool rank_active(const InterStatic& s, int r) {
+    if (!s.active) return true;
+    const volatile int* act = reinterpret_cast<const volatile int*>(s.active);
+    return act[s.rank] != 0 && act[r] != 0;
+}
+// Node m's column peer stayed in the call (the relay's kWsMask word; no word: no mask).
+__device__ __forceinline__ bool column_in_call(uint64_t column_mask, int m) {
+    return !column_mask || ((uint32_t)ld_volatile(reinterpret_cast<const int*>(column_mask)) >> m) & 1u;
+}
+
 // One thread per token: its ranks and nodes as bit sets (R <= kMaxNodes * kMaxRanks), the counters by
 // global atomics (the host zeroed them). Ids outside [-1, E) count as -1 and are recorded.
 __global__ void __launch_bounds__(kInterThreads) inter_layout_kernel(InterStatic s, InterLayoutArgs a) {
@@ -51,13 +63,18 @@ __global__ void __launch_bounds__(kInterThreads) inter_layout_kernel(InterStatic
                 inter_error(s, kErrExpertId, t, k, (int)v);
                 continue;
             }
-            atomicAdd(per_expert + v, 1);
             const int r = (int)(v / El);
+            if (!rank_active(s, r)) {   // left out: its column and experts stay 0, the token is dropped there
+                if (a.dropped && !((ranks[r / 32] >> (r % 32)) & 1u)) atomicAdd(reinterpret_cast<int*>(a.dropped) + r, 1);
+                ranks[r / 32] |= 1u << (r % 32);
+                continue;
+            }
+            atomicAdd(per_expert + v, 1);
             ranks[r / 32] |= 1u << (r % 32);
             nodes |= 1u << (r / P);
         }
         for (int r = 0; r < R; ++r) {
-            const bool in = (ranks[r / 32] >> (r % 32)) & 1u;
+            const bool in = ((ranks[r / 32] >> (r % 32)) & 1u) && rank_active(s, r);
             in_rank[(int64_t)t * R + r] = in;
             if (in) atomicAdd(per_rank + r, 1);
         }
@@ -76,7 +93,12 @@ __global__ void __launch_bounds__(kInterThreads) inter_route_kernel(InterStatic 
     const bool* in_rank = reinterpret_cast<const bool*>(a.in_rank);
     int* send_head = reinterpret_cast<int*>(a.send_head);
     for (int d = warp; d < R; d += kInterThreads / 32) {
-        const int pos = route_to_peer(in_rank, send_head, R, d, t0, t1, lane);
+        int pos = 0;
+        if (rank_active(s, d)) {
+            pos = route_to_peer(in_rank, send_head, R, d, t0, t1, lane);
+        } else {   // out of the call: no stream to it (a layout made with an older mask is accepted)
+            for (int t = t0 + lane; t < t1; t += 32) send_head[(int64_t)t * R + d] = -1;
+        }
         if (lane == 0) reinterpret_cast<int*>(a.channel_prefix)[d * a.num_channels + c] = pos;
     }
     if (!a.topk) return;
@@ -84,6 +106,18 @@ __global__ void __launch_bounds__(kInterThreads) inter_route_kernel(InterStatic 
     const int E = a.num_experts, K = a.num_topk, El = E / R;
     if (warp == 0)
         check_topk_ids(topk, K, E, t0, t1, lane, [&](int row, int k, int v) { inter_error(s, kErrExpertId, row, k, v); });
+    if (a.dropped && s.active) {
+        // Tokens routed (topk_idx) to ranks out of the call, once per (token, rank): the dispatch's drops.
+        for (int t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
+            uint32_t ranks[kMaxNodes * kMaxRanks / 32] = {};
+            for_valid_ids(topk, t, K, E, [&](int64_t v) {
+                const int r = (int)(v / El);
+                if (!rank_active(s, r) && !((ranks[r / 32] >> (r % 32)) & 1u))
+                    atomicAdd(reinterpret_cast<int*>(a.dropped) + r, 1);
+                ranks[r / 32] |= 1u << (r % 32);
+            });
+        }
+    }
     if (!a.check_layout) return;
     // The caller's is_token_in_rank against topk_idx (a thread per token), and topk_idx's entries per
     // expert for inter_meta to compare with num_tokens_per_expert (normal_route_kernel does the same).
@@ -96,7 +130,8 @@ __global__ void __launch_bounds__(kInterThreads) inter_route_kernel(InterStatic 
         });
         for (int r = 0; r < R; ++r) {
             const bool said = in_rank[(int64_t)t * R + r], wants = (ranks[r / 32] >> (r % 32)) & 1u;
-            if (said != wants) inter_error(s, kErrInRank, t, r, said ? 1 : 0);
+            // A rank out of the call: a layout made with the mask has its column 0, an older one not.
+            if (said != wants && rank_active(s, r)) inter_error(s, kErrInRank, t, r, said ? 1 : 0);
         }
     }
 }
@@ -116,13 +151,16 @@ __global__ void __launch_bounds__(kMetaThreads) inter_meta_kernel(InterStatic s,
         }
         meta_own[1 + d] = acc;
         const int* claimed = reinterpret_cast<const int*>(a.per_rank);
-        if (claimed && claimed[d] != acc) inter_error(s, kErrRankCount, d, claimed[d], acc);
+        // A rank out of the call: a layout made with an older mask still counts it (accepted).
+        if (claimed && rank_active(s, d) && claimed[d] != acc) inter_error(s, kErrRankCount, d, claimed[d], acc);
     }
     const int* per_expert = reinterpret_cast<const int*>(a.per_expert);
     const int* counted = reinterpret_cast<const int*>(a.layout_scratch);
     for (int e = threadIdx.x; per_expert && e < a.num_experts; e += blockDim.x) {
+        // An expert of a rank out of the call: a layout made with the mask counts it 0, an older one not.
         if (per_expert[e] < 0) inter_error(s, kErrExpertCount, e, per_expert[e], -1);
-        else if (a.check_layout && per_expert[e] != counted[e]) inter_error(s, kErrExpertCount, e, per_expert[e], counted[e]);
+        else if (a.check_layout && per_expert[e] != counted[e] && rank_active(s, e / (a.num_experts / R)))
+            inter_error(s, kErrExpertCount, e, per_expert[e], counted[e]);
     }
     if (threadIdx.x == 0) meta_own[0] = a.num_tokens;
     for (int i = 1 + R + threadIdx.x; i < a.meta_ints; i += blockDim.x) meta_own[i] = 0;
@@ -133,14 +171,16 @@ __global__ void __launch_bounds__(kMetaThreads) inter_meta_kernel(InterStatic s,
         for (int base = 0; base < a.num_tokens; base += 32) {
             const int t = base + lane;
             bool in = false;
-            for (int j = 0; j < P && t < a.num_tokens; ++j) in |= in_rank[(int64_t)t * R + m * P + j];
+            for (int j = 0; j < P && t < a.num_tokens; ++j) in |= in_rank[(int64_t)t * R + m * P + j] && rank_active(s, m * P + j);
             const uint32_t mask = __ballot_sync(0xffffffffu, in);
             if (t < a.num_tokens) node_head[(int64_t)t * M + m] = in ? pos + __popc(mask & ((1u << lane) - 1)) : -1;
             pos += __popc(mask);
         }
         if (lane == 0) reinterpret_cast<int*>(a.node_counts)[m] = pos;
         const int* claimed = reinterpret_cast<const int*>(a.per_node);
-        if (lane == 0 && claimed && claimed[m] != pos) inter_error(s, kErrNodeCount, m, claimed[m], pos);
+        bool whole = true;   // a node with a rank out of the call: the caller's count may predate the mask
+        for (int j = 0; j < P; ++j) whole &= rank_active(s, m * P + j);
+        if (lane == 0 && claimed && whole && claimed[m] != pos) inter_error(s, kErrNodeCount, m, claimed[m], pos);
     }
     __syncthreads();
     int* meta = reinterpret_cast<int*>(a.meta);
@@ -195,7 +235,7 @@ __global__ void __launch_bounds__(kInterThreads) inter_pack_kernel(InterStatic s
                 reinterpret_cast<int64_t*>(dst + row.ids)[lane] = topk ? topk[(int64_t)t * K + lane] : -1;
                 reinterpret_cast<float*>(dst + row.weights)[lane] = weights ? weights[(int64_t)t * K + lane] : 0.f;
             }
-            if (lane < P) dst[row.in_rank + lane] = in_rank[(int64_t)t * R + m * P + lane] ? 1 : 0;
+            if (lane < P) dst[row.in_rank + lane] = in_rank[(int64_t)t * R + m * P + lane] && rank_active(s, m * P + lane) ? 1 : 0;
             if (lane == 0) reinterpret_cast<int*>(dst + row.src)[0] = t;
         }
     }
@@ -208,7 +248,20 @@ __global__ void __launch_bounds__(kInterThreads) inter_unpack_kernel(InterStatic
     const int real = reinterpret_cast<const int*>(a.f_offsets)[s.num_nodes];
     const int64_t lo = (int64_t)s.node * P * a.num_local_experts, span = (int64_t)P * a.num_local_experts;
     const int warps = gridDim.x * blockDim.x / 32;
+    const int* f_off = reinterpret_cast<const int*>(a.f_offsets);
+    if (a.records) {   // records of source nodes out of the call (never relayed, or cut off) read as empty,
+                       // and so do every record's rows for the ranks of such a node
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < s.num_nodes * a.record_ints; i += gridDim.x * blockDim.x) {
+            const int j = i % a.record_ints - 1;
+            if (!column_in_call(a.column_mask, i / a.record_ints) ||
+                (j >= 0 && j < s.num_ranks && !column_in_call(a.column_mask, j / P)))
+                reinterpret_cast<int*>(a.records)[i] = 0;
+        }
+    }
     for (int f = (blockIdx.x * blockDim.x + threadIdx.x) / 32; f < a.rows; f += warps) {
+        int m = 0;   // the row's source node (f_offsets' runs)
+        while (m + 1 < s.num_nodes && f >= f_off[m + 1]) ++m;
+        const bool kept = column_in_call(a.column_mask, m);
         const uint8_t* r = reinterpret_cast<const uint8_t*>(a.forward) + (uint64_t)f * row.bytes;
         if (a.scales)
             for (int g = lane; g < groups; g += 32)
@@ -221,8 +274,43 @@ __global__ void __launch_bounds__(kInterThreads) inter_unpack_kernel(InterStatic
             if (a.weights)
                 reinterpret_cast<float*>(a.weights)[(int64_t)f * K + lane] = reinterpret_cast<const float*>(r + row.weights)[lane];
         }
-        if (lane < P) reinterpret_cast<bool*>(a.in_rank)[(int64_t)f * P + lane] = f < real && r[row.in_rank + lane] != 0;
+        if (lane < P) reinterpret_cast<bool*>(a.in_rank)[(int64_t)f * P + lane] = kept && f < real && r[row.in_rank + lane] != 0;
         if (lane == 0) reinterpret_cast<int*>(a.src)[f] = reinterpret_cast<const int*>(r + row.src)[0];
+    }
+}
+
+// Thread per token (InterSettleArgs); block 0 also zeroes the channel_prefix rows.
+__global__ void __launch_bounds__(kInterThreads) inter_settle_kernel(InterStatic s, InterSettleArgs a) {
+    const int M = s.num_nodes, P = s.ranks_per_node, R = s.num_ranks;
+    int* node_head = reinterpret_cast<int*>(a.node_head);
+    int* send_head = reinterpret_cast<int*>(a.send_head);
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < a.num_tokens; t += gridDim.x * blockDim.x) {
+        for (int m = 0; m < M; ++m) {
+            if (m == s.node || column_in_call(a.column_mask, m)) continue;
+            node_head[(int64_t)t * M + m] = -1;
+            for (int j = 0; j < P; ++j) {
+                int* h = send_head + (int64_t)t * R + m * P + j;
+                if (*h >= 0 && a.dropped) atomicAdd(reinterpret_cast<int*>(a.dropped) + m * P + j, 1);
+                *h = -1;
+            }
+        }
+    }
+    if (blockIdx.x == 0)
+        for (int i = threadIdx.x; i < R * a.num_channels; i += blockDim.x)
+            if (!column_in_call(a.column_mask, i / a.num_channels / P) && i / a.num_channels / P != s.node)
+                reinterpret_cast<int*>(a.channel_prefix)[i] = 0;
+}
+
+// Warp per forwarded row of a source node out of the call: zero bytes (InterEmptyArgs).
+__global__ void __launch_bounds__(kInterThreads) inter_empty_kernel(InterStatic s, InterEmptyArgs a) {
+    const int* f_off = reinterpret_cast<const int*>(a.f_offsets);
+    const int lane = threadIdx.x % 32, warps = gridDim.x * blockDim.x / 32;
+    for (int f = (blockIdx.x * blockDim.x + threadIdx.x) / 32; f < a.rows; f += warps) {
+        int m = 0;
+        while (m + 1 < s.num_nodes && f >= f_off[m + 1]) ++m;
+        if (m == s.node || column_in_call(a.column_mask, m)) continue;
+        uint8_t* r = reinterpret_cast<uint8_t*>(a.forward) + (uint64_t)f * a.row_bytes;
+        for (int i = lane * 16; i < a.row_bytes; i += 32 * 16) *reinterpret_cast<int4*>(r + i) = make_int4(0, 0, 0, 0);
     }
 }
 
@@ -240,6 +328,11 @@ __global__ void __launch_bounds__(kInterThreads) inter_reduce_kernel(InterStatic
         for (int m = 0; m < M; ++m) {
             const int h = node_head[(int64_t)t * M + m];
             if (h < 0) continue;
+            if (m != s.node && !column_in_call(a.column_mask, m)) {
+                // Node m left the call after the dispatch sent it this token: its part never came back.
+                if (lane == 0 && a.dropped) atomicAdd(reinterpret_cast<int*>(a.dropped) + m, 1);
+                continue;
+            }
             if (m == s.node) {
                 const int64_t f = f_off[m] + h;
                 parts[n] = reinterpret_cast<const int4*>(a.own) + f * vecs;
@@ -336,11 +429,31 @@ void launch_inter_unpack(const InterStatic& s, const InterUnpackArgs& a, uint64_
     check_inter(s);
     if (a.hidden < 128 || a.hidden % 128) throw std::invalid_argument("hidden must be a positive multiple of 128");
     if (a.num_topk < 0 || a.num_topk > kMaxTopk) throw std::invalid_argument("num_topk must be in [0, 16]");
-    if (a.rows == 0) return;   // nothing forwarded: the outputs are empty tensors (null pointers)
-    if (!a.forward || !a.src || !a.in_rank || !a.f_offsets || (a.ids && a.num_local_experts < 1))
+    if (a.records && (!a.column_mask || a.record_ints < 1))
+        throw std::invalid_argument("inter_unpack: records need the column mask word and record_ints");
+    if (a.rows == 0 && !a.records) return;   // nothing forwarded: the outputs are empty tensors (null pointers)
+    if (a.rows > 0 && (!a.forward || !a.src || !a.in_rank || !a.f_offsets || (a.ids && a.num_local_experts < 1)))
         throw std::invalid_argument("inter_unpack: forward, src, in_rank, f_offsets (and num_local_experts with ids) must be set");
-    inter_unpack_kernel<<<grid_for(a.rows), kInterThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    inter_unpack_kernel<<<grid_for(std::max(a.rows, 1)), kInterThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     check(cudaGetLastError(), "inter_unpack launch");
+}
+
+void launch_inter_settle(const InterStatic& s, const InterSettleArgs& a, uint64_t stream) {
+    check_inter(s);
+    if (!a.column_mask || !a.node_head || !a.send_head || !a.channel_prefix || a.num_channels < 1)
+        throw std::invalid_argument("inter_settle: the column mask, node_head, send_head and channel_prefix");
+    const int blocks = std::max(1, std::min(132, (a.num_tokens + kInterThreads - 1) / kInterThreads));
+    inter_settle_kernel<<<blocks, kInterThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    check(cudaGetLastError(), "inter_settle launch");
+}
+
+void launch_inter_empty(const InterStatic& s, const InterEmptyArgs& a, uint64_t stream) {
+    check_inter(s);
+    if (a.row_bytes <= 0 || a.row_bytes % 16 || !a.column_mask || !a.f_offsets)
+        throw std::invalid_argument("inter_empty: row_bytes a positive multiple of 16, the column mask and f_offsets");
+    if (a.rows == 0) return;
+    inter_empty_kernel<<<grid_for(a.rows), kInterThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    check(cudaGetLastError(), "inter_empty launch");
 }
 
 void launch_inter_reduce(const InterStatic& s, const InterReduceArgs& a, uint64_t stream) {

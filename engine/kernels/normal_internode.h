@@ -49,6 +49,11 @@ struct RelayStatic {
                                   // zeroed by clean() only
     uint64_t timeout_ns = 0;
     uint64_t tag_record = 0;      // pinned int32[kTagRecordInts]: the node buffer's (one record per rank)
+    // device int32[R]: the buffer's mask (docs/elastic.md, "Normal mode"), or 0. With a mask a column
+    // peer out of it is neither sent to nor waited for, and one silent past the timeout (or whose QP
+    // fails) is marked: its entry cleared here and its bit in the workspace's kWsMask word (bit m = node
+    // m's column peer in the latest call), and the call goes on without it.
+    uint64_t active = 0;
 };
 
 // ---- the count exchange's call number ----------------------------------------------------------------
@@ -113,12 +118,17 @@ struct InterStatic {
     int rank = 0, num_ranks = 0;  // global rank, R = M * P
     int node = 0, num_nodes = 0, ranks_per_node = 0;
     uint64_t err = 0, workspace = 0;   // the node buffer's error record and claim (normal_common.cuh)
+    // device int32[R]: the buffer's mask (docs/elastic.md, "Normal mode"), or 0. The kernels before the
+    // count exchange read it as the call's snapshot: a rank out of it gets no row and its tokens count
+    // as dropped. (The mask runs with one rank per node: native_internode.py takes_mask.)
+    uint64_t active = 0;
 };
 
 struct InterLayoutArgs {
     uint64_t topk = 0;            // int64 [N, K]
     int num_tokens = 0, num_topk = 0, num_experts = 0;
     uint64_t per_rank = 0, per_expert = 0, per_node = 0, in_rank = 0;   // out int32 [R], [E], [M], bool [N, R]
+    uint64_t dropped = 0;         // int32 [R] (zeroed) or 0: tokens routed to a rank out of the mask
 };
 
 struct InterRouteArgs {
@@ -138,6 +148,7 @@ struct InterRouteArgs {
     // expert into layout_scratch (int32 [E], zeroed by the launcher) and compare.
     uint64_t per_rank = 0, per_node = 0, per_expert = 0, layout_scratch = 0;
     int check_layout = 0;
+    uint64_t dropped = 0;         // int32 [R] (zeroed) or 0: tokens routed (topk_idx) to a rank out of the mask
 };
 
 struct InterOffsetsArgs {
@@ -165,6 +176,32 @@ struct InterUnpackArgs {
     uint64_t f_offsets = 0;       // int32 [M + 1]
     uint64_t scales = 0, ids = 0, weights = 0;   // out fp32 [rows, H/128], int64 [rows, K], fp32 [rows, K], or 0
     uint64_t src = 0, in_rank = 0;                // out int32 [rows], bool [rows, P]
+    // With a mask: the relay's kWsMask word (bit m: node m's column peer stayed in the call). A source
+    // node out of it contributes nothing to the call: its run is in no rank and its record (records:
+    // int32 [M][record_ints], the count records the column relayed) is zeroed before the node's notify;
+    // in every record the rows for the ranks of a node out of it are 0 (nothing went there).
+    uint64_t column_mask = 0, records = 0;
+    int record_ints = 0;
+};
+
+// After a dispatch's relays, with a mask: a node whose column peer left the call during them (the relay's
+// kWsMask word) gets nothing more from this call's handle -- node_head[t][m] and send_head[t][d] of its
+// ranks -1, their channel_prefix rows 0 -- and this rank's tokens that were going to it count as dropped
+// (once: the combine then expects no partial from it).
+struct InterSettleArgs {
+    uint64_t column_mask = 0;
+    uint64_t node_head = 0, send_head = 0, channel_prefix = 0;   // int32 [N, M], [N, R], [R, C]
+    int num_tokens = 0, num_channels = 0;
+    uint64_t dropped = 0;         // int32 [R] or 0
+};
+
+// Zero the forwarded rows of the source nodes out of the call (a cached dispatch with a mask: its handle
+// places their rows, which arrive emptied, as the intranode kernels empty a source marked mid-stream).
+struct InterEmptyArgs {
+    uint64_t forward = 0;         // uint8 [rows, row_bytes]
+    int rows = 0, row_bytes = 0;
+    uint64_t f_offsets = 0;       // int32 [M + 1]
+    uint64_t column_mask = 0;     // the relay's kWsMask word
 };
 
 struct InterReduceArgs {
@@ -175,6 +212,9 @@ struct InterReduceArgs {
     uint64_t bias0 = 0, bias1 = 0;
     int num_tokens = 0, hidden = 0, num_topk = 0;
     uint64_t out = 0, out_weights = 0;
+    // With a mask: the relay's kWsMask word after the partials came back; a node out of it adds nothing
+    // and each token that had a row there counts as dropped for that node's rank (one rank per node).
+    uint64_t column_mask = 0, dropped = 0;
 };
 
 // normal_internode_order.cu: the bookkeeping after the node's notify (inter_order) and after the
@@ -198,6 +238,8 @@ void launch_inter_offsets(const InterStatic& s, const InterOffsetsArgs& a, uint6
 void launch_inter_pack(const InterStatic& s, const InterPackArgs& a, uint64_t stream);
 void launch_inter_reduce(const InterStatic& s, const InterReduceArgs& a, uint64_t stream);
 void launch_inter_unpack(const InterStatic& s, const InterUnpackArgs& a, uint64_t stream);
+void launch_inter_empty(const InterStatic& s, const InterEmptyArgs& a, uint64_t stream);
+void launch_inter_settle(const InterStatic& s, const InterSettleArgs& a, uint64_t stream);
 void launch_inter_order(const InterStatic& s, const OrderArgs& a, uint64_t stream);
 void launch_inter_recv_prefix(const InterStatic& s, const OrderArgs& a, uint64_t stream);
 

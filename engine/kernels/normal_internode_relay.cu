@@ -47,8 +47,37 @@ __device__ void relay_error(const RelayStatic& s, int code, int a, int b, int c)
     record_error_words(s.err, s.workspace, code, a, b, c);
 }
 
+// ---- the mask (docs/elastic.md, "Normal mode"): the column's part of the buffer's -------------------
+// Bit m: node m's column peer. A rank whose own entry is 0 exchanges with nobody (its own bit stays:
+// its own node's run is local).
+__device__ uint32_t column_mask(const RelayStatic& s) {
+    const uint32_t all = s.num_nodes >= 32 ? 0xffffffffu : (1u << s.num_nodes) - 1u;
+    if (!s.active) return all;
+    const volatile int* act = reinterpret_cast<const volatile int*>(s.active);
+    if (!act[column_peer(s, s.node)]) return 1u << s.node;
+    uint32_t bits = 1u << s.node;
+    for (int m = 0; m < s.num_nodes; ++m) bits |= (act[column_peer(s, m)] != 0 ? 1u : 0u) << m;
+    return bits;
+}
+__device__ __forceinline__ uint32_t relay_call_mask(const RelayStatic& s) {
+    return (uint32_t)ld_volatile(reinterpret_cast<const int*>(s.workspace) + kWsMask);
+}
+// A column peer silent past the timeout, or whose QP failed, with a mask: out of the buffer's mask
+// (later calls leave it out) and of this call's (the call's other blocks stop waiting for it); nothing
+// is recorded as an error. The intranode kernels' mark_peer_failed, for the column.
+__device__ void mark_column_peer(const RelayStatic& s, int m) {
+    reinterpret_cast<volatile int*>(s.active)[column_peer(s, m)] = 0;
+    atomicAnd(reinterpret_cast<int*>(s.workspace) + kWsMask, ~(1 << m));
+}
+
 // A post that did not return kOk: the QP's own record says why (error CQE, ring or ordering timeout).
+// With a mask the peer is marked instead: a dead peer shows as either (a timeout, or on a NIC the
+// retry-exceeded error CQE of a responder that is gone).
 __device__ void qp_failed(const RelayStatic& s, gda::Qp* qp, int m, int st, int phase) {
+    if (s.active) {
+        mark_column_peer(s, m);
+        return;
+    }
     if (st == gda::kErrQp || gda::qp_in_error(qp)) {
         const gda::QpError& e = qp->err;
         relay_error(s, kErrQp, column_peer(s, m), (int)e.syndrome | ((int)e.vendor_syndrome << 8) | ((int)e.kind << 16),
@@ -75,6 +104,7 @@ struct CountsShared {
     uint32_t peer_call[kMaxNodes];
     uint64_t record[kMaxNodes];
     int fail, is_void;
+    unsigned int cmask;                 // the call's column peers (column_mask, less those marked here)
 };
 
 // Thread m: one 8-byte RDMA write of `record` into count[par][this node] of node m's column peer, from
@@ -114,21 +144,27 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
         const int* h = reinterpret_cast<const int*>(a.handle_tag);
         if (sh.status == kTagOk && h && h[1] == kHandleVoid) sh.status = kTagRefused;   // the node gate records why
         sh.fail = 0;
+        sh.cmask = column_mask(s);
+        // The relay launches of this call (and a mark by post_record below) read and clear these bits.
+        ws[kWsMask] = (int)sh.cmask;
     }
     __syncthreads();
+    const bool in_call = m < M && m != s.node && ((sh.cmask >> m) & 1u);
     const uint32_t seq = sh.seq;
     const int par = (int)(seq & 1u);
     // A void record carries the refusing rank where a live one carries rows (all ones: a call mismatch).
     const uint32_t payload = (uint32_t)(sh.status == kTagOk ? reinterpret_cast<const int*>(a.send_counts)[m < M ? m : 0]
                                                             : (sh.origin < 0 ? (int)kRecordMaxRows : sh.origin));
-    if (m < M && m != s.node && post_record(s, m, par, relay_count_record(seq, sh.epoch, sh.status, payload)) != gda::kOk)
-        atomicExch(&sh.fail, 1);
+    if (in_call && post_record(s, m, par, relay_count_record(seq, sh.epoch, sh.status, payload)) != gda::kOk) {
+        if (s.active) atomicAnd(&sh.cmask, ~(1u << m));   // marked (qp_failed): the call goes on without it
+        else atomicExch(&sh.fail, 1);
+    }
     if (m < M) {
         sh.got[m] = 0;
         sh.state[m] = -1;   // no answer read (this node, or a failed post: the call is void anyway)
     }
     __syncthreads();
-    if (m < M && m != s.node && !sh.fail) {
+    if (in_call && ((sh.cmask >> m) & 1u) && !sh.fail) {
         const volatile uint64_t* slots = reinterpret_cast<const uint64_t*>(rbuf(s) + 4ull * s.off_count);
         const uint64_t start = gda::now_ns();
         uint32_t pc = 0;
@@ -149,15 +185,21 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
                 break;
             }
             if (gda::now_ns() - start > s.timeout_ns) {
-                relay_error(s, kErrPeerTimeout, column_peer(s, m), kPhaseRdmaCounts, -1);
-                st = -1;
+                if (s.active) {   // marked: no answer, no error, the call goes on without it
+                    mark_column_peer(s, m);
+                    atomicAnd(&sh.cmask, ~(1u << m));
+                    st = -2;
+                } else {
+                    relay_error(s, kErrPeerTimeout, column_peer(s, m), kPhaseRdmaCounts, -1);
+                    st = -1;
+                }
                 break;
             }
             LL_SPIN_HINT();
         }
         sh.state[m] = st;
         sh.peer_call[m] = pc;
-        if (st < 0) atomicExch(&sh.fail, 1);
+        if (st == -1) atomicExch(&sh.fail, 1);
         // Only a peer that is ahead is told (normal_gate.cuh gate_publish_and_wait: a peer behind finds
         // this rank's later record itself, and its own parity is not known yet). The NIC read
         // outbox[pc & 1][m] of an earlier call before that call's quiet.
@@ -193,12 +235,13 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
         }
         sh.is_void = sh.status != kTagOk || sh.fail || mismatch >= 0 || refused >= 0;
         ws[kWsVoid] = sh.is_void;
+        atomicAnd(ws + kWsMask, (int)sh.cmask);   // a mark by post_record cleared its bit there already
         ws[kWsOrigin] = sh.status == kTagOk ? origin : sh.origin;
         int* rc = reinterpret_cast<int*>(a.recv_counts);
         volatile int* host = reinterpret_cast<volatile int*>(a.host_counts);
         int total = 0;
         for (int i = 0; i < M; ++i) {
-            const int c = (sh.is_void || i == s.node) ? 0 : sh.got[i];
+            const int c = (sh.is_void || i == s.node || !((sh.cmask >> i) & 1u)) ? 0 : sh.got[i];
             rc[i] = c;
             total += c;
             if (host) {
@@ -216,11 +259,34 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
     }
 }
 
-// Thread 0 waits for the counter; the block learns the outcome through shared memory.
-__device__ bool block_wait(const int* ctr, uint32_t target, uint64_t timeout_ns, int* flag) {
-    if (threadIdx.x == 0) *flag = wait_counter(ctr, target, timeout_ns) ? 0 : 1;
+// Thread 0 waits for node m's counter; the block learns the outcome through shared memory: kReached,
+// kTimedOut (no mask: the caller records PeerTimeout) or kPeerOut (with a mask: another block of the
+// call marked m, or this wait ran out and marked it).
+enum WaitOutcome : int { kReached = 0, kTimedOut = 1, kPeerOut = 2 };
+__device__ int block_wait(const RelayStatic& s, int m, const int* ctr, uint32_t target, int* flag) {
+    if (threadIdx.x == 0) {
+        int r = kReached;
+        if (!s.active) {
+            r = wait_counter(ctr, target, s.timeout_ns) ? kReached : kTimedOut;
+        } else if ((int)((uint32_t)ld_acquire_sys(ctr) - target) < 0) {
+            const uint64_t start = gda::now_ns();
+            while ((int)((uint32_t)ld_acquire_sys(ctr) - target) < 0) {
+                if (!((relay_call_mask(s) >> m) & 1u)) {
+                    r = kPeerOut;
+                    break;
+                }
+                if (gda::now_ns() - start > s.timeout_ns) {
+                    mark_column_peer(s, m);
+                    r = kPeerOut;
+                    break;
+                }
+                LL_SPIN_HINT();
+            }
+        }
+        *flag = r;
+    }
     __syncthreads();
-    return *flag == 0;
+    return *flag;
 }
 
 // Copy `rows` rows of row_bytes between (possibly wrapping) ring slots and a dense array; one warp per row.
@@ -254,16 +320,16 @@ __device__ void relay_send(const RelayStatic& s, const RelayArgs& a, int m) {
     gda::Qp* qp = relay_qp(s, m, 0);
     const int Q = a.ring_tokens;
     // Start on an empty ring: the previous call's rows (of any size) were all consumed.
-    if (!block_wait(head, tx, s.timeout_ns, &flag)) {
-        if (threadIdx.x == 0) relay_error(s, kErrPeerTimeout, column_peer(s, m), a.phase, -1);
+    if (const int w = block_wait(s, m, head, tx, &flag)) {
+        if (threadIdx.x == 0 && w == kTimedOut) relay_error(s, kErrPeerTimeout, column_peer(s, m), a.phase, -1);
         return;
     }
     for (int i = 0; i < n; i += a.chunk_tokens) {
         const int k = min(a.chunk_tokens, n - i);
         const uint32_t first = tx + (uint32_t)i;
         // Room: slot (first + k - 1) mod Q is free once head >= first + k - Q.
-        if (!block_wait(head, first + (uint32_t)k - (uint32_t)Q, s.timeout_ns, &flag)) {
-            if (threadIdx.x == 0) relay_error(s, kErrPeerTimeout, column_peer(s, m), a.phase, -1);
+        if (const int w = block_wait(s, m, head, first + (uint32_t)k - (uint32_t)Q, &flag)) {
+            if (threadIdx.x == 0 && w == kTimedOut) relay_error(s, kErrPeerTimeout, column_peer(s, m), a.phase, -1);
             return;
         }
         copy_rows(stage, rows + (uint64_t)i * a.row_bytes, k, a.row_bytes, true, false, first, Q);
@@ -313,8 +379,8 @@ __device__ void relay_recv(const RelayStatic& s, const RelayArgs& a, int m) {
     gda::Qp* qp = relay_qp(s, m, 1);   // a second QP where there is one: head returns beside the data
     int done = 0;
     while (done < n) {
-        if (!block_wait(tail, rx + (uint32_t)done + 1, s.timeout_ns, &flag)) {
-            if (threadIdx.x == 0) relay_error(s, kErrPeerTimeout, column_peer(s, m), a.phase, -1);
+        if (const int w = block_wait(s, m, tail, rx + (uint32_t)done + 1, &flag)) {
+            if (threadIdx.x == 0 && w == kTimedOut) relay_error(s, kErrPeerTimeout, column_peer(s, m), a.phase, -1);
             return;
         }
         if (threadIdx.x == 0) avail = min(n - done, (int)((uint32_t)ld_acquire_sys(tail) - (rx + (uint32_t)done)));
@@ -340,10 +406,13 @@ __device__ void relay_recv(const RelayStatic& s, const RelayArgs& a, int m) {
 }
 
 // Block 2m sends to node m's column peer, block 2m + 1 receives from it (both idle for this node, and
-// all of them in a call the count exchange found void: no rank of the column moves a row then).
+// all of them in a call the count exchange found void: no rank of the column moves a row then). With a
+// mask, a peer out of the call (the count exchange's kWsMask, less the peers marked since) gets no row
+// and sends none: its runs of src and dst stay as they are (the staged path leaves them out).
 __global__ void __launch_bounds__(kRelayThreads) relay_kernel(RelayStatic s, RelayArgs a) {
     const int m = blockIdx.x / 2;
     if (m == s.node || reinterpret_cast<const int*>(s.workspace)[kWsVoid]) return;
+    if (s.active && !((relay_call_mask(s) >> m) & 1u)) return;
     if (blockIdx.x % 2 == 0)
         relay_send(s, a, m);
     else

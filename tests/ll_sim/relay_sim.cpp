@@ -39,6 +39,7 @@ RelayStatic static_from(const py::dict& d) {
     set(d, "off_fetch", s.off_fetch); set(d, "off_send", s.off_send); set(d, "off_recv", s.off_recv);
     set(d, "ring_bytes", s.ring_bytes); set(d, "err", s.err); set(d, "workspace", s.workspace);
     set(d, "timeout_ns", s.timeout_ns); set(d, "tag_record", s.tag_record);
+    if (d.contains("active")) set(d, "active", s.active);
     return s;
 }
 

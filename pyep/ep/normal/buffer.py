@@ -180,7 +180,8 @@ class NormalBuffer(NormalBufferMembership):
 
     def _attach_native_mask(self, active_ranks: Optional["torch.Tensor"]) -> None:
         """The native intranode kernels read the mask on the GPU at every call (no host read, so the
-        caller may change it in place) and clear a silent peer's entry; the internode kernels take none
+        caller may change it in place) and clear a silent peer's entry; the internode kernels with one rank
+        per node too (native_internode.py takes_mask); on nodes of several ranks they take none
         yet: a mask given to them is refused, never ignored. Without a mask (neither active_ranks= nor
         update_ep_member) a native buffer keeps the non-elastic rule: a silent peer voids the call with
         PeerTimeout."""

@@ -223,6 +223,18 @@ class Relay:
         """The device words of the column's gate (normal_tags.h kWs*: its void flag and origin)."""
         return int(self._ws.data_ptr())
 
+    MASK_WORD = 6   # normal_tags.h kWsMask: bit m = node m's column peer in the latest call
+
+    @property
+    def mask_word_address(self) -> int:
+        """The device word of the latest call's column mask (with a mask: static.active)."""
+        return int(self._ws.data_ptr()) + 4 * self.MASK_WORD
+
+    @property
+    def mask_word(self) -> "torch.Tensor":
+        """That word as a 0-d device tensor (read in stream order)."""
+        return self._ws[self.MASK_WORD]
+
     # ------------------------------------------------------------------ calls
     def counts(self, ticket: int, send_counts: "torch.Tensor") -> List[int]:
         """Exchange this call's row counts (int32 [M] on the device, this node's entry ignored); returns

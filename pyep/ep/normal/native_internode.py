@@ -35,7 +35,7 @@ from . import tags
 from .config import Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .capture import capture_refusal
-from .errors import BufferBroken, NormalCallMismatch, NotCapturable, PeerTimeout
+from .errors import BufferBroken, ElasticUnsupported, NormalCallMismatch, NotCapturable, PeerTimeout
 from .internode_relay import Relay, RelayError, next_ticket, stream_capturing
 from .native import NormalNativeBackend
 from .topology import NodeLayout
@@ -66,6 +66,7 @@ def _align16(v: int) -> int:
 
 class NormalInternodeBackend:
     name = "native"
+    _mask: Optional["torch.Tensor"] = None   # set_mask: the buffer's active_ranks (None: no mask)
 
     @staticmethod
     def unavailable_reason(group: "dist.ProcessGroup", *, transport: str = "auto", nodes: Optional[NodeLayout] = None,
@@ -140,6 +141,48 @@ class NormalInternodeBackend:
             self._release()
             raise
         log.debug("rank %d: internode normal buffer, %d nodes x %d ranks", self.rank, m_n, p)
+
+    # ------------------------------------------------------------------ the mask
+    @property
+    def takes_mask(self) -> bool:
+        """With one rank per node a rank is its column's only member on its node, so leaving it out
+        leaves out its tokens only. With more, rank (n, l) is the one RDMA relay between column l of the
+        other nodes and node n: leaving it out would cut the rows of its column's live ranks into node n
+        and their partials back, which needs a reroute through another column (docs/elastic.md)."""
+        return self.nodes.ranks_per_node == 1
+
+    def set_mask(self, mask: "torch.Tensor") -> None:
+        """The buffer's active_ranks (int32 [R] on this device), read on the device by every call: the
+        kernels before the column's count exchange take it as the call's snapshot (a rank out of it gets
+        nothing, its tokens count as dropped), the relay leaves out the column peers out of it and marks
+        one that stays silent past the timeout or whose QP fails (normal_internode_relay.cu); the call
+        goes on among the others (docs/elastic.md, "Normal mode")."""
+        import torch
+        if not self.takes_mask:
+            raise ElasticUnsupported(f"an active_ranks mask on {self.nodes.num_nodes} nodes of "
+                                     f"{self.nodes.ranks_per_node} ranks (a dead rank would cut its column's "
+                                     f"relay into its node; the mask runs with one rank per node)", self.name)
+        if mask.device != self.device or mask.dtype != torch.int32 or tuple(mask.shape) != (self.num_ranks,):
+            raise ValueError(f"the native normal mode reads active_ranks on the GPU: it must be int32 "
+                             f"[{self.num_ranks}] on {self.device}, got {mask.dtype} {list(mask.shape)} on {mask.device}")
+        if not mask.is_contiguous():
+            raise ValueError("active_ranks must be contiguous")
+        assert self.relay is not None
+        self._mask = mask
+        self._static.active = mask.data_ptr()
+        self.relay.static.active = mask.data_ptr()
+
+    def take_back(self, ranks: List[int]) -> None:
+        raise ElasticUnsupported(f"taking ranks {ranks} back into an internode buffer's calls (the column's relay "
+                                 f"counters and count slots shared with them are not restarted yet)", self.name)
+
+    def _dropped(self) -> Optional["torch.Tensor"]:
+        import torch
+        return torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device) if self._mask is not None else None
+
+    def _column_mask(self) -> int:
+        """The relay's call-mask word (bit m: node m's column peer in the call), 0 without a mask."""
+        return self.relay.mask_word_address if self._mask is not None else 0
 
     # ------------------------------------------------------------------ errors
     def pending_error(self) -> Optional[Exception]:
@@ -244,11 +287,13 @@ class NormalInternodeBackend:
         per_node = torch.empty(self.nodes.num_nodes, dtype=torch.int32, device=dev)
         in_rank = torch.empty((n, r_n), dtype=torch.bool, device=dev)
         self.node.records.num_experts = num_experts
+        dropped = self._dropped()
         self._r.layout(self._static, topk_idx.data_ptr(), n, k, num_experts, per_rank.data_ptr(), per_expert.data_ptr(),
-                       per_node.data_ptr(), in_rank.data_ptr(), raw_current_stream(dev))
+                       per_node.data_ptr(), in_rank.data_ptr(), raw_current_stream(dev),
+                       dropped.data_ptr() if dropped is not None else 0)
         if eager:
             self._warmed.add(("layout",))
-        return LayoutResult(per_rank, per_expert, in_rank, per_node)
+        return LayoutResult(per_rank, per_expert, in_rank, per_node, num_dropped_tokens=dropped)
 
     def dispatch(self, call: DispatchCall) -> DispatchResult:
         cached = call.handle is not None
@@ -292,11 +337,13 @@ class NormalInternodeBackend:
         meta_col = torch.empty((m_n, mi), dtype=i32, device=dev)
         # The caller's layout tensors are checked against is_token_in_rank and topk_idx on the way.
         checked = call.topk_idx is not None and n > 0
+        dropped = self._dropped()
         self._r.route(self._static, ptr(call.topk_idx) if n else 0, k, e_n, in_rank.data_ptr(), n, c_n,
                       send_head.data_ptr(), cpm.data_ptr(), node_head.data_ptr(), node_counts.data_ptr(),
                       meta.data_ptr(), meta_col[node].data_ptr(), mi, stream, call.num_tokens_per_rank.data_ptr(),
                       call.num_tokens_per_rdma_rank.data_ptr(), call.num_tokens_per_expert.data_ptr(),
-                      self.node.layout_scratch_address if checked else 0, int(checked))
+                      self.node.layout_scratch_address if checked else 0, int(checked),
+                      dropped.data_ptr() if dropped is not None and checked else 0)
         per_expert = call.num_tokens_per_expert.to(i32)
         meta[:, 1 + r_n:1 + r_n + e_n] = per_expert            # the record's tokens per expert
         meta_col[node, 1 + r_n:1 + r_n + e_n] = per_expert
@@ -325,6 +372,10 @@ class NormalInternodeBackend:
                      in_rank.data_ptr(), node_head.data_ptr(), n, h, k, fp8, True, f_off.data_ptr(), s_off.data_ptr(),
                      fwd.data_ptr(), f_rows, send.data_ptr(), stream)
         self.relay.relay_into(PHASE_DISPATCH, send, s_off, fwd, f_off, q_r, chunk_r, capacity=f_rows)
+        if self._mask is not None:
+            # A node that left the call in its relays: nothing more to it, its tokens dropped (once).
+            self._r.settle(self._static, self._column_mask(), node_head.data_ptr(), send_head.data_ptr(), cpm.data_ptr(),
+                           n, c_n, dropped.data_ptr() if dropped is not None else 0, stream)
         # The intranode dispatch reads F's payloads in place (x_row_bytes); its small fields in one pass,
         # the ids made node-local (internode_order.node_local_ids), rows past the real count not in any rank.
         scales_f = torch.empty((f_rows, h // 128), dtype=torch.float32, device=dev) if fp8 else None
@@ -332,8 +383,11 @@ class NormalInternodeBackend:
         w_f = torch.empty((f_rows, k), dtype=torch.float32, device=dev) if k and call.topk_weights is not None else None
         src_f = torch.empty(f_rows, dtype=i32, device=dev)
         in_f = torch.empty((f_rows, p), dtype=torch.bool, device=dev)
+        # With a mask, a source node that left the call (before it or during its relays) sends nothing: its
+        # run of F is in no rank and its record reads as empty.
         self._r.unpack(self._static, fwd.data_ptr(), f_rows, h, k, fp8, e_l, f_off.data_ptr(), ptr(scales_f),
-                       ptr(ids_node), ptr(w_f), src_f.data_ptr(), in_f.data_ptr(), stream)
+                       ptr(ids_node), ptr(w_f), src_f.data_ptr(), in_f.data_ptr(), stream, self._column_mask(),
+                       meta_col.data_ptr() if self._mask is not None else 0, mi)
         # The node's notify: node-level prefix matrices and counts, and every rank's records.
         nd = self.node
         rpm_f = torch.empty((p, p), dtype=i32, device=dev)
@@ -374,10 +428,14 @@ class NormalInternodeBackend:
         state = order.StagedState(node_head=node_head, f_offsets=f_off, s_offsets=s_off, forward_rows=f_rows,
                                   send_rows=s_rows, node_rank_prefix=rpm_f, node_channel_prefix=cpm_f,
                                   node_recv_channel_prefix=rcp_f, node_send_head=sh_f, node_in_rank=in_f, row_map=rmap)
+        # The routing the call kept: less the ranks out of the mask after it (a rank marked in it included;
+        # its tokens count as dropped in the combine, whose rows from it do not come back).
+        kept = in_rank & (self._mask != 0).view(1, -1) if self._mask is not None else None
         return DispatchResult(recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=recv_idx, recv_topk_weights=recv_w,
                               num_recv_tokens_per_expert_list=counts, rank_prefix_matrix=rpm, channel_prefix_matrix=cpm,
                               recv_channel_prefix_matrix=rcp, recv_src_idx=recv_src, send_head=send_head,
-                              num_recv_tokens=rows if host else -1, internode=state, tag=tag)
+                              num_recv_tokens=rows if host else -1, internode=state, tag=tag,
+                              is_token_in_rank=kept, num_dropped_tokens=dropped)
 
     def _cached_dispatch(self, call: DispatchCall) -> DispatchResult:
         import torch
@@ -397,6 +455,13 @@ class NormalInternodeBackend:
         q_r, chunk_r = self._rdma(cfg)
         self.relay.relay_into(PHASE_DISPATCH, send, st.s_offsets, fwd, st.f_offsets, q_r, chunk_r,
                               capacity=st.forward_rows)
+        dropped = None
+        if self._mask is not None:
+            # The handle places every source's rows: those of a source node out of the call arrive emptied
+            # (zero payload and scales), and this rank's tokens for a node out of it count as dropped.
+            self._r.empty(self._static, fwd.data_ptr(), st.forward_rows, rr["bytes"], st.f_offsets.data_ptr(),
+                          self._column_mask(), raw_current_stream(dev))
+            dropped = self._dropped_by_column(st)
         scales_f = order.unpack(fwd, rr["scales"], 4 * (h // 128), torch.float32) if fp8 else None
         rows = hd.num_recv_rows
         recv_x = torch.empty((rows, h), dtype=call.x.dtype, device=dev)
@@ -411,7 +476,19 @@ class NormalInternodeBackend:
                               num_recv_tokens_per_expert_list=None, rank_prefix_matrix=hd.rank_prefix_matrix,
                               channel_prefix_matrix=hd.channel_prefix_matrix,
                               recv_channel_prefix_matrix=hd.recv_channel_prefix_matrix, recv_src_idx=hd.recv_src_idx,
-                              send_head=hd.send_head, num_recv_tokens=hd.num_recv_tokens, internode=st)
+                              send_head=hd.send_head, num_recv_tokens=hd.num_recv_tokens, internode=st,
+                              num_dropped_tokens=dropped)
+
+    def _dropped_by_column(self, st: order.StagedState) -> "torch.Tensor":
+        """int32 [R]: this rank's tokens with a row for a node out of the relay's call mask (one rank per
+        node: node m is rank m), read on the device after the relay."""
+        import torch
+        m_n = self.nodes.num_nodes
+        word = self.relay.mask_word
+        bits = torch.arange(m_n, dtype=torch.int32, device=self.device)
+        out_nodes = ((word >> bits) & 1) == 0
+        out_nodes[self.node_index] = False
+        return ((st.node_head >= 0) & out_nodes.view(1, -1)).sum(0, dtype=torch.int32)
 
     def combine(self, call: CombineCall) -> CombineResult:
         hd, cfg = call.handle, call.config
@@ -454,10 +531,13 @@ class NormalInternodeBackend:
         out_w = torch.empty((n, k), dtype=torch.float32, device=dev) if k else None
         b0, b1 = call.bias
         ptr = (lambda t: t.data_ptr() if t is not None else 0)
+        dropped = self._dropped()
+        # With a mask, a node out of the relay's call mask adds no partial: each token that had a row there
+        # counts as dropped for it.
         self._r.reduce(self._static, st.node_head.data_ptr(), st.f_offsets.data_ptr(), st.s_offsets.data_ptr(),
                        part.data_ptr(), ptr(part_w), back.data_ptr(), width, ptr(b0), ptr(b1), n, h, k, out.data_ptr(),
-                       ptr(out_w), raw_current_stream(dev))
-        return CombineResult(out, out_w)
+                       ptr(out_w), raw_current_stream(dev), self._column_mask(), ptr(dropped))
+        return CombineResult(out, out_w, num_dropped_tokens=dropped)
 
     # ------------------------------------------------------------------ the rest
     def clean(self) -> None:
