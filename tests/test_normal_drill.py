@@ -30,13 +30,36 @@ def test_normal_drill_kill_restart_rejoin(phase: str) -> None:
     assert all(r["final_active"] == [1, 1, 1] for r in out.ranks)
 
 
+def test_normal_drill_one_rank_per_node_reference() -> None:
+    """The same drill with one rank per (virtual) node (--transport emulated): the reference's node
+    layout (num_tokens_per_rdma_rank, combine in node order) through a kill in dispatch and a rejoin."""
+    from pyep.launch.drill import DrillConfig, run_drill
+    cfg = DrillConfig(mode="normal", backend="reference", transport="emulated", world=3, drills=1,
+                      phases=("dispatch",), kill_call=20, timeout_us=1_500_000, slack_ms=60_000.0, max_slowdown=1e6,
+                      rounds_after=5, lead_calls=2, tokens=8, hidden=128, experts=6, topk=2, seed=9,
+                      join_timeout_s=120.0, drill_timeout_s=300.0)
+    out = run_drill(cfg, 0, "dispatch")
+    assert out.ok, out.why
+    survivors = [r for r in out.ranks if r["generation"] == 1]
+    newcomer = [r for r in out.ranks if r["generation"] == 2]
+    assert len(survivors) == 2 and all(s["marked"] == [2] for s in survivors)
+    assert all(s["death_call"] in (20, 21) and out.joined_at > s["death_call"] for s in survivors)
+    assert len(newcomer) == 1 and newcomer[0]["calls_after_join"] == 6 and out.rounds_checked == 6
+    assert all(r["final_active"] == [1, 1, 1] for r in out.ranks)
+
+
 def test_drill_config_normal_mode_checks() -> None:
     from pyep.launch.drill import NORMAL_PHASES, PHASES, DrillConfig
     assert DrillConfig(mode="normal", backend="reference").phases == NORMAL_PHASES
     assert DrillConfig(backend="reference").phases == PHASES
     assert DrillConfig(mode="normal", backend="native").transport == "nvlink"
-    with pytest.raises(ValueError, match="--mode normal --backend native runs over --transport nvlink"):
-        DrillConfig(mode="normal", backend="native", transport="emulated")
+    assert DrillConfig(mode="normal", backend="native").normal_ranks_per_node is None
+    # Over the softnic: one rank per virtual node (the internode path, its column relay on the softnic).
+    assert DrillConfig(mode="normal", backend="native", transport="emulated").normal_ranks_per_node == 1
+    assert DrillConfig(mode="normal", backend="reference", transport="emulated").normal_ranks_per_node == 1
+    with pytest.raises(ValueError, match="--mode normal --backend native runs over --transport nvlink .one node. or "
+                                         "emulated"):
+        DrillConfig(mode="normal", backend="native", transport="ibgda")
     with pytest.raises(ValueError, match="--phases must name some of dispatch, combine, between"):
         DrillConfig(backend="reference", phases=("layout",))
     with pytest.raises(ValueError, match="--mode must be one of"):
@@ -45,8 +68,8 @@ def test_drill_config_normal_mode_checks() -> None:
 
 def test_cli_drill_mode_normal_arguments(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     from hostile_util import run_cli
-    rc, _, err = run_cli(["drill", "--mode", "normal", "--backend", "native", "--transport", "emulated"],
+    rc, _, err = run_cli(["drill", "--mode", "normal", "--backend", "native", "--transport", "ibgda"],
                          monkeypatch, capsys)
-    assert rc == 2 and "--mode normal --backend native runs over --transport nvlink" in err, err
+    assert rc == 2 and "--mode normal --backend native runs over --transport nvlink (one node)" in err, err
     rc, _, err = run_cli(["drill", "--mode", "normal", "--backend", "reference", "--phases", ","], monkeypatch, capsys)
     assert rc == 2 and "layout, dispatch, combine, between (--mode normal)" in err, err

@@ -329,8 +329,8 @@ def test_newcomer_that_dies_before_confirming_does_not_stop_the_survivor() -> No
 
 
 def test_store_buffer_refuses_what_it_does_not_implement() -> None:
-    """A store-based buffer runs on one node: asking for nodes raises ElasticUnsupported (a
-    NotImplementedError) naming the feature, and the native kernels where they cannot run (no GPU here)
+    """A store-based buffer runs on one node or one rank per node: other nodes raise ElasticUnsupported
+    (a NotImplementedError) naming the feature, and the native kernels where they cannot run (no GPU here)
     BackendUnavailable, before any key is written; a mask of the wrong shape or values is refused like the
     LL buffer's."""
     from pyep.ep.backend import BackendUnavailable
@@ -339,8 +339,12 @@ def test_store_buffer_refuses_what_it_does_not_implement() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailable, match=r"store=\.\.\., backend='native'\) cannot run here"):
             NormalBuffer(store=_client(master.port), rank=0, world_size=2, backend="native", job_secret=SECRET)
-    with pytest.raises(ElasticUnsupported, match="across nodes"):
-        NormalBuffer(store=_client(master.port), rank=0, world_size=2, ranks_per_node=1, job_secret=SECRET)
+    with pytest.raises(ElasticUnsupported, match="on nodes of 2 ranks"):
+        NormalBuffer(store=_client(master.port), rank=0, world_size=4, ranks_per_node=2, job_secret=SECRET)
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailable, match=r"store=\.\.\., backend='native'\) cannot run here"):
+            NormalBuffer(store=_client(master.port), rank=0, world_size=2, ranks_per_node=1, backend="native",
+                         job_secret=SECRET)
     for bad, exc in ((torch.ones(3, dtype=torch.int32), ValueError), (torch.ones(2, dtype=torch.int64), ValueError),
                      (torch.tensor([1, 2], dtype=torch.int32), ValueError), ([1, 1], TypeError)):
         with pytest.raises(exc, match="active_ranks"):

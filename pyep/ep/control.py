@@ -116,6 +116,16 @@ class StoreControl:
     def key(self, *parts: Any) -> str:
         return "/".join([self.prefix, *[str(p) for p in parts]])
 
+    def subgroup(self, name: str, rank: int, world_size: int) -> "StoreControl":
+        """A control plane for `world_size` of this job's processes (the ranks of one node, say) under
+        prefix/name: the same store and job secret, its own keys, rounds and generations."""
+        sub = StoreControl.__new__(StoreControl)
+        sub.codec, sub.store, sub.group = self.codec, self.store, None
+        sub.rank, sub.world_size, sub.prefix = rank, world_size, self.key(name)
+        sub._round, sub.rejects = 0, RejectLog()
+        sub.generation, sub.generations = 1, [1] * world_size
+        return sub
+
     def _next_round(self, what: str) -> str:
         self._round += 1
         return self.key("boot", self._round, what.replace("/", "_").replace(" ", "_")[:48])

@@ -31,6 +31,7 @@ PHASES = ("dispatch", "combine", "between")
 # --mode normal (NormalBuffer, pyep.ep.elastic.drill_normal): also the layout (notify) exchange.
 NORMAL_PHASES = ("layout", "dispatch", "combine", "between")
 MODES = ("ll", "normal")
+NORMAL_NATIVE_TRANSPORTS = ("nvlink", "emulated", "emulated-internode")
 
 
 # Each rank is a process sharing the host (and usually one GPU); each call is a loop iteration.
@@ -47,8 +48,9 @@ def _bound(flag: str, value: object, lo: int, hi: int, note: str = "") -> None:
 class DrillConfig:
     """One `pyep drill` run. The fields are that command's options, so the errors name them as its
     command line spells them. experts = 0: 4 per rank. mode "normal" drills a store-based NormalBuffer
-    (the reference backend, or the native kernels over NVLink); its calls are steps (layout, dispatch,
-    combine)."""
+    (the reference backend, or the native kernels: over NVLink on one node, or with --transport
+    emulated one rank per virtual node and the column relay on the softnic); its calls are steps (layout,
+    dispatch, combine)."""
     mode: str = "ll"                 # ll (EpBuffer) or normal (NormalBuffer)
     backend: str = "native"          # native or reference
     transport: str = "nvlink"        # native: nvlink, emulated, ... (reference: ignored)
@@ -86,9 +88,10 @@ class DrillConfig:
             raise ValueError(f"--phases must name some of {', '.join(allowed)} (--mode {self.mode})")
         if self.backend not in ("native", "reference"):
             raise ValueError(f"--backend must be native or reference, got {self.backend!r}")
-        if self.mode == "normal" and self.backend == "native" and self.transport != "nvlink":
-            raise ValueError("--mode normal --backend native runs over --transport nvlink: the internode "
-                             "native normal kernels take no active_ranks mask yet (docs/elastic.md, 'Normal mode')")
+        if self.mode == "normal" and self.backend == "native" and self.transport not in NORMAL_NATIVE_TRANSPORTS:
+            raise ValueError("--mode normal --backend native runs over --transport nvlink (one node) or emulated (one "
+                             "rank per virtual node, the column relay on the softnic): the internode kernels take "
+                             "the mask with one rank per node only (docs/elastic.md, 'Normal mode')")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         _bound("--world", self.world, 2, MAX_WORLD)
@@ -120,6 +123,12 @@ class DrillConfig:
                                     ("--first-call-pause-ms", self.first_call_pause_ms, 0.0, 3.6e6)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
                 raise ValueError(f"{flag} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+
+    @property
+    def normal_ranks_per_node(self) -> Optional[int]:
+        """--mode normal with --transport emulated: one rank per virtual node -- the native internode path
+        (its column relay on the softnic), or the reference's node layout (combine in node order)."""
+        return 1 if self.mode == "normal" and self.transport.startswith("emulated") else None
 
     @property
     def victim_rank(self) -> int:
@@ -174,7 +183,8 @@ def _rank_args(cfg: DrillConfig, rank: int, port: int, prefix: str, phase: str) 
             "victim": cfg.victim_rank, "kill_call": cfg.kill_call, "phase": phase,
             "rounds_after": cfg.rounds_after, "join_timeout_s": cfg.join_timeout_s, "wall_s": cfg.drill_timeout_s,
             "pause_after_admit_ms": cfg.pause_after_admit_ms, "newcomer_pause_ms": cfg.newcomer_pause_ms,
-            "first_call_pause_ms": cfg.first_call_pause_ms, "pause_timeout_us": cfg.pause_timeout_us}
+            "first_call_pause_ms": cfg.first_call_pause_ms, "pause_timeout_us": cfg.pause_timeout_us,
+            "ranks_per_node": cfg.normal_ranks_per_node}
 
 
 def _spawn(args: Dict[str, Any], secret_file: str) -> subprocess.Popen:

@@ -15,6 +15,9 @@ middle of the layout exchange, of dispatch, of combine, or between steps.
 On the native kernels (`--backend native`, ranks on GPUs over NVLink) the victim dies right after
 launching the step's exchanging kernel: the dispatch's count exchange (the "layout" phase: the native
 layout exchanges nothing), the dispatch or the combine, so its peers meet the death in the kernels.
+With `--transport emulated` each rank is a virtual node of its own (the internode path, its column
+relay on the softnic): the victim dies right after launching the relay's count exchange of the
+dispatch, the relay of the dispatch's rows, or the relay of the combine's partials.
 There a source can die in the middle of its rows: the rows that never came are emptied (zero payload,
 top-k -1), and a token's combined row holds the dead rank's part or not, as its row came back or not --
 the step that found the death accepts exactly that, and counts the tokens without it as dropped.
@@ -181,10 +184,42 @@ def explain_step(buf: Any, a: Dict[str, Any], step: int, rank: int, world: int, 
     return "\n".join(out)
 
 
+# The relay's phases (normal_internode.h RelayPhase): which relay launch of a step the victim dies after.
+_RELAY_PHASE = {"dispatch": 4, "combine": 5}
+
+
+def _arm_relay_kill(relay: Any, phase: str) -> None:
+    """The internode path (one rank per node): die right after the column's count exchange of the
+    dispatch ("layout"), or the relay launch of the dispatch's rows or of the combine's partials."""
+    kernels = relay._r
+
+    class _Dying:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(kernels, name)
+
+    def dying_counts(*args: Any, **kw: Any) -> Any:
+        kernels.counts(*args, **kw)
+        _die()
+
+    def dying_relay(static: Any, relay_phase: int, *args: Any, **kw: Any) -> Any:
+        kernels.relay(static, relay_phase, *args, **kw)
+        if relay_phase == _RELAY_PHASE[phase]:
+            _die()
+    d = _Dying()
+    if phase == "layout":
+        setattr(d, "counts", dying_counts)
+    else:
+        setattr(d, "relay", dying_relay)
+    relay._r = d
+
+
 def _arm_native_kill(buf: Any, phase: str) -> None:
     """Native kernels: die right after the phase's exchanging kernel is launched (module doc), through a
     wrapper of the backend's kernel bindings (nothing in the backend itself knows of drills)."""
     be = buf.backend
+    if getattr(be, "relay", None) is not None:
+        _arm_relay_kill(be.relay, phase)
+        return
     kernels, launch = be._n, {"layout": "notify", "dispatch": "dispatch", "combine": "combine"}[phase]
 
     class _Dying:
@@ -214,12 +249,13 @@ def _step(buf: Any, a: Dict[str, Any], step: int, rank: int, world: int, mine: b
     x, idx, w = (t.to(dev) for t in inputs(a["seed"], step, rank, a["T"], a["H"], a["E"], a["K"]))
     if mine and phase == "layout":
         _arm_kill(buf, "layout")
-    ntpr, _, ntpe, in_rank, ev0 = buf.get_dispatch_layout(idx, a["E"])
+    ntpr, ntpn, ntpe, in_rank, ev0 = buf.get_dispatch_layout(idx, a["E"])
     if mine and phase == "dispatch":
         _arm_kill(buf, "dispatch")
+    nodes = {} if ntpn is None else {"num_tokens_per_rdma_rank": ntpn}    # one rank per (virtual) node
     recv_x, recv_idx, _, counts, handle, ev1 = buf.dispatch(
         x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
-        topk_weights=w)
+        topk_weights=w, **nodes)
     y = expert(recv_x, rank)
     if mine and phase == "combine":
         _arm_kill(buf, "combine")
@@ -250,8 +286,11 @@ def run(a: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[st
     store = dist.TCPStore(a["host"], int(a["port"]), world, is_master=False,
                           timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
     t0 = time.monotonic()
+    nodes: Dict[str, Any] = {}
+    if a.get("ranks_per_node"):          # one rank per virtual node: the column relay on the softnic
+        nodes = {"ranks_per_node": int(a["ranks_per_node"]), "transport": a.get("transport", "auto")}
     buf = NormalBuffer(store=store, rank=rank, world_size=world, store_prefix=a["prefix"], backend=backend,
-                       hidden=a["H"], timeout_us=a["timeout_us"], rejoin_lead_calls=a["lead"])
+                       hidden=a["H"], timeout_us=a["timeout_us"], rejoin_lead_calls=a["lead"], **nodes)
     res: Dict[str, Any] = {"rank": rank, "generation": buf.generation, "setup_s": time.monotonic() - t0}
     stop: Optional[int] = None
     if buf.joining:

@@ -157,11 +157,13 @@ class NormalBuffer(NormalBufferMembership):
         self._seq = 0
         self._comm: Any = None
         if self._group is None:
-            if ranks_per_node is not None and ranks_per_node != self._num_ranks:
-                raise ElasticUnsupported(f"a store-based buffer across nodes (ranks_per_node={ranks_per_node} of "
-                                         f"{self._num_ranks} ranks)", "reference (store)")
+            if ranks_per_node is not None and ranks_per_node not in (1, self._num_ranks):
+                raise ElasticUnsupported(f"a store-based buffer on nodes of {ranks_per_node} ranks (it runs one node, "
+                                         f"or one rank per node)", "store")
+            self._nodes = NodeLayout(self._num_ranks, ranks_per_node or self._num_ranks)
             self._backend = self._store_backend(backend, hidden, timeout_us, rejoin_lead_calls,
-                                                dict(num_nvl_bytes=num_nvl_bytes, transport=transport, num_sms=sms))
+                                                dict(num_nvl_bytes=num_nvl_bytes, transport=transport, num_sms=sms,
+                                                     num_rdma_bytes=num_rdma_bytes))
         else:
             self._nodes = detect_node_layout(self._group, ranks_per_node, timeout_us)
             self._backend = _make_backend(self._group, backend, dict(
@@ -194,28 +196,41 @@ class NormalBuffer(NormalBufferMembership):
 
     def _store_backend(self, backend: str, hidden: int, timeout_us: int, lead_calls: int,
                        native_kw: Dict[str, Any]) -> NormalBackend:
-        """A store-based buffer (one node): the membership, then -- for a first process -- a set-up
-        barrier, so that no rank's first call waits for a peer still starting. backend="native": the
-        native kernels over CUDA IPC, with the mask on the GPU (a restarted rank maps its peers when
-        admitted: native_member.py); else the reference backend over store mailboxes."""
+        """A store-based buffer (one node, or one rank per node): the membership, then -- for a first
+        process -- a set-up barrier, so that no rank's first call waits for a peer still starting.
+        backend="native": the native kernels with the mask on the GPU -- over CUDA IPC inside a node (a
+        restarted rank maps its peers when admitted: native_member.py), over the column relay's QPs with
+        one rank per node (its QPs are made when admitted: internode_member.py); else the reference
+        backend over store mailboxes."""
         v.check_int("rejoin_lead_calls", lead_calls, 0, 1 << 20)
-        self._nodes = NodeLayout(self._num_ranks, self._num_ranks)
+        rdma_bytes = native_kw.pop("num_rdma_bytes")
+        internode = self._nodes.internode
         if backend == "native":   # before the membership writes anything
             from ..backend import BackendUnavailable
             from .native import NormalNativeBackend
-            reason = NormalNativeBackend.unavailable_reason(None, transport=native_kw["transport"], nodes=self._nodes,
-                                                            num_ranks=self._num_ranks)
+            from .native_internode import NormalInternodeBackend
+            reason = (NormalInternodeBackend.unavailable_reason(None, transport=native_kw["transport"], nodes=self._nodes)
+                      if internode else
+                      NormalNativeBackend.unavailable_reason(None, transport=native_kw["transport"], nodes=self._nodes,
+                                                             num_ranks=self._num_ranks))
             if reason is not None:
                 raise BackendUnavailable(f"NormalBuffer(store=..., backend='native') cannot run here: {reason}")
         timeout_s = max(60.0, 3 * timeout_us / 1e6)
-        self._member = Membership(self._control, f"normal {backend} hidden={hidden} ranks={self._num_ranks}",
+        self._member = Membership(self._control, f"normal {backend} hidden={hidden} ranks={self._num_ranks} "
+                                  f"per_node={self._nodes.ranks_per_node}",
                                   timeout_s, lead_calls)
         ref: NormalBackend
         if backend == "native":
             import torch
-            from .native import NormalNativeBackend
-            ref = NormalNativeBackend(None, hidden=hidden, timeout_us=timeout_us, nodes=self._nodes,
-                                      control=self._control, joining=self._member.joining, **native_kw)
+            if internode:
+                from .native_internode import NormalInternodeBackend
+                ref = NormalInternodeBackend(None, hidden=hidden, timeout_us=timeout_us, nodes=self._nodes,
+                                             control=self._control, joining=self._member.joining,
+                                             num_rdma_bytes=rdma_bytes, **native_kw)
+            else:
+                from .native import NormalNativeBackend
+                ref = NormalNativeBackend(None, hidden=hidden, timeout_us=timeout_us, nodes=self._nodes,
+                                          control=self._control, joining=self._member.joining, **native_kw)
             mask = self._mask.to(device=ref.device, dtype=torch.int32).contiguous().clone()
             ref.set_mask(mask)
             self._mask = mask

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ..config import LinkConfig
 from ..streams import raw_current_stream
@@ -129,17 +129,21 @@ def relay_error(words: List[int], timeout_us: int) -> Optional[NormalModeError]:
 class Relay:
     """One rank's end of the column's RDMA rings (collective constructor over the whole group)."""
 
-    def __init__(self, group: "dist.ProcessGroup", nodes: NodeLayout, *, ring_bytes: int, transport: str,
+    def __init__(self, group: Optional["dist.ProcessGroup"], nodes: NodeLayout, *, ring_bytes: int, transport: str,
                  timeout_us: int, setup_timeout_s: float = 120.0, num_qps_per_peer: int = 2,
-                 tag_record: int = 0) -> None:
-        import numpy as np
+                 tag_record: int = 0, control: Any = None, joining: bool = False) -> None:
+        """group: a process group (collective over it); or control: a store-based buffer's control
+        plane, with one rank per node (the column is the whole job), and joining for a restarted rank:
+        its QPs are made when the survivors admit it (join)."""
         import torch
         import torch.distributed as dist
 
         from ..._native import load
         mod = load()
         self._ep, self._r = mod.ep, mod.relay
-        rank = dist.get_rank(group)
+        if control is not None and nodes.ranks_per_node != 1:
+            raise ValueError("a store-based relay runs one rank per node (its column is the whole job)")
+        rank = control.rank if control is not None else dist.get_rank(group)
         self.rank = rank
         self.nodes = nodes
         self._epoch = 0
@@ -149,10 +153,13 @@ class Relay:
         if self._drain:
             log.info("relay on the softnic with lazy CUDA module loading: every relay launch is waited for "
                      "on the host (set CUDA_MODULE_LOADING=EAGER to keep the calls asynchronous)")
-        # Every rank creates every column group in the same order (new_group is collective).
-        cols = [dist.new_group([m * nodes.ranks_per_node + l for m in range(nodes.num_nodes)])
-                for l in range(nodes.ranks_per_node)]
-        self.group = cols[nodes.local(rank)]
+        if control is None:
+            # Every rank creates every column group in the same order (new_group is collective).
+            cols = [dist.new_group([m * nodes.ranks_per_node + l for m in range(nodes.num_nodes)])
+                    for l in range(nodes.ranks_per_node)]
+            self.group = cols[nodes.local(rank)]
+        else:
+            self.group = None
         m_n = nodes.num_nodes
         self.layout = RelayLayout(m_n, _align(ring_bytes, RING_ALIGN))
         self._bytes = self.layout.total_bytes
@@ -176,27 +183,45 @@ class Relay:
             from ..peers import PeerSet
             cfg = LinkConfig(transport=nic_transport(transport), ranks_per_node=1,
                              num_qps_per_peer=num_qps_per_peer)
-            self._peers = PeerSet(self.group, cfg, self._ep, nodes.node(rank), m_n, self.device.index, self._buf,
-                                  self._bytes, setup_timeout_s)
-            self._peers.connect()
-            links = self._peers.links
-            nqp = self._peers.qps_per_peer()
-            size = int(self._r.QP_CONTEXT_SIZE)
-            qps = bytearray(m_n * nqp * size)
-            for link in links:
-                for j, ctx in enumerate(link.qp_contexts):
-                    at = (link.rank * nqp + j) * size
-                    qps[at:at + size] = ctx
+            self._peers = PeerSet(control if control is not None else self.group, cfg, self._ep, nodes.node(rank),
+                                  m_n, self.device.index, self._buf, self._bytes, setup_timeout_s)
+            if joining:
+                self._join_payload = self._peers.prepare_join()
+                nqp = num_qps_per_peer
+            else:
+                self._peers.connect()
+                nqp = self._peers.qps_per_peer()
+            # The device tables of the column peers' links (relay_qp, raddr, rkey): rewritten in place for
+            # a peer whose link is rebuilt (a rejoin), so the static's pointers stay valid.
+            self._nqp = nqp
             self._tables = {
-                "remote_addr": torch.tensor([link.remote_addr for link in links], dtype=torch.int64, device=self.device),
-                "rkeys": torch.from_numpy(np.array([link.rkey for link in links], dtype=np.uint32).view(np.int32)
-                                          ).to(self.device),
-                "qps": torch.frombuffer(qps, dtype=torch.uint8).to(self.device),
+                "remote_addr": torch.zeros(m_n, dtype=torch.int64, device=self.device),
+                "rkeys": torch.zeros(m_n, dtype=torch.int32, device=self.device),
+                "qps": torch.zeros(m_n * nqp * int(self._r.QP_CONTEXT_SIZE), dtype=torch.uint8, device=self.device),
             }
+            if not joining:
+                self._load_links(range(m_n))
             self.static = self._make_static(rank, nqp)
         except BaseException:
             self.destroy()
             raise
+
+    def _load_links(self, peers: Any) -> None:
+        """Copy the links of `peers` (node indices) into the device tables."""
+        import numpy as np
+        import torch
+        size = int(self._r.QP_CONTEXT_SIZE)
+        for m in peers:
+            link = self._peers.links[m]
+            if m == self.nodes.node(self.rank):
+                continue
+            if len(link.qp_contexts) != self._nqp:
+                raise RuntimeError(f"relay: the link to node {m} has {len(link.qp_contexts)} QPs, the column {self._nqp}")
+            ctx = torch.frombuffer(bytearray(b"".join(link.qp_contexts)), dtype=torch.uint8)
+            self._tables["qps"][m * self._nqp * size:(m + 1) * self._nqp * size].copy_(ctx)
+            self._tables["remote_addr"][m] = int(link.remote_addr)
+            self._tables["rkeys"][m] = int(np.array([link.rkey], dtype=np.uint32).view(np.int32)[0])
+        torch.cuda.synchronize(self.device)
 
     def _make_static(self, rank: int, nqp: int) -> Any:
         lay, w = self.layout, self.layout.words
@@ -366,6 +391,78 @@ class Relay:
             # equal to the column peers' until clean() resets all of them.
             self._ep.memset_async(self._ws.data_ptr() + 4 * CLAIM_WORD, 0, 4, raw_current_stream(self.device))
             raise err
+
+    # ------------------------------------------------------------------ elastic membership (a store)
+    # docs/elastic.md "Normal mode": a restarted rank's QPs are rebuilt, only those; this rank's counters
+    # of the streams shared with it restart at 0 (the newcomer counts from 0), and the count slots it
+    # holds for it are set as a peer in step shows them (normal_tags.h gate_classify), as the intranode
+    # gate flags are (native_member.py).
+    def member_payload(self) -> bytes:
+        return self._join_payload
+
+    def finish_join(self, blobs: Dict[int, bytes]) -> None:
+        """A restarted rank, admitted: QPs to every survivor with what each published for it."""
+        self._peers.finish_join(blobs)
+        self._load_links(range(self.nodes.num_nodes))
+
+    def rebuild_peer(self, m: int, payload: bytes) -> bytes:
+        """A survivor: new QPs to node m's restarted rank (still out of the calls), and this rank's
+        counters of the streams shared with it back to 0. Returns what we publish for it."""
+        import torch
+        torch.cuda.synchronize(self.device)   # a kernel launched before the mark may still use the old QPs
+        blob = self._peers.rebuild_peer(m, payload)
+        self._load_links([m])
+        w, words = self._words(), self.layout.words
+        for name in ("tail", "head", "tx", "rx"):
+            w[words[name] + m] = 0
+        torch.cuda.synchronize(self.device)
+        return blob
+
+    def counts_in_step(self, m: int) -> None:
+        """The count slots this rank holds for node m, as a peer in step at our call number shows them."""
+        import torch
+        from .native_member import flags_in_step
+        torch.cuda.synchronize(self.device)
+        epoch, seq = self.step_state()
+        slots = self._words()[self.layout.words["count"]:self.layout.words["count"] + 4 * self.nodes.num_nodes]
+        slots = slots.view(torch.int64)
+        for par, call in flags_in_step(seq).items():
+            rec = 0 if call == 0 else (call << 32) | ((epoch & 63) << 26)   # status OK, 0 rows
+            slots[par * self.nodes.num_nodes + m] = rec - (1 << 64) if rec >= 1 << 63 else rec
+        torch.cuda.synchronize(self.device)
+
+    def step_state(self) -> "tuple[int, int]":
+        """(generation, the device's call number) of the count exchange."""
+        import torch
+        torch.cuda.synchronize(self.device)
+        return int(self._epoch), int(self._ws[1].item()) & 0xFFFFFFFF     # normal_tags.h kWsSeq
+
+    def take_step_state(self, epoch: int, seq: int) -> None:
+        """A restarted rank: the survivors' generation and call number, and its count slots for every
+        survivor in step, before it tells them it is ready (native_member.py says why the order)."""
+        from .native_member import _s32
+        self._epoch = int(epoch)
+        self._ws[2] = _s32(epoch)
+        self._ws[1] = _s32(seq)
+        for m in range(self.nodes.num_nodes):
+            if m != self.nodes.node(self.rank):
+                self.counts_in_step(m)
+
+    def peer_words(self, m: int) -> Dict[str, Any]:
+        """This rank's words of the streams shared with node m, its two count slots, and the workspace."""
+        import torch
+        torch.cuda.synchronize(self.device)
+        w, words, n = self._words().cpu(), self.layout.words, self.nodes.num_nodes
+        out: Dict[str, Any] = {k: int(w[words[k] + m]) & 0xFFFFFFFF for k in ("tail", "head", "tx", "rx")}
+        slots = w[words["count"]:words["count"] + 4 * n].view(torch.int64)
+        out["count_calls"] = [(int(slots[par * n + m]) >> 32) & 0xFFFFFFFF for par in (0, 1)]
+        out["workspace"] = self._ws.cpu().tolist()
+        return out
+
+    def _words(self) -> "torch.Tensor":
+        import torch
+        from .native_member import _Words
+        return torch.as_tensor(_Words(self._buf, self.layout.words["end"]), dtype=torch.int32, device=self.device)
 
     def destroy(self) -> None:
         if self._peers is not None:

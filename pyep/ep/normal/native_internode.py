@@ -35,7 +35,8 @@ from . import tags
 from .config import Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .capture import capture_refusal
-from .errors import BufferBroken, ElasticUnsupported, NormalCallMismatch, NotCapturable, PeerTimeout
+from .errors import BufferBroken, NormalCallMismatch, NotCapturable, PeerTimeout
+from .internode_member import InternodeMembership
 from .internode_relay import Relay, RelayError, next_ticket, stream_capturing
 from .native import NormalNativeBackend
 from .topology import NodeLayout
@@ -64,9 +65,8 @@ def _align16(v: int) -> int:
     return (v + 15) // 16 * 16
 
 
-class NormalInternodeBackend:
+class NormalInternodeBackend(InternodeMembership):
     name = "native"
-    _mask: Optional["torch.Tensor"] = None   # set_mask: the buffer's active_ranks (None: no mask)
 
     @staticmethod
     def unavailable_reason(group: "dist.ProcessGroup", *, transport: str = "auto", nodes: Optional[NodeLayout] = None,
@@ -88,36 +88,46 @@ class NormalInternodeBackend:
             return "pyep._engine has no internode kernels (a host-only build)"
         return None
 
-    def __init__(self, group: "dist.ProcessGroup", *, num_nvl_bytes: Optional[int], hidden: int, transport: str,
-                 timeout_us: int, num_sms: int, nodes: Optional[NodeLayout] = None,
-                 num_rdma_bytes: Optional[int] = None) -> None:
+    def __init__(self, group: Optional["dist.ProcessGroup"], *, num_nvl_bytes: Optional[int], hidden: int,
+                 transport: str, timeout_us: int, num_sms: int, nodes: Optional[NodeLayout] = None,
+                 num_rdma_bytes: Optional[int] = None, control: Any = None, joining: bool = False) -> None:
+        """group: a process group; or control: a store-based buffer's control plane (one rank per node),
+        joining for a restarted rank (its QPs are made when the survivors admit it: internode_member.py)."""
         import torch
         import torch.distributed as dist
         reason = NormalInternodeBackend.unavailable_reason(group, transport=transport, nodes=nodes)
         if reason is not None:
             raise BackendUnavailable(reason)
         assert nodes is not None
+        if control is not None and nodes.ranks_per_node != 1:
+            raise ValueError("a store-based internode buffer runs one rank per node")
         from ..._native import load
         self._r = load().relay
-        self.group, self.nodes = group, nodes
-        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        self.group, self.nodes, self._control = group, nodes, control
+        if control is not None:
+            self.rank, self.num_ranks = control.rank, control.world_size
+        else:
+            self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.hidden, self.timeout_us = hidden, timeout_us
         p, m_n, r_n = nodes.ranks_per_node, nodes.num_nodes, self.num_ranks
         self.node_index = nodes.node(self.rank)
         self.max_experts = max(1024, 32 * r_n)
         self.meta_ints = order.meta_ints(r_n, self.max_experts)
         self._setup_s = max(120.0, 3 * timeout_us / 1e6)
-        # Every rank creates every node group in the same order (new_group is collective).
-        node_groups = [dist.new_group(list(nodes.ranks(n))) for n in range(m_n)]
+        # Every rank creates every node group in the same order (new_group is collective); a store-based
+        # buffer's node is this rank alone.
+        node_groups = [dist.new_group(list(nodes.ranks(n))) for n in range(m_n)] if control is None else []
         self.node: Optional[NormalNativeBackend] = None
         self.relay: Optional[Relay] = None
         self._broken = False
         self._ticket = 0                 # the host's label of its waited-for count exchanges
         self._warmed: Set[Tuple[Any, ...]] = set()   # call kinds run eagerly (capture_refusal)
         try:
-            self.node = NormalNativeBackend(node_groups[self.node_index], num_nvl_bytes=num_nvl_bytes, hidden=hidden,
-                                            transport="auto", timeout_us=timeout_us, num_sms=num_sms,
-                                            notify_extra=m_n * self.meta_ints)
+            node_control = control.subgroup(f"node{self.node_index}", 0, 1) if control is not None else None
+            self.node = NormalNativeBackend(node_groups[self.node_index] if control is None else None,
+                                            num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport="auto",
+                                            timeout_us=timeout_us, num_sms=num_sms, notify_extra=m_n * self.meta_ints,
+                                            control=node_control)
             self.node.join_group(list(nodes.ranks(self.node_index)), r_n)
             self.device = self.node.device
             row = self._r.relay_row(hidden, False, 16, p, True)["bytes"]
@@ -125,7 +135,8 @@ class NormalInternodeBackend:
             # The ring also holds the count records of two calls in flight.
             self.relay = Relay(group, nodes, ring_bytes=max(ring, 8 * self.meta_ints),
                                transport=relay_transport(transport), timeout_us=timeout_us,
-                               setup_timeout_s=self._setup_s, tag_record=self.node.tag_record_address)
+                               setup_timeout_s=self._setup_s, tag_record=self.node.tag_record_address,
+                               control=control, joining=joining)
             s = self._r.InterStatic()
             s.rank, s.num_ranks, s.node, s.num_nodes, s.ranks_per_node = self.rank, r_n, self.node_index, m_n, p
             s.err, s.workspace = self.node.static_error_words()
@@ -136,53 +147,14 @@ class NormalInternodeBackend:
             # Labelled with the call's count-exchange ticket (self._ticket): one label per waited-for call.
             self._order_host = torch.zeros(1 + self.max_experts // r_n, dtype=torch.int32, device="cpu",
                                            pin_memory=True)
-            barrier(group, group_device(group), int(self._setup_s * 1e6), "normal internode buffer setup")
+            if control is None:
+                barrier(group, group_device(group), int(self._setup_s * 1e6), "normal internode buffer setup")
+            else:
+                self.open_grace()     # a store-based buffer's first calls (a restarted rank's too)
         except BaseException:
             self._release()
             raise
         log.debug("rank %d: internode normal buffer, %d nodes x %d ranks", self.rank, m_n, p)
-
-    # ------------------------------------------------------------------ the mask
-    @property
-    def takes_mask(self) -> bool:
-        """With one rank per node a rank is its column's only member on its node, so leaving it out
-        leaves out its tokens only. With more, rank (n, l) is the one RDMA relay between column l of the
-        other nodes and node n: leaving it out would cut the rows of its column's live ranks into node n
-        and their partials back, which needs a reroute through another column (docs/elastic.md)."""
-        return self.nodes.ranks_per_node == 1
-
-    def set_mask(self, mask: "torch.Tensor") -> None:
-        """The buffer's active_ranks (int32 [R] on this device), read on the device by every call: the
-        kernels before the column's count exchange take it as the call's snapshot (a rank out of it gets
-        nothing, its tokens count as dropped), the relay leaves out the column peers out of it and marks
-        one that stays silent past the timeout or whose QP fails (normal_internode_relay.cu); the call
-        goes on among the others (docs/elastic.md, "Normal mode")."""
-        import torch
-        if not self.takes_mask:
-            raise ElasticUnsupported(f"an active_ranks mask on {self.nodes.num_nodes} nodes of "
-                                     f"{self.nodes.ranks_per_node} ranks (a dead rank would cut its column's "
-                                     f"relay into its node; the mask runs with one rank per node)", self.name)
-        if mask.device != self.device or mask.dtype != torch.int32 or tuple(mask.shape) != (self.num_ranks,):
-            raise ValueError(f"the native normal mode reads active_ranks on the GPU: it must be int32 "
-                             f"[{self.num_ranks}] on {self.device}, got {mask.dtype} {list(mask.shape)} on {mask.device}")
-        if not mask.is_contiguous():
-            raise ValueError("active_ranks must be contiguous")
-        assert self.relay is not None
-        self._mask = mask
-        self._static.active = mask.data_ptr()
-        self.relay.static.active = mask.data_ptr()
-
-    def take_back(self, ranks: List[int]) -> None:
-        raise ElasticUnsupported(f"taking ranks {ranks} back into an internode buffer's calls (the column's relay "
-                                 f"counters and count slots shared with them are not restarted yet)", self.name)
-
-    def _dropped(self) -> Optional["torch.Tensor"]:
-        import torch
-        return torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device) if self._mask is not None else None
-
-    def _column_mask(self) -> int:
-        """The relay's call-mask word (bit m: node m's column peer in the call), 0 without a mask."""
-        return self.relay.mask_word_address if self._mask is not None else 0
 
     # ------------------------------------------------------------------ errors
     def pending_error(self) -> Optional[Exception]:
@@ -304,6 +276,7 @@ class NormalInternodeBackend:
                                    host_wait=not cached and call.num_worst_tokens == 0)
         self.node.settle_ring_geometry(call.config.num_max_nvl_chunked_recv_tokens, int(call.x.shape[1]),
                                        "normal internode dispatch")
+        self._call_timeout()
         try:
             res = self._cached_dispatch(call) if cached else self._dispatch(call)
         except (PeerTimeout, RelayError, NormalCallMismatch):   # raised by a host wait of this call
@@ -496,6 +469,7 @@ class NormalInternodeBackend:
         kind = ("combine", call.topk_weights is not None, call.bias[0] is not None, call.bias[1] is not None)
         eager = self._capture_gate(kind, "an internode combine", host_wait=False)
         self.node.settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, int(call.x.shape[1]), "normal internode combine")
+        self._call_timeout()
         res = self._combine(call, st)
         if eager:
             self._warmed.add(kind)
@@ -545,7 +519,10 @@ class NormalInternodeBackend:
         assert self.node is not None and self.relay is not None
         self.node.clean()
         bound = int(self._setup_s * 1e6)
-        self.relay.clean(lambda: barrier(self.group, group_device(self.group), bound, "normal internode clean"))
+        if self._control is not None:
+            self.relay.clean(lambda: self._control.barrier(self._setup_s, "normal internode clean"))
+        else:
+            self.relay.clean(lambda: barrier(self.group, group_device(self.group), bound, "normal internode clean"))
         self._broken = False
 
     def buffer_bytes(self) -> int:

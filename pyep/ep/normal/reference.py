@@ -214,9 +214,10 @@ class NormalReferenceBackend(NormalExchange):
         experts = call.num_tokens_per_expert.to(torch.int64).reshape(r_n, e_l) * on.to(torch.int64).view(-1, 1)
         parts = [common.reshape(1, -1).expand(r_n, -1), per_chan, experts]
         if self.nodes.internode:
-            # [my num_tokens_per_rdma_rank | what is_token_in_rank gives for it], for every destination
+            # [my num_tokens_per_rdma_rank | what is_token_in_rank gives for it], for every destination; the
+            # caller's is_token_in_rank, not the masked one: a layout made with an older mask is accepted.
             assert call.num_tokens_per_rdma_rank is not None
-            rdma = torch.cat([call.num_tokens_per_rdma_rank.to(torch.int64), self._per_node(in_rank).to(torch.int64)])
+            rdma = torch.cat([call.num_tokens_per_rdma_rank.to(torch.int64), self._per_node(in_all).to(torch.int64)])
             parts.append(rdma.reshape(1, -1).expand(r_n, -1))
         header = torch.cat(parts, dim=1).contiguous()
         hdr = self._fixed(header, active, call.timeout_us, f"{what} (header all-to-all)", "hdr")
