@@ -105,6 +105,37 @@ def static_mask(shape_args: Tuple[int, int, int, int], masked: int, nodes: Optio
         torch.cuda.synchronize()
 
 
+def take_back(shape_args: Tuple[int, int, int, int], masked: int, nodes: Optional[Dict[str, Any]] = None) -> int:
+    """A live rank left out by the mask (set in place on every rank) for two rounds, then set back to 1 and
+    taken back (take_back_ranks, on every rank alike, between calls): the rounds after are bit-equal to
+    the reference with every rank -- its count slots and stream counters, several calls old, were set in
+    step on both sides. Twice. Returns the rounds run."""
+    import torch
+    import torch.distributed as dist
+    setup_device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = Shape(*shape_args)
+    gmask, cmask = _masks(world, [])
+    nat, ref = _buffers(s, nodes, gmask, cmask, 5_000_000)
+    rounds = 0
+    try:
+        for i in range(2):
+            gmask[masked] = cmask[masked] = 0
+            for j in range(2):
+                _round(nat, ref, s, 90 + 4 * i + j, j == 1, f"rank {rank} out {masked} #{i}.{j}")
+            gmask[masked] = cmask[masked] = 1
+            nat.take_back_ranks([masked])
+            for j in range(2):
+                _round(nat, ref, s, 92 + 4 * i + j, j == 0, f"rank {rank} back {masked} #{i}.{j}")
+            rounds += 4
+        assert nat.get_active_ranks().tolist() == [1] * world
+        return rounds
+    finally:
+        nat.destroy()
+        ref.destroy()
+        torch.cuda.synchronize()
+
+
 def silent_rank(shape_args: Tuple[int, int, int, int], timeout_us: int, nodes: Optional[Dict[str, Any]] = None
                 ) -> Dict[str, Any]:
     """A rank goes silent in a dispatch (it sleeps instead of calling it): with a mask, every other rank's

@@ -13,8 +13,9 @@
 #   drills-mps  pyep drill, MPS on: softnic and NVLink 20 each at 2 ranks, 4 each at 4    ~7 min
 #   drills-nv   pyep drill, MPS off: NVLink 20 at 2 ranks, then one drill under memcheck  ~4 min
 #   drills-em   pyep drill, MPS off: softnic 20 at 2 ranks                                ~5 min
-#   drills-normal  pyep drill --mode normal --backend native over NVLink, MPS on: 20 at 2 ranks,
-#               8 at 4 (H100, 2026-11-26d: 252 s + 109 s)                                  ~6 min
+#   drills-normal  pyep drill --mode normal --backend native, MPS on: NVLink 20 at 2 ranks, 8 at 4
+#               (H100, 2026-11-26d: 252 s + 109 s); softnic, one rank per virtual node, 20 at 2
+#               (H100, 2026-11-26e: 330 s)                                                 ~12 min
 #   bench       pyep bench --mode normal --sweep-sms --deepep at 2 and 4 ranks, MPS on
 #               (carry .anchors; builds DeepEP, ~1 min)                                   ~8 min
 # Every command exports NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
@@ -85,6 +86,7 @@ case "$PART" in
     mps_on
     drill nn_on 330 nvlink 2 20 --mode normal
     drill nn4_on 200 nvlink 4 8 --mode normal
+    drill nem_on 400 emulated 2 20 --mode normal
     mps_off ;;
   drills-em)
     mps_off

@@ -58,9 +58,21 @@ class InternodeMembership:
         self.relay.static.active = mask.data_ptr()
 
     def take_back(self, ranks: List[int]) -> None:
-        raise ElasticUnsupported(f"taking live ranks {ranks} back into an internode buffer's calls on a process group "
-                                 f"(its relay counters and count slots shared with them are restarted by a "
-                                 f"store-based buffer's rejoin only)", self.name)
+        """Between calls, on every rank alike: these entries of the mask went back to 1 (the DeepEP shim's
+        unmask; the ranks stayed alive). Every call ran the column's count exchange on every rank, masked
+        or not, so the call numbers agree; what a masked stretch left behind is this rank's counters of
+        the streams shared with them (a rank marked in the middle of a relay) and the count slots they
+        last wrote here, several calls old. Both are set as for a restarted rank, on both sides: a rank
+        that takes itself back (its own entry was 0) does it with every column peer."""
+        if not self.takes_mask:
+            raise ElasticUnsupported(f"taking ranks {ranks} back into an internode buffer on nodes of "
+                                     f"{self.nodes.ranks_per_node} ranks", self.name)
+        me = self.nodes.node(self.rank)
+        peers = range(self.nodes.num_nodes) if self.rank in ranks else sorted({self.nodes.node(r) for r in ranks})
+        for m in peers:
+            if m != me:
+                self.relay.restart_peer(m)
+                self.relay.counts_in_step(m)
 
     def _dropped(self) -> Optional["torch.Tensor"]:
         import torch

@@ -412,11 +412,17 @@ class Relay:
         torch.cuda.synchronize(self.device)   # a kernel launched before the mark may still use the old QPs
         blob = self._peers.rebuild_peer(m, payload)
         self._load_links([m])
+        self.restart_peer(m)
+        return blob
+
+    def restart_peer(self, m: int) -> None:
+        """This rank's counters of the streams shared with node m (both directions) back to 0."""
+        import torch
+        torch.cuda.synchronize(self.device)
         w, words = self._words(), self.layout.words
         for name in ("tail", "head", "tx", "rx"):
             w[words[name] + m] = 0
         torch.cuda.synchronize(self.device)
-        return blob
 
     def counts_in_step(self, m: int) -> None:
         """The count slots this rank holds for node m, as a peer in step at our call number shows them."""
