@@ -152,6 +152,7 @@ def test_layout_is_gated_like_the_calls(capturing: List[bool], monkeypatch: pyte
     with pytest.raises(ni.NotCapturable, match="get_dispatch_layout"):
         b.get_dispatch_layout(topk, 8)
     b.device, b.num_ranks, b.nodes = torch.device("cpu"), 4, SimpleNamespace(num_nodes=2)
+    b.contract_nodes = b.nodes
     b.node = SimpleNamespace(records=SimpleNamespace(num_experts=0))
     b._static = None
     b._r = SimpleNamespace(layout=lambda *a: None)

@@ -329,18 +329,16 @@ def test_newcomer_that_dies_before_confirming_does_not_stop_the_survivor() -> No
 
 
 def test_store_buffer_refuses_what_it_does_not_implement() -> None:
-    """A store-based buffer runs on one node or one rank per node: other nodes raise ElasticUnsupported
-    (a NotImplementedError) naming the feature, and the native kernels where they cannot run (no GPU here)
-    BackendUnavailable, before any key is written; a mask of the wrong shape or values is refused like the
-    LL buffer's."""
+    """A store-based buffer refuses nodes that do not divide its ranks (ValueError), and the native
+    kernels where they cannot run (no GPU here) BackendUnavailable, before any key is written; a mask of
+    the wrong shape or values is refused like the LL buffer's."""
     from pyep.ep.backend import BackendUnavailable
-    from pyep.ep.normal.errors import ElasticUnsupported
     master = _master()
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailable, match=r"store=\.\.\., backend='native'\) cannot run here"):
             NormalBuffer(store=_client(master.port), rank=0, world_size=2, backend="native", job_secret=SECRET)
-    with pytest.raises(ElasticUnsupported, match="on nodes of 2 ranks"):
-        NormalBuffer(store=_client(master.port), rank=0, world_size=4, ranks_per_node=2, job_secret=SECRET)
+    with pytest.raises(ValueError, match="3 ranks per node do not divide the 4 ranks"):
+        NormalBuffer(store=_client(master.port), rank=0, world_size=4, ranks_per_node=3, job_secret=SECRET)
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailable, match=r"store=\.\.\., backend='native'\) cannot run here"):
             NormalBuffer(store=_client(master.port), rank=0, world_size=2, ranks_per_node=1, backend="native",

@@ -47,26 +47,32 @@ def test_deepep_shim_mask_reaches_the_native_normal_mode(pools, masked):
 
 
 INTERNODE = {"ranks_per_node": 1, "transport": "emulated-internode"}
+# 2 virtual nodes of 2 ranks: a buffer given active_ranks= runs its data path rank to rank, its contract
+# (num_tokens_per_rdma_rank, combine's BF16 partial per node) on the 2 x 2 nodes.
+INTERNODE_2X2 = {"ranks_per_node": 2, "transport": "emulated-internode"}
+LAYOUTS = {"4x1": INTERNODE, "2x2": INTERNODE_2X2}
 requires_relay = pytest.mark.skipif(usable_gpus("relay") < 1, reason="needs a CUDA GPU and the CUDA build of pyep._engine")
 
 
 @requires_relay
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("masked", [3, 0])
-def test_internode_static_mask_matches_reference(pools, masked):
-    """4 virtual nodes of one rank: the mask leaves a rank out of the layout, the column's count exchange,
-    its relays and the combine's partials, exactly as the reference on the same nodes."""
+@pytest.mark.parametrize("layout", ["4x1", "2x2"])
+def test_internode_static_mask_matches_reference(pools, masked, layout):
+    """4 virtual nodes of one rank, 2 of two: the mask leaves a rank out of the layout, the relay's count
+    exchange, its rings and the combine's partials, exactly as the reference on the same nodes."""
     from normal_gpu_elastic import static_mask
-    res = pools[4].run(static_mask, (96, 1024, 32, 4), masked, INTERNODE, timeout_s=280)
+    res = pools[4].run(static_mask, (96, 1024, 32, 4), masked, LAYOUTS[layout], timeout_s=280)
     assert sum(res[0]) > 0
 
 
 @requires_relay
 @pytest.mark.timeout(300)
-def test_internode_silent_rank_is_marked_by_the_relay(pools):
+@pytest.mark.parametrize("layout", ["4x1", "2x2"])
+def test_internode_silent_rank_is_marked_by_the_relay(pools, layout):
     from normal_gpu_elastic import silent_rank
     timeout_us = 1_000_000
-    res = pools[4].run(silent_rank, (96, 1024, 32, 4), timeout_us, INTERNODE, timeout_s=280)
+    res = pools[4].run(silent_rank, (96, 1024, 32, 4), timeout_us, LAYOUTS[layout], timeout_s=280)
     for r in res[:3]:
         assert r["mask"] == [1, 1, 1, 0], r
         assert r["took_s"] < 10 * timeout_us / 1e6 + 5, r
@@ -75,9 +81,10 @@ def test_internode_silent_rank_is_marked_by_the_relay(pools):
 @requires_relay
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("masked", [1])
-def test_internode_take_back_after_a_mask(pools, masked):
-    """take_back_ranks on the internode path (one rank per node): without it the first call after the
-    unmask finds the rank's count records several calls old (a call mismatch)."""
+@pytest.mark.parametrize("layout", ["4x1", "2x2"])
+def test_internode_take_back_after_a_mask(pools, masked, layout):
+    """take_back_ranks on the internode path (one rank per node on the data path): without it the first
+    call after the unmask finds the rank's count records several calls old (a call mismatch)."""
     from normal_gpu_elastic import take_back
-    res = pools[4].run(take_back, (96, 1024, 32, 4), masked, INTERNODE, timeout_s=280)
+    res = pools[4].run(take_back, (96, 1024, 32, 4), masked, LAYOUTS[layout], timeout_s=280)
     assert res == [8] * 4

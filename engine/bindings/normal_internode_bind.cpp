@@ -23,7 +23,8 @@ void register_staged(py::module_& n) {
         .def_readwrite("ranks_per_node", &InterStatic::ranks_per_node)
         .def_readwrite("err", &InterStatic::err)
         .def_readwrite("workspace", &InterStatic::workspace)
-        .def_readwrite("active", &InterStatic::active);
+        .def_readwrite("active", &InterStatic::active)
+        .def_readwrite("contract_ranks_per_node", &InterStatic::contract_ranks_per_node);
     n.def(
         "relay_row",
         [](int hidden, bool fp8, int k, int p, bool full) {

@@ -47,7 +47,7 @@ __device__ __forceinline__ bool column_in_call(uint64_t column_mask, int m) {
 // One thread per token: its ranks and nodes as bit sets (R <= kMaxNodes * kMaxRanks), the counters by
 // global atomics (the host zeroed them). Ids outside [-1, E) count as -1 and are recorded.
 __global__ void __launch_bounds__(kInterThreads) inter_layout_kernel(InterStatic s, InterLayoutArgs a) {
-    const int E = a.num_experts, R = s.num_ranks, El = E / R, K = a.num_topk, P = s.ranks_per_node;
+    const int E = a.num_experts, R = s.num_ranks, El = E / R, K = a.num_topk, P = contract_p(s);
     const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk);
     bool* in_rank = reinterpret_cast<bool*>(a.in_rank);
     int* per_expert = reinterpret_cast<int*>(a.per_expert);
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kInterThreads) inter_layout_kernel(InterStatic
             in_rank[(int64_t)t * R + r] = in;
             if (in) atomicAdd(per_rank + r, 1);
         }
-        for (int m = 0; m < s.num_nodes; ++m)
+        for (int m = 0; m < R / P; ++m)
             if ((nodes >> m) & 1u) atomicAdd(per_node + m, 1);
     }
 }
@@ -180,7 +180,23 @@ __global__ void __launch_bounds__(kMetaThreads) inter_meta_kernel(InterStatic s,
         const int* claimed = reinterpret_cast<const int*>(a.per_node);
         bool whole = true;   // a node with a rank out of the call: the caller's count may predate the mask
         for (int j = 0; j < P; ++j) whole &= rank_active(s, m * P + j);
-        if (lane == 0 && claimed && whole && claimed[m] != pos) inter_error(s, kErrNodeCount, m, claimed[m], pos);
+        if (lane == 0 && claimed && whole && contract_p(s) == P && claimed[m] != pos)
+            inter_error(s, kErrNodeCount, m, claimed[m], pos);
+    }
+    // The caller's nodes differ from the data path's: their counts checked the same way, from in_rank.
+    const int Pc = contract_p(s);
+    for (int n = warp; Pc != P && a.per_node && n < R / Pc; n += kMetaThreads / 32) {
+        int count = 0;
+        bool whole = true;
+        for (int j = 0; j < Pc; ++j) whole &= rank_active(s, n * Pc + j);
+        for (int base = 0; base < a.num_tokens; base += 32) {
+            const int t = base + lane;
+            bool in = false;
+            for (int j = 0; j < Pc && t < a.num_tokens; ++j) in |= in_rank[(int64_t)t * R + n * Pc + j] != 0;
+            count += __popc(__ballot_sync(0xffffffffu, in));
+        }
+        const int claimed = reinterpret_cast<const int*>(a.per_node)[n];
+        if (lane == 0 && whole && claimed != count) inter_error(s, kErrNodeCount, n, claimed, count);
     }
     __syncthreads();
     int* meta = reinterpret_cast<int*>(a.meta);
@@ -324,6 +340,7 @@ __global__ void __launch_bounds__(kInterThreads) inter_reduce_kernel(InterStatic
     for (int t = (blockIdx.x * blockDim.x + threadIdx.x) / 32; t < a.num_tokens; t += warps) {
         const int4* parts[kMaxNodes];
         const float* wparts[kMaxNodes];
+        int group[kMaxNodes];   // each part's node of the contract (contract.combine_order sums a BF16 partial per node)
         int n = 0;
         for (int m = 0; m < M; ++m) {
             const int h = node_head[(int64_t)t * M + m];
@@ -342,6 +359,7 @@ __global__ void __launch_bounds__(kInterThreads) inter_reduce_kernel(InterStatic
                 parts[n] = reinterpret_cast<const int4*>(r);
                 wparts[n] = reinterpret_cast<const float*>(r + 2 * a.hidden);
             }
+            group[n] = m * s.ranks_per_node / contract_p(s);
             ++n;
         }
         const int4* b0 = a.bias0 ? reinterpret_cast<const int4*>(a.bias0) + (int64_t)t * vecs : nullptr;
@@ -351,7 +369,16 @@ __global__ void __launch_bounds__(kInterThreads) inter_reduce_kernel(InterStatic
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             if (b0) add_bf16x8(acc, b0[v]);
             if (b1) add_bf16x8(acc, b1[v]);
-            for (int i = 0; i < n; ++i) add_bf16x8(acc, parts[i][v]);
+            for (int i = 0; i < n;) {
+                // One node of the contract: its ranks' rows (one per data node here when the data path runs
+                // rank to rank) summed in fp32 in rank order and rounded once; a node's single part is
+                // already that partial (the node's combine computed it), and rounding a BF16 value is exact.
+                float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                const int gi = group[i];
+                for (; i < n && group[i] == gi; ++i) add_bf16x8(g, parts[i][v]);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] += __bfloat162float(__float2bfloat16_rn(g[e]));
+            }
             int4 o;
             __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
@@ -360,7 +387,12 @@ __global__ void __launch_bounds__(kInterThreads) inter_reduce_kernel(InterStatic
         }
         if (a.out_weights && lane < K) {
             float w = 0.f;
-            for (int i = 0; i < n; ++i) w += wparts[i] ? wparts[i][lane] : 0.f;
+            for (int i = 0; i < n;) {   // the weights the same way, without rounding the partials
+                float g = 0.f;
+                const int gi = group[i];
+                for (; i < n && group[i] == gi; ++i) g += wparts[i] ? wparts[i][lane] : 0.f;
+                w += g;
+            }
             reinterpret_cast<float*>(a.out_weights)[(int64_t)t * K + lane] = w;
         }
     }
@@ -374,6 +406,9 @@ void check_inter(const InterStatic& s) {
     auto bad = [](const std::string& m) { throw std::invalid_argument("normal internode: " + m); };
     if (s.num_nodes < 2 || s.num_nodes > kMaxNodes) bad("num_nodes must be in [2, 32]");
     if (s.ranks_per_node < 1 || s.ranks_per_node > kMaxRanks) bad("ranks_per_node must be in [1, 8]");
+    if (s.contract_ranks_per_node < 0 || s.contract_ranks_per_node > kMaxRanks ||
+        s.num_ranks % contract_p(s) || (s.contract_ranks_per_node > 0 && s.ranks_per_node != 1))
+        bad("contract_ranks_per_node must divide num_ranks, with a data path of one rank per node");
     if (s.num_ranks != s.num_nodes * s.ranks_per_node) bad("num_ranks != num_nodes * ranks_per_node");
     if (s.rank < 0 || s.rank >= s.num_ranks || s.node != s.rank / s.ranks_per_node) bad("rank / node mismatch");
     if (!s.err || !s.workspace) bad("error record pointers must be set");
@@ -390,7 +425,7 @@ void launch_inter_layout(const InterStatic& s, const InterLayoutArgs& a, uint64_
     auto st = reinterpret_cast<cudaStream_t>(stream);
     check(cudaMemsetAsync(reinterpret_cast<void*>(a.per_rank), 0, 4ull * s.num_ranks, st), "memset");
     check(cudaMemsetAsync(reinterpret_cast<void*>(a.per_expert), 0, 4ull * a.num_experts, st), "memset");
-    check(cudaMemsetAsync(reinterpret_cast<void*>(a.per_node), 0, 4ull * s.num_nodes, st), "memset");
+    check(cudaMemsetAsync(reinterpret_cast<void*>(a.per_node), 0, 4ull * (s.num_ranks / contract_p(s)), st), "memset");
     if (a.num_tokens == 0) return;
     const int blocks = std::min(132, (a.num_tokens + kInterThreads - 1) / kInterThreads);
     inter_layout_kernel<<<blocks, kInterThreads, 0, st>>>(s, a);

@@ -122,7 +122,13 @@ struct InterStatic {
     // count exchange read it as the call's snapshot: a rank out of it gets no row and its tokens count
     // as dropped. (The mask runs with one rank per node: native_internode.py takes_mask.)
     uint64_t active = 0;
+    // The caller's nodes when they differ from the data path's: an elastic buffer on nodes of several
+    // ranks runs rank to rank (ranks_per_node 1 here, docs/elastic.md "Across nodes") while its contract
+    // keeps the caller's nodes: num_tokens_per_rdma_rank counts them and combine sums a BF16 partial per
+    // node of them (contract.combine_order). 0: the data path's nodes.
+    int contract_ranks_per_node = 0;
 };
+PYEP_HD int contract_p(const InterStatic& s) { return s.contract_ranks_per_node > 0 ? s.contract_ranks_per_node : s.ranks_per_node; }
 
 struct InterLayoutArgs {
     uint64_t topk = 0;            // int64 [N, K]

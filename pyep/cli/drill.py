@@ -34,6 +34,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--backend", choices=["native", "reference"], default=d.backend)
     p.add_argument("--transport", default=d.transport, help="native: nvlink, emulated, ... (reference: ignored)")
     p.add_argument("--world", type=int, default=d.world, help="ranks (they may share a GPU)")
+    p.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,
+                   help="--mode normal --transport emulated: ranks per virtual node (default 1)")
     p.add_argument("--drills", type=int, default=d.drills, help="drills, cycling through --phases")
     p.add_argument("--phases", default="",
                    help=f"comma-separated; default every phase of the mode (ll: {','.join(PHASES)}; normal: "

@@ -55,6 +55,7 @@ class DrillConfig:
     backend: str = "native"          # native or reference
     transport: str = "nvlink"        # native: nvlink, emulated, ... (reference: ignored)
     world: int = 2                   # ranks (they may share a GPU)
+    ranks_per_node: int = 0          # normal mode over the softnic: ranks per virtual node (0: 1)
     drills: int = 3                  # drills, cycling through phases
     phases: Tuple[str, ...] = ()     # () = every phase of the mode
     victim: int = -1                 # rank to kill (-1: the last)
@@ -95,6 +96,12 @@ class DrillConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         _bound("--world", self.world, 2, MAX_WORLD)
+        _bound("--ranks-per-node", self.ranks_per_node, 0, 8, "(0: one rank per virtual node)")
+        if self.ranks_per_node and (self.mode != "normal" or not self.transport.startswith("emulated")):
+            raise ValueError("--ranks-per-node goes with --mode normal --transport emulated (virtual nodes)")
+        if self.ranks_per_node and (self.world % self.ranks_per_node or self.world == self.ranks_per_node):
+            raise ValueError(f"--ranks-per-node {self.ranks_per_node} must divide --world {self.world} into "
+                             f"two or more virtual nodes")
         _bound("--victim", self.victim, -1, self.world - 1, "(-1: the last rank)")
         _bound("--drills", self.drills, 1, 10_000)
         _bound("--kill-call", self.kill_call, REJOIN_GRACE_CALLS + 3, MAX_CALLS,
@@ -126,9 +133,12 @@ class DrillConfig:
 
     @property
     def normal_ranks_per_node(self) -> Optional[int]:
-        """--mode normal with --transport emulated: one rank per virtual node -- the native internode path
-        (its column relay on the softnic), or the reference's node layout (combine in node order)."""
-        return 1 if self.mode == "normal" and self.transport.startswith("emulated") else None
+        """--mode normal with --transport emulated: virtual nodes of --ranks-per-node ranks (default 1) --
+        the native internode path (its relay on the softnic; an elastic buffer runs it rank to rank), or
+        the reference's node layout (combine in node order)."""
+        if self.mode == "normal" and self.transport.startswith("emulated"):
+            return self.ranks_per_node or 1
+        return None
 
     @property
     def victim_rank(self) -> int:

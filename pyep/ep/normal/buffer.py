@@ -68,6 +68,9 @@ def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> Nor
     from .reference import NormalReferenceBackend
     nodes: NodeLayout = kwargs["nodes"]
     mask = kwargs.pop("mask")
+    elastic = kwargs.pop("elastic")
+    if nodes.internode:   # an elastic internode buffer runs rank to rank (native_internode.py)
+        kwargs["elastic"] = elastic
     if backend == "reference":
         return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes, mask=mask)
     reason = _native_unavailable_reason(group, kwargs)
@@ -157,10 +160,8 @@ class NormalBuffer(NormalBufferMembership):
         self._seq = 0
         self._comm: Any = None
         if self._group is None:
-            if ranks_per_node is not None and ranks_per_node not in (1, self._num_ranks):
-                raise ElasticUnsupported(f"a store-based buffer on nodes of {ranks_per_node} ranks (it runs one node, "
-                                         f"or one rank per node)", "store")
-            self._nodes = NodeLayout(self._num_ranks, ranks_per_node or self._num_ranks)
+            self._nodes = (NodeLayout(self._num_ranks, ranks_per_node) if ranks_per_node is not None
+                           else NodeLayout(self._num_ranks, self._num_ranks))
             self._backend = self._store_backend(backend, hidden, timeout_us, rejoin_lead_calls,
                                                 dict(num_nvl_bytes=num_nvl_bytes, transport=transport, num_sms=sms,
                                                      num_rdma_bytes=num_rdma_bytes))
@@ -168,7 +169,8 @@ class NormalBuffer(NormalBufferMembership):
             self._nodes = detect_node_layout(self._group, ranks_per_node, timeout_us)
             self._backend = _make_backend(self._group, backend, dict(
                 num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport=transport, timeout_us=timeout_us,
-                num_sms=sms, nodes=self._nodes, num_rdma_bytes=num_rdma_bytes, mask=self._mask))
+                num_sms=sms, nodes=self._nodes, num_rdma_bytes=num_rdma_bytes, mask=self._mask,
+                elastic=active_ranks is not None))
         self._device: "torch.device" = self._backend.device
         if self._backend.name != "reference":
             try:
@@ -226,7 +228,7 @@ class NormalBuffer(NormalBufferMembership):
                 from .native_internode import NormalInternodeBackend
                 ref = NormalInternodeBackend(None, hidden=hidden, timeout_us=timeout_us, nodes=self._nodes,
                                              control=self._control, joining=self._member.joining,
-                                             num_rdma_bytes=rdma_bytes, **native_kw)
+                                             num_rdma_bytes=rdma_bytes, elastic=True, **native_kw)
             else:
                 from .native import NormalNativeBackend
                 ref = NormalNativeBackend(None, hidden=hidden, timeout_us=timeout_us, nodes=self._nodes,

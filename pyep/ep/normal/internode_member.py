@@ -1,10 +1,15 @@
 """The native internode backend's mask and its side of elastic membership (docs/elastic.md, "Normal mode";
 pyep.ep.elastic.membership drives it). Mixed into NormalInternodeBackend.
 
-The mask runs with one rank per node: a rank is then its column's only member on its node, so leaving it
-out leaves out its own tokens only. With more ranks per node, rank (n, l) is the one RDMA relay between
-column l of the other nodes and node n, and leaving it out would cut the rows of its column's live ranks
-into node n and their partials back (a reroute through another column is what that needs).
+The mask runs on a data path of one rank per node: a rank is then its column's only member on its node,
+so leaving it out leaves out its own tokens only. With more ranks per node, rank (n, l) is the one RDMA
+relay between column l of the other nodes and node n, and leaving it out would cut the rows of its
+column's live ranks into node n and their partials back. So an elastic buffer (a store-based one, or one
+given active_ranks=) on nodes of several ranks runs its data path rank to rank -- every rank a node of
+the relay of its own, each token once per destination rank, no NVLink forwarding -- while its contract
+keeps the caller's nodes (num_tokens_per_rdma_rank; combine sums one BF16 partial per node of them:
+inter_reduce groups the ranks' rows by node). Keeping the forwarding needs the dead rank's column
+adopted by a live rank of its node (docs/elastic.md, "Across nodes").
 
 A store-based buffer (one rank per node: the column relay is the whole job) takes a restarted rank back by
 rebuilding only the QPs to it, restarting this rank's counters of the streams shared with it and setting
@@ -34,7 +39,7 @@ class InternodeMembership:
     # ------------------------------------------------------------------ the mask
     @property
     def takes_mask(self) -> bool:
-        """One rank per node (module doc)."""
+        """One rank per node on the data path (module doc)."""
         return self.nodes.ranks_per_node == 1
 
     def set_mask(self, mask: "torch.Tensor") -> None:
@@ -45,9 +50,10 @@ class InternodeMembership:
         goes on among the others."""
         import torch
         if not self.takes_mask:
-            raise ElasticUnsupported(f"an active_ranks mask on {self.nodes.num_nodes} nodes of "
-                                     f"{self.nodes.ranks_per_node} ranks (a dead rank would cut its column's "
-                                     f"relay into its node; the mask runs with one rank per node)", self.name)
+            raise ElasticUnsupported(f"an active_ranks mask on a buffer forwarding over {self.nodes.num_nodes} nodes of "
+                                     f"{self.nodes.ranks_per_node} ranks (a dead rank would cut its column's relay "
+                                     f"into its node): pass active_ranks= at construction, the buffer then runs "
+                                     f"rank to rank", self.name)
         if mask.device != self.device or mask.dtype != torch.int32 or tuple(mask.shape) != (self.num_ranks,):
             raise ValueError(f"the native normal mode reads active_ranks on the GPU: it must be int32 "
                              f"[{self.num_ranks}] on {self.device}, got {mask.dtype} {list(mask.shape)} on {mask.device}")

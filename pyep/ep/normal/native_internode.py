@@ -90,17 +90,23 @@ class NormalInternodeBackend(InternodeMembership):
 
     def __init__(self, group: Optional["dist.ProcessGroup"], *, num_nvl_bytes: Optional[int], hidden: int,
                  transport: str, timeout_us: int, num_sms: int, nodes: Optional[NodeLayout] = None,
-                 num_rdma_bytes: Optional[int] = None, control: Any = None, joining: bool = False) -> None:
-        """group: a process group; or control: a store-based buffer's control plane (one rank per node),
-        joining for a restarted rank (its QPs are made when the survivors admit it: internode_member.py)."""
+                 num_rdma_bytes: Optional[int] = None, control: Any = None, joining: bool = False,
+                 elastic: bool = False) -> None:
+        """group: a process group; or control: a store-based buffer's control plane, joining for a
+        restarted rank (its QPs are made when the survivors admit it: internode_member.py). elastic (a
+        store-based buffer always is): on nodes of several ranks the data path runs rank to rank -- every
+        rank its own node of the relay, no NVLink forwarding -- while the contract keeps `nodes`
+        (internode_member.py says why)."""
         import torch
         import torch.distributed as dist
         reason = NormalInternodeBackend.unavailable_reason(group, transport=transport, nodes=nodes)
         if reason is not None:
             raise BackendUnavailable(reason)
         assert nodes is not None
-        if control is not None and nodes.ranks_per_node != 1:
-            raise ValueError("a store-based internode buffer runs one rank per node")
+        self.contract_nodes = nodes
+        self.flat = (elastic or control is not None) and nodes.ranks_per_node > 1
+        if self.flat:
+            nodes = NodeLayout(nodes.num_ranks, 1)
         from ..._native import load
         self._r = load().relay
         self.group, self.nodes, self._control = group, nodes, control
@@ -140,6 +146,7 @@ class NormalInternodeBackend(InternodeMembership):
             s = self._r.InterStatic()
             s.rank, s.num_ranks, s.node, s.num_nodes, s.ranks_per_node = self.rank, r_n, self.node_index, m_n, p
             s.err, s.workspace = self.node.static_error_words()
+            s.contract_ranks_per_node = self.contract_nodes.ranks_per_node if self.flat else 0
             self._static = s
             self._steps = torch.arange(m_n + 1, dtype=torch.int32, device=self.device)   # one row per column peer
             self._zeros: Dict[int, "torch.Tensor"] = {}
@@ -256,7 +263,7 @@ class NormalInternodeBackend(InternodeMembership):
         dev, r_n = self.device, self.num_ranks
         per_rank = torch.empty(r_n, dtype=torch.int32, device=dev)
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        per_node = torch.empty(self.nodes.num_nodes, dtype=torch.int32, device=dev)
+        per_node = torch.empty(self.contract_nodes.num_nodes, dtype=torch.int32, device=dev)
         in_rank = torch.empty((n, r_n), dtype=torch.bool, device=dev)
         self.node.records.num_experts = num_experts
         dropped = self._dropped()
