@@ -202,27 +202,41 @@ def silent_rank(shape_args: Tuple[int, int, int, int], timeout_us: int, nodes: O
         torch.cuda.synchronize()
 
 
-def shim_mask(shape_args: Tuple[int, int, int, int], masked: int) -> List[List[int]]:
-    """The DeepEP shim's one mask per Buffer on the native intranode kernels: low_latency_update_mask_buffer
+def shim_mask(shape_args: Tuple[int, int, int, int], masked: int, virtual_node_size: int = 0) -> List[List[int]]:
+    """The DeepEP shim's one mask per Buffer on the native kernels: low_latency_update_mask_buffer
     leaves `masked` out of the Buffer's normal-mode calls (what the reference gives with it masked), an
     unmask and low_latency_clean_mask_buffer take it back (streams restarted on both sides, the full
-    definition again), twice. Returns what low_latency_query_mask_buffer said after each change."""
+    definition again), twice. virtual_node_size: the Buffer on virtual nodes of that many ranks (the
+    internode kernels; an elastic Buffer runs them rank to rank). Returns what
+    low_latency_query_mask_buffer said after each change."""
+    import os
+
     import torch
     import torch.distributed as dist
     from pyep.compat import deep_ep
     from pyep.ep.normal import NormalBuffer
+    from pyep.transport.base import VIRTUAL_NODE_ENV
     setup_device()
     rank, world = dist.get_rank(), dist.get_world_size()
     s = Shape(*shape_args)
-    buf = deep_ep.Buffer(dist.group.WORLD, int(2e8), 0, enable_shrink=True, timeout_us=5_000_000,
-                         explicitly_destroy=True)
+    nodes: Dict[str, Any] = {}
+    if virtual_node_size:
+        os.environ[VIRTUAL_NODE_ENV] = str(virtual_node_size)     # read when the Buffer's buffers are made
+        nodes = {"ranks_per_node": virtual_node_size}
+    try:
+        buf = deep_ep.Buffer(dist.group.WORLD, int(2e8), 0, enable_shrink=True, timeout_us=5_000_000,
+                             explicitly_destroy=True)
+        buf.normal_buffer()
+    finally:
+        os.environ.pop(VIRTUAL_NODE_ENV, None)
     _, cmask = _masks(world, [])
-    ref = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="reference", active_ranks=cmask)
+    ref = NormalBuffer(dist.group.WORLD, hidden=s.H, backend="reference", active_ranks=cmask, **nodes)
     status = torch.zeros(world, dtype=torch.int32, device="cuda")
     seen: List[List[int]] = []
     try:
         nat = buf.normal_buffer()
         assert nat.backend_name == "native" and nat.takes_active_ranks, nat.describe()
+        assert nat.num_nodes == (world // virtual_node_size if virtual_node_size else 1), nat.describe()
         steps = [("mask", lambda: buf.low_latency_update_mask_buffer(masked, True), 0),
                  ("clean", buf.low_latency_clean_mask_buffer, 1),
                  ("mask again", lambda: buf.low_latency_update_mask_buffer(masked, True), 0),

@@ -88,3 +88,14 @@ def test_internode_take_back_after_a_mask(pools, masked, layout):
     from normal_gpu_elastic import take_back
     res = pools[4].run(take_back, (96, 1024, 32, 4), masked, LAYOUTS[layout], timeout_s=280)
     assert res == [8] * 4
+
+
+@requires_relay
+@pytest.mark.timeout(300)
+def test_deepep_shim_mask_reaches_the_internode_kernels(pools):
+    """The shim's one mask per Buffer on 2 virtual nodes of 2 ranks: its elastic normal buffer runs the
+    internode kernels rank to rank; mask, clean, mask, unmask, each round against the reference."""
+    from normal_gpu_elastic import shim_mask
+    res = pools[4].run(shim_mask, (96, 1024, 32, 4), 2, 2, timeout_s=280)
+    for seen in res:
+        assert seen == [[1 if d == 2 and i % 2 == 0 else 0 for d in range(4)] for i in range(4)], seen

@@ -227,7 +227,8 @@ class Buffer:
                 nvl: Optional[int] = self.num_nvl_bytes
             else:
                 hidden, nvl = 7168, None   # sized by pyep for DeepSeek's hidden
-            normal = NormalBuffer(self.group, nvl, hidden=hidden, **self._normal_kwargs)
+            # elastic: the Buffer's mask will reach it (an internode buffer then runs rank to rank).
+            normal = NormalBuffer(self.group, nvl, hidden=hidden, elastic=self._mask is not None, **self._normal_kwargs)
             if self._mask is not None and normal.takes_active_ranks:
                 # One mask per Buffer: the low-latency kernels' marks and the caller's
                 # low_latency_update_mask_buffer reach the normal mode's calls, and the normal kernels'

@@ -78,16 +78,21 @@ def expected_routing(a: Dict[str, Any], step: int, rank: int, world: int, source
 
 
 def expected_combine(a: Dict[str, Any], step: int, rank: int, world: int, active: Sequence[bool]) -> Any:
-    """bf16 [T, H]: fp32 sum over the active ranks ascending of their expert's row for each token routed
-    to them (the contract's order), rounded to BF16."""
+    """bf16 [T, H] in the contract's order (contract.combine_order): per node, the fp32 sum over its
+    active ranks ascending of their expert's row for each token routed to them, rounded to BF16; then
+    the fp32 sum of those partials over the nodes ascending, rounded to BF16 (one node: one rounding)."""
     import torch
     e_l = a["E"] // world
+    per_node = int(a.get("ranks_per_node") or world)
     x, idx, _ = inputs(a["seed"], step, rank, a["T"], a["H"], a["E"], a["K"])
     acc = torch.zeros(x.shape[0], a["H"], dtype=torch.float32, device="cpu")
-    for d in range(world):
-        if active[d]:
-            sel = routed(idx, d, e_l)
-            acc[sel] = acc[sel] + expert(x[sel], d).float()
+    for n in range(world // per_node):
+        part = torch.zeros_like(acc)
+        for d in range(n * per_node, (n + 1) * per_node):
+            if active[d]:
+                sel = routed(idx, d, e_l)
+                part[sel] = part[sel] + expert(x[sel], d).float()
+        acc = acc + part.to(torch.bfloat16).float()
     return acc.to(torch.bfloat16)
 
 

@@ -111,7 +111,9 @@ class NormalBuffer(NormalBufferMembership):
     that rank) leaves ranks out of every call: their tokens are dropped and counted in
     `event.num_dropped_tokens` (and `handle.num_dropped_tokens`). store=/rank=/world_size= build it on a
     c10d Store instead of a group (reference backend): a dead rank is marked, the others go on, and its
-    restarted process rejoins (docs/elastic.md, "Normal mode").
+    restarted process rejoins (docs/elastic.md, "Normal mode"). elastic=True (implied by active_ranks= and
+    by store=): the buffer will take a mask (use_active_ranks later); across nodes of several ranks its
+    data path then runs rank to rank, which a mask needs (docs/elastic.md, "Across nodes").
     """
 
     num_sms: int = DEFAULT_NUM_SMS
@@ -122,7 +124,7 @@ class NormalBuffer(NormalBufferMembership):
                  ranks_per_node: Optional[int] = None, num_rdma_bytes: Optional[int] = None,
                  active_ranks: Optional["torch.Tensor"] = None, store: Any = None, rank: Optional[int] = None,
                  world_size: Optional[int] = None, store_prefix: str = "pyep/normal",
-                 job_secret: Optional[bytes] = None, rejoin_lead_calls: int = 2) -> None:
+                 job_secret: Optional[bytes] = None, rejoin_lead_calls: int = 2, elastic: bool = False) -> None:
         import torch
         self._destroyed = True   # until the backend exists nothing may be called
         if num_nvl_bytes is not None:
@@ -170,7 +172,7 @@ class NormalBuffer(NormalBufferMembership):
             self._backend = _make_backend(self._group, backend, dict(
                 num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport=transport, timeout_us=timeout_us,
                 num_sms=sms, nodes=self._nodes, num_rdma_bytes=num_rdma_bytes, mask=self._mask,
-                elastic=active_ranks is not None))
+                elastic=elastic or active_ranks is not None))
         self._device: "torch.device" = self._backend.device
         if self._backend.name != "reference":
             try:

@@ -70,7 +70,9 @@ class NativeNormalMembership:
         from ..config import LinkConfig
         from ..peers import PeerSet
         self._control = control
-        cfg = LinkConfig(transport="nvlink" if self.num_ranks > 1 else "auto")
+        # Every rank of this buffer is on one node (an internode buffer's node stage too, whatever
+        # $PYEP_VIRTUAL_NODE_SIZE says about the job's nodes).
+        cfg = LinkConfig(transport="nvlink" if self.num_ranks > 1 else "auto", ranks_per_node=self.num_ranks)
         self._peers = PeerSet(control if control is not None else group, cfg, self._ep, self.rank, self.num_ranks,
                               self.device.index, self._buf, self._bytes, self._setup_timeout_s)
         if control is not None:
