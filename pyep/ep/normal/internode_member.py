@@ -11,10 +11,11 @@ keeps the caller's nodes (num_tokens_per_rdma_rank; combine sums one BF16 partia
 inter_reduce groups the ranks' rows by node). Keeping the forwarding needs the dead rank's column
 adopted by a live rank of its node (docs/elastic.md, "Across nodes").
 
-A store-based buffer (one rank per node: the column relay is the whole job) takes a restarted rank back by
-rebuilding only the QPs to it, restarting this rank's counters of the streams shared with it and setting
-the count slots it holds for it as a peer in step shows them (internode_relay.py); the newcomer takes the
-survivors' call number and generation. Its node stage has no peer (one rank), so nothing else changes.
+A store-based buffer (elastic: one rank per node on the data path, the relay is the whole job) takes a
+restarted rank back by rebuilding only the QPs to it, restarting this rank's counters of the streams
+shared with it and setting the count slots it holds for it as a peer in step shows them
+(internode_relay.py); the newcomer takes the survivors' call number and generation. Its node stage has
+no peer (one rank), so nothing else changes.
 """
 from __future__ import annotations
 
