@@ -49,17 +49,13 @@ class InternodeMembership:
         nothing, its tokens count as dropped), the relay leaves out the column peers out of it and marks
         one that stays silent past the timeout or whose QP fails (normal_internode_relay.cu); the call
         goes on among the others."""
-        import torch
+        from .native_state import check_device_mask
         if not self.takes_mask:
             raise ElasticUnsupported(f"an active_ranks mask on a buffer forwarding over {self.nodes.num_nodes} nodes of "
                                      f"{self.nodes.ranks_per_node} ranks (a dead rank would cut its column's relay "
                                      f"into its node): pass active_ranks= at construction, the buffer then runs "
                                      f"rank to rank", self.name)
-        if mask.device != self.device or mask.dtype != torch.int32 or tuple(mask.shape) != (self.num_ranks,):
-            raise ValueError(f"the native normal mode reads active_ranks on the GPU: it must be int32 "
-                             f"[{self.num_ranks}] on {self.device}, got {mask.dtype} {list(mask.shape)} on {mask.device}")
-        if not mask.is_contiguous():
-            raise ValueError("active_ranks must be contiguous")
+        check_device_mask(mask, self.num_ranks, self.device)
         self._mask = mask
         self._static.active = mask.data_ptr()
         self.relay.static.active = mask.data_ptr()

@@ -11,6 +11,16 @@ if TYPE_CHECKING:
     import torch
 
 
+def check_device_mask(mask: "torch.Tensor", num_ranks: int, device: "torch.device") -> None:
+    """The native kernels read active_ranks on their GPU: int32 [R], contiguous, on `device`."""
+    import torch
+    if mask.device != device or mask.dtype != torch.int32 or tuple(mask.shape) != (num_ranks,):
+        raise ValueError(f"the native normal mode reads active_ranks on the GPU: it must be int32 "
+                         f"[{num_ranks}] on {device}, got {mask.dtype} {list(mask.shape)} on {mask.device}")
+    if not mask.is_contiguous():
+        raise ValueError("active_ranks must be contiguous")
+
+
 class NativeCallState:
     """Mixed into NormalNativeBackend (which provides _static, _geometry, _mask, device, num_ranks)."""
 
@@ -24,12 +34,7 @@ class NativeCallState:
         """The buffer's active_ranks (int32 [R] on this device, 1 = active), read by every call's kernels
         on the device -- no host read, so the caller may change it in place between calls -- and cleared
         by them for a peer that stays silent past the timeout (docs/elastic.md, "Normal mode")."""
-        import torch
-        if mask.device != self.device or mask.dtype != torch.int32 or tuple(mask.shape) != (self.num_ranks,):
-            raise ValueError(f"the native normal mode reads active_ranks on the GPU: it must be int32 "
-                             f"[{self.num_ranks}] on {self.device}, got {mask.dtype} {list(mask.shape)} on {mask.device}")
-        if not mask.is_contiguous():
-            raise ValueError("active_ranks must be contiguous")
+        check_device_mask(mask, self.num_ranks, self.device)
         self._mask = mask
         self._static.active = mask.data_ptr()
 
