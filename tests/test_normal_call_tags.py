@@ -224,16 +224,17 @@ int main() {
     CHECK(call_is_after(3u, 2u) && call_is_after(2u, 0xffffffffu) && !call_is_after(7u, 9u) && !call_is_after(5u, 5u),
           "call order across the wrap");
     CHECK(gate_classify(0u, 0u, 1u) == kGateWait && gate_classify(0u, 1u, 2u) == kGateWait, "first calls");
-    // The relay's count record: call number, 6 bits of generation, status, 24 bits of rows.
+    // The relay's count record: call number, 3 bits of generation, the call's kind, status, 24 bits of rows.
     for (uint32_t s : {1u, 2u, 0x80000001u, 0xffffffffu})
-        for (uint32_t e : {0u, 5u, 63u, 64u + 7u})
-            for (int st : {kTagOk, kTagRefused, kTagProxy, kTagNotice})
-                for (uint32_t r : {0u, 1u, 12345u, kRecordMaxRows}) {
-                    const uint64_t rec = relay_count_record(s, e, st, r);
-                    CHECK(record_seq(rec) == s && record_epoch(rec) == (e & 63u) && record_status(rec) == st &&
-                          record_rows(rec) == r, "record %u %u %d %u", s, e, st, r);
-                    CHECK(record_seq(0ull) != s, "a zeroed slot never names a call");
-                }
+        for (uint32_t e : {0u, 5u, 7u, 8u + 6u})
+            for (int k : {kKindLayout, kKindDispatch, kKindCached, kKindCombine})
+                for (int st : {kTagOk, kTagRefused, kTagProxy, kTagNotice})
+                    for (uint32_t r : {0u, 1u, 12345u, kRecordMaxRows}) {
+                        const uint64_t rec = relay_count_record(s, e, k, st, r);
+                        CHECK(record_seq(rec) == s && record_epoch(rec) == (e & 7u) && record_kind(rec) == k &&
+                              record_status(rec) == st && record_rows(rec) == r, "record %u %u %d %d %u", s, e, k, st, r);
+                        CHECK(record_seq(0ull) != s, "a zeroed slot never names a call");
+                    }
     std::printf("%s\n", bad ? "FAIL" : "OK");
     return bad ? 1 : 0;
 }

@@ -29,11 +29,10 @@ def test_refused_call_raises_on_every_peer(pools, world, p):
     assert all(set(r) == {"dispatch", "dispatch-worst", "cached", "combine"} for r in res), res
 
 
-# One rank per node: the node gate has no peer, and the relay's count record carries no call kind, so
-# a combine one rank makes alone pairs with its peer's dispatch of the same call number (docs/
-# normal_internode.md, "Known gap"; failed on an H200 in two runs). Strict: it fails once the gap is closed.
-EXTRA_CALL = [pytest.param(*lay, id=i, marks=pytest.mark.xfail(strict=True, reason="relay records carry no kind"))
-              if i == "2x1nodes" else pytest.param(*lay, id=i) for lay, i in zip(LAYOUTS, IDS)]
+# One rank per node: the node gate has no peer, so the relay's count record carries the call's kind
+# (normal_tags.h relay_count_record): a combine one rank makes alone is found against its peer's
+# dispatch of the same call number.
+EXTRA_CALL = [pytest.param(*lay, id=i) for lay, i in zip(LAYOUTS, IDS)]
 
 
 @requires_gpus

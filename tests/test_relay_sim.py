@@ -26,7 +26,7 @@ ERR_PEER_TIMEOUT = 3                       # pyep/ep/normal/errors.py
 PHASE_COUNTS, PHASE_DISPATCH = 3, 4        # pyep/ep/normal/internode_relay.py PHASES
 SEQ_WORD, EPOCH_WORD, VOID_WORD, CLAIM_WORD, ORIGIN_WORD, MASK_WORD = 1, 2, 3, 4, 5, 6   # normal_tags.h kWs*
 STATUS_OK, STATUS_REFUSED = 0, 1           # pyep/ep/normal/tags.py
-KIND_COMBINE = 4
+KIND_DISPATCH, KIND_COMBINE = 2, 4
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,8 @@ class RelayWorld:
         return int(self.ws[m][SEQ_WORD]) & 0xFFFFFFFF
 
     def counts(self, send: List[List[int]], ranks: Optional[List[int]] = None, refused: Optional[List[int]] = None,
-               upstream: Optional[dict] = None, void_handle: Optional[List[int]] = None):
+               upstream: Optional[dict] = None, void_handle: Optional[List[int]] = None,
+               kinds: Optional[dict] = None):
         """One count exchange; send[m][d] rows from m to d; `refused` ranks refuse the call, `upstream`
         maps a rank to the (void, origin) of an earlier gate of its call, `void_handle` ranks pass the
         handle of a void dispatch. Returns (recv_counts, host words) per rank."""
@@ -133,7 +134,7 @@ class RelayWorld:
         hv = {m: torch.tensor([3, -1], dtype=torch.int32) for m in (void_handle or [])}   # normal_tags.h kHandleVoid
         self.sim.counts([self.statics[m] for m in ranks],
                         [dict(host_ticket=self.tickets, send_counts=sc[m].data_ptr(), recv_counts=rc[m].data_ptr(),
-                              host_counts=hc[m].data_ptr(), kind=KIND_COMBINE, origin=m,
+                              host_counts=hc[m].data_ptr(), kind=(kinds or {}).get(m, KIND_COMBINE), origin=m,
                               status=STATUS_REFUSED if m in (refused or []) else STATUS_OK,
                               upstream=up[m].data_ptr() if m in up else 0,
                               handle_tag=hv[m].data_ptr() if m in hv else 0) for m in ranks])
@@ -233,6 +234,27 @@ def case_counts_mutation(path: str, M: int) -> str:
         # Rank 0 names the peer's last record it saw: 8, or 7 if it looked before the peer posted 8.
         mine, theirs = (9, (8, 7)) if m == 0 else (8, (9,))
         assert f"at call {mine}" in str(err) and any(f"sent call {c} " in str(err) for c in theirs), (m, str(err))
+    return "ok"
+
+
+def case_counts_other_kind(path: str, M: int) -> str:
+    """The last rank makes a dispatch where its peers make a combine of the same call number (one rank
+    per node: no node gate compares kinds): the count records carry the kind, so every rank finds a call
+    mismatch naming the peer's kind, well within the timeout and with no PeerTimeout; the call is void."""
+    from pyep.ep.normal.errors import NormalCallMismatch
+    w = _world(path, M, timeout_ms=20_000)
+    check_counts(w, 2, seed=3)
+    t0 = time.monotonic()
+    rc, hc = w.counts([[5] * M for _ in range(M)], kinds={M - 1: KIND_DISPATCH})
+    took = time.monotonic() - t0
+    assert took < 10.0, f"the mismatch took {took:.1f} s to report (the timeout is 20 s)"
+    for m in range(M):
+        assert w.errors(m)[0] == 0, f"rank {m}: {w.errors(m)} (a mismatch is not a timeout)"
+        assert w.void(m) == (1, -1) and rc[m] == [0] * (M + 1) and hc[m][0] == -w.tickets, (m, w.void(m), rc[m])
+        err = w.record(m)
+        assert type(err) is NormalCallMismatch, (m, err)
+        other = "combine" if m == M - 1 else "dispatch"
+        assert f"({other}, generation" in str(err), (m, str(err))
     return "ok"
 
 
@@ -518,3 +540,9 @@ def test_relay_rows_mutation_fails(sim_pool):
 def test_relay_masked_silent_peer_is_marked(sim_pool):
     pool, path = sim_pool
     assert pool.run(case_masked_silent_peer, path, timeout_s=120) == ["ok"]
+
+
+@pytest.mark.parametrize("M", [2, 3])
+def test_relay_counts_other_kind_is_a_call_mismatch(sim_pool, M):
+    pool, path = sim_pool
+    assert pool.run(case_counts_other_kind, path, M, timeout_s=120) == ["ok"]

@@ -127,7 +127,7 @@ __device__ __forceinline__ void add_dropped(uint64_t dropped, int r, int n) {
 // origin) and the reason stays empty.
 __device__ __forceinline__ void record_void(uint64_t record, int kind, int peer, uint32_t seq, uint32_t epoch,
                                             int my_kind, uint32_t peer_call, const int* peer_tag, int peer_status,
-                                            int peer_origin) {
+                                            int peer_origin, int peer_kind = 0) {
     volatile int* r = reinterpret_cast<volatile int*>(record);
     r[kRecKind] = kind;
     r[kRecPeer] = peer;
@@ -140,7 +140,7 @@ __device__ __forceinline__ void record_void(uint64_t record, int kind, int peer,
         r[kRecTag + 0] = kTagMagic;
         r[kRecTag + 1] = (int)epoch;
         r[kRecTag + 2] = (int)peer_call;
-        r[kRecTag + 3] = my_kind;
+        r[kRecTag + 3] = peer_kind > 0 ? peer_kind : my_kind;   // the peer's, where its record said
         r[kRecTag + 4] = peer_status;
         r[kRecTag + 5] = peer_origin;
     }

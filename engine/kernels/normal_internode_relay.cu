@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
     // A void record carries the refusing rank where a live one carries rows (all ones: a call mismatch).
     const uint32_t payload = (uint32_t)(sh.status == kTagOk ? reinterpret_cast<const int*>(a.send_counts)[m < M ? m : 0]
                                                             : (sh.origin < 0 ? (int)kRecordMaxRows : sh.origin));
-    if (in_call && post_record(s, m, par, relay_count_record(seq, sh.epoch, sh.status, payload)) != gda::kOk) {
+    if (in_call && post_record(s, m, par, relay_count_record(seq, sh.epoch, a.kind, sh.status, payload)) != gda::kOk) {
         if (s.active) atomicAnd(&sh.cmask, ~(1u << m));   // marked (qp_failed): the call goes on without it
         else atomicExch(&sh.fail, 1);
     }
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
         // this rank's later record itself, and its own parity is not known yet). The NIC read
         // outbox[pc & 1][m] of an earlier call before that call's quiet.
         if (st == kGateOther && call_is_after(pc, seq))
-            post_record(s, m, (int)(pc & 1u), relay_count_record(pc, sh.epoch, kTagNotice, 0));
+            post_record(s, m, (int)(pc & 1u), relay_count_record(pc, sh.epoch, a.kind, kTagNotice, 0));
     }
     __syncthreads();
     if (m == 0) {
@@ -215,8 +215,10 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
             if (i == s.node || sh.state[i] < 0) continue;
             const uint64_t r = sh.record[i];
             const int st = record_status(r);
-            if (sh.state[i] == kGateOther || st == kTagNotice || record_epoch(r) != (sh.epoch & 63u) ||
-                (st != kTagOk && record_rows(r) == kRecordMaxRows)) {
+            // A peer at the same call number making another kind of call (one rank per node: no node gate
+            // compares them) is at another call.
+            if (sh.state[i] == kGateOther || st == kTagNotice || record_epoch(r) != (sh.epoch & kRecordEpochMask) ||
+                record_kind(r) != a.kind || (st != kTagOk && record_rows(r) == kRecordMaxRows)) {
                 mismatch = i;
             } else if (st != kTagOk && refused < 0) {
                 refused = i;
@@ -227,7 +229,8 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
         }
         if (mismatch >= 0) {
             record_void(s.tag_record, kRecMismatch, column_peer(s, mismatch), seq, sh.epoch, a.kind,
-                        sh.peer_call[mismatch], nullptr, kTagNotice, -1);
+                        sh.peer_call[mismatch], nullptr, kTagNotice, -1,
+                        sh.state[mismatch] == kGateArrived ? record_kind(sh.record[mismatch]) : 0);
             origin = -1;
         } else if (refused >= 0 && sh.status == kTagOk) {
             record_void(s.tag_record, kRecRefused, column_peer(s, refused), seq, sh.epoch, a.kind, seq, nullptr,

@@ -93,17 +93,22 @@ PYEP_HD bool call_is_after(uint32_t a, uint32_t b) { return (int32_t)(a - b) > 0
 PYEP_HD uint32_t gate_peer_call(uint32_t mine, uint32_t other) { return call_is_after(mine, other) ? mine : other; }
 
 // ---- the relay's count record: one 8-byte word per (sender, receiver) and call ---------------------
-// (seq << 32) | generation (6 bits) << 26 | status (2 bits) << 24 | rows (24 bits); a void record
-// (REFUSED / PROXY) carries the refusing rank in the rows field, a NOTICE the sender's call number is
-// not carried (the receiver reports it from its own flags).
+// (seq << 32) | generation (3 bits) << 29 | kind (3 bits) << 26 | status (2 bits) << 24 | rows (24 bits);
+// a void record (REFUSED / PROXY) carries the refusing rank in the rows field, a NOTICE the sender's call
+// number is not carried (the receiver reports it from its own flags). The kind is what tells a combine
+// from a dispatch of the same call number where no node gate does (one rank per node). Three bits of the
+// generation suffice: clean() zeroes the slots, so only a record in flight across a clean can be stale.
 constexpr uint32_t kRecordRowBits = 24;
 constexpr uint32_t kRecordMaxRows = (1u << kRecordRowBits) - 1u;
-PYEP_HD uint64_t relay_count_record(uint32_t seq, uint32_t epoch, int status, uint32_t rows) {
-    const uint32_t low = ((epoch & 63u) << 26) | (((uint32_t)status & 3u) << 24) | (rows & kRecordMaxRows);
+constexpr uint32_t kRecordEpochMask = 7u;
+PYEP_HD uint64_t relay_count_record(uint32_t seq, uint32_t epoch, int kind, int status, uint32_t rows) {
+    const uint32_t low = ((epoch & kRecordEpochMask) << 29) | (((uint32_t)kind & 7u) << 26) |
+                         (((uint32_t)status & 3u) << 24) | (rows & kRecordMaxRows);
     return ((uint64_t)seq << 32) | low;
 }
 PYEP_HD uint32_t record_seq(uint64_t r) { return (uint32_t)(r >> 32); }
-PYEP_HD uint32_t record_epoch(uint64_t r) { return ((uint32_t)r >> 26) & 63u; }
+PYEP_HD uint32_t record_epoch(uint64_t r) { return ((uint32_t)r >> 29) & kRecordEpochMask; }
+PYEP_HD int record_kind(uint64_t r) { return (int)(((uint32_t)r >> 26) & 7u); }
 PYEP_HD int record_status(uint64_t r) { return (int)(((uint32_t)r >> 24) & 3u); }
 PYEP_HD uint32_t record_rows(uint64_t r) { return (uint32_t)r & kRecordMaxRows; }
 

@@ -80,8 +80,9 @@ class DeviceRecords:
         else:
             if mismatched or int(words[REC_KIND]) == KIND_MISMATCH:
                 # tag.call: the peer's call number, from its tag or (found from its flags) from the record
+                other = f"{tags.KIND_NAMES[tag.kind]}, " if tag.kind != kind else ""   # the same number, another call
                 err = NormalCallMismatch(what, self.rank, peer, f"{call} (generation {int(words[REC_EPOCH])})",
-                                         f"{tag.call} (generation {tag.epoch})",
+                                         f"{tag.call} ({other}generation {tag.epoch})",
                                          "the ranks made different calls, or calls of different shapes")
             else:
                 origin = tag.origin if tag.status == tags.STATUS_PROXY and tag.origin >= 0 else peer

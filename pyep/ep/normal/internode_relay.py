@@ -433,7 +433,7 @@ class Relay:
         slots = self._words()[self.layout.words["count"]:self.layout.words["count"] + 4 * self.nodes.num_nodes]
         slots = slots.view(torch.int64)
         for par, call in flags_in_step(seq).items():
-            rec = 0 if call == 0 else (call << 32) | ((epoch & 63) << 26)   # status OK, 0 rows
+            rec = 0 if call == 0 else (call << 32) | ((epoch & 7) << 29)   # normal_tags.h: status OK, 0 rows
             slots[par * self.nodes.num_nodes + m] = rec - (1 << 64) if rec >= 1 << 63 else rec
         torch.cuda.synchronize(self.device)
 
