@@ -368,9 +368,9 @@ class Buffer:
         self._normal_takes_back(back)
         if mask and self._normal is not None and not self._normal.takes_active_ranks:
             log.warning("rank %d masked: the low-latency calls leave it out, but this Buffer's normal mode runs "
-                        "the internode %s kernels on nodes of several ranks, which take no mask yet -- its calls "
-                        "still include rank %d (and raise PeerTimeout if it is dead); the reference backend "
-                        "(backend='reference'), the intranode kernels and one rank per node take the mask",
+                        "the internode %s kernels forwarding over NVLink (built without elastic=True), which take "
+                        "no mask -- its calls still include rank %d (and raise PeerTimeout if it is dead); the "
+                        "reference backend, the intranode kernels and elastic internode buffers take the mask",
                         rank_to_mask, self._normal.backend_name, rank_to_mask)
 
     def low_latency_query_mask_buffer(self, mask_status: "torch.Tensor") -> None:

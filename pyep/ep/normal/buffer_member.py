@@ -63,8 +63,8 @@ class NormalBufferMembership(MemberView):
     @property
     def takes_active_ranks(self) -> bool:
         """Whether this buffer's calls can leave ranks out: the reference backend, the native
-        intranode kernels and the internode kernels with one rank per node (with more, a dead rank would
-        cut its column's RDMA relay into its node: native_internode.py takes_mask)."""
+        intranode kernels and the internode kernels of an elastic buffer (rank to rank; a buffer forwarding
+        over NVLink takes none: internode_member.py says why)."""
         return self._backend.name == "reference" or bool(getattr(self._backend, "takes_mask", False))
 
     @property
@@ -78,7 +78,7 @@ class NormalBufferMembership(MemberView):
         buffer's mask, as if it had been given at construction: the caller's tensor, not a copy, so another
         user of it (the DeepEP shim's low-latency calls) and this buffer see each other's marks. Every rank
         switches between the same two calls. A store-based buffer keeps its own mask (its membership
-        sets it); the internode kernels on nodes of several ranks take none: ElasticUnsupported."""
+        sets it); internode kernels forwarding over NVLink take none: ElasticUnsupported."""
         self._check_alive("use_active_ranks")
         check_active_ranks(active_ranks, self._num_ranks)
         if self._member is not None:
@@ -119,8 +119,9 @@ class NormalBufferMembership(MemberView):
         self._backend.take_back(sorted(set(ranks)))
 
     def _check_mask_supported(self) -> None:
-        """A backend that takes no mask (internode kernels on nodes of several ranks): one that leaves a
-        rank out is an error there, never ignored (update_ep_member sets the buffer's own copy)."""
+        """A backend that takes no mask (internode kernels forwarding over NVLink: a buffer on nodes of
+        several ranks built without elastic=True): one that leaves a rank out is an error there, never
+        ignored (update_ep_member sets the buffer's own copy)."""
         if self._backend.name == "reference" or getattr(self._backend, "takes_mask", False):
             return
         out = [r for r, v in enumerate(self._mask.tolist()) if not v]
