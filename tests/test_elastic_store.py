@@ -55,6 +55,33 @@ def test_store_all_gather_and_shared_value() -> None:
     assert late == res[0][3]
 
 
+def test_store_subgroup_has_its_own_keys_and_the_job_secret() -> None:
+    """StoreControl.subgroup (a store-based internode buffer's node stage): its rounds run among its own
+    ranks under prefix/name, with the parent's secret -- a record sealed with another secret is refused
+    there like anywhere -- and they do not disturb the parent's rounds."""
+    master = _master()
+
+    def rank(r: int) -> Any:
+        parent = StoreControl(_client(master.port), r, 2, "t/sub", SECRET)
+        sub = parent.subgroup(f"node{r}", 0, 1)
+        assert sub.prefix == f"t/sub/node{r}" and (sub.rank, sub.world_size) == (0, 1)
+        alone = sub.all_gather_bytes(f"node {r}".encode(), 10.0, "node round")
+        both = parent.all_gather_bytes(bytes([r]), 10.0, "parent round")
+        return alone, both
+
+    res = _threads(2, rank)
+    assert [r[0] for r in res] == [[b"node 0"], [b"node 1"]]
+    assert all(r[1] == [b"\x00", b"\x01"] for r in res)
+    # A forger without the secret writes the next round's key of a one-rank subgroup: refused, so the
+    # round waits for a record it can open and names the rank it waited for.
+    sub = StoreControl(_client(master.port), 0, 2, "t/sub", SECRET).subgroup("node9", 0, 1)
+    forger = StoreControl(_client(master.port), 0, 1, "t/sub/node9", b"another-secret-0123456789-abcdef")
+    forger.all_gather_bytes(b"forged", 10.0, "node round")
+    with pytest.raises(ControlTimeout) as info:     # the key all_gather_bytes's first round reads
+        sub.wait_records([sub.key("boot", 1, "node_round", 0)], [0], 0.5, "node round", 64, current=True, call=1)
+    assert info.value.missing == [0] and len(sub.rejects) >= 1
+
+
 def test_store_wait_names_the_missing_ranks() -> None:
     master = _master()
 
