@@ -80,6 +80,9 @@ def test_store_subgroup_has_its_own_keys_and_the_job_secret() -> None:
     with pytest.raises(ControlTimeout) as info:     # the key all_gather_bytes's first round reads
         sub.wait_records([sub.key("boot", 1, "node_round", 0)], [0], 0.5, "node round", 64, current=True, call=1)
     assert info.value.missing == [0] and len(sub.rejects) >= 1
+    for name, r, w in (("node1", 1, 1), ("a/b", 0, 1), ("", 0, 1)):
+        with pytest.raises(ValueError, match="subgroup"):
+            sub.subgroup(name, r, w)
 
 
 def test_store_wait_names_the_missing_ranks() -> None:

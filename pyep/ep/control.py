@@ -119,6 +119,10 @@ class StoreControl:
     def subgroup(self, name: str, rank: int, world_size: int) -> "StoreControl":
         """A control plane for `world_size` of this job's processes (the ranks of one node, say) under
         prefix/name: the same store and job secret, its own keys, rounds and generations."""
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"subgroup {name!r}: rank {rank} is outside a world of {world_size}")
+        if not name or any(c in name for c in " \n/"):
+            raise ValueError(f"subgroup name must be a non-empty key part without blanks or '/', got {name!r}")
         sub = StoreControl.__new__(StoreControl)
         sub.codec, sub.store, sub.group = self.codec, self.store, None
         sub.rank, sub.world_size, sub.prefix = rank, world_size, self.key(name)

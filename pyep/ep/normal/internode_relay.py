@@ -129,6 +129,8 @@ def relay_error(words: List[int], timeout_us: int) -> Optional[NormalModeError]:
 class Relay:
     """One rank's end of the column's RDMA rings (collective constructor over the whole group)."""
 
+    _join_payload: bytes = b""   # a restarted rank's announcement (PeerSet.prepare_join); empty otherwise
+
     def __init__(self, group: Optional["dist.ProcessGroup"], nodes: NodeLayout, *, ring_bytes: int, transport: str,
                  timeout_us: int, setup_timeout_s: float = 120.0, num_qps_per_peer: int = 2,
                  tag_record: int = 0, control: Any = None, joining: bool = False) -> None:

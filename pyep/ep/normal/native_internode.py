@@ -106,6 +106,9 @@ class NormalInternodeBackend(InternodeMembership):
         self.contract_nodes = nodes
         self.flat = (elastic or control is not None) and nodes.ranks_per_node > 1
         if self.flat:
+            log.info("elastic internode buffer on %d nodes of %d ranks: its data path runs rank to rank (no NVLink "
+                     "forwarding), so that a dead rank leaves out its own tokens only (docs/elastic.md)",
+                     nodes.num_nodes, nodes.ranks_per_node)
             nodes = NodeLayout(nodes.num_ranks, 1)
         from ..._native import load
         self._r = load().relay
