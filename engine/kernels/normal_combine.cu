@@ -59,8 +59,9 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
             const int i = sent + j;
             const int64_t r = x_row(a, start + i);
             uint8_t* dst = ring + slot_offset(s, i, Q);
+            const float w = lane < K && weights ? weights[r * K + lane] : 0.f;   // in flight with the copy
             warp_copy(dst, x + (uint64_t)r * row.payload, row.payload, lane);
-            if (lane < K) reinterpret_cast<float*>(dst + row.weights)[lane] = weights ? weights[r * K + lane] : 0.f;
+            if (lane < K) reinterpret_cast<float*>(dst + row.weights)[lane] = w;
         }
         group_sync(g, W);
         sent += n;

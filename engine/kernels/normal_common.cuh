@@ -301,20 +301,23 @@ __device__ __forceinline__ T& block_shared() {
 // of coherence for NVLink stores, so .cg loads after the acquire see the new data.
 //
 // One warp copies `bytes` (a multiple of 16, both 16-byte aligned): kUnroll vectors per lane in flight.
-template <int kUnroll = 6>
+// The last round is predicated rather than a loop of single vectors: each trip of such a loop is a
+// full memory round trip (the store waits for its load), and a row's tail would cost several of them
+// (a 7168-byte FP8 row was 2 rounds plus 2 single trips at kUnroll 6; now it is 2 rounds).
+template <int kUnroll = 8>
 __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int bytes, int lane) {
     const int n = bytes / 16;
     const int4* s4 = reinterpret_cast<const int4*>(src);
     int4* d4 = reinterpret_cast<int4*>(dst);
-    int i = lane;
-    for (; i + (kUnroll - 1) * 32 < n; i += kUnroll * 32) {
+    for (int i0 = lane; i0 < n; i0 += kUnroll * 32) {
         int4 v[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = __ldcg(s4 + i + u * 32);
+        for (int u = 0; u < kUnroll; ++u)
+            if (i0 + u * 32 < n) v[u] = __ldcg(s4 + i0 + u * 32);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) st_v4(d4 + i + u * 32, v[u]);
+        for (int u = 0; u < kUnroll; ++u)
+            if (i0 + u * 32 < n) st_v4(d4 + i0 + u * 32, v[u]);
     }
-    for (; i < n; i += 32) st_v4(d4 + i, __ldcg(s4 + i));
 }
 
 __host__ __device__ __forceinline__ uint64_t align16(uint64_t v) { return (v + 15) / 16 * 16; }

@@ -29,6 +29,30 @@ __device__ __forceinline__ int source_index(const DispatchArgs& a, int tok) {
     return a.src_idx ? reinterpret_cast<const int*>(a.src_idx)[tok] : tok;
 }
 
+// A row's small fields, held in registers across its payload copy: the first two FP8 scales a lane
+// moves (groups lane and lane + 32; H <= 8192), its top-k entry, the source index.
+struct RowMeta {
+    float sc0, sc1;
+    int64_t id;
+    float weight;
+    int src;
+};
+
+__device__ __forceinline__ RowMeta load_meta(const float* scales, int groups, int64_t id, float weight, int src,
+                                             int lane) {
+    RowMeta m{0.f, 0.f, id, weight, src};
+    if (scales && lane < groups) m.sc0 = __ldcg(scales + lane);
+    if (scales && lane + 32 < groups) m.sc1 = __ldcg(scales + lane + 32);
+    return m;
+}
+
+// Scales past the 64th (H > 8192) are copied here directly.
+__device__ __forceinline__ void store_scales(float* dst, const RowMeta& m, const float* scales, int groups, int lane) {
+    if (lane < groups) dst[lane] = m.sc0;
+    if (lane + 32 < groups) dst[lane + 32] = m.sc1;
+    for (int g = lane + 64; g < groups; g += 32) dst[g] = __ldcg(scales + g);
+}
+
 struct Group {
     int g, wi, W, lane;
     __device__ bool leader() const { return wi == 0 && lane == 0; }
@@ -119,15 +143,19 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
                     if (j % G.W != G.wi) continue;
                     const int tok = rbase + w * kScanWindow + __ffs(rest) - 1;
                     uint8_t* dst = ring + slot_offset(s, sent + j, Q);
+                    // The row's small fields are loaded before the payload copy, so that their loads
+                    // are in flight with it instead of adding round trips after it.
+                    const RowMeta m = load_meta(a.fp8 ? scales + (int64_t)tok * groups : nullptr, groups,
+                                                G.lane < K && topk ? topk[(int64_t)tok * K + G.lane] : -1,
+                                                G.lane < K && weights ? weights[(int64_t)tok * K + G.lane] : 0.f,
+                                                G.lane == 0 ? source_index(a, tok) : 0, G.lane);
                     warp_copy(dst, payload_of(a, row, tok), row.payload, G.lane);
-                    if (a.fp8)
-                        for (int i = G.lane; i < groups; i += 32)
-                            reinterpret_cast<float*>(dst + row.scales)[i] = scales[(int64_t)tok * groups + i];
+                    if (a.fp8) store_scales(reinterpret_cast<float*>(dst + row.scales), m, scales + (int64_t)tok * groups, groups, G.lane);
                     if (G.lane < K) {
-                        reinterpret_cast<int*>(dst + row.ids)[G.lane] = topk ? (int)topk[(int64_t)tok * K + G.lane] : -1;
-                        reinterpret_cast<float*>(dst + row.weights)[G.lane] = weights ? weights[(int64_t)tok * K + G.lane] : 0.f;
+                        reinterpret_cast<int*>(dst + row.ids)[G.lane] = (int)m.id;
+                        reinterpret_cast<float*>(dst + row.weights)[G.lane] = m.weight;
                     }
-                    if (G.lane == 0) reinterpret_cast<int*>(dst + row.src)[0] = source_index(a, tok);
+                    if (G.lane == 0) reinterpret_cast<int*>(dst + row.src)[0] = m.src;
                 }
             }
         }
@@ -147,26 +175,27 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
 
 // One received row: payload (and FP8 scales) by the whole warp, local top-k ids / weights and the source
 // index by a few lanes. `id(k)` and `weight(k)` read the row's top-k entry from wherever it is.
+// The small fields are loaded first (load_meta), so that their latency overlaps the payload copy's.
 template <typename Id, typename Weight>
 __device__ __forceinline__ void emit_row(const DispatchArgs& a, const DispatchRow& row, WarpTma& tma, int out,
                                          const uint8_t* payload, const float* scales, Id id, Weight weight,
                                          int src_token, int lo, int lane) {
     const int K = a.num_topk, El = a.num_local_experts, groups = a.hidden / 128;
+    const bool want_k = a.recv_topk_idx && lane < K;
+    const RowMeta m = load_meta(a.fp8 ? scales : nullptr, groups, want_k ? id(lane) : -1,
+                                want_k && a.recv_topk_weights ? weight(lane) : 0.f, src_token, lane);
     if (a.row_map) out = reinterpret_cast<const int*>(a.row_map)[out];   // a permutation of the real rows
     uint8_t* dst = reinterpret_cast<uint8_t*>(a.recv_x) + (uint64_t)out * row.payload;
     if (a.use_tma) tma_copy(tma, dst, payload, row.payload, lane);
     else warp_copy(dst, payload, row.payload, lane);
-    if (a.fp8)
-        for (int g = lane; g < groups; g += 32)
-            reinterpret_cast<float*>(a.recv_x_scales)[(int64_t)out * groups + g] = __ldcg(scales + g);
-    if (a.recv_topk_idx && lane < K) {
-        const int64_t v = id(lane);
-        const bool local = v >= lo && v < lo + El;
-        reinterpret_cast<int64_t*>(a.recv_topk_idx)[(int64_t)out * K + lane] = local ? v - lo : -1;
+    if (a.fp8) store_scales(reinterpret_cast<float*>(a.recv_x_scales) + (int64_t)out * groups, m, scales, groups, lane);
+    if (want_k) {
+        const bool local = m.id >= lo && m.id < lo + El;
+        reinterpret_cast<int64_t*>(a.recv_topk_idx)[(int64_t)out * K + lane] = local ? m.id - lo : -1;
         if (a.recv_topk_weights)
-            reinterpret_cast<float*>(a.recv_topk_weights)[(int64_t)out * K + lane] = local ? weight(lane) : 0.f;
+            reinterpret_cast<float*>(a.recv_topk_weights)[(int64_t)out * K + lane] = local ? m.weight : 0.f;
     }
-    if (a.recv_src_idx && lane == 0) reinterpret_cast<int*>(a.recv_src_idx)[out] = src_token;
+    if (a.recv_src_idx && lane == 0) reinterpret_cast<int*>(a.recv_src_idx)[out] = m.src;
 }
 
 // Output rows [r0, r1) of a source that was marked mid-stream: zero payload and scales, top-k ids -1,

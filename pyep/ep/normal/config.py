@@ -70,6 +70,10 @@ def _size_args(hidden_bytes: object, num_ranks: object) -> None:
 # chosen on 2 H200s (docs/normal_mode.md, tools: pyep bench --mode normal --sweep-sms).
 _DISPATCH = {1: (8, 256), 2: (8, 256), 4: (8, 256), 8: (6, 256)}
 _COMBINE = {1: (8, 256), 2: (8, 256), 4: (8, 256), 8: (6, 256)}
+# Eight ranks with 6 or more channels each: a 64-row ring. What counts there is the memory in flight,
+# ring x channels x 7 peers per rank; at 8 channels the 256-row ring was 20 % slower on FP8 dispatch, at
+# 4 channels the 64-row ring was (docs/normal_mode.md, "Ring depth"; docs/results/2026-11-26d-h100x1).
+_SHALLOW_RING = (8, 6, 64)   # (ranks, from this many channels, ring rows)
 
 
 def default_config(num_ranks: int, num_sms: int, combine: bool) -> Config:
@@ -77,4 +81,7 @@ def default_config(num_ranks: int, num_sms: int, combine: bool) -> Config:
     if num_ranks not in table:
         raise ValueError(f"the normal mode runs on 1, 2, 4 or 8 ranks of one node, not {num_ranks}")
     send, recv = table[num_ranks]
+    ranks, channels, shallow = _SHALLOW_RING
+    if num_ranks == ranks and num_sms // 2 >= channels:
+        recv = shallow
     return Config(num_sms, send, recv)
