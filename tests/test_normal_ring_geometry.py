@@ -65,3 +65,25 @@ def test_a_new_geometry_inside_a_capture_is_refused_and_changes_nothing(monkeypa
         b._settle_ring_geometry(256, 2048, "normal dispatch")
     assert b._geometry == (256, 14592) and b._static.slot_bytes == 14592 and b.syncs == []
     b._settle_ring_geometry(256, 7168, "call")             # the same geometry is fine inside a capture
+
+
+@pytest.mark.parametrize("sms,ring", [(8, 256), (10, 256), (12, 64), (16, 64), (24, 64)])
+def test_eight_ranks_default_ring_follows_the_channel_count(sms: int, ring: int) -> None:
+    """At 8 ranks the default ring is 64 rows from 6 channels up, 256 below (docs/normal_mode.md, "Ring
+    depth at 8 ranks"); other rank counts keep 256 at every SM count."""
+    from pyep.ep.normal.config import default_config
+    for combine in (False, True):
+        assert default_config(8, sms, combine).num_max_nvl_chunked_recv_tokens == ring
+        for ranks in (1, 2, 4):
+            assert default_config(ranks, sms, combine).num_max_nvl_chunked_recv_tokens == 256
+
+
+def test_size_hint_still_holds_deepep_256_row_rings_at_8_ranks() -> None:
+    """The shallow default must not shrink a default-sized buffer below DeepEP's own 8-rank config."""
+    from pyep.ep.normal import NormalBuffer
+    from pyep.ep.normal.config import Config, default_config
+    hint = NormalBuffer.size_hint(7168, 8)
+    deep = Config(24, 6, 256).get_nvl_buffer_size_hint(2 * 7168, 8)
+    assert hint >= deep
+    assert default_config(8, 24, False).get_nvl_buffer_size_hint(2 * 7168, 8) < deep
+    assert NormalBuffer.size_hint(7168, 3) == Config(NormalBuffer.num_sms).get_nvl_buffer_size_hint(2 * 7168, 3)

@@ -22,7 +22,7 @@ from ..backend import profiled_range
 from ..config import DEFAULT_TIMEOUT_US, TRANSPORTS
 from . import validate as v
 from .._dist import all_reduce_min_bounded as all_reduce_min
-from .config import DEFAULT_NUM_SMS, MAX_CHANNELS, Config, default_config
+from .config import DEFAULT_NUM_SMS, MAX_CHANNELS, Config, default_config, sizing_configs
 from .buffer_member import NormalBufferMembership, check_active_ranks
 from .contract import CombineCall, DispatchCall, NormalBackend
 from .errors import ElasticUnsupported
@@ -274,13 +274,12 @@ class NormalBuffer(NormalBufferMembership):
     @staticmethod
     def size_hint(hidden: int, num_ranks: int, config: Optional[Config] = None) -> int:
         """Bytes of native NVLink buffer per rank for rows of `hidden` BF16 values (with the default
-        dispatch and combine configs unless `config` is given)."""
+        dispatch and combine configs, and their rings at the table's depth, unless `config` is given)."""
         v.check_int("hidden", hidden, 1)
         v.check_hidden("hidden", hidden, None)
         v.check_int("num_ranks", num_ranks, 1, MAX_GROUP_RANKS)
         v.check_config(config)
-        configs = [config] if config is not None else [_default(num_ranks, NormalBuffer.num_sms, c)
-                                                       for c in (False, True)]
+        configs = [config] if config is not None else sizing_configs(num_ranks, NormalBuffer.num_sms)
         return max(c.get_nvl_buffer_size_hint(2 * hidden, num_ranks) for c in configs)
 
     @staticmethod

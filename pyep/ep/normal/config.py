@@ -3,6 +3,7 @@ defaults per rank count, and the native buffer size a configuration needs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List
 
 from ..config import MAX_HIDDEN
 from .layout import buffer_bytes
@@ -85,3 +86,18 @@ def default_config(num_ranks: int, num_sms: int, combine: bool) -> Config:
     if num_ranks == ranks and num_sms // 2 >= channels:
         recv = shallow
     return Config(num_sms, send, recv)
+
+
+def sizing_configs(num_ranks: int, num_sms: int) -> List[Config]:
+    """The configs a default-sized buffer must hold: the defaults, and with the table's ring depth where
+    the default is shallower (8 ranks), so that DeepEP's own configs for that rank count (256-row rings)
+    fit a buffer sized by NormalBuffer.size_hint as they did before the shallow default."""
+    if num_ranks not in _DISPATCH:        # no tuned entry (the reference on 3 ranks, say): Config's defaults
+        return [Config(num_sms)]
+    out: List[Config] = []
+    for combine in (False, True):
+        table = _COMBINE if combine else _DISPATCH
+        c = default_config(num_ranks, num_sms, combine)
+        out += [c, Config(num_sms, c.num_max_nvl_chunked_send_tokens, max(c.num_max_nvl_chunked_recv_tokens,
+                                                                          table[num_ranks][1]))]
+    return out
