@@ -76,6 +76,8 @@ def test_eight_ranks_default_ring_follows_the_channel_count(sms: int, ring: int)
         assert default_config(8, sms, combine).num_max_nvl_chunked_recv_tokens == ring
         for ranks in (1, 2, 4):
             assert default_config(ranks, sms, combine).num_max_nvl_chunked_recv_tokens == 256
+        # Across nodes (8 ranks in all) the shallow ring was never measured: the table's 256 rows.
+        assert default_config(8, sms, combine, one_node=False).num_max_nvl_chunked_recv_tokens == 256
 
 
 def test_size_hint_still_holds_deepep_256_row_rings_at_8_ranks() -> None:

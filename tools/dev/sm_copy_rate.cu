@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(768, 1) copy_rows(uint8_t* out, const uint8_t*
     extern __shared__ __align__(128) uint8_t smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp >= warps) return;
-    WarpTma t = tma_setup(smem, reinterpret_cast<uint64_t*>(smem + 24 * kTmaStages * kTmaStageBytes), warp, lane);
+    WarpTma t = tma_setup(smem, reinterpret_cast<uint64_t*>(smem + kDispatchWarps * kTmaStages * kTmaStageBytes), warp, lane);
     for (int r = blockIdx.x * warps + warp; r < rows; r += gridDim.x * warps) {
         uint8_t* d = out + (size_t)r * row_bytes;
         const uint8_t* s = in + (size_t)perm[r] * row_bytes;
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(768, 1) copy_rows(uint8_t* out, const uint8_t*
 }  // namespace
 
 int main() {
-    const int rows = 65536, smem = 24 * kTmaStages * (kTmaStageBytes + 8);
+    const int rows = 65536, smem = kDispatchWarps * kTmaStages * (kTmaStageBytes + 8);
     cudaFuncSetAttribute(copy_rows, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     int sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
@@ -66,7 +66,7 @@ int main() {
         for (int i = 0; i < rows; ++i) p[i] = (int)((i * 2654435761u) % rows);   // a scattered gather
         cudaMemcpy(perm, p.data(), rows * sizeof(int), cudaMemcpyHostToDevice);
         for (int use_tma : {0, 1})
-            for (int warps : {12, 24})
+            for (int warps : {kDispatchWarps / 2, kDispatchWarps})
                 for (int blocks : {1, 3, 6, 12, 24, 48, sms}) {
                     cudaEvent_t a, b;
                     cudaEventCreate(&a);

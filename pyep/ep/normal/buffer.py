@@ -88,11 +88,11 @@ def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> Nor
     return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes, mask=mask)
 
 
-def _default(num_ranks: int, num_sms: int, combine: bool) -> Config:
+def _default(num_ranks: int, num_sms: int, combine: bool, one_node: bool) -> Config:
     # The tuned table covers the rank counts the native kernels run on; other counts (the reference on
     # 3 ranks, say) get the Config defaults with the shared SM count.
     try:
-        return default_config(num_ranks, num_sms, combine)
+        return default_config(num_ranks, num_sms, combine, one_node)
     except ValueError:
         return Config(num_sms)
 
@@ -436,7 +436,7 @@ class NormalBuffer(NormalBufferMembership):
                 epoch=self._epoch, num_nodes=self._nodes.num_nodes)
             if config is None:      # the default, as far as this buffer's rings hold it (fit_config)
                 sms = 2 * handle.num_channels if cached else NormalBuffer.num_sms
-                config = self._backend.fit_config(_default(self._num_ranks, sms, combine=False))
+                config = self._backend.fit_config(_default(self._num_ranks, sms, False, not self._nodes.internode))
             if cached:
                 v.check_channels("cached dispatch", config, handle)
                 in_rank = handle.is_token_in_rank
@@ -494,7 +494,8 @@ class NormalBuffer(NormalBufferMembership):
             bias_0, bias_1 = v.validate_combine(x=x, handle=hd, topk_weights=topk_weights, bias=bias,
                                                 device=self._device, buffer_hidden=self._hidden)
             if config is None:      # the default, as far as this buffer's rings hold it (fit_config)
-                config = self._backend.fit_config(_default(self._num_ranks, 2 * hd.num_channels, combine=True))
+                config = self._backend.fit_config(_default(self._num_ranks, 2 * hd.num_channels, True,
+                                                            not self._nodes.internode))
             v.check_channels("combine", config, hd)
             call = CombineCall(x=x, topk_weights=topk_weights, bias=(bias_0, bias_1), handle=hd, config=config,
                                timeout_us=self._timeout_us, seq=self._seq + 1)

@@ -77,13 +77,15 @@ _COMBINE = {1: (8, 256), 2: (8, 256), 4: (8, 256), 8: (6, 256)}
 _SHALLOW_RING = (8, 6, 64)   # (ranks, from this many channels, ring rows)
 
 
-def default_config(num_ranks: int, num_sms: int, combine: bool) -> Config:
+def default_config(num_ranks: int, num_sms: int, combine: bool, one_node: bool = True) -> Config:
+    """one_node=False (a buffer across nodes): the table's rows without the shallow ring, which was
+    measured on the ranks of one node only."""
     table = _COMBINE if combine else _DISPATCH
     if num_ranks not in table:
         raise ValueError(f"the normal mode runs on 1, 2, 4 or 8 ranks of one node, not {num_ranks}")
     send, recv = table[num_ranks]
     ranks, channels, shallow = _SHALLOW_RING
-    if num_ranks == ranks and num_sms // 2 >= channels:
+    if one_node and num_ranks == ranks and num_sms // 2 >= channels:
         recv = shallow
     return Config(num_sms, send, recv)
 
