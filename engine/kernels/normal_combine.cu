@@ -2,7 +2,9 @@
 // back to their source ranks (warp group g serves source g, rows in received order); an odd block
 // reduces channel c's own tokens: token t's row from rank d sits at position send_head[t][d] of the
 // ring (c, d) in this rank's buffer. Sum in fp32: bias_0, bias_1, then ranks ascending (contract.py).
+#if !defined(PYEP_LL_CPU_SIM)   // tests/ll_sim/normal_sim.cpp compiles the kernels as host C++
 #include <cuda_runtime.h>
+#endif
 
 #include <stdexcept>
 #include <string>
@@ -38,6 +40,7 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
     // Room: the receiver needs up to one round of positions beyond its head before it frees any.
     const int chunk = max(1, min(max(a.chunk_tokens, 2 * W), Q - reduce_round(Q)));   // every warp busy
     const bool leader = wi == 0 && lane == 0;
+    const L2Store ring_store = l2_store(s, kHintKeepRing, false);
     // A source out of the call gets none of its rows back; the group decides together (another block
     // may clear the bit while its warps read it).
     if (s.active && group_sync_or(g, W, !in_mask(call_mask(s), d))) return;
@@ -60,7 +63,7 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
             const int64_t r = x_row(a, start + i);
             uint8_t* dst = ring + slot_offset(s, i, Q);
             const float w = lane < K && weights ? weights[r * K + lane] : 0.f;   // in flight with the copy
-            warp_copy(dst, x + (uint64_t)r * row.payload, row.payload, lane);
+            warp_copy(dst, x + (uint64_t)r * row.payload, row.payload, lane, ring_store);
             if (lane < K) reinterpret_cast<float*>(dst + row.weights)[lane] = w;
         }
         group_sync(g, W);
@@ -74,7 +77,7 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
 // vectors v of 8 channels this lane owns.
 template <int kSrc, int kVec>
 __device__ __forceinline__ void reduce_token(const uint8_t* const* rows, int nsrc, const int4* b0, const int4* b1,
-                                             int4* out, int vecs, int lane) {
+                                             int4* out, int vecs, int lane, const L2Store& store) {
     for (int v0 = lane; v0 < vecs; v0 += 32 * kVec) {
         int4 in[kSrc][kVec];
 #pragma unroll
@@ -96,17 +99,24 @@ __device__ __forceinline__ void reduce_token(const uint8_t* const* rows, int nsr
             __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
             for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-            out[v] = o;
+            store(out + v, o);
         }
     }
 }
 
+struct CombineRecvShared {
+    uint32_t base[kMaxRanks];   // rx position of each source's stream at the call's start
+    int max[kMaxRanks];         // the round's highest position read per source
+    int failed;
+};
+
 __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const CombineRow& row, int c) {
     const int R = s.num_ranks, me = s.rank, Q = a.ring_tokens, K = a.num_topk, C = a.num_channels;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, round = reduce_round(Q);
-    __shared__ uint32_t sh_base[kMaxRanks];
-    __shared__ int sh_max[kMaxRanks];
-    __shared__ int sh_failed;
+    CombineRecvShared& sh = block_shared<CombineRecvShared>();
+    uint32_t* sh_base = sh.base;
+    int* sh_max = sh.max;
+    int& sh_failed = sh.failed;
     uint8_t* own = reinterpret_cast<uint8_t*>(s.buf);
     if (threadIdx.x < R) {
         sh_base[threadIdx.x] = (uint32_t)*rx_of(s, c, threadIdx.x);
@@ -124,6 +134,7 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
     const int4* bias1 = reinterpret_cast<const int4*>(a.bias1);
     int4* out = reinterpret_cast<int4*>(a.out);
     float* out_w = reinterpret_cast<float*>(a.out_weights);
+    const L2Store out_store = l2_store(s, kHintStreamOut, true);
 
     for (int rs = t0; rs < t1; rs += round) {
         const int t = rs + warp;
@@ -172,13 +183,20 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
                 const int4* b0 = bias0 ? bias0 + (int64_t)t * vecs : nullptr;
                 const int4* b1 = bias1 ? bias1 + (int64_t)t * vecs : nullptr;
                 int4* o = out + (int64_t)t * vecs;
-                if (nsrc <= 2) reduce_token<2, 4>(rows, nsrc, b0, b1, o, vecs, lane);
-                else if (nsrc <= 4) reduce_token<4, 2>(rows, nsrc, b0, b1, o, vecs, lane);
-                else reduce_token<kMaxRanks, 1>(rows, nsrc, b0, b1, o, vecs, lane);
+                if (nsrc <= 2) reduce_token<2, 4>(rows, nsrc, b0, b1, o, vecs, lane, out_store);
+                else if (nsrc <= 4) reduce_token<4, 2>(rows, nsrc, b0, b1, o, vecs, lane, out_store);
+                else reduce_token<kMaxRanks, 1>(rows, nsrc, b0, b1, o, vecs, lane, out_store);
                 if (out_w && lane < K) {
                     float w = 0.f;
                     for (int i = 0; i < nsrc; ++i) w += __ldcg(wrow[i] + lane);
                     out_w[(int64_t)t * K + lane] = w;
+                }
+                if (s.l2_hints & kHintDiscard) {   // the token's ring rows are dead until the rings wrap
+                    __syncwarp();
+                    for (int d = 0; d < R; ++d) {
+                        const int p = __shfl_sync(0xffffffffu, pos, d);
+                        if (p >= 0 && d != me) discard_l2(ring_of(s, own, c, d, Q) + slot_offset(s, p, Q), row.bytes, lane);
+                    }
                 }
                 if (pos >= 0) atomicMax(&sh_max[lane], pos);
             } else if (lane == 0) {
@@ -216,6 +234,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine(NormalStatic s, Co
 
 }  // namespace
 
+#if !defined(PYEP_LL_CPU_SIM)
 void check_static(const NormalStatic& s);
 
 void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream) {
@@ -235,6 +254,7 @@ void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw std::runtime_error(std::string("normal combine launch: ") + cudaGetErrorString(e));
 }
+#endif  // !PYEP_LL_CPU_SIM
 
 }  // namespace normal
 }  // namespace pyep

@@ -7,6 +7,8 @@
 
 #include <stdint.h>
 
+#include "kernels/normal_common.cuh"
+
 namespace pyep {
 namespace normal {
 
@@ -18,7 +20,15 @@ struct WarpTma {
     uint64_t* bar;       // kTmaStages mbarriers
     uint32_t phases;     // bit s: the parity the next wait on stage s expects
     uint32_t next;       // chunks issued so far (selects the stage)
+    L2Store store;       // the L2 policy of the bulk stores (kHintStreamOut), or none
 };
+
+#if !defined(PYEP_LL_CPU_SIM)
+// The block's dynamic shared memory (the launch reserves the stages and barriers).
+__device__ __forceinline__ uint8_t* tma_shared() {
+    extern __shared__ __align__(128) uint8_t tma_smem[];
+    return tma_smem;
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -26,7 +36,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // Lane 0 of the warp initialises its barriers (once per kernel).
 __device__ __forceinline__ WarpTma tma_setup(uint8_t* smem_base, uint64_t* bars, int warp, int lane) {
-    WarpTma t{smem_base + (size_t)warp * kTmaStages * kTmaStageBytes, bars + warp * kTmaStages, 0u, 0u};
+    WarpTma t{smem_base + (size_t)warp * kTmaStages * kTmaStageBytes, bars + warp * kTmaStages, 0u, 0u, {}};
     if (lane == 0) {
         for (int s = 0; s < kTmaStages; ++s)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(t.bar + s)) : "memory");
@@ -73,9 +83,15 @@ __device__ __forceinline__ void tma_copy(WarpTma& t, uint8_t* dst, const uint8_t
             if (i + 1 < chunks) issue(i + 1);
             const int stage = (t.next + i) % kTmaStages;
             tma_wait(t, stage);
-            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                         ::"l"(dst + (size_t)i * kTmaStageBytes), "r"(smem_addr(t.smem + stage * kTmaStageBytes)),
-                           "r"(min(kTmaStageBytes, bytes - i * kTmaStageBytes)) : "memory");
+            uint8_t* d = dst + (size_t)i * kTmaStageBytes;
+            const uint32_t from = smem_addr(t.smem + stage * kTmaStageBytes);
+            const int n = min(kTmaStageBytes, bytes - i * kTmaStageBytes);
+            if (t.store.hinted)
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;"
+                             ::"l"(d), "r"(from), "r"(n), "l"(t.store.policy) : "memory");
+            else
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                             ::"l"(d), "r"(from), "r"(n) : "memory");
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         }
         t.next += chunks;
@@ -83,11 +99,30 @@ __device__ __forceinline__ void tma_copy(WarpTma& t, uint8_t* dst, const uint8_t
     __syncwarp();
 }
 
+// Orders this warp's earlier bulk-copy reads (async proxy) before its later generic writes to the same
+// bytes (a discard_l2 of the slot they read). Every lane, after tma_copy returned.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
 // Wait until this warp's bulk stores are complete (before the kernel ends).
 __device__ __forceinline__ void tma_drain(int lane) {
     if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     __syncwarp();
 }
+
+#else
+// CPU simulation (tests/ll_sim): no copy engine; a bulk copy is the warp's own copy, complete on return.
+__device__ __forceinline__ uint8_t* tma_shared() { return sim_smem(); }
+__device__ __forceinline__ WarpTma tma_setup(uint8_t* smem_base, uint64_t* bars, int, int) {
+    __syncwarp();
+    return WarpTma{smem_base, bars, 0u, 0u, {}};
+}
+__device__ __forceinline__ void tma_copy(WarpTma& t, uint8_t* dst, const uint8_t* src, int bytes, int lane) {
+    warp_copy(dst, src, bytes, lane, t.store);
+    __syncwarp();
+}
+__device__ __forceinline__ void fence_proxy_async_global() {}
+__device__ __forceinline__ void tma_drain(int) { __syncwarp(); }
+#endif  // !PYEP_LL_CPU_SIM
 
 }  // namespace normal
 }  // namespace pyep

@@ -41,18 +41,44 @@ struct SimWarp {
     }
 };
 
+// A named barrier (bar.sync id, count): `count` threads, with the OR of a predicate the threads of one
+// phase brought (barrier.red.or), published when the last one arrives and read back after the release.
+struct SimNamedBar {
+    struct Done {
+        SimNamedBar* nb;
+        void operator()() noexcept {
+            nb->result[nb->phase & 1] = nb->acc.exchange(0);
+            ++nb->phase;
+        }
+    };
+    explicit SimNamedBar(int count) : bar(count, Done{this}) {}
+    std::atomic<int> acc{0};
+    int result[2] = {0, 0};
+    unsigned phase = 0;
+    std::barrier<Done> bar;
+};
+
 struct SimBlock {
     explicit SimBlock(int threads, size_t smem_bytes)
         : bar(threads), smem(smem_bytes + 16), warps((threads + 31) / 32) {}
     std::barrier<> bar;
     std::vector<uint8_t> smem;
     std::vector<SimWarp> warps;
+    std::mutex named_m;
+    std::map<int, std::unique_ptr<SimNamedBar>> named;
+    SimNamedBar& named_bar(int id, int count) {
+        std::lock_guard<std::mutex> g(named_m);
+        auto& b = named[id];
+        if (!b) b = std::make_unique<SimNamedBar>(count);
+        return *b;
+    }
 };
 
 struct SimDim { unsigned x; };
 struct SimThread {
     SimDim tid, bid, bdim, gdim;
     SimBlock* block;
+    unsigned named_uses[16] = {};   // phases of each named barrier this thread took part in
 };
 inline thread_local SimThread* g_sim = nullptr;
 
@@ -69,6 +95,15 @@ inline void sim_spin_hint() { std::this_thread::yield(); }
 inline void __syncthreads() { g_sim->block->bar.arrive_and_wait(); }
 inline void __syncwarp(uint32_t mask = 0xffffffffu) {
     g_sim->block->warps[g_sim->tid.x / 32].bar(mask).arrive_and_wait();
+}
+
+// bar.sync id, count / barrier.red.or.pred: returns whether any of the phase's threads passed pred.
+inline bool sim_named_barrier(int id, int count, bool pred) {
+    SimNamedBar& nb = g_sim->block->named_bar(id, count);
+    const unsigned k = g_sim->named_uses[id & 15]++;
+    if (pred) nb.acc.fetch_or(1);
+    nb.bar.arrive_and_wait();
+    return __atomic_load_n(&nb.result[k & 1], __ATOMIC_ACQUIRE) != 0;
 }
 
 template <typename T>
@@ -121,6 +156,8 @@ inline unsigned __ballot_sync(uint32_t mask, bool pred) {
     return out;
 }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
+inline bool __all_sync(uint32_t mask, bool pred) { return __ballot_sync(mask, pred) == mask; }
 
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
@@ -134,6 +171,11 @@ inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC
 inline int atomicMin(int* p, int v) {
     int cur = __atomic_load_n(p, __ATOMIC_SEQ_CST);
     while (v < cur && !__atomic_compare_exchange_n(p, &cur, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+    return cur;
+}
+inline int atomicMax(int* p, int v) {
+    int cur = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    while (v > cur && !__atomic_compare_exchange_n(p, &cur, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
     return cur;
 }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {

@@ -117,6 +117,13 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         # copy engine (an A/B switch for measurements; both give the same bytes).
         import os
         self._use_tma = os.environ.get("PYEP_NORMAL_TMA", "1") != "0"
+        # PYEP_NORMAL_L2_HINTS: the kernels' L2 hints as a bit mask (normal_launch.h kHint*: 1 drop consumed
+        # ring lines, 2 output rows evict-first, 4 ring rows evict-last); another A/B switch of the
+        # measurements, the same bytes either way.
+        hints = os.environ.get("PYEP_NORMAL_L2_HINTS", "")
+        if hints and not (hints.isdigit() and int(hints) < 8):
+            raise ValueError(f"PYEP_NORMAL_L2_HINTS={hints!r}: expected a bit mask from 0 to 7")
+        self._l2_hints = int(hints) if hints else int(self._n.L2_HINTS_DEFAULT)
         # Pinned host words the kernels write and the host reads without synchronising.
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host = torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cpu",
@@ -146,6 +153,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         s = self._n.NormalStatic()
         s.rank, s.num_ranks = self.rank, self.num_ranks
         s.buf = self._buf
+        s.l2_hints = self._l2_hints
         s.peer_base = self._peer_base.data_ptr()
         s.ring_off = layout.ring_offset(self.num_ranks, self._extra)
         s.ring_capacity = self._bytes - s.ring_off

@@ -1,0 +1,134 @@
+// CPU simulation of the normal mode's intranode kernels for CI (no GPU): engine/kernels/normal_dispatch.cu
+// and normal_combine.cu compiled as host C++ against cuda_shim.h, as ll_sim.cpp does for the LL kernels.
+// Every simulated rank's grid runs at once, one OS thread per GPU thread, against host buffers laid out
+// by pyep/ep/normal/layout.py; a peer's ring is reached by direct stores, as over NVLink. The bulk
+// copies (TMA) are the warp's own copies here, and a discarded L2 line reads back as poison
+// (normal_common.cuh discard_l2), so a discard issued before the last read of a slot shows in the data.
+#define PYEP_LL_CPU_SIM 1
+#include "cuda_shim.h"
+
+#include "kernels/normal_combine.cu"
+#include "kernels/normal_dispatch.cu"
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+using namespace pyep;
+using namespace pyep::normal;
+
+namespace {
+
+template <typename T>
+void set(const py::dict& d, const char* key, T& field) {
+    if (!d.contains(key)) throw py::key_error(std::string("missing field ") + key);
+    field = d[key].cast<T>();
+}
+template <typename T>
+void opt(const py::dict& d, const char* key, T& field) {
+    if (d.contains(key)) field = d[key].cast<T>();
+}
+
+NormalStatic static_from(const py::dict& d) {
+    NormalStatic s;
+    set(d, "rank", s.rank); set(d, "num_ranks", s.num_ranks); set(d, "buf", s.buf); set(d, "peer_base", s.peer_base);
+    set(d, "ring_off", s.ring_off); set(d, "ring_capacity", s.ring_capacity); set(d, "slot_bytes", s.slot_bytes);
+    set(d, "off_tail", s.off_tail); set(d, "off_head", s.off_head); set(d, "off_tx", s.off_tx); set(d, "off_rx", s.off_rx);
+    set(d, "err", s.err); set(d, "workspace", s.workspace); set(d, "timeout_ns", s.timeout_ns);
+    set(d, "l2_hints", s.l2_hints);
+    opt(d, "active", s.active);
+    if (s.num_ranks < 1 || s.num_ranks > kMaxRanks || s.rank < 0 || s.rank >= s.num_ranks)
+        throw py::value_error("rank / num_ranks out of range");
+    if (s.buf % 128 || s.ring_off % 128 || s.slot_bytes % 128) throw py::value_error("buffer, rings and slots must be 128-byte aligned");
+    return s;
+}
+
+DispatchArgs dispatch_from(const py::dict& d) {
+    DispatchArgs a;
+    set(d, "x", a.x); set(d, "x_scales", a.x_scales); set(d, "topk_idx", a.topk_idx); set(d, "topk_weights", a.topk_weights);
+    set(d, "is_token_in_rank", a.is_token_in_rank); set(d, "rank_prefix_matrix", a.rank_prefix_matrix);
+    set(d, "channel_prefix_matrix", a.channel_prefix_matrix);
+    set(d, "recv_channel_prefix_matrix", a.recv_channel_prefix_matrix);
+    set(d, "num_tokens", a.num_tokens); set(d, "hidden", a.hidden); set(d, "num_topk", a.num_topk);
+    set(d, "num_local_experts", a.num_local_experts); set(d, "fp8", a.fp8); set(d, "num_channels", a.num_channels);
+    set(d, "ring_tokens", a.ring_tokens); set(d, "chunk_tokens", a.chunk_tokens); set(d, "num_out_rows", a.num_out_rows);
+    set(d, "use_tma", a.use_tma); set(d, "recv_x", a.recv_x); set(d, "recv_x_scales", a.recv_x_scales);
+    set(d, "recv_topk_idx", a.recv_topk_idx); set(d, "recv_topk_weights", a.recv_topk_weights);
+    set(d, "recv_src_idx", a.recv_src_idx);
+    opt(d, "num_worst_tokens", a.num_worst_tokens); opt(d, "send_head", a.send_head); opt(d, "dropped", a.dropped);
+    return a;
+}
+
+CombineArgs combine_from(const py::dict& d) {
+    CombineArgs a;
+    set(d, "x", a.x); set(d, "topk_weights", a.topk_weights); set(d, "send_head", a.send_head);
+    set(d, "rank_prefix_matrix", a.rank_prefix_matrix); set(d, "channel_prefix_matrix", a.channel_prefix_matrix);
+    set(d, "recv_channel_prefix_matrix", a.recv_channel_prefix_matrix);
+    set(d, "num_tokens", a.num_tokens); set(d, "hidden", a.hidden); set(d, "num_topk", a.num_topk);
+    set(d, "num_channels", a.num_channels); set(d, "ring_tokens", a.ring_tokens); set(d, "chunk_tokens", a.chunk_tokens);
+    set(d, "out", a.out); set(d, "out_weights", a.out_weights);
+    opt(d, "bias0", a.bias0); opt(d, "bias1", a.bias1); opt(d, "dropped", a.dropped);
+    return a;
+}
+
+// The checks of launch_dispatch / launch_combine that the simulated world could get wrong.
+void check_rings(const NormalStatic& s, int channels, int ring_tokens, uint64_t row_bytes) {
+    if (channels < 1 || channels > kMaxChannels) throw py::value_error("num_channels must be in [1, 64]");
+    if (row_bytes > s.slot_bytes) throw py::value_error("a row does not fit the slots");
+    if ((uint64_t)channels * s.num_ranks * ring_tokens * s.slot_bytes > s.ring_capacity)
+        throw py::value_error("the rings do not fit the buffer");
+}
+
+constexpr size_t kBlockScratch = 1024;   // normal_common.cuh block_shared()
+
+// Every listed rank's grid at once.
+template <typename Args, typename FromDict, typename Kernel>
+void launch_on_every_rank(const py::list& statics, const py::list& args, FromDict from_dict, int threads,
+                          Kernel kernel) {
+    std::vector<NormalStatic> ss;
+    std::vector<Args> as;
+    for (size_t i = 0; i < statics.size(); ++i) {
+        ss.push_back(static_from(statics[i].cast<py::dict>()));
+        as.push_back(from_dict(args[i].cast<py::dict>()));
+    }
+    py::gil_scoped_release nogil;
+    SimLaunch launch;
+    for (size_t i = 0; i < ss.size(); ++i) {
+        const NormalStatic s = ss[i];
+        const Args a = as[i];
+        launch.grid(2 * a.num_channels, threads, kBlockScratch, [=] { kernel(s, a); });
+    }
+    launch.join();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(normal_sim, m) {
+    m.attr("dispatch_threads") = kDispatchThreads;
+    m.attr("combine_threads") = kCombineThreads;
+    m.def("dispatch_row_bytes", [](int h, int fp8, int k) { return (uint64_t)DispatchRow(h, fp8, k).bytes; });
+    m.def("combine_row_bytes", [](int h, int k) { return (uint64_t)CombineRow(h, k).bytes; });
+    // One dispatch: the dispatch kernel on every listed rank at once (2C blocks, as launched).
+    m.def("dispatch", [](const py::list& statics, const py::list& args) {
+        for (size_t i = 0; i < statics.size(); ++i) {
+            const DispatchArgs a = dispatch_from(args[i].cast<py::dict>());
+            check_rings(static_from(statics[i].cast<py::dict>()), a.num_channels, a.ring_tokens,
+                        DispatchRow(a.hidden, a.fp8, a.num_topk).bytes);
+        }
+        launch_on_every_rank<DispatchArgs>(statics, args, dispatch_from, kDispatchThreads,
+                                           [](const NormalStatic& s, const DispatchArgs& a) { dispatch(s, a); });
+    });
+    // One combine: the combine kernel on every listed rank at once.
+    m.def("combine", [](const py::list& statics, const py::list& args) {
+        for (size_t i = 0; i < statics.size(); ++i) {
+            const CombineArgs a = combine_from(args[i].cast<py::dict>());
+            check_rings(static_from(statics[i].cast<py::dict>()), a.num_channels, a.ring_tokens,
+                        CombineRow(a.hidden, a.num_topk).bytes);
+        }
+        launch_on_every_rank<CombineArgs>(statics, args, combine_from, kCombineThreads,
+                                          [](const NormalStatic& s, const CombineArgs& a) { combine(s, a); });
+    });
+}

@@ -1,0 +1,235 @@
+"""A simulated intranode normal-mode world for the CPU build of the dispatch and combine kernels
+(normal_sim): R ranks in one process, host buffers laid out by pyep.ep.normal.layout, peers' rings
+reached by direct stores, the handle's matrices computed here from the contract (contract.py) rather
+than by the notify kernel, and an oracle of what every rank must receive and combine."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from pyep.ep.normal import layout
+
+WS_INTS = 8          # normal_tags.h kWs* words
+ERR_INTS = 8         # the error record: code, a, b, c
+TIMEOUT_NS = 20_000_000_000
+
+
+def load(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("normal_sim", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _aligned(nbytes: int, align: int = 128) -> torch.Tensor:
+    """A zeroed uint8 host tensor of nbytes whose first byte is `align`-aligned (a view into a larger one)."""
+    raw = torch.zeros(nbytes + align, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % align
+    return raw[skip:skip + nbytes]
+
+
+@dataclass
+class RankInputs:
+    x: torch.Tensor                      # bf16 [N, H] or e4m3 bytes as uint8 [N, H]
+    scales: Optional[torch.Tensor]       # fp32 [N, H/128] (FP8) or None
+    topk: torch.Tensor                   # int64 [N, K], -1 = no expert
+    weights: torch.Tensor                # fp32 [N, K]
+
+
+def make_inputs(R: int, sizes: List[int], H: int, K: int, E: int, fp8: bool, seed: int) -> List[RankInputs]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(R):
+        n = sizes[r]
+        topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)]) if n else \
+            torch.zeros((0, K), dtype=torch.int64)
+        topk = topk.to(torch.int64)
+        topk[torch.rand((n, K), generator=g) < 0.15] = -1
+        weights = torch.rand((n, K), generator=g, dtype=torch.float32)
+        if fp8:
+            x = torch.randint(0, 256, (n, H), generator=g, dtype=torch.uint8)
+            scales = torch.rand((n, H // 128), generator=g, dtype=torch.float32) + 0.5
+        else:
+            x = torch.randn((n, H), generator=g, dtype=torch.float32).to(torch.bfloat16)
+            scales = None
+        out.append(RankInputs(x.contiguous(), scales, topk.contiguous(), weights.contiguous()))
+    return out
+
+
+class Handle:
+    """One rank's view of a dispatch's routing, as the notify kernel would leave it (contract.py)."""
+
+    def __init__(self, inputs: List[RankInputs], me: int, R: int, E: int, C: int) -> None:
+        El = E // R
+        self.in_rank = []
+        for inp in inputs:
+            owner = torch.where(inp.topk >= 0, inp.topk // El, torch.full_like(inp.topk, -1))
+            self.in_rank.append(torch.stack([(owner == d).any(dim=1) for d in range(R)], dim=1)
+                                if inp.topk.numel() else torch.zeros((inp.topk.shape[0], R), dtype=torch.bool))
+        per_rank = torch.stack([ir.sum(dim=0).to(torch.int32) for ir in self.in_rank])   # [src, dst]
+        self.rank_prefix = per_rank.cumsum(dim=0).to(torch.int32).contiguous()
+        n = inputs[me].topk.shape[0]
+        self.channel_prefix = torch.zeros((R, C), dtype=torch.int32)
+        self.send_head = torch.full((n, R), -1, dtype=torch.int32)
+        ir = self.in_rank[me]
+        for c, (t0, t1) in enumerate(channel_ranges(n, C)):
+            for d in range(R):
+                sel = ir[t0:t1, d]
+                pos = sel.to(torch.int32).cumsum(0) - 1
+                self.send_head[t0:t1, d] = torch.where(sel, pos, torch.full_like(pos, -1))
+                self.channel_prefix[d, c] = int(sel.sum()) + (int(self.channel_prefix[d, c - 1]) if c else 0)
+        # [src][c]: first row of source src's channel c among its rows here (exclusive over channels).
+        self.recv_channel_prefix = torch.zeros((R, C), dtype=torch.int32)
+        for s in range(R):
+            ns = inputs[s].topk.shape[0]
+            run = 0
+            for c, (t0, t1) in enumerate(channel_ranges(ns, C)):
+                self.recv_channel_prefix[s, c] = run
+                run += int(self.in_rank[s][t0:t1, me].sum())
+        self.num_rows = int(self.rank_prefix[R - 1, me])
+
+
+def channel_ranges(n: int, C: int) -> List[tuple]:
+    per = (n + C - 1) // C
+    return [(min(per * c, n), min(per * c + per, n)) for c in range(C)]
+
+
+class NormalWorld:
+    """R ranks' buffers and counters; dispatch() and combine() launch the kernels on every rank at once."""
+
+    def __init__(self, sim: Any, R: int, H: int, K: int, E: int, C: int, Q: int, chunk: int,
+                 hints: int = 0, use_tma: int = 1) -> None:
+        self.sim, self.R, self.H, self.K, self.E, self.C, self.Q, self.chunk = sim, R, H, K, E, C, Q, chunk
+        self.hints, self.use_tma = hints, use_tma
+        self.words = layout.control_words(R)
+        self.ring_off = layout.ring_offset(R)
+        self.slot = layout.slot_bytes(H)
+        self.capacity = layout.ring_bytes(R, C, Q, self.slot)
+        self.bufs = [_aligned(self.ring_off + self.capacity) for _ in range(R)]
+        self.peer_base = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
+        self.ws = [torch.zeros(WS_INTS, dtype=torch.int32) for _ in range(R)]
+        self.err = [torch.zeros(ERR_INTS, dtype=torch.int32) for _ in range(R)]
+
+    def static(self, r: int) -> Dict[str, int]:
+        w = self.words
+        return dict(rank=r, num_ranks=self.R, buf=self.bufs[r].data_ptr(), peer_base=self.peer_base.data_ptr(),
+                    ring_off=self.ring_off, ring_capacity=self.capacity, slot_bytes=self.slot,
+                    off_tail=w["tail"], off_head=w["head"], off_tx=w["tx_pos"], off_rx=w["rx_pos"],
+                    err=self.err[r].data_ptr(), workspace=self.ws[r].data_ptr(), timeout_ns=TIMEOUT_NS,
+                    l2_hints=self.hints)
+
+    def errors(self) -> List[List[int]]:
+        return [e.tolist()[:4] for e in self.err]
+
+    def dispatch(self, inputs: List[RankInputs]) -> tuple:
+        """Runs one dispatch; returns (handles, outputs) with outputs[r] = dict of received tensors."""
+        R, H, K = self.R, self.H, self.K
+        fp8 = inputs[0].scales is not None
+        handles = [Handle(inputs, r, R, self.E, self.C) for r in range(R)]
+        outs, args = [], []
+        for r in range(R):
+            h, inp = handles[r], inputs[r]
+            rows = h.num_rows
+            o = {"recv_x": torch.full((rows, H), 0x5A, dtype=torch.uint8) if fp8 else
+                 torch.zeros((rows, H), dtype=torch.bfloat16),
+                 "recv_scales": torch.zeros((rows, H // 128), dtype=torch.float32) if fp8 else None,
+                 "recv_topk_idx": torch.full((rows, K), -7, dtype=torch.int64),
+                 "recv_topk_weights": torch.full((rows, K), -7.0, dtype=torch.float32),
+                 "recv_src_idx": torch.full((rows,), -7, dtype=torch.int32), "handle": h}
+            outs.append(o)
+            keep = [inp.x, inp.scales, inp.topk, inp.weights, h.in_rank[r].contiguous(), h.rank_prefix,
+                    h.channel_prefix, h.recv_channel_prefix]
+            o["_keep"] = keep
+            args.append(dict(
+                x=_ptr(inp.x), x_scales=_ptr(inp.scales), topk_idx=_ptr(inp.topk), topk_weights=_ptr(inp.weights),
+                is_token_in_rank=keep[4].data_ptr(), rank_prefix_matrix=h.rank_prefix.data_ptr(),
+                channel_prefix_matrix=h.channel_prefix.data_ptr(),
+                recv_channel_prefix_matrix=h.recv_channel_prefix.data_ptr(), num_tokens=inp.topk.shape[0],
+                hidden=H, num_topk=K, num_local_experts=self.E // R, fp8=int(fp8), num_channels=self.C,
+                ring_tokens=self.Q, chunk_tokens=self.chunk, num_out_rows=rows, use_tma=self.use_tma,
+                recv_x=_ptr(o["recv_x"]), recv_x_scales=_ptr(o["recv_scales"]),
+                recv_topk_idx=_ptr(o["recv_topk_idx"]), recv_topk_weights=_ptr(o["recv_topk_weights"]),
+                recv_src_idx=_ptr(o["recv_src_idx"])))
+        self.sim.dispatch([self.static(r) for r in range(R)], args)
+        return handles, outs
+
+    def combine(self, handles: List[Handle], ys: List[torch.Tensor], ws: List[torch.Tensor],
+                bias: Optional[List[torch.Tensor]] = None) -> List[Dict[str, torch.Tensor]]:
+        """Combines ys[r] (bf16 [rows_r, H], received-row order) with weights ws[r] back to their sources."""
+        R, H, K = self.R, self.H, self.K
+        outs, args = [], []
+        for r in range(R):
+            h = handles[r]
+            n = h.send_head.shape[0]
+            o = {"out": torch.full((n, H), 7.0, dtype=torch.bfloat16),
+                 "out_weights": torch.full((n, K), -7.0, dtype=torch.float32)}
+            outs.append(o)
+            a = dict(x=ys[r].data_ptr() if ys[r].numel() else 0, topk_weights=_ptr(ws[r]),
+                     send_head=_ptr(h.send_head), rank_prefix_matrix=h.rank_prefix.data_ptr(),
+                     channel_prefix_matrix=h.channel_prefix.data_ptr(),
+                     recv_channel_prefix_matrix=h.recv_channel_prefix.data_ptr(), num_tokens=n, hidden=H,
+                     num_topk=K, num_channels=self.C, ring_tokens=self.Q, chunk_tokens=self.chunk,
+                     out=_ptr(o["out"]), out_weights=_ptr(o["out_weights"]))
+            if bias is not None:
+                a["bias0"] = bias[r].data_ptr()
+            args.append(a)
+        self.sim.combine([self.static(r) for r in range(R)], args)
+        return outs
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return t.data_ptr() if t is not None and t.numel() else 0
+
+
+# ---- oracle (contract.py) --------------------------------------------------------------------------------
+
+def check_dispatch(inputs: List[RankInputs], handles: List[Handle], outs: List[dict], E: int, what: str) -> None:
+    R = len(inputs)
+    El = E // R
+    for me in range(R):
+        o, h = outs[me], handles[me]
+        j = 0
+        for s in range(R):
+            toks = torch.nonzero(h.in_rank[s][:, me]).flatten().tolist()
+            for t in toks:
+                where = f"{what}: rank {me} row {j} (source {s} token {t})"
+                if inputs[s].scales is not None:
+                    assert torch.equal(o["recv_x"][j], inputs[s].x[t]), where + ": payload"
+                    assert torch.equal(o["recv_scales"][j], inputs[s].scales[t]), where + ": scales"
+                else:
+                    assert torch.equal(o["recv_x"][j].view(torch.int16), inputs[s].x[t].view(torch.int16)), \
+                        where + ": payload"
+                ids = inputs[s].topk[t]
+                local = (ids >= me * El) & (ids < (me + 1) * El)
+                want = torch.where(local, ids - me * El, torch.full_like(ids, -1))
+                assert torch.equal(o["recv_topk_idx"][j], want), where + f": ids {o['recv_topk_idx'][j]} != {want}"
+                want_w = torch.where(local, inputs[s].weights[t], torch.zeros_like(inputs[s].weights[t]))
+                assert torch.equal(o["recv_topk_weights"][j], want_w), where + ": weights"
+                assert int(o["recv_src_idx"][j]) == t, where + ": source index"
+                j += 1
+        assert j == h.num_rows
+
+
+def expected_combine(handles: List[Handle], ys: List[torch.Tensor], ws: List[torch.Tensor], me: int,
+                     bias: Optional[torch.Tensor] = None) -> tuple:
+    """(out bf16 [N, H], out_weights fp32 [N, K]) of rank me: 0 (+ bias), then the rows of every rank
+    holding the token, ranks ascending, summed in fp32 (contract.py)."""
+    R = len(handles)
+    h = handles[me]
+    n, H = h.send_head.shape[0], ys[0].shape[1]
+    K = ws[0].shape[1]
+    acc = torch.zeros((n, H), dtype=torch.float32)
+    wacc = torch.zeros((n, K), dtype=torch.float32)
+    if bias is not None:
+        acc = acc + bias.float()
+    ir = h.in_rank[me]
+    for d in range(R):
+        first = int(h.rank_prefix[me - 1, d]) if me else 0
+        toks = torch.nonzero(ir[:, d]).flatten()
+        rows = first + torch.arange(toks.numel())
+        acc[toks] = acc[toks] + ys[d][rows].float()
+        wacc[toks] = wacc[toks] + ws[d][rows]
+    return acc.to(torch.bfloat16), wacc
