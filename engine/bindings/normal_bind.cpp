@@ -34,6 +34,7 @@ void register_normal(py::module_& m) {
         .def_readwrite("off_rx", &NormalStatic::off_rx)
         .def_readwrite("off_flag", &NormalStatic::off_flag)
         .def_readwrite("off_notify", &NormalStatic::off_notify)
+        .def_readwrite("off_alive", &NormalStatic::off_alive)
         .def_readwrite("notify_ints", &NormalStatic::notify_ints)
         .def_readwrite("err", &NormalStatic::err)
         .def_readwrite("host_counts", &NormalStatic::host_counts)

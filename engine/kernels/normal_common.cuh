@@ -17,8 +17,10 @@ namespace normal {
 
 using ll::fence_acq_rel_sys;
 using ll::ld_acquire_sys;
+using ll::ld_relaxed_sys;
 using ll::ld_v4;
 using ll::ld_volatile;
+using ll::st_relaxed_sys;
 using ll::st_v4;
 
 // ---- addressing --------------------------------------------------------------------------------------
@@ -149,14 +151,58 @@ __device__ __forceinline__ void record_void(uint64_t record, int kind, int peer,
     r[kRecVoids] = r[kRecVoids] + 1;
 }
 
-// A gate's wait for one peer's flags (its call numbers by parity, written by the peer into this rank's
-// buffer): kGateArrived, kGateOther (the peer is at another call: *peer_call says which), or -1 after
-// timeout_ns. `other` is read before `mine` (normal_tags.h gate_classify says why).
+// ---- liveness: a waiting rank is alive -------------------------------------------------------------
+// A peer may be slow to answer because it is itself waiting: a combine receiver reduces tokens in order,
+// so one dead source stalls every ring it reads, and the senders of those rings then wait on a live
+// rank for up to a timeout. Taking that rank for dead would split the live ranks. So a thread that has
+// waited longer than a beat stores the time, in beats (2^16 ns), into its rank's heartbeat word
+// (layout.py "alive") whenever the value moves, and a wait on peer r restarts its timeout whenever
+// r's heartbeat moved: r is declared silent after timeout_ns with neither an answer nor a beat. A rank
+// whose kernels ended (dead, or never launched the call) stops beating. kAliveCap timeouts bound any
+// wait regardless, so live ranks waiting on each other in a cycle still end it (events.py bounds the
+// host's wait of a call by more than that).
+constexpr int kBeatShift = 16;
+constexpr uint64_t kAliveCap = 2;
+
+__device__ __forceinline__ int* alive_of(const NormalStatic& s, uint8_t* base) { return words(base, s.off_alive); }
+
+// The clock of one wait on peer r. Nothing is read or written in the first beat of a wait, so short
+// waits (the common case) cost nothing beyond the clock reads they already made.
+struct PeerClock {
+    uint64_t first = 0, since = 0;
+    uint32_t beat = 0;   // the last value this wait stored into its rank's heartbeat
+    int seen = 0;        // r's heartbeat as this wait last read it
+    bool read = false;
+    // True once the wait on r has run out.
+    __device__ __forceinline__ bool expired(const NormalStatic& s, int r) {
+        const uint64_t now = gda::now_ns();
+        if (!first) {
+            first = since = now;
+            return false;
+        }
+        if ((now - first) >> kBeatShift) {
+            const uint32_t b = (uint32_t)(now >> kBeatShift);
+            if (b != beat) {   // at most once a beat: the heartbeat, and a look at r's
+                beat = b;
+                st_relaxed_sys(alive_of(s, reinterpret_cast<uint8_t*>(s.buf)), (int)b);
+                const int v = ld_relaxed_sys(alive_of(s, peer_buf(s, r)));
+                if (read && v != seen) since = now;
+                seen = v;
+                read = true;
+            }
+        }
+        return now - since > s.timeout_ns || now - first > kAliveCap * s.timeout_ns;
+    }
+};
+
+// A gate's wait for peer r's flags (its call numbers by parity, written by the peer into this rank's
+// buffer): kGateArrived, kGateOther (the peer is at another call: *peer_call says which), or -1 once
+// the wait ran out (PeerClock). `other` is read before `mine` (normal_tags.h gate_classify says why).
 // `gone()` true ends the wait early (-1 too): the peer left the call while it was awaited.
 template <typename Gone>
-__device__ __forceinline__ int gate_wait(const int* mine, const int* other, uint32_t seq, uint64_t timeout_ns,
+__device__ __forceinline__ int gate_wait(const NormalStatic& s, int r, const int* mine, const int* other, uint32_t seq,
                                          uint32_t* peer_call, Gone gone) {
-    uint64_t start = 0;
+    PeerClock clock;
     for (;;) {
         const uint32_t o = (uint32_t)ld_acquire_sys(other);
         const uint32_t m = (uint32_t)ld_acquire_sys(mine);
@@ -166,8 +212,7 @@ __device__ __forceinline__ int gate_wait(const int* mine, const int* other, uint
             return st;
         }
         if (gone()) return -1;
-        if (!start) start = gda::now_ns();
-        else if (gda::now_ns() - start > timeout_ns) return -1;
+        if (clock.expired(s, r)) return -1;
         LL_SPIN_HINT();
     }
 }
@@ -229,21 +274,21 @@ __device__ __forceinline__ bool wait_counter(const int* ctr, uint32_t target, ui
     return true;
 }
 
-// wait_counter for a wait on peer `r`: with a mask it also ends (false) as soon as another block of the
-// call marked r, and on its own timeout it marks r (mark_peer_failed); `marked` says which happened.
-// Without a mask it is wait_counter, and the caller records the timeout.
+// wait_counter for a wait on peer `r`, timed by a PeerClock (r's heartbeat extends it). With a mask it
+// also ends (false) as soon as another block of the call marked r, and when it runs out it marks r
+// (mark_peer_failed); `marked` says which happened. Without a mask the caller records the timeout.
 __device__ __forceinline__ bool wait_peer_counter(const NormalStatic& s, const int* ctr, uint32_t target, int r,
                                                   bool* marked) {
     *marked = false;
-    if (!s.active) return wait_counter(ctr, target, s.timeout_ns);
     if ((int)((uint32_t)ld_acquire_sys(ctr) - target) >= 0) return true;
-    const uint64_t start = gda::now_ns();
+    PeerClock clock;
     while ((int)((uint32_t)ld_acquire_sys(ctr) - target) < 0) {
-        if (!in_mask(call_mask(s), r)) {
+        if (s.active && !in_mask(call_mask(s), r)) {
             *marked = true;
             return false;
         }
-        if (gda::now_ns() - start > s.timeout_ns) {
+        if (clock.expired(s, r)) {
+            if (!s.active) return false;
             mark_peer_failed(s, r);
             *marked = true;
             return false;

@@ -119,7 +119,7 @@ __device__ __forceinline__ void gate_publish_and_wait(const NormalStatic& s, con
     st_release_sys(gate_flag(s, peer_buf(s, d), parity, me), (int)g.seq);
     uint32_t pc = 0;
     const volatile unsigned int* cmask = &g.cmask;
-    const int st = gate_wait(gate_flag(s, own, parity, d), gate_flag(s, own, parity ^ 1, d), g.seq, s.timeout_ns, &pc,
+    const int st = gate_wait(s, d, gate_flag(s, own, parity, d), gate_flag(s, own, parity ^ 1, d), g.seq, &pc,
                              [&] { return s.active && !((*cmask >> d) & 1u); });
     g.state[d] = st;
     g.peer_call[d] = pc;

@@ -71,6 +71,7 @@ struct NormalStatic {
     uint64_t slot_bytes = 0;
     // Word (int32) offsets of the control arrays (layout.py control_words).
     uint32_t off_tail = 0, off_head = 0, off_tx = 0, off_rx = 0, off_flag = 0, off_notify = 0;
+    uint32_t off_alive = 0;       // this rank's heartbeat word (normal_common.cuh PeerClock)
     uint32_t notify_ints = 0;     // ints per (parity, source) notify slot
     uint64_t err = 0;             // pinned int32[8]: the error record
     uint64_t host_counts = 0;     // pinned int32[2 + kMaxLocalExperts]: [ready, rows, aligned per-expert rows]

@@ -37,6 +37,7 @@ NormalStatic static_from(const py::dict& d) {
     set(d, "rank", s.rank); set(d, "num_ranks", s.num_ranks); set(d, "buf", s.buf); set(d, "peer_base", s.peer_base);
     set(d, "ring_off", s.ring_off); set(d, "ring_capacity", s.ring_capacity); set(d, "slot_bytes", s.slot_bytes);
     set(d, "off_tail", s.off_tail); set(d, "off_head", s.off_head); set(d, "off_tx", s.off_tx); set(d, "off_rx", s.off_rx);
+    set(d, "off_alive", s.off_alive);
     set(d, "err", s.err); set(d, "workspace", s.workspace); set(d, "timeout_ns", s.timeout_ns);
     set(d, "l2_hints", s.l2_hints);
     opt(d, "active", s.active);

@@ -13,6 +13,7 @@ import torch
 from pyep.ep.normal import layout
 
 WS_INTS = 8          # normal_tags.h kWs* words
+WS_MASK = 6          # normal_tags.h kWsMask: the call's active ranks (bits), set by its gate
 ERR_INTS = 8         # the error record: code, a, b, c
 TIMEOUT_NS = 20_000_000_000
 
@@ -101,9 +102,13 @@ class NormalWorld:
     """R ranks' buffers and counters; dispatch() and combine() launch the kernels on every rank at once."""
 
     def __init__(self, sim: Any, R: int, H: int, K: int, E: int, C: int, Q: int, chunk: int,
-                 hints: int = 0, use_tma: int = 1) -> None:
+                 hints: int = 0, use_tma: int = 1, masked: bool = False, timeout_ns: int = TIMEOUT_NS) -> None:
         self.sim, self.R, self.H, self.K, self.E, self.C, self.Q, self.chunk = sim, R, H, K, E, C, Q, chunk
-        self.hints, self.use_tma = hints, use_tma
+        self.hints, self.use_tma, self.timeout_ns = hints, use_tma, timeout_ns
+        # With a mask (docs/elastic.md, "Normal mode"): each rank's active_ranks, and the tokens each call
+        # did not deliver to each rank.
+        self.active = [torch.ones(R, dtype=torch.int32) for _ in range(R)] if masked else None
+        self.dropped = [torch.zeros(R, dtype=torch.int32) for _ in range(R)]
         self.words = layout.control_words(R)
         self.ring_off = layout.ring_offset(R)
         self.slot = layout.slot_bytes(H)
@@ -117,34 +122,52 @@ class NormalWorld:
         w = self.words
         return dict(rank=r, num_ranks=self.R, buf=self.bufs[r].data_ptr(), peer_base=self.peer_base.data_ptr(),
                     ring_off=self.ring_off, ring_capacity=self.capacity, slot_bytes=self.slot,
-                    off_tail=w["tail"], off_head=w["head"], off_tx=w["tx_pos"], off_rx=w["rx_pos"],
-                    err=self.err[r].data_ptr(), workspace=self.ws[r].data_ptr(), timeout_ns=TIMEOUT_NS,
-                    l2_hints=self.hints)
+                    off_tail=w["tail"], off_head=w["head"], off_tx=w["tx_pos"], off_rx=w["rx_pos"], off_alive=w["alive"],
+                    err=self.err[r].data_ptr(), workspace=self.ws[r].data_ptr(), timeout_ns=self.timeout_ns,
+                    l2_hints=self.hints, active=self.active[r].data_ptr() if self.active is not None else 0)
+
+    def _gate(self, ranks: List[int]) -> None:
+        """What a call's gate leaves for the kernels with a mask: the buffer's active ranks as the call's."""
+        if self.active is None:
+            return
+        for r in ranks:
+            a = self.active[r].tolist()
+            self.ws[r][WS_MASK] = sum(1 << i for i, v in enumerate(a) if v) if a[r] else 0
 
     def errors(self) -> List[List[int]]:
         return [e.tolist()[:4] for e in self.err]
 
-    def dispatch(self, inputs: List[RankInputs]) -> tuple:
-        """Runs one dispatch; returns (handles, outputs) with outputs[r] = dict of received tensors."""
+    def dispatch(self, inputs: List[RankInputs], ranks: Optional[List[int]] = None, cached: bool = False,
+                 worst: int = 0) -> tuple:
+        """Runs one dispatch on `ranks` (all by default; a rank left out is one that never launched);
+        returns (handles, outputs) with outputs[r] = dict of received tensors. `cached`: as with a
+        handle (no top-k in or out, no source indices); `worst` > 0: outputs of that many rows
+        (num_worst_tokens), the real count where notify leaves it (workspace word kWsRows)."""
         R, H, K = self.R, self.H, self.K
+        ranks = list(range(R)) if ranks is None else ranks
         fp8 = inputs[0].scales is not None
         handles = [Handle(inputs, r, R, self.E, self.C) for r in range(R)]
         outs, args = [], []
         for r in range(R):
             h, inp = handles[r], inputs[r]
-            rows = h.num_rows
+            rows = worst or h.num_rows
+            assert rows >= h.num_rows
+            self.ws[r][0] = h.num_rows
             o = {"recv_x": torch.full((rows, H), 0x5A, dtype=torch.uint8) if fp8 else
-                 torch.zeros((rows, H), dtype=torch.bfloat16),
-                 "recv_scales": torch.zeros((rows, H // 128), dtype=torch.float32) if fp8 else None,
+                 torch.full((rows, H), 3.0, dtype=torch.bfloat16),   # never what a kernel writes
+                 "recv_scales": torch.full((rows, H // 128), -1.0, dtype=torch.float32) if fp8 else None,
                  "recv_topk_idx": torch.full((rows, K), -7, dtype=torch.int64),
                  "recv_topk_weights": torch.full((rows, K), -7.0, dtype=torch.float32),
                  "recv_src_idx": torch.full((rows,), -7, dtype=torch.int32), "handle": h}
+            if cached:
+                o["recv_topk_idx"] = o["recv_topk_weights"] = o["recv_src_idx"] = None
             outs.append(o)
             keep = [inp.x, inp.scales, inp.topk, inp.weights, h.in_rank[r].contiguous(), h.rank_prefix,
                     h.channel_prefix, h.recv_channel_prefix]
             o["_keep"] = keep
             args.append(dict(
-                x=_ptr(inp.x), x_scales=_ptr(inp.scales), topk_idx=_ptr(inp.topk), topk_weights=_ptr(inp.weights),
+                x=_ptr(inp.x), x_scales=_ptr(inp.scales), topk_idx=0 if cached else _ptr(inp.topk),
+                topk_weights=0 if cached else _ptr(inp.weights), num_worst_tokens=worst,
                 is_token_in_rank=keep[4].data_ptr(), rank_prefix_matrix=h.rank_prefix.data_ptr(),
                 channel_prefix_matrix=h.channel_prefix.data_ptr(),
                 recv_channel_prefix_matrix=h.recv_channel_prefix.data_ptr(), num_tokens=inp.topk.shape[0],
@@ -152,14 +175,18 @@ class NormalWorld:
                 ring_tokens=self.Q, chunk_tokens=self.chunk, num_out_rows=rows, use_tma=self.use_tma,
                 recv_x=_ptr(o["recv_x"]), recv_x_scales=_ptr(o["recv_scales"]),
                 recv_topk_idx=_ptr(o["recv_topk_idx"]), recv_topk_weights=_ptr(o["recv_topk_weights"]),
-                recv_src_idx=_ptr(o["recv_src_idx"])))
-        self.sim.dispatch([self.static(r) for r in range(R)], args)
+                recv_src_idx=_ptr(o["recv_src_idx"]), send_head=_ptr(h.send_head),
+                dropped=self.dropped[r].data_ptr()))
+        self._gate(ranks)
+        self.sim.dispatch([self.static(r) for r in ranks], [args[r] for r in ranks])
         return handles, outs
 
     def combine(self, handles: List[Handle], ys: List[torch.Tensor], ws: List[torch.Tensor],
-                bias: Optional[List[torch.Tensor]] = None) -> List[Dict[str, torch.Tensor]]:
+                bias: Optional[List[torch.Tensor]] = None, ranks: Optional[List[int]] = None
+                ) -> List[Dict[str, torch.Tensor]]:
         """Combines ys[r] (bf16 [rows_r, H], received-row order) with weights ws[r] back to their sources."""
         R, H, K = self.R, self.H, self.K
+        ranks = list(range(R)) if ranks is None else ranks
         outs, args = [], []
         for r in range(R):
             h = handles[r]
@@ -172,11 +199,12 @@ class NormalWorld:
                      channel_prefix_matrix=h.channel_prefix.data_ptr(),
                      recv_channel_prefix_matrix=h.recv_channel_prefix.data_ptr(), num_tokens=n, hidden=H,
                      num_topk=K, num_channels=self.C, ring_tokens=self.Q, chunk_tokens=self.chunk,
-                     out=_ptr(o["out"]), out_weights=_ptr(o["out_weights"]))
+                     out=_ptr(o["out"]), out_weights=_ptr(o["out_weights"]), dropped=self.dropped[r].data_ptr())
             if bias is not None:
                 a["bias0"] = bias[r].data_ptr()
             args.append(a)
-        self.sim.combine([self.static(r) for r in range(R)], args)
+        self._gate(ranks)
+        self.sim.combine([self.static(r) for r in ranks], [args[r] for r in ranks])
         return outs
 
 
@@ -186,22 +214,37 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 
 # ---- oracle (contract.py) --------------------------------------------------------------------------------
 
-def check_dispatch(inputs: List[RankInputs], handles: List[Handle], outs: List[dict], E: int, what: str) -> None:
+def check_dispatch(inputs: List[RankInputs], handles: List[Handle], outs: List[dict], E: int, what: str,
+                   ranks: Optional[List[int]] = None, gone: Optional[List[int]] = None) -> None:
+    """Every row of the ranks in `ranks` (all by default); the rows from a source in `gone` must be
+    empty: zero payload and scales, ids -1, weights 0, source -1 (a marked source's convention)."""
     R = len(inputs)
     El = E // R
-    for me in range(R):
+    for me in (range(R) if ranks is None else ranks):
         o, h = outs[me], handles[me]
         j = 0
         for s in range(R):
             toks = torch.nonzero(h.in_rank[s][:, me]).flatten().tolist()
             for t in toks:
                 where = f"{what}: rank {me} row {j} (source {s} token {t})"
+                if gone and s in gone:
+                    assert not o["recv_x"][j].view(torch.uint8).any(), where + ": payload of a marked source"
+                    if o["recv_scales"] is not None:
+                        assert not o["recv_scales"][j].any(), where + ": scales of a marked source"
+                    assert (o["recv_topk_idx"][j] == -1).all(), where + ": ids of a marked source"
+                    assert not o["recv_topk_weights"][j].any(), where + ": weights of a marked source"
+                    assert int(o["recv_src_idx"][j]) == -1, where + ": source index of a marked source"
+                    j += 1
+                    continue
                 if inputs[s].scales is not None:
                     assert torch.equal(o["recv_x"][j], inputs[s].x[t]), where + ": payload"
                     assert torch.equal(o["recv_scales"][j], inputs[s].scales[t]), where + ": scales"
                 else:
                     assert torch.equal(o["recv_x"][j].view(torch.int16), inputs[s].x[t].view(torch.int16)), \
                         where + ": payload"
+                if o["recv_topk_idx"] is None:   # cached: the payload only
+                    j += 1
+                    continue
                 ids = inputs[s].topk[t]
                 local = (ids >= me * El) & (ids < (me + 1) * El)
                 want = torch.where(local, ids - me * El, torch.full_like(ids, -1))
@@ -211,12 +254,16 @@ def check_dispatch(inputs: List[RankInputs], handles: List[Handle], outs: List[d
                 assert int(o["recv_src_idx"][j]) == t, where + ": source index"
                 j += 1
         assert j == h.num_rows
+        if o["recv_src_idx"] is not None:   # rows past the real count (num_worst_tokens): nobody's
+            assert (o["recv_src_idx"][j:] == -1).all(), f"{what}: rank {me} padding rows' source"
+            assert (o["recv_topk_idx"][j:] == -1).all(), f"{what}: rank {me} padding rows' ids"
+            assert not o["recv_topk_weights"][j:].any(), f"{what}: rank {me} padding rows' weights"
 
 
 def expected_combine(handles: List[Handle], ys: List[torch.Tensor], ws: List[torch.Tensor], me: int,
-                     bias: Optional[torch.Tensor] = None) -> tuple:
+                     bias: Optional[torch.Tensor] = None, live: Optional[List[int]] = None) -> tuple:
     """(out bf16 [N, H], out_weights fp32 [N, K]) of rank me: 0 (+ bias), then the rows of every rank
-    holding the token, ranks ascending, summed in fp32 (contract.py)."""
+    holding the token, ranks ascending, summed in fp32 (contract.py); only ranks in `live` if given."""
     R = len(handles)
     h = handles[me]
     n, H = h.send_head.shape[0], ys[0].shape[1]
@@ -226,7 +273,7 @@ def expected_combine(handles: List[Handle], ys: List[torch.Tensor], ws: List[tor
     if bias is not None:
         acc = acc + bias.float()
     ir = h.in_rank[me]
-    for d in range(R):
+    for d in (range(R) if live is None else live):
         first = int(h.rank_prefix[me - 1, d]) if me else 0
         toks = torch.nonzero(ir[:, d]).flatten()
         rows = first + torch.arange(toks.numel())

@@ -25,9 +25,10 @@ Check = Optional[Callable[[], None]]
 
 
 def wait_bound_s(timeout_us: int) -> float:
-    """Host bound of an event wait: the kernels give up on a peer after timeout_us; twice that plus a
-    second covers queued work ahead of them (previous_event, other streams) on a busy GPU."""
-    return 2.0 * timeout_us / 1e6 + 1.0
+    """Host bound of an event wait: the kernels give up on a silent peer after timeout_us, and on one
+    that keeps beating (it waits on a third rank) after twice that (normal_common.cuh PeerClock); three
+    times plus a second covers queued work ahead of them (previous_event, other streams) on a busy GPU."""
+    return 3.0 * timeout_us / 1e6 + 1.0
 
 
 class NormalEvent:

@@ -6,6 +6,7 @@ explains who writes what.
                u32 head[MAX_CHANNELS][R]   rows receiver d has consumed from my stream (c, -> d)
                u32 tx_pos[MAX_CHANNELS][R] my own count of rows sent on (c, -> d) (never remote)
                u32 rx_pos[MAX_CHANNELS][R] my own count of rows consumed from (c, s)
+               i32 alive, 3 spare          my heartbeat: moves while my kernels wait (peers read it)
                i32 notify_flag[2][R]       call number of source s's counts and tag, by call parity
                i32 notify[2][R][NOTIFY_INTS] source s's counts for me: rows, per channel, per expert;
                                            its call tag (tags.py); an internode call's extra words
@@ -47,8 +48,8 @@ def notify_ints(extra: int = 0) -> int:
 def control_words(num_ranks: int, extra: int = 0) -> dict:
     """Word offsets (int32 units) of the control arrays."""
     n = MAX_CHANNELS * num_ranks
-    off = {"tail": 0, "head": n, "tx_pos": 2 * n, "rx_pos": 3 * n, "notify_flag": 4 * n}
-    off["notify"] = 4 * n + 2 * num_ranks
+    off = {"tail": 0, "head": n, "tx_pos": 2 * n, "rx_pos": 3 * n, "alive": 4 * n, "notify_flag": 4 * n + 4}
+    off["notify"] = off["notify_flag"] + 2 * num_ranks
     off["end"] = off["notify"] + 2 * num_ranks * notify_ints(extra)
     return off
 

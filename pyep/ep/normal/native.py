@@ -159,7 +159,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         s.ring_capacity = self._bytes - s.ring_off
         s.slot_bytes = layout.slot_bytes(self.hidden)
         s.off_tail, s.off_head, s.off_tx, s.off_rx = words["tail"], words["head"], words["tx_pos"], words["rx_pos"]
-        s.off_flag, s.off_notify = words["notify_flag"], words["notify"]
+        s.off_flag, s.off_notify, s.off_alive = words["notify_flag"], words["notify"], words["alive"]
         s.notify_ints = layout.notify_ints(self._extra)
         s.err = self._err.data_ptr()
         s.host_counts = self._host.data_ptr()
@@ -262,14 +262,15 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         """The pinned word the notify kernel sets once the counts are in: 1, or 2 when the call is void
         (bounded: the kernel itself gives up on a silent peer after the timeout and still sets it)."""
         host = self._host_np
-        deadline = time.monotonic() + 2 * self.timeout_us / 1e6 + 10.0
+        bound_s = 3 * self.timeout_us / 1e6 + 10.0   # events.py wait_bound_s says why 3
+        deadline = time.monotonic() + bound_s
         spins = 0
         while host[0] == 0:
             spins += 1
             if spins > 2000:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{what}: the received-row count did not arrive within "
-                                       f"{2 * self.timeout_us / 1e6 + 10.0:.1f} s (the GPU is blocked by other work)")
+                                       f"{bound_s:.1f} s (the GPU is blocked by other work)")
                 time.sleep(20e-6)
         return int(host[0])
 

@@ -246,7 +246,7 @@ class NormalInternodeBackend(InternodeMembership):
         """inter_order's per-expert counts: a bounded host wait for its ticket (the kernel runs right after
         the node's notify, which the host already waited for)."""
         host = self._order_host.numpy()
-        limit = 2 * self.timeout_us / 1e6 + 10.0
+        limit = 3 * self.timeout_us / 1e6 + 10.0   # events.py wait_bound_s says why 3
         deadline = time.monotonic() + limit
         while int(host[0]) != self._ticket:
             if time.monotonic() > deadline:
