@@ -1,20 +1,24 @@
-"""The normal mode's intranode dispatch and combine kernels (engine/kernels/normal_dispatch.cu,
+"""The normal mode's intranode kernels (engine/kernels/normal_notify.cu, normal_dispatch.cu,
 normal_combine.cu) on the CPU: compiled as host C++ with one OS thread per GPU thread
 (tests/ll_sim/normal_sim.cpp), the ranks of one node in one process, peers' rings reached by direct
-stores. Checked against the contract (tests/ll_sim/normal_world.py): BF16 and FP8 rows, top-k ids and
+stores. The layout, route and gate kernels build the handle the contract gives (prefix matrices,
+send_head, host-visible counts with expert alignment), and the rows follow it; the other cases take
+the handle from the contract directly. Checked against the contract (tests/ll_sim/normal_world.py): BF16 and FP8 rows, top-k ids and
 weights mapped to local experts, source indices, combine sums in fp32 in rank order with a bias, rings
 that wrap several times, the counters carried from call to call, a rank with no tokens, num_worst_tokens
 padding, a cached dispatch, and every L2 hint (normal_launch.h kHint*): a discarded ring line reads back
 as poison here, so a discard issued before the last read of a slot changes the data. A rank that never
 launches: with the buffer's mask it is marked within the timeout and the others finish with its rows
 emptied and their own intact (docs/elastic.md, "Normal mode"); without one the call ends on the timeout
-with PeerTimeout naming it. Each case runs in a worker process with a hard timeout (a kernel bug that
-deadlocks a barrier must fail the test, not hang CI)."""
+with PeerTimeout naming it. A live rank stalled behind a dead one (its combine waiting out the timeout)
+is not marked by a peer waiting for it in the next call's gate: waiting ranks beat a heartbeat
+(normal_common.cuh PeerClock). Each case runs in a worker process with a hard timeout (a kernel bug
+that deadlocks a barrier must fail the test, not hang CI)."""
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
@@ -91,6 +95,130 @@ def case_worst_tokens_and_cached(path: str) -> str:
         want, want_w = expected_combine(handles, ys, ws, r)
         assert torch.equal(comb[r]["out"].view(torch.int16), want.view(torch.int16)), f"rank {r}: combine"
         assert torch.equal(comb[r]["out_weights"], want_w), f"rank {r}: combined weights"
+    return "ok"
+
+
+def _adopt(handle: Any, notified: dict, me: int) -> None:
+    """The kernels' handle in place of the contract's (after check_notify found them equal)."""
+    handle.rank_prefix, handle.channel_prefix = notified["rpm"], notified["cpm"]
+    handle.recv_channel_prefix, handle.send_head = notified["rcp"], notified["send_head"]
+    handle.in_rank[me] = notified["in_rank"]
+
+
+def check_notify(inputs: List[Any], handles: List[Any], notified: List[dict], E: int, what: str,
+                 ranks: List[int], alignment: int = 1, layout_ranks: Optional[Dict[int, List[int]]] = None) -> None:
+    """The layout, route and notify kernels' outputs of `ranks` against the contract (contract.py): the
+    handle's against `handles` (a rank outside `ranks` is out of the call: no stream, its experts count
+    nothing); the layout tensors against the ranks rank r's mask held when its layout ran
+    (`layout_ranks[r]`, `ranks` by default): a rank the gate left out later is the dispatch's to drop."""
+    import torch
+    from normal_world import Handle
+    R = len(inputs)
+    El = E // R
+
+    def valid(ids: "torch.Tensor", live: List[int]) -> "torch.Tensor":
+        ids = ids[ids >= 0]
+        return ids[torch.isin(ids // El, torch.tensor(live))]
+    for me in ranks:
+        h, o = handles[me], notified[me]
+        at_layout = (layout_ranks or {}).get(me, ranks)
+        ir = Handle(inputs, me, R, E, h.channel_prefix.shape[1], live=at_layout).in_rank[me]
+        assert torch.equal(o["in_rank"], ir), f"{what}: rank {me} is_token_in_rank"
+        assert o["per_rank"].tolist() == ir.sum(dim=0).tolist(), f"{what}: rank {me} num_tokens_per_rank"
+        ids = valid(inputs[me].topk, at_layout)
+        assert o["per_expert"].tolist() == torch.bincount(ids, minlength=E).tolist(), f"{what}: rank {me} per expert"
+        for name, want in (("rpm", h.rank_prefix), ("cpm", h.channel_prefix), ("rcp", h.recv_channel_prefix),
+                           ("send_head", h.send_head)):
+            assert torch.equal(o[name], want), f"{what}: rank {me} {name}\n{o[name]}\n!=\n{want}"
+        assert (o["ready"], o["rows"]) == (1, h.num_rows), (what, me, o["ready"], o["rows"], h.num_rows)
+        want_e = [0] * El
+        for s in ranks:
+            ids = valid(inputs[s].topk, ranks)
+            for e in range(El):
+                want_e[e] += int((ids == me * El + e).sum())
+        want_e = [(v + alignment - 1) // alignment * alignment for v in want_e]
+        assert o["expert_rows"] == want_e, (what, me, o["expert_rows"], want_e)
+
+
+def case_notify_pipeline(path: str) -> str:
+    """layout -> route + gate (notify) -> dispatch -> combine, all by the kernels, three calls: the
+    handle the kernels build equals the contract's, and the rows and sums that follow are right."""
+    sys.path.insert(0, SIM_DIR)
+    import torch
+    from normal_world import Handle, NormalWorld, check_dispatch, expected_combine, load, make_inputs
+    sim = load(path)
+    R, H, K, E = 3, 256, 4, 12
+    w = NormalWorld(sim, R, H, K, E, 3, 32, 8, hints=1)
+    for i, (fp8, align) in enumerate([(False, 1), (True, 128), (False, 4)]):
+        what = f"pipeline call {i}"
+        inputs = make_inputs(R, [77, 0, 101] if i == 1 else [64, 90, 58], H, K, E, fp8, seed=40 + i)
+        notified = w.notify(inputs, alignment=align)
+        assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
+        handles = [Handle(inputs, r, R, E, w.C) for r in range(R)]
+        check_notify(inputs, handles, notified, E, what, list(range(R)), align)
+        for r in range(R):
+            _adopt(handles[r], notified[r], r)
+        handles, outs = w.dispatch(inputs, handles=handles)
+        assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
+        check_dispatch(inputs, handles, outs, E, what)
+        g = torch.Generator().manual_seed(50 + i)
+        ys = [torch.randn((h.num_rows, H), generator=g).to(torch.bfloat16) for h in handles]
+        ws = [torch.rand((h.num_rows, K), generator=g) for h in handles]
+        comb = w.combine(handles, ys, ws)
+        for r in range(R):
+            want, want_w = expected_combine(handles, ys, ws, r)
+            assert torch.equal(comb[r]["out"].view(torch.int16), want.view(torch.int16)), f"{what}: rank {r} combine"
+            assert torch.equal(comb[r]["out_weights"], want_w), f"{what}: rank {r} weights"
+    assert [int(ws[1]) for ws in w.ws] == [3] * R, [ws.tolist() for ws in w.ws]   # kWsSeq: three gated calls
+    return "ok"
+
+
+def case_gate_behind_a_stalled_peer(path: str) -> str:
+    """With a mask and rank 2 of 3 dead after the dispatch: rank 1's combine waits out the timeout for
+    rank 2's rows while rank 0, with nothing to or from rank 2, finishes its combine and enters the next
+    call's gate, waiting for rank 1. Rank 1 is alive (waiting, then its host slow to launch the next
+    call): rank 0 must not mark it; both then leave rank 2 out of that call, counts right, no error."""
+    sys.path.insert(0, SIM_DIR)
+    import threading
+    import time
+
+    import torch
+    from normal_world import Handle, NormalWorld, load, make_inputs
+    sim = load(path)
+    R, H, K, E, live = 3, 256, 4, 12, [0, 1]
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 8, masked=True, timeout_ns=1_500_000_000)
+    inputs = make_inputs(R, [40, 30, 30], H, K, E, False, seed=61)
+    inputs[0].topk[inputs[0].topk >= 8] = -1          # rank 0 sends nothing to rank 2 ...
+    inputs[2].topk[:] = torch.where(inputs[2].topk < 4, torch.full_like(inputs[2].topk, -1), inputs[2].topk)
+    handles, outs = w.dispatch(inputs)                 # ... and receives nothing from it
+    assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
+    assert int(handles[0].in_rank[1][:, 0].sum()) <= 32, "rank 0's rows back to rank 1 must fit one ring"
+    g = torch.Generator().manual_seed(62)
+    ys = [torch.randn((h.num_rows, H), generator=g).to(torch.bfloat16) for h in handles]
+    ws = [torch.rand((h.num_rows, K), generator=g) for h in handles]
+    nxt = make_inputs(R, [50, 44, 0], H, K, E, True, seed=63)
+    notified: dict = {}
+
+    def rank(r: int) -> None:   # one rank's host: its combine, then its next call's layout and gate
+        w.combine(handles, ys, ws, ranks=[r])
+        if r == 1:
+            time.sleep(0.5)   # a host slow to launch the next call: a third of the timeout, no beats
+        notified[r] = w.notify(nxt, ranks=[r])[r]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in live]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in live:
+        assert w.errors()[r] == [0, 0, 0, 0], (r, w.errors())
+        assert w.active[r].tolist() == [1, 1, 0], f"rank {r} marked {w.active[r].tolist()}"
+    want = [Handle(nxt, r, R, E, w.C, live=live) for r in range(R)]
+    # Rank 0 never waited for rank 2 before its layout ran; rank 1 had marked it in the combine.
+    check_notify(nxt, want, notified, E, "the call after", live, layout_ranks={0: [0, 1, 2], 1: live})
+    for r in live:   # the tokens routed to rank 2 this call, counted dropped once (on top of the combine's)
+        routed = int(((nxt[r].topk >= 8).any(dim=1)).sum())
+        assert w.dropped[r][2] >= routed, (r, w.dropped[r].tolist(), routed)
     return "ok"
 
 
@@ -222,3 +350,15 @@ def test_worst_tokens_then_cached_dispatch(sim_pool):
 def test_silent_rank_in_combine_is_marked(sim_pool):
     pool, path = sim_pool
     assert pool.run(case_silent_rank_in_combine, path, timeout_s=500) == ["ok"]
+
+
+@pytest.mark.timeout(600)
+def test_notify_dispatch_combine_pipeline(sim_pool):
+    pool, path = sim_pool
+    assert pool.run(case_notify_pipeline, path, timeout_s=500) == ["ok"]
+
+
+@pytest.mark.timeout(600)
+def test_gate_waits_for_a_peer_stalled_behind_a_dead_rank(sim_pool):
+    pool, path = sim_pool
+    assert pool.run(case_gate_behind_a_stalled_peer, path, timeout_s=500) == ["ok"]

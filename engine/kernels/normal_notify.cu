@@ -1,7 +1,9 @@
 // Normal mode, before the data moves: the layout kernel (get_dispatch_layout), the per-channel routing
 // (send_head, rows per channel) and the count exchange between the ranks of the node (notify), which
 // also fills the prefix matrices of the handle and the host-visible received-row counts.
+#if !defined(PYEP_LL_CPU_SIM)   // tests/ll_sim/normal_sim.cpp compiles the kernels as host C++
 #include <cuda_runtime.h>
+#endif
 
 #include <algorithm>
 #include <stdexcept>
@@ -22,7 +24,7 @@ constexpr int kNotifyThreads = 256;
 // With a mask, an inactive rank is left out: its column stays false, its count and its experts' counts 0,
 // and the tokens routed to it are counted in `dropped` (docs/elastic.md, "Normal mode").
 __global__ void __launch_bounds__(kLayoutThreads) normal_layout_kernel(NormalStatic s, LayoutArgs a) {
-    extern __shared__ int counts[];   // [E] experts, then [R] ranks, then [R] dropped
+    int* counts = reinterpret_cast<int*>(ll::dynamic_smem());   // [E] experts, then [R] ranks, then [R] dropped
     const int E = a.num_experts, R = s.num_ranks, El = E / R, K = a.num_topk;
     const uint32_t on = mask_bits(s);
     for (int i = threadIdx.x; i < E + 2 * R; i += blockDim.x) counts[i] = 0;
@@ -118,17 +120,23 @@ __global__ void normal_route_kernel(NormalStatic s, NotifyArgs a) {
 // finished reading the slots of call k. The call number lives on the device (kWsSeq), not in the launch
 // arguments: a CUDA graph replays the same arguments, and every replay must still be a new call.
 // gate_only: the gate alone (a cached dispatch, a combine, a call refused on the host).
+struct NotifyShared {
+    GateShared g;
+    int rows_to[kMaxRanks];   // this rank's rows for each peer: the sum over channels, so that the row
+                              // layout follows is_token_in_rank alone
+};
+
 __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalStatic s, NotifyArgs a) {
     const int R = s.num_ranks, me = s.rank, C = a.num_channels, El = a.gate_only ? 0 : a.num_experts / R;
     int* ws = reinterpret_cast<int*>(s.workspace);
-    __shared__ GateShared g;
+    NotifyShared& sh = block_shared<NotifyShared>();
+    GateShared& g = sh.g;
     if (threadIdx.x == 0) gate_begin(s, a, g);
     __syncthreads();
     const int parity = (int)(g.seq & 1u), NI = (int)s.notify_ints;
     const int* per_expert = reinterpret_cast<const int*>(a.num_tokens_per_expert);
     int* cpm = reinterpret_cast<int*>(a.channel_prefix_matrix);
-    __shared__ int rows_to[kMaxRanks];   // this rank's rows for each peer: the sum over channels, so
-                                         // that the row layout follows is_token_in_rank alone
+    int* rows_to = sh.rows_to;
     if (threadIdx.x < R && !a.gate_only) {
         int n = 0;
         for (int c = 0; c < C; ++c) n += cpm[threadIdx.x * C + c];
@@ -243,11 +251,15 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
     }
 }
 
+#if !defined(PYEP_LL_CPU_SIM)
 void check(cudaError_t e, const char* what) {
     if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
+#endif
 
 }  // namespace
+
+#if !defined(PYEP_LL_CPU_SIM)
 
 void check_static(const NormalStatic& s) {
     auto bad = [](const std::string& m) { throw std::invalid_argument("normal buffer: " + m); };
@@ -302,6 +314,7 @@ void launch_notify(const NormalStatic& s, const NotifyArgs& a, uint64_t stream) 
     normal_notify_kernel<<<1, kNotifyThreads, 0, st>>>(s, a);
     check(cudaGetLastError(), "normal notify launch");
 }
+#endif  // !PYEP_LL_CPU_SIM
 
 }  // namespace normal
 }  // namespace pyep

@@ -1,5 +1,6 @@
-// CPU simulation of the normal mode's intranode kernels for CI (no GPU): engine/kernels/normal_dispatch.cu
-// and normal_combine.cu compiled as host C++ against cuda_shim.h, as ll_sim.cpp does for the LL kernels.
+// CPU simulation of the normal mode's intranode kernels for CI (no GPU): engine/kernels/normal_notify.cu
+// (layout, route, the call gate and count exchange), normal_dispatch.cu and normal_combine.cu compiled as
+// host C++ against cuda_shim.h, as ll_sim.cpp does for the LL kernels.
 // Every simulated rank's grid runs at once, one OS thread per GPU thread, against host buffers laid out
 // by pyep/ep/normal/layout.py; a peer's ring is reached by direct stores, as over NVLink. The bulk
 // copies (TMA) are the warp's own copies here, and a discarded L2 line reads back as poison
@@ -9,6 +10,7 @@
 
 #include "kernels/normal_combine.cu"
 #include "kernels/normal_dispatch.cu"
+#include "kernels/normal_notify.cu"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -41,8 +43,13 @@ NormalStatic static_from(const py::dict& d) {
     set(d, "err", s.err); set(d, "workspace", s.workspace); set(d, "timeout_ns", s.timeout_ns);
     set(d, "l2_hints", s.l2_hints);
     opt(d, "active", s.active);
+    opt(d, "off_flag", s.off_flag); opt(d, "off_notify", s.off_notify); opt(d, "notify_ints", s.notify_ints);
+    opt(d, "host_counts", s.host_counts); opt(d, "tag_record", s.tag_record); opt(d, "layout_scratch", s.layout_scratch);
     if (s.num_ranks < 1 || s.num_ranks > kMaxRanks || s.rank < 0 || s.rank >= s.num_ranks)
         throw py::value_error("rank / num_ranks out of range");
+    // A receiving block gives each source at least one warp: kDispatchWarps / R (4 warps here).
+    if (s.num_ranks > kDispatchWarps || s.num_ranks > kCombineWarps)
+        throw py::value_error("the simulation's blocks have too few warps for " + std::to_string(s.num_ranks) + " ranks");
     if (s.buf % 128 || s.ring_off % 128 || s.slot_bytes % 128) throw py::value_error("buffer, rings and slots must be 128-byte aligned");
     return s;
 }
@@ -60,6 +67,32 @@ DispatchArgs dispatch_from(const py::dict& d) {
     set(d, "recv_topk_idx", a.recv_topk_idx); set(d, "recv_topk_weights", a.recv_topk_weights);
     set(d, "recv_src_idx", a.recv_src_idx);
     opt(d, "num_worst_tokens", a.num_worst_tokens); opt(d, "send_head", a.send_head); opt(d, "dropped", a.dropped);
+    return a;
+}
+
+LayoutArgs layout_from(const py::dict& d) {
+    LayoutArgs a;
+    set(d, "topk", a.topk); set(d, "num_tokens", a.num_tokens); set(d, "num_topk", a.num_topk);
+    set(d, "num_experts", a.num_experts); set(d, "num_tokens_per_rank", a.num_tokens_per_rank);
+    set(d, "num_tokens_per_expert", a.num_tokens_per_expert); set(d, "is_token_in_rank", a.is_token_in_rank);
+    opt(d, "dropped", a.dropped);
+    return a;
+}
+
+NotifyArgs notify_from(const py::dict& d) {
+    NotifyArgs a;
+    set(d, "topk", a.topk); set(d, "num_topk", a.num_topk); set(d, "num_tokens_per_rank", a.num_tokens_per_rank);
+    set(d, "num_tokens_per_expert", a.num_tokens_per_expert); set(d, "is_token_in_rank", a.is_token_in_rank);
+    set(d, "num_tokens", a.num_tokens); set(d, "num_experts", a.num_experts); set(d, "num_channels", a.num_channels);
+    set(d, "rank_prefix_matrix", a.rank_prefix_matrix); set(d, "channel_prefix_matrix", a.channel_prefix_matrix);
+    set(d, "recv_channel_prefix_matrix", a.recv_channel_prefix_matrix); set(d, "send_head", a.send_head);
+    opt(d, "expert_alignment", a.expert_alignment); opt(d, "num_worst_tokens", a.num_worst_tokens);
+    opt(d, "gate_only", a.gate_only); opt(d, "kind", a.kind); opt(d, "status", a.status);
+    opt(d, "check_layout", a.check_layout); opt(d, "dropped", a.dropped); opt(d, "tag_out", a.tag_out);
+    if (d.contains("sig")) {
+        const auto sig = d["sig"].cast<std::vector<int>>();
+        for (size_t i = 0; i < sig.size() && i < (size_t)kTagSigHandle; ++i) a.sig[i] = sig[i];
+    }
     return a;
 }
 
@@ -121,6 +154,48 @@ PYBIND11_MODULE(normal_sim, m) {
         }
         launch_on_every_rank<DispatchArgs>(statics, args, dispatch_from, kDispatchThreads,
                                            [](const NormalStatic& s, const DispatchArgs& a) { dispatch(s, a); });
+    });
+    // get_dispatch_layout on one rank (the layout kernel exchanges nothing).
+    m.def("layout", [](const py::dict& st, const py::dict& args) {
+        const NormalStatic s = static_from(st);
+        const LayoutArgs a = layout_from(args);
+        std::memset(reinterpret_cast<void*>(a.num_tokens_per_rank), 0, 4ull * s.num_ranks);
+        std::memset(reinterpret_cast<void*>(a.num_tokens_per_expert), 0, 4ull * a.num_experts);
+        if (a.num_tokens == 0) return;
+        py::gil_scoped_release nogil;
+        SimLaunch launch;
+        const int blocks = std::min(4, (a.num_tokens + 255) / 256);
+        launch.grid(blocks, 256, kBlockScratch + 4ull * (a.num_experts + 2 * s.num_ranks), [=] { normal_layout_kernel(s, a); });
+    });
+    // One call's routing and gate (count exchange): the route kernel on every listed rank, then the notify
+    // kernel on all of them at once (1 block, as launched); gate_only: the notify kernel alone.
+    m.def("notify", [](const py::list& statics, const py::list& args) {
+        std::vector<NormalStatic> ss;
+        std::vector<NotifyArgs> as;
+        for (size_t i = 0; i < statics.size(); ++i) {
+            ss.push_back(static_from(statics[i].cast<py::dict>()));
+            as.push_back(notify_from(args[i].cast<py::dict>()));
+            if (ss.back().notify_ints < (uint32_t)kNotifyExtra || !ss.back().host_counts || !ss.back().tag_record ||
+                !ss.back().layout_scratch)
+                throw py::value_error("notify needs off_flag, off_notify, notify_ints, host_counts, tag_record, layout_scratch");
+        }
+        py::gil_scoped_release nogil;
+        {
+            SimLaunch route;
+            for (size_t i = 0; i < ss.size(); ++i) {
+                const NormalStatic s = ss[i];
+                const NotifyArgs a = as[i];
+                if (a.gate_only) continue;
+                if (a.check_layout) std::memset(reinterpret_cast<void*>(s.layout_scratch), 0, 4ull * a.num_experts);
+                route.grid(a.num_channels, 32 * s.num_ranks, kBlockScratch, [=] { normal_route_kernel(s, a); });
+            }
+        }
+        SimLaunch gate;
+        for (size_t i = 0; i < ss.size(); ++i) {
+            const NormalStatic s = ss[i];
+            const NotifyArgs a = as[i];
+            gate.grid(1, kNotifyThreads, kBlockScratch, [=] { normal_notify_kernel(s, a); });
+        }
     });
     // One combine: the combine kernel on every listed rank at once.
     m.def("combine", [](const py::list& statics, const py::list& args) {

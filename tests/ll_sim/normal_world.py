@@ -11,6 +11,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from pyep.ep.normal import layout
+from pyep.ep.normal.device_records import TAG_RECORD_INTS
+from pyep.ep.normal.limits import MAX_LOCAL_EXPERTS
 
 WS_INTS = 8          # normal_tags.h kWs* words
 WS_MASK = 6          # normal_tags.h kWsMask: the call's active ranks (bits), set by its gate
@@ -63,12 +65,15 @@ def make_inputs(R: int, sizes: List[int], H: int, K: int, E: int, fp8: bool, see
 class Handle:
     """One rank's view of a dispatch's routing, as the notify kernel would leave it (contract.py)."""
 
-    def __init__(self, inputs: List[RankInputs], me: int, R: int, E: int, C: int) -> None:
+    def __init__(self, inputs: List[RankInputs], me: int, R: int, E: int, C: int,
+                 live: Optional[List[int]] = None) -> None:
+        """`live`: the call's ranks with a mask (the others get no stream and send nothing)."""
         El = E // R
         self.in_rank = []
         for inp in inputs:
             owner = torch.where(inp.topk >= 0, inp.topk // El, torch.full_like(inp.topk, -1))
-            self.in_rank.append(torch.stack([(owner == d).any(dim=1) for d in range(R)], dim=1)
+            self.in_rank.append(torch.stack([(owner == d).any(dim=1) & (live is None or d in live) for d in range(R)],
+                                            dim=1)
                                 if inp.topk.numel() else torch.zeros((inp.topk.shape[0], R), dtype=torch.bool))
         per_rank = torch.stack([ir.sum(dim=0).to(torch.int32) for ir in self.in_rank])   # [src, dst]
         self.rank_prefix = per_rank.cumsum(dim=0).to(torch.int32).contiguous()
@@ -117,6 +122,11 @@ class NormalWorld:
         self.peer_base = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
         self.ws = [torch.zeros(WS_INTS, dtype=torch.int32) for _ in range(R)]
         self.err = [torch.zeros(ERR_INTS, dtype=torch.int32) for _ in range(R)]
+        # What the notify kernel (the gate) writes for the host: [ready, rows, per-expert rows], the
+        # record of the last void call, the per-expert scratch of the route kernel.
+        self.host = [torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32) for _ in range(R)]
+        self.tag_record = [torch.zeros(TAG_RECORD_INTS, dtype=torch.int32) for _ in range(R)]
+        self.scratch = [torch.zeros(R * MAX_LOCAL_EXPERTS, dtype=torch.int32) for _ in range(R)]
 
     def static(self, r: int) -> Dict[str, int]:
         w = self.words
@@ -124,7 +134,45 @@ class NormalWorld:
                     ring_off=self.ring_off, ring_capacity=self.capacity, slot_bytes=self.slot,
                     off_tail=w["tail"], off_head=w["head"], off_tx=w["tx_pos"], off_rx=w["rx_pos"], off_alive=w["alive"],
                     err=self.err[r].data_ptr(), workspace=self.ws[r].data_ptr(), timeout_ns=self.timeout_ns,
-                    l2_hints=self.hints, active=self.active[r].data_ptr() if self.active is not None else 0)
+                    l2_hints=self.hints, active=self.active[r].data_ptr() if self.active is not None else 0,
+                    off_flag=w["notify_flag"], off_notify=w["notify"], notify_ints=layout.notify_ints(),
+                    host_counts=self.host[r].data_ptr(), tag_record=self.tag_record[r].data_ptr(),
+                    layout_scratch=self.scratch[r].data_ptr())
+
+    def notify(self, inputs: List[RankInputs], ranks: Optional[List[int]] = None, alignment: int = 1) -> List[dict]:
+        """get_dispatch_layout on each rank, then one call's routing and gate on `ranks` at once (the
+        native dispatch's first kernels): per rank the layout tensors, the handle's matrices, send_head,
+        the host-visible counts and the dropped tokens."""
+        R, E = self.R, self.E
+        ranks = list(range(R)) if ranks is None else ranks
+        outs, args = [], []
+        for r in range(R):
+            inp = inputs[r]
+            n, K = inp.topk.shape
+            o = {"per_rank": torch.full((R,), -1, dtype=torch.int32), "per_expert": torch.full((E,), -1, dtype=torch.int32),
+                 "in_rank": torch.zeros((n, R), dtype=torch.bool), "rpm": torch.full((R, R), -1, dtype=torch.int32),
+                 "cpm": torch.full((R, self.C), -1, dtype=torch.int32),
+                 "rcp": torch.full((R, self.C), -1, dtype=torch.int32),
+                 "send_head": torch.full((n, R), -7, dtype=torch.int32)}
+            outs.append(o)
+            if r in ranks:
+                self.sim.layout(self.static(r), dict(
+                    topk=_ptr(inp.topk), num_tokens=n, num_topk=K, num_experts=E,
+                    num_tokens_per_rank=o["per_rank"].data_ptr(), num_tokens_per_expert=o["per_expert"].data_ptr(),
+                    is_token_in_rank=_ptr(o["in_rank"]), dropped=self.dropped[r].data_ptr()))
+            self.host[r][0] = 0
+            args.append(dict(
+                topk=_ptr(inp.topk), num_topk=K, num_tokens_per_rank=o["per_rank"].data_ptr(),
+                num_tokens_per_expert=o["per_expert"].data_ptr(), is_token_in_rank=_ptr(o["in_rank"]), num_tokens=n,
+                num_experts=E, num_channels=self.C, expert_alignment=alignment,
+                rank_prefix_matrix=o["rpm"].data_ptr(), channel_prefix_matrix=o["cpm"].data_ptr(),
+                recv_channel_prefix_matrix=o["rcp"].data_ptr(), send_head=_ptr(o["send_head"]), check_layout=1,
+                dropped=self.dropped[r].data_ptr()))
+        self.sim.notify([self.static(r) for r in ranks], [args[r] for r in ranks])
+        for r in ranks:
+            outs[r]["ready"], outs[r]["rows"] = int(self.host[r][0]), int(self.host[r][1])
+            outs[r]["expert_rows"] = self.host[r][2:2 + E // R].tolist()
+        return outs
 
     def _gate(self, ranks: List[int]) -> None:
         """What a call's gate leaves for the kernels with a mask: the buffer's active ranks as the call's."""
@@ -138,7 +186,7 @@ class NormalWorld:
         return [e.tolist()[:4] for e in self.err]
 
     def dispatch(self, inputs: List[RankInputs], ranks: Optional[List[int]] = None, cached: bool = False,
-                 worst: int = 0) -> tuple:
+                 worst: int = 0, handles: Optional[List["Handle"]] = None) -> tuple:
         """Runs one dispatch on `ranks` (all by default; a rank left out is one that never launched);
         returns (handles, outputs) with outputs[r] = dict of received tensors. `cached`: as with a
         handle (no top-k in or out, no source indices); `worst` > 0: outputs of that many rows
@@ -146,13 +194,16 @@ class NormalWorld:
         R, H, K = self.R, self.H, self.K
         ranks = list(range(R)) if ranks is None else ranks
         fp8 = inputs[0].scales is not None
-        handles = [Handle(inputs, r, R, self.E, self.C) for r in range(R)]
+        gated = handles is not None   # the handles of a notify: its gate set the call's mask and rows
+        if handles is None:
+            handles = [Handle(inputs, r, R, self.E, self.C) for r in range(R)]
         outs, args = [], []
         for r in range(R):
             h, inp = handles[r], inputs[r]
             rows = worst or h.num_rows
             assert rows >= h.num_rows
-            self.ws[r][0] = h.num_rows
+            if not gated:
+                self.ws[r][0] = h.num_rows
             o = {"recv_x": torch.full((rows, H), 0x5A, dtype=torch.uint8) if fp8 else
                  torch.full((rows, H), 3.0, dtype=torch.bfloat16),   # never what a kernel writes
                  "recv_scales": torch.full((rows, H // 128), -1.0, dtype=torch.float32) if fp8 else None,
@@ -177,7 +228,8 @@ class NormalWorld:
                 recv_topk_idx=_ptr(o["recv_topk_idx"]), recv_topk_weights=_ptr(o["recv_topk_weights"]),
                 recv_src_idx=_ptr(o["recv_src_idx"]), send_head=_ptr(h.send_head),
                 dropped=self.dropped[r].data_ptr()))
-        self._gate(ranks)
+        if not gated:
+            self._gate(ranks)
         self.sim.dispatch([self.static(r) for r in ranks], [args[r] for r in ranks])
         return handles, outs
 
