@@ -12,7 +12,8 @@ launches: with the buffer's mask it is marked within the timeout and the others 
 emptied and their own intact (docs/elastic.md, "Normal mode"); without one the call ends on the timeout
 with PeerTimeout naming it. A live rank stalled behind a dead one (its combine waiting out the timeout)
 is not marked by a peer waiting for it in the next call's gate: waiting ranks beat a heartbeat
-(normal_common.cuh PeerClock). Each case runs in a worker process with a hard timeout (a kernel bug
+(normal_common.cuh PeerClock). A call one rank refuses at its gate is void on every rank: tag records
+naming it, no row moved, the next call right. Each case runs in a worker process with a hard timeout (a kernel bug
 that deadlocks a barrier must fail the test, not hang CI)."""
 from __future__ import annotations
 
@@ -222,6 +223,44 @@ def case_gate_behind_a_stalled_peer(path: str) -> str:
     return "ok"
 
 
+WS_SEQ, WS_VOID = 1, 3                                  # normal_tags.h kWsSeq, kWsVoid
+REC_VOIDS, REC_KIND, REC_PEER, KIND_REFUSED = 0, 2, 3, 1   # device_records.py
+
+
+def case_refused_call(path: str) -> str:
+    """Rank 1 refuses a call at its gate: on every rank the call is void (the host sees 2, not counts),
+    the peers' tag records name rank 1, the dispatch kernels of the void call move nothing, and the
+    next call is whole and right (no counter moved)."""
+    sys.path.insert(0, SIM_DIR)
+    from normal_world import Handle, NormalWorld, check_dispatch, load, make_inputs
+    sim = load(path)
+    R, H, K, E = 3, 256, 4, 12
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 8)
+    inputs = make_inputs(R, [60, 70, 50], H, K, E, False, seed=70)
+    notified = w.notify(inputs, status={1: 1})
+    for r in range(R):
+        assert notified[r]["ready"] == 2 and int(w.ws[r][WS_VOID]) == 1, (r, notified[r]["ready"], w.ws[r].tolist())
+    for r in (0, 2):
+        rec = w.tag_record[r].tolist()
+        assert (rec[REC_VOIDS], rec[REC_KIND], rec[REC_PEER]) == (1, KIND_REFUSED, 1), (r, rec[:8])
+    assert w.tag_record[1][REC_VOIDS] == 0, "the refusing rank records no peer's refusal"
+    handles, outs = w.dispatch(inputs, handles=[Handle(inputs, r, R, E, w.C) for r in range(R)])
+    for r in range(R):
+        assert (outs[r]["recv_src_idx"] == -7).all(), f"rank {r}: a void call's dispatch wrote rows"
+    inputs = make_inputs(R, [60, 70, 50], H, K, E, True, seed=71)
+    notified = w.notify(inputs)
+    assert w.errors() == [[0, 0, 0, 0]] * R and all(n["ready"] == 1 for n in notified), w.errors()
+    assert [int(x[WS_SEQ]) for x in w.ws] == [2] * R and [int(x[WS_VOID]) for x in w.ws] == [0] * R
+    handles = [Handle(inputs, r, R, E, w.C) for r in range(R)]
+    check_notify(inputs, handles, notified, E, "after the void call", list(range(R)))
+    for r in range(R):
+        _adopt(handles[r], notified[r], r)
+    handles, outs = w.dispatch(inputs, handles=handles)
+    assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
+    check_dispatch(inputs, handles, outs, E, "after the void call")
+    return "ok"
+
+
 ERR_PEER_TIMEOUT, PHASE_DISPATCH = 3, 1   # normal_launch.h kErrPeerTimeout, kPhaseDispatch
 
 
@@ -362,3 +401,9 @@ def test_notify_dispatch_combine_pipeline(sim_pool):
 def test_gate_waits_for_a_peer_stalled_behind_a_dead_rank(sim_pool):
     pool, path = sim_pool
     assert pool.run(case_gate_behind_a_stalled_peer, path, timeout_s=500) == ["ok"]
+
+
+@pytest.mark.timeout(600)
+def test_a_call_refused_by_one_rank_is_void_everywhere(sim_pool):
+    pool, path = sim_pool
+    assert pool.run(case_refused_call, path, timeout_s=500) == ["ok"]
