@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
@@ -44,15 +44,34 @@ def pools() -> Iterator[Dict[int, DistPool]]:
     made.close()
 
 
-@pytest.fixture(scope="module")
-def ll_sim_pool() -> Iterator[Tuple[DistPool, str]]:
-    """The CPU simulation of the low-latency kernels (tests/test_ll_sim*.py): tests/ll_sim/ll_sim.cpp
-    built (cached by source hash) and a worker to run it in."""
+def _kernel_sim(name: str, sources: List[str]) -> Iterator[Tuple[DistPool, str]]:
+    """tests/ll_sim/<name>.cpp built (cached by the hash of its sources) and a worker to run it in."""
     sys.path.insert(0, os.path.join(_TESTS, "ll_sim"))
     from build import sim_worker
-    with sim_worker("ll_sim", ["tests/ll_sim/*.h", "tests/ll_sim/ll_sim.cpp", "engine/kernels/ll_*",
-                               "engine/mlx5gda/*.h"]) as worker:
+    with sim_worker(name, ["tests/ll_sim/*.h", f"tests/ll_sim/{name}.cpp", *sources]) as worker:
         yield worker
+
+
+_NORMAL_KERNELS = ["engine/kernels/normal_*", "engine/kernels/ll_common.cuh", "engine/kernels/ll_launch.h",
+                   "engine/mlx5gda/*.h"]
+
+
+@pytest.fixture(scope="module")
+def ll_sim_pool() -> Iterator[Tuple[DistPool, str]]:
+    """The CPU simulation of the low-latency kernels (tests/test_ll_sim*.py)."""
+    yield from _kernel_sim("ll_sim", ["engine/kernels/ll_*", "engine/mlx5gda/*.h"])
+
+
+@pytest.fixture(scope="module")
+def relay_sim_pool() -> Iterator[Tuple[DistPool, str]]:
+    """The CPU simulation of the normal mode's RDMA relay (tests/test_relay_sim.py)."""
+    yield from _kernel_sim("relay_sim", _NORMAL_KERNELS)
+
+
+@pytest.fixture(scope="module")
+def normal_sim_pool() -> Iterator[Tuple[DistPool, str]]:
+    """The CPU simulation of the normal mode's intranode kernels (tests/test_normal_sim.py)."""
+    yield from _kernel_sim("normal_sim", _NORMAL_KERNELS)
 
 
 def _write_host_fixtures() -> None:

@@ -19,23 +19,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIM_DIR = os.path.join(ROOT, "tests", "ll_sim")
-
-
-@pytest.fixture(scope="module")
-def sim_pool() -> Iterator[Any]:
-    """tests/ll_sim/normal_sim.cpp built (cached by source hash) and a worker to run it in."""
-    sys.path.insert(0, SIM_DIR)
-    from build import sim_worker
-    with sim_worker("normal_sim", ["tests/ll_sim/*.h", "tests/ll_sim/normal_sim.cpp", "engine/kernels/normal_*",
-                                   "engine/kernels/ll_common.cuh", "engine/kernels/ll_launch.h",
-                                   "engine/mlx5gda/*.h"]) as worker:
-        yield worker
 
 
 # ------------------------------------------------------------------ cases (run in the worker)
@@ -44,7 +33,7 @@ def case_rounds(path: str, R: int, sizes: List[int], C: int, Q: int, chunk: int,
     against the contract, the rings wrapping, the counters carried over."""
     sys.path.insert(0, SIM_DIR)
     import torch
-    from normal_world import NormalWorld, check_dispatch, expected_combine, load, make_inputs
+    from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
     H, K, E = 256, 4, 4 * R
     w = NormalWorld(sim, R, H, K, E, C, Q, chunk, hints=hints, use_tma=use_tma)
@@ -54,18 +43,12 @@ def case_rounds(path: str, R: int, sizes: List[int], C: int, Q: int, chunk: int,
         handles, outs = w.dispatch(inputs)
         assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
         check_dispatch(inputs, handles, outs, E, what)
-        g = torch.Generator().manual_seed(7 + i)
-        ys = [torch.randn((h.num_rows, H), generator=g).to(torch.bfloat16) for h in handles]
-        ws = [torch.rand((h.num_rows, K), generator=g) for h in handles]
+        ys, ws = expert_outputs(handles, H, K, 7 + i)
+        g = torch.Generator().manual_seed(17 + i)
         bias = [torch.randn((s, H), generator=g).to(torch.bfloat16) for s in sizes] if i == 0 else None
         comb = w.combine(handles, ys, ws, bias)
         assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
-        for r in range(R):
-            want, want_w = expected_combine(handles, ys, ws, r, bias[r] if bias else None)
-            got = comb[r]["out"]
-            bad = (got.view(torch.int16) != want.view(torch.int16)).any(dim=1).nonzero().flatten().tolist()
-            assert not bad, f"{what}: rank {r} combined tokens {bad[:8]} differ"
-            assert torch.equal(comb[r]["out_weights"], want_w), f"{what}: rank {r} combined weights"
+        check_combine(handles, ys, ws, comb, list(range(R)), what, bias)
     return "ok"
 
 
@@ -73,8 +56,7 @@ def case_worst_tokens_and_cached(path: str) -> str:
     """num_worst_tokens: outputs padded past the real count (ids -1, weights 0, source -1); then the
     same routing again as a cached dispatch (payload only, no top-k in or out), FP8; then combine."""
     sys.path.insert(0, SIM_DIR)
-    import torch
-    from normal_world import NormalWorld, check_dispatch, expected_combine, load, make_inputs
+    from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
     R, H, K, E = 3, 256, 4, 12
     w = NormalWorld(sim, R, H, K, E, 2, 32, 5, hints=1)
@@ -88,14 +70,8 @@ def case_worst_tokens_and_cached(path: str) -> str:
     handles, outs = w.dispatch(again, cached=True)
     assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
     check_dispatch(again, handles, outs, E, "cached FP8")
-    g = torch.Generator().manual_seed(12)
-    ys = [torch.randn((h.num_rows, H), generator=g).to(torch.bfloat16) for h in handles]
-    ws = [torch.rand((h.num_rows, K), generator=g) for h in handles]
-    comb = w.combine(handles, ys, ws)
-    for r in range(R):
-        want, want_w = expected_combine(handles, ys, ws, r)
-        assert torch.equal(comb[r]["out"].view(torch.int16), want.view(torch.int16)), f"rank {r}: combine"
-        assert torch.equal(comb[r]["out_weights"], want_w), f"rank {r}: combined weights"
+    ys, ws = expert_outputs(handles, H, K, 12)
+    check_combine(handles, ys, ws, w.combine(handles, ys, ws), list(range(R)), "after the cached dispatch")
     return "ok"
 
 
@@ -145,8 +121,7 @@ def case_notify_pipeline(path: str) -> str:
     """layout -> route + gate (notify) -> dispatch -> combine, all by the kernels, three calls: the
     handle the kernels build equals the contract's, and the rows and sums that follow are right."""
     sys.path.insert(0, SIM_DIR)
-    import torch
-    from normal_world import Handle, NormalWorld, check_dispatch, expected_combine, load, make_inputs
+    from normal_world import Handle, NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
     R, H, K, E = 3, 256, 4, 12
     w = NormalWorld(sim, R, H, K, E, 3, 32, 8, hints=1)
@@ -162,14 +137,8 @@ def case_notify_pipeline(path: str) -> str:
         handles, outs = w.dispatch(inputs, handles=handles)
         assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
         check_dispatch(inputs, handles, outs, E, what)
-        g = torch.Generator().manual_seed(50 + i)
-        ys = [torch.randn((h.num_rows, H), generator=g).to(torch.bfloat16) for h in handles]
-        ws = [torch.rand((h.num_rows, K), generator=g) for h in handles]
-        comb = w.combine(handles, ys, ws)
-        for r in range(R):
-            want, want_w = expected_combine(handles, ys, ws, r)
-            assert torch.equal(comb[r]["out"].view(torch.int16), want.view(torch.int16)), f"{what}: rank {r} combine"
-            assert torch.equal(comb[r]["out_weights"], want_w), f"{what}: rank {r} weights"
+        ys, ws = expert_outputs(handles, H, K, 50 + i)
+        check_combine(handles, ys, ws, w.combine(handles, ys, ws), list(range(R)), what)
     assert [int(ws[1]) for ws in w.ws] == [3] * R, [ws.tolist() for ws in w.ws]   # kWsSeq: three gated calls
     return "ok"
 
@@ -184,7 +153,7 @@ def case_gate_behind_a_stalled_peer(path: str) -> str:
     import time
 
     import torch
-    from normal_world import Handle, NormalWorld, load, make_inputs
+    from normal_world import Handle, NormalWorld, expert_outputs, load, make_inputs
     sim = load(path)
     R, H, K, E, live = 3, 256, 4, 12, [0, 1]
     w = NormalWorld(sim, R, H, K, E, 2, 32, 8, masked=True, timeout_ns=1_500_000_000)
@@ -194,9 +163,7 @@ def case_gate_behind_a_stalled_peer(path: str) -> str:
     handles, outs = w.dispatch(inputs)                 # ... and receives nothing from it
     assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
     assert int(handles[0].in_rank[1][:, 0].sum()) <= 32, "rank 0's rows back to rank 1 must fit one ring"
-    g = torch.Generator().manual_seed(62)
-    ys = [torch.randn((h.num_rows, H), generator=g).to(torch.bfloat16) for h in handles]
-    ws = [torch.rand((h.num_rows, K), generator=g) for h in handles]
+    ys, ws = expert_outputs(handles, H, K, 62)
     nxt = make_inputs(R, [50, 44, 0], H, K, E, True, seed=63)
     notified: dict = {}
 
@@ -269,8 +236,7 @@ def case_silent_rank(path: str, hints: int) -> str:
     without an error, rows between them intact and rank 2's rows emptied; their combine sums the two
     live ranks; the next call leaves rank 2 out from the start and is correct."""
     sys.path.insert(0, SIM_DIR)
-    import torch
-    from normal_world import NormalWorld, check_dispatch, expected_combine, load, make_inputs
+    from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
     R, H, K, E, live = 3, 256, 4, 12, [0, 1]
     w = NormalWorld(sim, R, H, K, E, 2, 32, 8, hints=hints, masked=True, timeout_ns=2_000_000_000)
@@ -282,15 +248,10 @@ def case_silent_rank(path: str, hints: int) -> str:
         drop = w.dropped[r].tolist()
         assert drop[2] > 0 and drop[:2] == [0, 0], (r, drop)
     check_dispatch(inputs, handles, outs, E, "silent rank 2", ranks=live, gone=[2])
-    g = torch.Generator().manual_seed(3)
-    ys = [torch.randn((h.num_rows, H), generator=g).to(torch.bfloat16) for h in handles]
-    ws = [torch.rand((h.num_rows, K), generator=g) for h in handles]
+    ys, ws = expert_outputs(handles, H, K, 3)
     comb = w.combine(handles, ys, ws, ranks=live)
-    for r in live:
-        assert w.errors()[r] == [0, 0, 0, 0], (r, w.errors())
-        want, want_w = expected_combine(handles, ys, ws, r, live=live)
-        assert torch.equal(comb[r]["out"].view(torch.int16), want.view(torch.int16)), f"rank {r}: combine"
-        assert torch.equal(comb[r]["out_weights"], want_w), f"rank {r}: combined weights"
+    assert [w.errors()[r] for r in live] == [[0, 0, 0, 0]] * 2, w.errors()
+    check_combine(handles, ys, ws, comb, live, "after rank 2 was marked", live=live)
     # The next call: rank 2 sends nothing (its notify would count none), the others skip it.
     inputs = make_inputs(R, [64, 50, 0], H, K, E, True, seed=6)
     handles, outs = w.dispatch(inputs, ranks=live)
@@ -304,8 +265,7 @@ def case_silent_rank_in_combine(path: str) -> str:
     within the timeout, sum what the two of them hold for each token (rank 2's rows left out, counted
     dropped) and record no error."""
     sys.path.insert(0, SIM_DIR)
-    import torch
-    from normal_world import NormalWorld, check_dispatch, expected_combine, load, make_inputs
+    from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
     R, H, K, E, live = 3, 256, 4, 12, [0, 1]
     w = NormalWorld(sim, R, H, K, E, 2, 32, 8, hints=1, masked=True, timeout_ns=2_000_000_000)
@@ -313,18 +273,14 @@ def case_silent_rank_in_combine(path: str) -> str:
     handles, outs = w.dispatch(inputs)
     assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
     check_dispatch(inputs, handles, outs, E, "all three")
-    g = torch.Generator().manual_seed(22)
-    ys = [torch.randn((h.num_rows, H), generator=g).to(torch.bfloat16) for h in handles]
-    ws = [torch.rand((h.num_rows, K), generator=g) for h in handles]
+    ys, ws = expert_outputs(handles, H, K, 22)
     comb = w.combine(handles, ys, ws, ranks=live)
     for r in live:
         assert w.errors()[r] == [0, 0, 0, 0], (r, w.errors())
         assert w.active[r].tolist() == [1, 1, 0], (r, w.active[r].tolist())
         routed = int(handles[r].in_rank[r][:, 2].sum())
         assert w.dropped[r].tolist() == [0, 0, routed], (r, w.dropped[r].tolist(), routed)
-        want, want_w = expected_combine(handles, ys, ws, r, live=live)
-        assert torch.equal(comb[r]["out"].view(torch.int16), want.view(torch.int16)), f"rank {r}: combine"
-        assert torch.equal(comb[r]["out_weights"], want_w), f"rank {r}: combined weights"
+    check_combine(handles, ys, ws, comb, live, "rank 2 silent in the combine", live=live)
     return "ok"
 
 
@@ -343,67 +299,28 @@ def case_silent_rank_without_mask(path: str) -> str:
 
 
 # ------------------------------------------------------------------ tests
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("hints", [0, 1, 7])
-def test_two_ranks_rings_wrap(sim_pool, hints):
-    """2 ranks, 2 channels of 32-row rings fed 8 rows a chunk: ~70 rows a stream, every ring wraps."""
-    pool, path = sim_pool
-    assert pool.run(case_rounds, path, 2, [150, 131], 2, 32, 8, hints, 1, timeout_s=500) == ["ok"]
+# name -> (case, its arguments after the module path)
+CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
+    # 2 ranks, 2 channels of 32-row rings fed 8 rows a chunk: ~70 rows a stream, every ring wraps.
+    **{f"two_ranks_rings_wrap_hints{h}": (case_rounds, (2, [150, 131], 2, 32, 8, h, 1)) for h in (0, 1, 7)},
+    # 3 ranks (one without tokens), 3 channels, the receiver's warp copies, ring lines dropped once read.
+    "three_ranks_one_empty_warp_copies": (case_rounds, (3, [97, 0, 120], 3, 32, 6, 1, 0)),
+    # 4 ranks with one warp per peer group, every hint on.
+    "four_ranks_every_hint": (case_rounds, (4, [64, 80, 33, 72], 2, 32, 4, 7, 1)),
+    **{f"silent_rank_with_mask_is_marked_hints{h}": (case_silent_rank, (h,)) for h in (0, 1)},
+    "silent_rank_without_mask_is_named": (case_silent_rank_without_mask, ()),
+    "worst_tokens_then_cached_dispatch": (case_worst_tokens_and_cached, ()),
+    "silent_rank_in_combine_is_marked": (case_silent_rank_in_combine, ()),
+    "notify_dispatch_combine_pipeline": (case_notify_pipeline, ()),
+    "gate_waits_for_a_peer_stalled_behind_a_dead_rank": (case_gate_behind_a_stalled_peer, ()),
+    "a_call_refused_by_one_rank_is_void_everywhere": (case_refused_call, ()),
+}
 
 
 @pytest.mark.timeout(600)
-def test_three_ranks_one_empty_warp_copies(sim_pool):
-    """3 ranks (one without tokens), 3 channels, the receiver's warp copies instead of bulk copies,
-    rings dropping their lines once read."""
-    pool, path = sim_pool
-    assert pool.run(case_rounds, path, 3, [97, 0, 120], 3, 32, 6, 1, 0, timeout_s=500) == ["ok"]
-
-
-@pytest.mark.timeout(600)
-def test_four_ranks_every_hint(sim_pool):
-    """4 ranks with one warp per peer group, every hint on."""
-    pool, path = sim_pool
-    assert pool.run(case_rounds, path, 4, [64, 80, 33, 72], 2, 32, 4, 7, 1, timeout_s=500) == ["ok"]
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("hints", [0, 1])
-def test_silent_rank_with_mask_is_marked(sim_pool, hints):
-    pool, path = sim_pool
-    assert pool.run(case_silent_rank, path, hints, timeout_s=500) == ["ok"]
-
-
-@pytest.mark.timeout(600)
-def test_silent_rank_without_mask_is_named(sim_pool):
-    pool, path = sim_pool
-    assert pool.run(case_silent_rank_without_mask, path, timeout_s=500) == ["ok"]
-
-
-@pytest.mark.timeout(600)
-def test_worst_tokens_then_cached_dispatch(sim_pool):
-    pool, path = sim_pool
-    assert pool.run(case_worst_tokens_and_cached, path, timeout_s=500) == ["ok"]
-
-
-@pytest.mark.timeout(600)
-def test_silent_rank_in_combine_is_marked(sim_pool):
-    pool, path = sim_pool
-    assert pool.run(case_silent_rank_in_combine, path, timeout_s=500) == ["ok"]
-
-
-@pytest.mark.timeout(600)
-def test_notify_dispatch_combine_pipeline(sim_pool):
-    pool, path = sim_pool
-    assert pool.run(case_notify_pipeline, path, timeout_s=500) == ["ok"]
-
-
-@pytest.mark.timeout(600)
-def test_gate_waits_for_a_peer_stalled_behind_a_dead_rank(sim_pool):
-    pool, path = sim_pool
-    assert pool.run(case_gate_behind_a_stalled_peer, path, timeout_s=500) == ["ok"]
-
-
-@pytest.mark.timeout(600)
-def test_a_call_refused_by_one_rank_is_void_everywhere(sim_pool):
-    pool, path = sim_pool
-    assert pool.run(case_refused_call, path, timeout_s=500) == ["ok"]
+@pytest.mark.parametrize("name", list(CASES))
+def test_normal_kernels(normal_sim_pool: Tuple[Any, str], name: str) -> None:
+    """CASES[name] in the simulation's worker process, with a hard timeout."""
+    pool, path = normal_sim_pool
+    case, args = CASES[name]
+    assert pool.run(case, path, *args, timeout_s=500) == ["ok"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Iterator, List, Optional
+from typing import Any, List, Optional
 
 import pytest
 
@@ -27,17 +27,6 @@ PHASE_COUNTS, PHASE_DISPATCH = 3, 4        # pyep/ep/normal/internode_relay.py P
 SEQ_WORD, EPOCH_WORD, VOID_WORD, CLAIM_WORD, ORIGIN_WORD, MASK_WORD = 1, 2, 3, 4, 5, 6   # normal_tags.h kWs*
 STATUS_OK, STATUS_REFUSED = 0, 1           # pyep/ep/normal/tags.py
 KIND_DISPATCH, KIND_COMBINE = 2, 4
-
-
-@pytest.fixture(scope="module")
-def sim_pool() -> Iterator[Any]:
-    """tests/ll_sim/relay_sim.cpp built (cached by source hash) and a worker to run it in."""
-    sys.path.insert(0, SIM_DIR)
-    from build import sim_worker
-    with sim_worker("relay_sim", ["tests/ll_sim/*.h", "tests/ll_sim/relay_sim.cpp", "engine/kernels/normal_*",
-                                  "engine/kernels/ll_common.cuh", "engine/kernels/ll_launch.h",
-                                  "engine/mlx5gda/*.h"]) as worker:
-        yield worker
 
 
 def next_seq(prev: int) -> int:
@@ -504,45 +493,45 @@ def case_masked_silent_peer(path: str) -> str:
 
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("M", [2, 3])
-def test_relay_counts(sim_pool, M):
-    pool, path = sim_pool
+def test_relay_counts(relay_sim_pool, M):
+    pool, path = relay_sim_pool
     assert pool.run(case_counts, path, M, timeout_s=120) == ["ok"]
 
 
 @pytest.mark.parametrize("M,nqp", [(2, 1), (2, 2), (3, 2)])
-def test_relay_rows(sim_pool, M, nqp):
-    pool, path = sim_pool
+def test_relay_rows(relay_sim_pool, M, nqp):
+    pool, path = relay_sim_pool
     assert pool.run(case_relay, path, M, nqp, timeout_s=240) == ["ok"]
 
 
-def test_relay_silent_peer(sim_pool):
-    pool, path = sim_pool
+def test_relay_silent_peer(relay_sim_pool):
+    pool, path = relay_sim_pool
     assert pool.run(case_silent_peer, path, timeout_s=120) == ["ok"]
 
 
 @pytest.mark.parametrize("M", [2, 3])
-def test_relay_counts_mutation_fails(sim_pool, M):
-    pool, path = sim_pool
+def test_relay_counts_mutation_fails(relay_sim_pool, M):
+    pool, path = relay_sim_pool
     assert pool.run(case_counts_mutation, path, M, timeout_s=120) == ["ok"]
 
 
 @pytest.mark.parametrize("M", [2, 3])
-def test_relay_counts_refused_call(sim_pool, M):
-    pool, path = sim_pool
+def test_relay_counts_refused_call(relay_sim_pool, M):
+    pool, path = relay_sim_pool
     assert pool.run(case_counts_refused, path, M, timeout_s=120) == ["ok"]
 
 
-def test_relay_rows_mutation_fails(sim_pool):
-    pool, path = sim_pool
+def test_relay_rows_mutation_fails(relay_sim_pool):
+    pool, path = relay_sim_pool
     assert pool.run(case_relay_mutation, path, timeout_s=120) == ["ok"]
 
 
-def test_relay_masked_silent_peer_is_marked(sim_pool):
-    pool, path = sim_pool
+def test_relay_masked_silent_peer_is_marked(relay_sim_pool):
+    pool, path = relay_sim_pool
     assert pool.run(case_masked_silent_peer, path, timeout_s=120) == ["ok"]
 
 
 @pytest.mark.parametrize("M", [2, 3])
-def test_relay_counts_other_kind_is_a_call_mismatch(sim_pool, M):
-    pool, path = sim_pool
+def test_relay_counts_other_kind_is_a_call_mismatch(relay_sim_pool, M):
+    pool, path = relay_sim_pool
     assert pool.run(case_counts_other_kind, path, M, timeout_s=120) == ["ok"]

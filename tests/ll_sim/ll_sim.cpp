@@ -11,24 +11,18 @@
 #include "kernels/ll_runtime.cu"
 #include "sim_nic.h"
 
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
+#include "sim_args.h"
 
 #include <cstdlib>
 #include <thread>
 #include <vector>
 #include <string>
 
-namespace py = pybind11;
 using namespace pyep;
 
 namespace {
 
-template <typename T>
-void set(const py::dict& d, const char* key, T& field) {
-    if (!d.contains(key)) throw py::key_error(std::string("missing field ") + key);
-    field = d[key].cast<T>();
-}
+using sim_args::set;
 
 ll::LLStatic static_from(const py::dict& d) {
     ll::LLStatic s;

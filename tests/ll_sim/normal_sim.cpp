@@ -12,27 +12,18 @@
 #include "kernels/normal_dispatch.cu"
 #include "kernels/normal_notify.cu"
 
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
+#include "sim_args.h"
 
 #include <string>
 #include <vector>
 
-namespace py = pybind11;
 using namespace pyep;
 using namespace pyep::normal;
 
 namespace {
 
-template <typename T>
-void set(const py::dict& d, const char* key, T& field) {
-    if (!d.contains(key)) throw py::key_error(std::string("missing field ") + key);
-    field = d[key].cast<T>();
-}
-template <typename T>
-void opt(const py::dict& d, const char* key, T& field) {
-    if (d.contains(key)) field = d[key].cast<T>();
-}
+using sim_args::opt;
+using sim_args::set;
 
 NormalStatic static_from(const py::dict& d) {
     NormalStatic s;

@@ -334,3 +334,22 @@ def expected_combine(handles: List[Handle], ys: List[torch.Tensor], ws: List[tor
         acc[toks] = acc[toks] + ys[d][rows].float()
         wacc[toks] = wacc[toks] + ws[d][rows]
     return acc.to(torch.bfloat16), wacc
+
+
+def expert_outputs(handles: List[Handle], H: int, K: int, seed: int) -> tuple:
+    """(ys, ws): random expert outputs bf16 [rows, H] and combine weights fp32 [rows, K] per rank."""
+    g = torch.Generator().manual_seed(seed)
+    ys = [torch.randn((h.num_rows, H), generator=g).to(torch.bfloat16) for h in handles]
+    ws = [torch.rand((h.num_rows, K), generator=g) for h in handles]
+    return ys, ws
+
+
+def check_combine(handles: List[Handle], ys: List[torch.Tensor], ws: List[torch.Tensor], comb: List[dict],
+                  ranks: List[int], what: str, bias: Optional[List[torch.Tensor]] = None,
+                  live: Optional[List[int]] = None) -> None:
+    """Every combined token and weight of `ranks` bit for bit (expected_combine)."""
+    for r in ranks:
+        want, want_w = expected_combine(handles, ys, ws, r, bias[r] if bias else None, live)
+        bad = (comb[r]["out"].view(torch.int16) != want.view(torch.int16)).any(dim=1).nonzero().flatten().tolist()
+        assert not bad, f"{what}: rank {r} combined tokens {bad[:8]} differ"
+        assert torch.equal(comb[r]["out_weights"], want_w), f"{what}: rank {r} combined weights"

@@ -10,24 +10,18 @@
 #include "kernels/normal_internode_relay.cu"
 #include "sim_nic.h"
 
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
+#include "sim_args.h"
 
 #include <string>
 #include <utility>
 #include <vector>
 
-namespace py = pybind11;
 using namespace pyep;
 using namespace pyep::normal;
 
 namespace {
 
-template <typename T>
-void set(const py::dict& d, const char* key, T& field) {
-    if (!d.contains(key)) throw py::key_error(std::string("missing field ") + key);
-    field = d[key].cast<T>();
-}
+using sim_args::set;
 
 RelayStatic static_from(const py::dict& d) {
     RelayStatic s;
