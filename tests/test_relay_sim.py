@@ -491,6 +491,34 @@ def case_masked_silent_peer(path: str) -> str:
     return "ok"
 
 
+def case_late_column_peer(path: str) -> str:
+    """With a mask, node 2 of 3 starts its count exchange 1.4 timeouts after the others, as when its own
+    node's kernels first waited out a dead rank there: a live node, so nobody marks it (the relay waits
+    two timeouts for a column peer) and every count arrives."""
+    import threading
+    M, timeout_ms = 3, 500
+    w = _world(path, M, timeout_ms=timeout_ms)
+    w.use_masks([[1, 1, 1]] * M)
+    send = [[0, 5, 6], [7, 0, 8], [9, 10, 0]]
+    late: dict = {}
+
+    def node2() -> None:
+        time.sleep(1.4 * timeout_ms / 1000)
+        late["rc"] = w.counts(send, ranks=[2])[0]
+
+    t = threading.Thread(target=node2)
+    t.start()
+    rc, _ = w.counts(send, ranks=[0, 1])
+    t.join()
+    rc.update(late["rc"])
+    for m in range(M):
+        assert w.errors(m)[0] == 0, f"rank {m}: {w.errors(m)}"
+        assert w.masks[m].tolist() == [1, 1, 1], f"rank {m} marked a live node: {w.masks[m].tolist()}"
+        want = [0 if s == m else send[s][m] for s in range(M)]
+        assert rc[m] == want + [sum(want)], f"rank {m}: {rc[m]}"
+    return "ok"
+
+
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("M", [2, 3])
 def test_relay_counts(relay_sim_pool, M):
@@ -535,3 +563,8 @@ def test_relay_masked_silent_peer_is_marked(relay_sim_pool):
 def test_relay_counts_other_kind_is_a_call_mismatch(relay_sim_pool, M):
     pool, path = relay_sim_pool
     assert pool.run(case_counts_other_kind, path, M, timeout_s=120) == ["ok"]
+
+
+def test_relay_late_column_peer_is_not_marked(relay_sim_pool):
+    pool, path = relay_sim_pool
+    assert pool.run(case_late_column_peer, path, timeout_s=120) == ["ok"]

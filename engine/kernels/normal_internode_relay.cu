@@ -27,6 +27,12 @@ namespace pyep {
 namespace normal {
 namespace {
 
+// How long a wait on a column peer (another node) lasts before the peer counts as silent: two timeouts.
+// The peer's relay starts after its own node's kernels of the call, and those may wait out a timeout
+// for a dead rank of that node first (normal_common.cuh PeerClock: a waiting rank is alive, but no
+// heartbeat crosses the NIC). One timeout here would take that live node for dead.
+__device__ __forceinline__ uint64_t column_timeout_ns(const RelayStatic& s) { return kAliveCap * s.timeout_ns; }
+
 __device__ __forceinline__ uint8_t* rbuf(const RelayStatic& s) { return reinterpret_cast<uint8_t*>(s.buf); }
 __device__ __forceinline__ int* rword(const RelayStatic& s, uint32_t off, int i) {
     return reinterpret_cast<int*>(s.buf) + off + i;
@@ -184,7 +190,7 @@ __global__ void __launch_bounds__(32) relay_counts_kernel(RelayStatic s, RelayCo
                 }
                 break;
             }
-            if (gda::now_ns() - start > s.timeout_ns) {
+            if (gda::now_ns() - start > column_timeout_ns(s)) {
                 if (s.active) {   // marked: no answer, no error, the call goes on without it
                     mark_column_peer(s, m);
                     atomicAnd(&sh.cmask, ~(1u << m));
@@ -270,7 +276,7 @@ __device__ int block_wait(const RelayStatic& s, int m, const int* ctr, uint32_t 
     if (threadIdx.x == 0) {
         int r = kReached;
         if (!s.active) {
-            r = wait_counter(ctr, target, s.timeout_ns) ? kReached : kTimedOut;
+            r = wait_counter(ctr, target, column_timeout_ns(s)) ? kReached : kTimedOut;
         } else if ((int)((uint32_t)ld_acquire_sys(ctr) - target) < 0) {
             const uint64_t start = gda::now_ns();
             while ((int)((uint32_t)ld_acquire_sys(ctr) - target) < 0) {
@@ -278,7 +284,7 @@ __device__ int block_wait(const RelayStatic& s, int m, const int* ctr, uint32_t 
                     r = kPeerOut;
                     break;
                 }
-                if (gda::now_ns() - start > s.timeout_ns) {
+                if (gda::now_ns() - start > column_timeout_ns(s)) {
                     mark_column_peer(s, m);
                     r = kPeerOut;
                     break;

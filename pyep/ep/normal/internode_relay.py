@@ -302,10 +302,11 @@ class Relay:
         """(rows from every node, this rank's send_counts) of counts_async(ticket, host=True): a bounded
         host wait (the kernel gives up on a silent peer by itself and still answers)."""
         host = self._host.numpy()
-        deadline = time.monotonic() + 2 * self.timeout_us / 1e6 + 10.0
+        bound_s = 3 * self.timeout_us / 1e6 + 10.0   # the relay waits two timeouts for a column peer
+        deadline = time.monotonic() + bound_s
         while abs(int(host[0])) != ticket:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"relay counts #{ticket}: no answer within {2 * self.timeout_us / 1e6 + 10.0:.1f} s "
+                raise TimeoutError(f"relay counts #{ticket}: no answer within {bound_s:.1f} s "
                                    f"(the GPU is blocked by other work)")
             time.sleep(20e-6)
         if int(host[0]) < 0:
