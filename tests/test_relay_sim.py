@@ -7,9 +7,9 @@ and empty routings, row size and ring depth changing between calls), a peer that
 (PeerTimeout naming it and the phase, no hang), the count exchange as the column's call gate (a rank
 that refuses a call: every peer's call void at once, naming it, no row moved, the next calls correct;
 call counters that disagree: a call mismatch on every rank, not a timeout), and with the buffer's mask
-(docs/elastic.md, "Normal mode"): a peer out of the mask skipped, a silent peer marked within the
-timeout with no error and the rows between the others delivered. Each case runs in a worker process
-with a hard timeout."""
+(docs/elastic.md, "Normal mode"): a peer out of the mask skipped, a silent peer marked within two
+timeouts with no error and the rows between the others delivered, a live peer late by more than one
+timeout not marked. Each case runs in a worker process with a hard timeout."""
 from __future__ import annotations
 
 import os
@@ -409,7 +409,8 @@ def case_relay_mutation(path: str) -> str:
 
 def case_silent_peer(path: str) -> str:
     """Node 2 of 3 never launches: nodes 0 and 1 report PeerTimeout naming rank 2 and the phase within
-    the timeout, for the count exchange and for the relay (whose rows between 0 and 1 still arrive)."""
+    two timeouts (a column peer's), for the count exchange and for the relay (whose rows between 0 and 1
+    still arrive)."""
     import torch
     M, live, timeout_ms = 3, [0, 1], 1000
     w = _world(path, M, timeout_ms=timeout_ms)
@@ -442,7 +443,7 @@ def case_silent_peer(path: str) -> str:
 
 
 def case_masked_silent_peer(path: str) -> str:
-    """With a mask, node 2 of 3 never launches: nodes 0 and 1 mark it within the timeout (mask entry 0,
+    """With a mask, node 2 of 3 never launches: nodes 0 and 1 mark it within two timeouts (mask entry 0,
     out of the call's mask), record no error, receive 0 rows from it and nothing is void; the relay that
     follows moves the rows between them and leaves rank 2's runs untouched; the next call does not wait
     for rank 2 at all. Then a rank whose own entry is 0 exchanges with nobody."""
