@@ -13,7 +13,8 @@ emptied and their own intact (docs/elastic.md, "Normal mode"); without one the c
 with PeerTimeout naming it. A live rank stalled behind a dead one (its combine waiting out the timeout)
 is not marked by a peer waiting for it in the next call's gate: waiting ranks beat a heartbeat
 (normal_common.cuh PeerClock). A call one rank refuses at its gate is void on every rank: tag records
-naming it, no row moved, the next call right. Each case runs in a worker process with a hard timeout (a kernel bug
+naming it, no row moved, the next call right. The launchers' host checks (check_static, check_rings)
+refuse rings that do not fit, too many channels and unknown hint bits. Each case runs in a worker process with a hard timeout (a kernel bug
 that deadlocks a barrier must fail the test, not hang CI)."""
 from __future__ import annotations
 
@@ -228,6 +229,33 @@ def case_refused_call(path: str) -> str:
     return "ok"
 
 
+def case_launch_checks(path: str) -> str:
+    """The launchers' host checks (normal_notify.cu check_static / check_rings, run by the simulation as
+    by the GPU launch): rings that do not fit the buffer, unknown L2-hint bits, and too many channels are
+    ValueErrors naming the problem before any thread starts; the same world then runs a correct call."""
+    sys.path.insert(0, SIM_DIR)
+    import pytest as _pytest
+    from normal_world import NormalWorld, check_dispatch, load, make_inputs
+    sim = load(path)
+    R, H, K, E = 2, 256, 4, 8
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 8)
+    inputs = make_inputs(R, [40, 30], H, K, E, False, seed=80)
+    w.Q = 64                                  # the buffer holds 32-row rings
+    with _pytest.raises(ValueError, match="the rings need"):
+        w.dispatch(inputs)
+    w.Q, w.C = 32, 65
+    with _pytest.raises(ValueError, match=r"num_channels must be in \[1, 64\]"):
+        w.dispatch(inputs)
+    w.C, w.hints = 2, 8
+    with _pytest.raises(ValueError, match="l2_hints has unknown bits"):
+        w.dispatch(inputs)
+    w.hints = 1
+    handles, outs = w.dispatch(inputs)
+    assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
+    check_dispatch(inputs, handles, outs, E, "after refused launches")
+    return "ok"
+
+
 ERR_PEER_TIMEOUT, PHASE_DISPATCH = 3, 1   # normal_launch.h kErrPeerTimeout, kPhaseDispatch
 
 
@@ -314,6 +342,7 @@ CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     "notify_dispatch_combine_pipeline": (case_notify_pipeline, ()),
     "gate_waits_for_a_peer_stalled_behind_a_dead_rank": (case_gate_behind_a_stalled_peer, ()),
     "a_call_refused_by_one_rank_is_void_everywhere": (case_refused_call, ()),
+    "launch_checks_refuse_bad_rings_and_hints": (case_launch_checks, ()),
 }
 
 

@@ -235,21 +235,13 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine(NormalStatic s, Co
 }  // namespace
 
 #if !defined(PYEP_LL_CPU_SIM)
-void check_static(const NormalStatic& s);
-
 void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream) {
     check_static(s);
     auto bad = [](const std::string& m) { throw std::invalid_argument("normal combine: " + m); };
-    if (a.num_channels < 1 || a.num_channels > kMaxChannels) bad("num_channels must be in [1, 64]");
     if (a.ring_tokens < 2) bad("the ring must hold at least 2 rows");
     if (a.hidden < 128 || a.hidden % 128) bad("hidden must be a positive multiple of 128");
     if (a.num_topk < 0 || a.num_topk > kMaxTopk) bad("num_topk must be in [0, 16]");
-    if (combine_row_bytes(a.hidden, a.num_topk) > s.slot_bytes)
-        bad("a row of hidden " + std::to_string(a.hidden) + " does not fit the buffer's " + std::to_string(s.slot_bytes) +
-            "-byte slots");
-    const uint64_t need = (uint64_t)a.num_channels * s.num_ranks * a.ring_tokens * s.slot_bytes;
-    if (need > s.ring_capacity)
-        bad("the rings need " + std::to_string(need) + " bytes, the buffer has " + std::to_string(s.ring_capacity));
+    check_rings(s, "normal combine", a.num_channels, a.ring_tokens, combine_row_bytes(a.hidden, a.num_topk), a.hidden);
     combine<<<2 * a.num_channels, kCombineThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw std::runtime_error(std::string("normal combine launch: ") + cudaGetErrorString(e));

@@ -361,12 +361,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch(NormalStatic s, 
 }  // namespace
 
 #if !defined(PYEP_LL_CPU_SIM)
-void check_static(const NormalStatic& s);
-
 void launch_dispatch(const NormalStatic& s, const DispatchArgs& a, uint64_t stream) {
     check_static(s);
     auto bad = [](const std::string& m) { throw std::invalid_argument("normal dispatch: " + m); };
-    if (a.num_channels < 1 || a.num_channels > kMaxChannels) bad("num_channels must be in [1, 64]");
     if (a.ring_tokens < kScanWindow) bad("the ring must hold at least 32 rows");
     if (a.chunk_tokens < 1) bad("chunk_tokens must be >= 1");
     if (a.hidden < 128 || a.hidden % 128) bad("hidden must be a positive multiple of 128");
@@ -374,12 +371,8 @@ void launch_dispatch(const NormalStatic& s, const DispatchArgs& a, uint64_t stre
     if (a.x_row_bytes && (a.x_row_bytes % 16 || a.x_row_bytes < DispatchRow(a.hidden, a.fp8, a.num_topk).payload))
         bad("x_row_bytes must be 0 or a multiple of 16 that holds the payload");
     // Pointers may be 0 for empty tensors (N = 0, nothing received); the front checked the shapes.
-    if (dispatch_row_bytes(a.hidden, a.fp8, a.num_topk) > s.slot_bytes)
-        bad("a row of hidden " + std::to_string(a.hidden) + " does not fit the buffer's " + std::to_string(s.slot_bytes) +
-            "-byte slots");
-    const uint64_t need = (uint64_t)a.num_channels * s.num_ranks * a.ring_tokens * s.slot_bytes;
-    if (need > s.ring_capacity)
-        bad("the rings need " + std::to_string(need) + " bytes, the buffer has " + std::to_string(s.ring_capacity));
+    check_rings(s, "normal dispatch", a.num_channels, a.ring_tokens, dispatch_row_bytes(a.hidden, a.fp8, a.num_topk),
+                a.hidden);
     static const bool smem_ok = [] {
         return cudaFuncSetAttribute(dispatch, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmemBytes) ==
                cudaSuccess;

@@ -177,6 +177,12 @@ struct CombineArgs {
 uint64_t dispatch_row_bytes(int hidden, int fp8, int num_topk);
 uint64_t combine_row_bytes(int hidden, int num_topk);
 
+// Host checks (std::invalid_argument): a buffer's statics; a launch's channels, rows against the slots
+// and rings against the buffer (`what` names the call in the message).
+void check_static(const NormalStatic& s);
+void check_rings(const NormalStatic& s, const char* what, int num_channels, int ring_tokens, uint64_t row_bytes,
+                 int hidden);
+
 // Throw std::invalid_argument / std::runtime_error on bad arguments or launch errors.
 void launch_layout(const NormalStatic& s, const LayoutArgs& a, uint64_t stream);
 void launch_notify(const NormalStatic& s, const NotifyArgs& a, uint64_t stream);

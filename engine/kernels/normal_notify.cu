@@ -259,8 +259,7 @@ void check(cudaError_t e, const char* what) {
 
 }  // namespace
 
-#if !defined(PYEP_LL_CPU_SIM)
-
+// Host checks, plain C++ (the CPU simulation runs them too).
 void check_static(const NormalStatic& s) {
     auto bad = [](const std::string& m) { throw std::invalid_argument("normal buffer: " + m); };
     if (s.num_ranks < 1 || s.num_ranks > kMaxRanks) bad("num_ranks must be in [1, 8]");
@@ -274,6 +273,20 @@ void check_static(const NormalStatic& s) {
 
 uint64_t dispatch_row_bytes(int hidden, int fp8, int num_topk) { return DispatchRow(hidden, fp8, num_topk).bytes; }
 uint64_t combine_row_bytes(int hidden, int num_topk) { return CombineRow(hidden, num_topk).bytes; }
+
+void check_rings(const NormalStatic& s, const char* what, int num_channels, int ring_tokens, uint64_t row_bytes,
+                 int hidden) {
+    auto bad = [what](const std::string& m) { throw std::invalid_argument(std::string(what) + ": " + m); };
+    if (num_channels < 1 || num_channels > kMaxChannels) bad("num_channels must be in [1, 64]");
+    if (row_bytes > s.slot_bytes)
+        bad("a row of hidden " + std::to_string(hidden) + " does not fit the buffer's " + std::to_string(s.slot_bytes) +
+            "-byte slots");
+    const uint64_t need = (uint64_t)num_channels * s.num_ranks * ring_tokens * s.slot_bytes;
+    if (need > s.ring_capacity)
+        bad("the rings need " + std::to_string(need) + " bytes, the buffer has " + std::to_string(s.ring_capacity));
+}
+
+#if !defined(PYEP_LL_CPU_SIM)
 
 void launch_layout(const NormalStatic& s, const LayoutArgs& a, uint64_t stream) {
     check_static(s);

@@ -35,13 +35,11 @@ NormalStatic static_from(const py::dict& d) {
     set(d, "l2_hints", s.l2_hints);
     opt(d, "active", s.active);
     opt(d, "off_flag", s.off_flag); opt(d, "off_notify", s.off_notify); opt(d, "notify_ints", s.notify_ints);
-    opt(d, "host_counts", s.host_counts); opt(d, "tag_record", s.tag_record); opt(d, "layout_scratch", s.layout_scratch);
-    if (s.num_ranks < 1 || s.num_ranks > kMaxRanks || s.rank < 0 || s.rank >= s.num_ranks)
-        throw py::value_error("rank / num_ranks out of range");
+    set(d, "host_counts", s.host_counts); set(d, "tag_record", s.tag_record); set(d, "layout_scratch", s.layout_scratch);
+    check_static(s);   // the launchers' own checks (normal_notify.cu)
     // A receiving block gives each source at least one warp: kDispatchWarps / R (4 warps here).
     if (s.num_ranks > kDispatchWarps || s.num_ranks > kCombineWarps)
         throw py::value_error("the simulation's blocks have too few warps for " + std::to_string(s.num_ranks) + " ranks");
-    if (s.buf % 128 || s.ring_off % 128 || s.slot_bytes % 128) throw py::value_error("buffer, rings and slots must be 128-byte aligned");
     return s;
 }
 
@@ -99,14 +97,6 @@ CombineArgs combine_from(const py::dict& d) {
     return a;
 }
 
-// The checks of launch_dispatch / launch_combine that the simulated world could get wrong.
-void check_rings(const NormalStatic& s, int channels, int ring_tokens, uint64_t row_bytes) {
-    if (channels < 1 || channels > kMaxChannels) throw py::value_error("num_channels must be in [1, 64]");
-    if (row_bytes > s.slot_bytes) throw py::value_error("a row does not fit the slots");
-    if ((uint64_t)channels * s.num_ranks * ring_tokens * s.slot_bytes > s.ring_capacity)
-        throw py::value_error("the rings do not fit the buffer");
-}
-
 constexpr size_t kBlockScratch = 1024;   // normal_common.cuh block_shared()
 
 // Every listed rank's grid at once.
@@ -134,14 +124,12 @@ void launch_on_every_rank(const py::list& statics, const py::list& args, FromDic
 PYBIND11_MODULE(normal_sim, m) {
     m.attr("dispatch_threads") = kDispatchThreads;
     m.attr("combine_threads") = kCombineThreads;
-    m.def("dispatch_row_bytes", [](int h, int fp8, int k) { return (uint64_t)DispatchRow(h, fp8, k).bytes; });
-    m.def("combine_row_bytes", [](int h, int k) { return (uint64_t)CombineRow(h, k).bytes; });
     // One dispatch: the dispatch kernel on every listed rank at once (2C blocks, as launched).
     m.def("dispatch", [](const py::list& statics, const py::list& args) {
         for (size_t i = 0; i < statics.size(); ++i) {
             const DispatchArgs a = dispatch_from(args[i].cast<py::dict>());
-            check_rings(static_from(statics[i].cast<py::dict>()), a.num_channels, a.ring_tokens,
-                        DispatchRow(a.hidden, a.fp8, a.num_topk).bytes);
+            check_rings(static_from(statics[i].cast<py::dict>()), "normal dispatch", a.num_channels, a.ring_tokens,
+                        dispatch_row_bytes(a.hidden, a.fp8, a.num_topk), a.hidden);
         }
         launch_on_every_rank<DispatchArgs>(statics, args, dispatch_from, kDispatchThreads,
                                            [](const NormalStatic& s, const DispatchArgs& a) { dispatch(s, a); });
@@ -166,9 +154,8 @@ PYBIND11_MODULE(normal_sim, m) {
         for (size_t i = 0; i < statics.size(); ++i) {
             ss.push_back(static_from(statics[i].cast<py::dict>()));
             as.push_back(notify_from(args[i].cast<py::dict>()));
-            if (ss.back().notify_ints < (uint32_t)kNotifyExtra || !ss.back().host_counts || !ss.back().tag_record ||
-                !ss.back().layout_scratch)
-                throw py::value_error("notify needs off_flag, off_notify, notify_ints, host_counts, tag_record, layout_scratch");
+            if (ss.back().notify_ints < (uint32_t)kNotifyExtra)
+                throw py::value_error("notify needs off_flag, off_notify and notify_ints");
         }
         py::gil_scoped_release nogil;
         {
@@ -192,8 +179,8 @@ PYBIND11_MODULE(normal_sim, m) {
     m.def("combine", [](const py::list& statics, const py::list& args) {
         for (size_t i = 0; i < statics.size(); ++i) {
             const CombineArgs a = combine_from(args[i].cast<py::dict>());
-            check_rings(static_from(statics[i].cast<py::dict>()), a.num_channels, a.ring_tokens,
-                        CombineRow(a.hidden, a.num_topk).bytes);
+            check_rings(static_from(statics[i].cast<py::dict>()), "normal combine", a.num_channels, a.ring_tokens,
+                        combine_row_bytes(a.hidden, a.num_topk), a.hidden);
         }
         launch_on_every_rank<CombineArgs>(statics, args, combine_from, kCombineThreads,
                                           [](const NormalStatic& s, const CombineArgs& a) { combine(s, a); });

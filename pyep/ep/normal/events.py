@@ -24,11 +24,16 @@ T = TypeVar("T")
 Check = Optional[Callable[[], None]]
 
 
-def wait_bound_s(timeout_us: int) -> float:
-    """Host bound of an event wait: the kernels give up on a silent peer after timeout_us, and on one
-    that keeps beating (it waits on a third rank) after twice that (normal_common.cuh PeerClock); three
-    times plus a second covers queued work ahead of them (previous_event, other streams) on a busy GPU."""
-    return 3.0 * timeout_us / 1e6 + 1.0
+# The host's waits for the kernels of a call, in kernel timeouts: a kernel gives up on a silent peer
+# after one, on a peer that keeps beating (it waits on a third rank: normal_common.cuh PeerClock) or a
+# column peer across nodes (normal_internode_relay.cu column_timeout_ns) after two; one more covers
+# queued work ahead of them (previous_event, other streams) on a busy GPU.
+HOST_BOUND_TIMEOUTS = 3
+
+
+def wait_bound_s(timeout_us: int, slack_s: float = 1.0) -> float:
+    """Host bound of a wait for a call's kernels (an event, or a pinned word they set)."""
+    return HOST_BOUND_TIMEOUTS * timeout_us / 1e6 + slack_s
 
 
 class NormalEvent:

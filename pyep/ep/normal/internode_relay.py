@@ -27,6 +27,7 @@ from ..streams import raw_current_stream
 from . import tags
 from .device_records import TAG_RECORD_INTS
 from .errors import ERR_NONE, NormalModeError, PeerTimeout
+from .events import wait_bound_s
 from .topology import NodeLayout
 
 if TYPE_CHECKING:
@@ -302,7 +303,7 @@ class Relay:
         """(rows from every node, this rank's send_counts) of counts_async(ticket, host=True): a bounded
         host wait (the kernel gives up on a silent peer by itself and still answers)."""
         host = self._host.numpy()
-        bound_s = 3 * self.timeout_us / 1e6 + 10.0   # the relay waits two timeouts for a column peer
+        bound_s = wait_bound_s(self.timeout_us, 10.0)
         deadline = time.monotonic() + bound_s
         while abs(int(host[0])) != ticket:
             if time.monotonic() > deadline:

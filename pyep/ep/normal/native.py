@@ -21,6 +21,7 @@ from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .device_records import TAG_RECORD_INTS, DeviceRecords
 from .errors import ERR_PEER_TIMEOUT, BufferBroken, NormalCallMismatch, NotCapturable, PeerTimeout
+from .events import wait_bound_s
 from .native_member import NativeNormalMembership
 from .native_state import NativeCallState
 from .topology import NodeLayout
@@ -267,7 +268,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         """The pinned word the notify kernel sets once the counts are in: 1, or 2 when the call is void
         (bounded: the kernel itself gives up on a silent peer after the timeout and still sets it)."""
         host = self._host_np
-        bound_s = 3 * self.timeout_us / 1e6 + 10.0   # events.py wait_bound_s says why 3
+        bound_s = wait_bound_s(self.timeout_us, 10.0)
         deadline = time.monotonic() + bound_s
         spins = 0
         while host[0] == 0:

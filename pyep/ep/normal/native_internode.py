@@ -36,6 +36,7 @@ from .config import Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .capture import capture_refusal
 from .errors import BufferBroken, NormalCallMismatch, NotCapturable, PeerTimeout
+from .events import wait_bound_s
 from .internode_member import InternodeMembership
 from .internode_relay import Relay, RelayError, next_ticket, stream_capturing
 from .native import NormalNativeBackend
@@ -246,7 +247,7 @@ class NormalInternodeBackend(InternodeMembership):
         """inter_order's per-expert counts: a bounded host wait for its ticket (the kernel runs right after
         the node's notify, which the host already waited for)."""
         host = self._order_host.numpy()
-        limit = 3 * self.timeout_us / 1e6 + 10.0   # events.py wait_bound_s says why 3
+        limit = wait_bound_s(self.timeout_us, 10.0)
         deadline = time.monotonic() + limit
         while int(host[0]) != self._ticket:
             if time.monotonic() > deadline:
