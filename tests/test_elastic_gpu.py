@@ -2,8 +2,8 @@
 pyep._engine). Runs `pyep drill` (pyep.launch.drill.run_drill) with the native backend: ranks of a
 store-based EpBuffer (they may share one GPU), one SIGKILLed in the middle of dispatch, of combine and
 between calls, restarted, re-admitted, then 1000 calls bit-equal to the reference definition on every
-rank; the survivors finish the call that finds it dead within timeout + 50 ms and keep their per-call
-time. Each test is 20 drills over one transport (NVLink, the softnic "emulated").
+rank; the survivors finish the call that finds it dead within a healthy call + timeout + 50 ms and keep
+their per-call time. Each test is 20 drills over one transport (NVLink, the softnic "emulated").
 
 In every drill each survivor also snapshots its links to the other peers (QP numbers, state and the
 softnic's per-QP counters: WQEs, bytes, doorbells, consumer index; NVLink addresses) around every

@@ -2,8 +2,8 @@
 ranks of a store-based EpBuffer serving loop (pyep.ep.elastic.drill_rank), SIGKILLs one of them in the
 middle of dispatch, of combine or between calls, restarts that one process, and checks:
 
-- the survivors finish the call that finds the rank dead within timeout + slack, with outputs equal to
-  the reference definition for the ranks that were active;
+- the survivors finish the call that finds the rank dead within a healthy call's time + timeout + slack,
+  with outputs equal to the reference definition for the ranks that were active;
 - the restarted process joins (generation 2) and every rank then runs `--rounds-after` calls, each
   bit-equal to the reference;
 - survivors' per-call time after the rejoin stays near the healthy one (--max-slowdown), both counted
@@ -44,7 +44,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--kill-call", type=int, default=d.kill_call,
                    help="call the victim dies in; after the first calls' grace window (docs/elastic.md)")
     p.add_argument("--timeout-us", type=int, default=d.timeout_us)
-    p.add_argument("--slack-ms", type=float, default=d.slack_ms, help="detection bound: timeout + this")
+    p.add_argument("--slack-ms", type=float, default=d.slack_ms,
+                   help="detection bound: a healthy call + timeout + this")
     p.add_argument("--max-slowdown", type=float, default=d.max_slowdown, help="per-call time after / before the kill")
     p.add_argument("--rounds-after", type=int, default=d.rounds_after, help="calls checked after the rejoin")
     p.add_argument("--lead-calls", type=int, default=d.lead_calls)
