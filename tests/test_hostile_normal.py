@@ -22,7 +22,6 @@ from pyep.ep.normal import (Config, InvalidExpertIndex, LayoutMismatch, NormalBu
 from pyep.ep.normal import tags
 from pyep.ep.normal.device_records import TAG_RECORD_INTS, DeviceRecords
 from pyep.ep.normal.layout import check_rings
-from pyep.ep.normal.native import l2_hints
 from test_normal_call_tags import E, H, _inputs, good_round
 
 BIG = 2 ** 62
@@ -31,10 +30,6 @@ BIG = 2 ** 62
 # ---------------------------------------------------------------- in-process cases
 def _size_hint_ok() -> None:
     assert NormalBuffer.size_hint(7168, 8) > NormalBuffer.size_hint(1024, 8) > 0
-
-
-def _hints_are(value: str, default: int, want: int) -> None:
-    assert l2_hints(value, default) == want, (value, default)
 
 
 LOCAL: List[Tuple[str, type, str, Callable[[], Any], Callable[[], None]]] = [
@@ -58,11 +53,6 @@ LOCAL: List[Tuple[str, type, str, Callable[[], Any], Callable[[], None]]] = [
      lambda: check_rings(Config(24, 6, 256), 8, 7168, NormalBuffer.size_hint(7168, 8))),
     ("native-ring-below-32-rows", ValueError, "at least 32", lambda: check_rings(Config(24, 6, 16), 2, 128, 1 << 30),
      lambda: check_rings(Config(24, 6, 32), 2, 128, 1 << 30)),
-    # The native buffer's L2-hint switch (PYEP_NORMAL_L2_HINTS) takes 0-7 or nothing, refused before any allocation.
-    ("env-l2-hints-8", ValueError, "0 to 7", lambda: l2_hints("8", 0), lambda: _hints_are("7", 0, 7)),
-    ("env-l2-hints-negative", ValueError, "0 to 7", lambda: l2_hints("-1", 0), lambda: _hints_are("", 5, 5)),
-    ("env-l2-hints-arabic-digit", ValueError, "0 to 7", lambda: l2_hints("\u0663", 0), lambda: _hints_are("3", 0, 3)),
-    ("env-l2-hints-spaces", ValueError, "0 to 7", lambda: l2_hints(" 1", 0), lambda: _hints_are("1", 4, 1)),
 ]
 
 

@@ -6,16 +6,15 @@ send_head, host-visible counts with expert alignment), and the rows follow it; t
 the handle from the contract directly. Checked against the contract (tests/ll_sim/normal_world.py): BF16 and FP8 rows, top-k ids and
 weights mapped to local experts, source indices, combine sums in fp32 in rank order with a bias, rings
 that wrap several times, the counters carried from call to call, a rank with no tokens, num_worst_tokens
-padding, a cached dispatch, and every L2 hint (normal_launch.h kHint*): a discarded ring line reads back
-as poison here, so a discard issued before the last read of a slot changes the data. A rank that never
+padding, a cached dispatch, the receiver's bulk copies and its warp copies. A rank that never
 launches: with the buffer's mask it is marked within the timeout and the others finish with its rows
 emptied and their own intact (docs/elastic.md, "Normal mode"); without one the call ends on the timeout
 with PeerTimeout naming it. A live rank stalled behind a dead one (its combine waiting out the timeout)
 is not marked by a peer waiting for it in the next call's gate: waiting ranks beat a heartbeat
 (normal_common.cuh PeerClock). A call one rank refuses at its gate is void on every rank: tag records
 naming it, no row moved, the next call right. The launchers' host checks (check_static, check_rings)
-refuse rings that do not fit, too many channels and unknown hint bits. Each case runs in a worker process with a hard timeout (a kernel bug
-that deadlocks a barrier must fail the test, not hang CI)."""
+refuse rings that do not fit and too many channels. Each case runs in a worker process with a hard
+timeout (a kernel bug that deadlocks a barrier must fail the test, not hang CI)."""
 from __future__ import annotations
 
 import os
@@ -29,7 +28,7 @@ SIM_DIR = os.path.join(ROOT, "tests", "ll_sim")
 
 
 # ------------------------------------------------------------------ cases (run in the worker)
-def case_rounds(path: str, R: int, sizes: List[int], C: int, Q: int, chunk: int, hints: int, use_tma: int) -> str:
+def case_rounds(path: str, R: int, sizes: List[int], C: int, Q: int, chunk: int, use_tma: int) -> str:
     """BF16 dispatch + combine with a bias, FP8 dispatch + combine, then BF16 again: every output
     against the contract, the rings wrapping, the counters carried over."""
     sys.path.insert(0, SIM_DIR)
@@ -37,9 +36,9 @@ def case_rounds(path: str, R: int, sizes: List[int], C: int, Q: int, chunk: int,
     from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
     H, K, E = 256, 4, 4 * R
-    w = NormalWorld(sim, R, H, K, E, C, Q, chunk, hints=hints, use_tma=use_tma)
+    w = NormalWorld(sim, R, H, K, E, C, Q, chunk, use_tma=use_tma)
     for i, fp8 in enumerate([False, True, False]):
-        what = f"R={R} hints={hints} tma={use_tma} call {i} fp8={fp8}"
+        what = f"R={R} tma={use_tma} call {i} fp8={fp8}"
         inputs = make_inputs(R, sizes, H, K, E, fp8, seed=100 * R + i)
         handles, outs = w.dispatch(inputs)
         assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
@@ -60,7 +59,7 @@ def case_worst_tokens_and_cached(path: str) -> str:
     from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
     R, H, K, E = 3, 256, 4, 12
-    w = NormalWorld(sim, R, H, K, E, 2, 32, 5, hints=1)
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 5)
     inputs = make_inputs(R, [70, 45, 88], H, K, E, False, seed=11)
     handles, outs = w.dispatch(inputs, worst=sum(i.topk.shape[0] for i in inputs))
     assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
@@ -125,7 +124,7 @@ def case_notify_pipeline(path: str) -> str:
     from normal_world import Handle, NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
     R, H, K, E = 3, 256, 4, 12
-    w = NormalWorld(sim, R, H, K, E, 3, 32, 8, hints=1)
+    w = NormalWorld(sim, R, H, K, E, 3, 32, 8)
     for i, (fp8, align) in enumerate([(False, 1), (True, 128), (False, 4)]):
         what = f"pipeline call {i}"
         inputs = make_inputs(R, [77, 0, 101] if i == 1 else [64, 90, 58], H, K, E, fp8, seed=40 + i)
@@ -231,7 +230,7 @@ def case_refused_call(path: str) -> str:
 
 def case_launch_checks(path: str) -> str:
     """The launchers' host checks (normal_notify.cu check_static / check_rings, run by the simulation as
-    by the GPU launch): rings that do not fit the buffer, unknown L2-hint bits, and too many channels are
+    by the GPU launch): rings that do not fit the buffer and too many channels are
     ValueErrors naming the problem before any thread starts; the same world then runs a correct call."""
     sys.path.insert(0, SIM_DIR)
     import pytest as _pytest
@@ -246,10 +245,7 @@ def case_launch_checks(path: str) -> str:
     w.Q, w.C = 32, 65
     with _pytest.raises(ValueError, match=r"num_channels must be in \[1, 64\]"):
         w.dispatch(inputs)
-    w.C, w.hints = 2, 8
-    with _pytest.raises(ValueError, match="l2_hints has unknown bits"):
-        w.dispatch(inputs)
-    w.hints = 1
+    w.C = 2
     handles, outs = w.dispatch(inputs)
     assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
     check_dispatch(inputs, handles, outs, E, "after refused launches")
@@ -259,7 +255,7 @@ def case_launch_checks(path: str) -> str:
 ERR_PEER_TIMEOUT, PHASE_DISPATCH = 3, 1   # normal_launch.h kErrPeerTimeout, kPhaseDispatch
 
 
-def case_silent_rank(path: str, hints: int) -> str:
+def case_silent_rank(path: str, use_tma: int) -> str:
     """With a mask, rank 2 of 3 never launches: ranks 0 and 1 mark it within the timeout and finish
     without an error, rows between them intact and rank 2's rows emptied; their combine sums the two
     live ranks; the next call leaves rank 2 out from the start and is correct."""
@@ -267,7 +263,7 @@ def case_silent_rank(path: str, hints: int) -> str:
     from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
     R, H, K, E, live = 3, 256, 4, 12, [0, 1]
-    w = NormalWorld(sim, R, H, K, E, 2, 32, 8, hints=hints, masked=True, timeout_ns=2_000_000_000)
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 8, use_tma=use_tma, masked=True, timeout_ns=2_000_000_000)
     inputs = make_inputs(R, [150, 130, 80], H, K, E, False, seed=5)   # > 32 rows a stream: rings fill
     handles, outs = w.dispatch(inputs, ranks=live)
     for r in live:
@@ -296,7 +292,7 @@ def case_silent_rank_in_combine(path: str) -> str:
     from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
     R, H, K, E, live = 3, 256, 4, 12, [0, 1]
-    w = NormalWorld(sim, R, H, K, E, 2, 32, 8, hints=1, masked=True, timeout_ns=2_000_000_000)
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 8, masked=True, timeout_ns=2_000_000_000)
     inputs = make_inputs(R, [110, 96, 40], H, K, E, False, seed=21)
     handles, outs = w.dispatch(inputs)
     assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
@@ -330,19 +326,19 @@ def case_silent_rank_without_mask(path: str) -> str:
 # name -> (case, its arguments after the module path)
 CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     # 2 ranks, 2 channels of 32-row rings fed 8 rows a chunk: ~70 rows a stream, every ring wraps.
-    **{f"two_ranks_rings_wrap_hints{h}": (case_rounds, (2, [150, 131], 2, 32, 8, h, 1)) for h in (0, 1, 7)},
-    # 3 ranks (one without tokens), 3 channels, the receiver's warp copies, ring lines dropped once read.
-    "three_ranks_one_empty_warp_copies": (case_rounds, (3, [97, 0, 120], 3, 32, 6, 1, 0)),
-    # 4 ranks with one warp per peer group, every hint on.
-    "four_ranks_every_hint": (case_rounds, (4, [64, 80, 33, 72], 2, 32, 4, 7, 1)),
-    **{f"silent_rank_with_mask_is_marked_hints{h}": (case_silent_rank, (h,)) for h in (0, 1)},
+    "two_ranks_rings_wrap": (case_rounds, (2, [150, 131], 2, 32, 8, 1)),
+    # 3 ranks (one without tokens), 3 channels, the receiver's warp copies.
+    "three_ranks_one_empty_warp_copies": (case_rounds, (3, [97, 0, 120], 3, 32, 6, 0)),
+    # 4 ranks with one warp per peer group.
+    "four_ranks": (case_rounds, (4, [64, 80, 33, 72], 2, 32, 4, 1)),
+    **{f"silent_rank_with_mask_is_marked_tma{t}": (case_silent_rank, (t,)) for t in (0, 1)},
     "silent_rank_without_mask_is_named": (case_silent_rank_without_mask, ()),
     "worst_tokens_then_cached_dispatch": (case_worst_tokens_and_cached, ()),
     "silent_rank_in_combine_is_marked": (case_silent_rank_in_combine, ()),
     "notify_dispatch_combine_pipeline": (case_notify_pipeline, ()),
     "gate_waits_for_a_peer_stalled_behind_a_dead_rank": (case_gate_behind_a_stalled_peer, ()),
     "a_call_refused_by_one_rank_is_void_everywhere": (case_refused_call, ()),
-    "launch_checks_refuse_bad_rings_and_hints": (case_launch_checks, ()),
+    "launch_checks_refuse_bad_rings": (case_launch_checks, ()),
 }
 
 

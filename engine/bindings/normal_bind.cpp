@@ -43,15 +43,13 @@ void register_normal(py::module_& m) {
         .def_readwrite("tag_record", &NormalStatic::tag_record)
         .def_readwrite("global_base", &NormalStatic::global_base)
         .def_readwrite("layout_scratch", &NormalStatic::layout_scratch)
-        .def_readwrite("active", &NormalStatic::active)
-        .def_readwrite("l2_hints", &NormalStatic::l2_hints);
+        .def_readwrite("active", &NormalStatic::active);
     n.attr("MAX_CHANNELS") = kMaxChannels;
     n.attr("MAX_RANKS") = kMaxRanks;
     n.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
     n.attr("NOTIFY_EXTRA") = kNotifyExtra;
     n.attr("DISPATCH_THREADS") = kDispatchThreads;
     n.attr("COMBINE_THREADS") = kCombineThreads;
-    n.attr("L2_HINTS_DEFAULT") = kHintsDefault;
     n.def("dispatch_row_bytes", &dispatch_row_bytes, py::arg("hidden"), py::arg("fp8"), py::arg("num_topk"));
     n.def("combine_row_bytes", &combine_row_bytes, py::arg("hidden"), py::arg("num_topk"));
 

@@ -40,7 +40,6 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
     // Room: the receiver needs up to one round of positions beyond its head before it frees any.
     const int chunk = max(1, min(max(a.chunk_tokens, 2 * W), Q - reduce_round(Q)));   // every warp busy
     const bool leader = wi == 0 && lane == 0;
-    const L2Store ring_store = l2_store(s, kHintKeepRing, false);
     // A source out of the call gets none of its rows back; the group decides together (another block
     // may clear the bit while its warps read it).
     if (s.active && group_sync_or(g, W, !in_mask(call_mask(s), d))) return;
@@ -63,7 +62,7 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
             const int64_t r = x_row(a, start + i);
             uint8_t* dst = ring + slot_offset(s, i, Q);
             const float w = lane < K && weights ? weights[r * K + lane] : 0.f;   // in flight with the copy
-            warp_copy(dst, x + (uint64_t)r * row.payload, row.payload, lane, ring_store);
+            warp_copy(dst, x + (uint64_t)r * row.payload, row.payload, lane);
             if (lane < K) reinterpret_cast<float*>(dst + row.weights)[lane] = w;
         }
         group_sync(g, W);
@@ -77,7 +76,7 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
 // vectors v of 8 channels this lane owns.
 template <int kSrc, int kVec>
 __device__ __forceinline__ void reduce_token(const uint8_t* const* rows, int nsrc, const int4* b0, const int4* b1,
-                                             int4* out, int vecs, int lane, const L2Store& store) {
+                                             int4* out, int vecs, int lane) {
     for (int v0 = lane; v0 < vecs; v0 += 32 * kVec) {
         int4 in[kSrc][kVec];
 #pragma unroll
@@ -99,7 +98,7 @@ __device__ __forceinline__ void reduce_token(const uint8_t* const* rows, int nsr
             __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
             for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-            store(out + v, o);
+            out[v] = o;
         }
     }
 }
@@ -134,7 +133,6 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
     const int4* bias1 = reinterpret_cast<const int4*>(a.bias1);
     int4* out = reinterpret_cast<int4*>(a.out);
     float* out_w = reinterpret_cast<float*>(a.out_weights);
-    const L2Store out_store = l2_store(s, kHintStreamOut, true);
 
     for (int rs = t0; rs < t1; rs += round) {
         const int t = rs + warp;
@@ -183,20 +181,13 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
                 const int4* b0 = bias0 ? bias0 + (int64_t)t * vecs : nullptr;
                 const int4* b1 = bias1 ? bias1 + (int64_t)t * vecs : nullptr;
                 int4* o = out + (int64_t)t * vecs;
-                if (nsrc <= 2) reduce_token<2, 4>(rows, nsrc, b0, b1, o, vecs, lane, out_store);
-                else if (nsrc <= 4) reduce_token<4, 2>(rows, nsrc, b0, b1, o, vecs, lane, out_store);
-                else reduce_token<kMaxRanks, 1>(rows, nsrc, b0, b1, o, vecs, lane, out_store);
+                if (nsrc <= 2) reduce_token<2, 4>(rows, nsrc, b0, b1, o, vecs, lane);
+                else if (nsrc <= 4) reduce_token<4, 2>(rows, nsrc, b0, b1, o, vecs, lane);
+                else reduce_token<kMaxRanks, 1>(rows, nsrc, b0, b1, o, vecs, lane);
                 if (out_w && lane < K) {
                     float w = 0.f;
                     for (int i = 0; i < nsrc; ++i) w += __ldcg(wrow[i] + lane);
                     out_w[(int64_t)t * K + lane] = w;
-                }
-                if (s.l2_hints & kHintDiscard) {   // the token's ring rows are dead until the rings wrap
-                    __syncwarp();
-                    for (int d = 0; d < R; ++d) {
-                        const int p = __shfl_sync(0xffffffffu, pos, d);
-                        if (p >= 0 && d != me) discard_l2(ring_of(s, own, c, d, Q) + slot_offset(s, p, Q), row.bytes, lane);
-                    }
                 }
                 if (pos >= 0) atomicMax(&sh_max[lane], pos);
             } else if (lane == 0) {

@@ -320,28 +320,6 @@ __device__ __forceinline__ bool group_sync_or(int group, int warps, bool pred) {
     return r != 0;
 }
 
-// ---- L2 hints (normal_launch.h kHint*) -----------------------------------------------------------------
-// Drops the lines [p, p + bytes) from the L2 without writing them back (p 128-byte aligned, bytes a
-// multiple of 128). PTX defines discard.global.L2 as a weak write of an indeterminate value, so it is
-// ordered like the caller's other writes: before the release of the ring head that lets a sender reuse
-// the slot, and a sender's next row lands after it. Called by one warp once every lane's reads of the
-// slot are done (__syncwarp before): the lanes' loads of one line are spread over 8 lanes.
-__device__ __forceinline__ void discard_l2(const uint8_t* p, uint32_t bytes, int lane) {
-    for (uint32_t off = (uint32_t)lane * 128; off < bytes; off += 32 * 128)
-        asm volatile("discard.global.L2 [%0], 128;" ::"l"(p + off) : "memory");
-}
-// An L2 eviction policy for the .L2::cache_hint forms (createpolicy, sm_80+).
-__device__ __forceinline__ uint64_t l2_policy(bool evict_first) {
-    uint64_t pol;
-    if (evict_first) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    else asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-    return pol;
-}
-__device__ __forceinline__ void st_v4_policy(void* p, int4 v, uint64_t pol) {
-    asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.s32 [%0], {%1,%2,%3,%4}, %5;"
-                 ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(pol) : "memory");
-}
-
 #else
 // CPU simulation (tests/ll_sim): host twins of the release store and of the named barriers.
 __device__ __forceinline__ void st_release_sys(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
@@ -349,29 +327,7 @@ __device__ __forceinline__ void group_sync(int group, int warps) { sim_named_bar
 __device__ __forceinline__ bool group_sync_or(int group, int warps, bool pred) {
     return sim_named_barrier(1 + group, warps * 32, pred);
 }
-// A discarded line reads back indeterminate: the twin poisons it, so a discard before the last read shows.
-__device__ __forceinline__ void discard_l2(const uint8_t* p, uint32_t bytes, int lane) {
-    for (uint32_t off = (uint32_t)lane * 128; off < bytes; off += 32 * 128) std::memset((void*)(p + off), 0xA5, 128);
-}
-__device__ __forceinline__ uint64_t l2_policy(bool) { return 0; }
-__device__ __forceinline__ void st_v4_policy(void* p, int4 v, uint64_t) { sim_st_v4(p, v); }
 #endif  // !PYEP_LL_CPU_SIM
-
-// Where a kernel stores a kind of row: `hinted` false is a plain store (st_v4), else under `policy`.
-struct L2Store {
-    uint64_t policy = 0;
-    bool hinted = false;
-    __device__ __forceinline__ void operator()(void* p, int4 v) const {
-        if (hinted) st_v4_policy(p, v, policy);
-        else st_v4(p, v);
-    }
-};
-__device__ __forceinline__ L2Store l2_store(const NormalStatic& s, int bit, bool evict_first) {
-    L2Store st;
-    st.hinted = (s.l2_hints & bit) != 0;
-    if (st.hinted) st.policy = l2_policy(evict_first);
-    return st;
-}
 
 // Block-shared state of a kernel (one struct per kernel role): a __shared__ variable on the GPU; the
 // CPU simulation has no __shared__ storage class and hands out the simulated block's scratch instead.
@@ -397,7 +353,7 @@ __device__ __forceinline__ T& block_shared() {
 // full memory round trip (the store waits for its load), and a row's tail would cost several of them
 // (a 7168-byte FP8 row was 2 rounds plus 2 single trips at kUnroll 6; now it is 2 rounds).
 template <int kUnroll = 8>
-__device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int bytes, int lane, L2Store store = {}) {
+__device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int bytes, int lane) {
     const int n = bytes / 16;
     const int4* s4 = reinterpret_cast<const int4*>(src);
     int4* d4 = reinterpret_cast<int4*>(dst);
@@ -408,7 +364,7 @@ __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int 
             if (i0 + u * 32 < n) v[u] = __ldcg(s4 + i0 + u * 32);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-            if (i0 + u * 32 < n) store(d4 + i0 + u * 32, v[u]);
+            if (i0 + u * 32 < n) st_v4(d4 + i0 + u * 32, v[u]);
     }
 }
 

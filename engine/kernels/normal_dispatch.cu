@@ -94,7 +94,6 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
     const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk_idx);
     const float* weights = reinterpret_cast<const float*>(a.topk_weights);
     const int groups = a.hidden / 128;
-    const L2Store ring_store = l2_store(s, kHintKeepRing, false);
 
     // A peer out of the call (its gate, or marked since): nothing is sent, its rows are dropped. The
     // group decides together (another block may clear the bit while its warps read it).
@@ -152,7 +151,7 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
                                                 G.lane < K && topk ? topk[(int64_t)tok * K + G.lane] : -1,
                                                 G.lane < K && weights ? weights[(int64_t)tok * K + G.lane] : 0.f,
                                                 G.lane == 0 ? source_index(a, tok) : 0, G.lane);
-                    warp_copy(dst, payload_of(a, row, tok), row.payload, G.lane, ring_store);
+                    warp_copy(dst, payload_of(a, row, tok), row.payload, G.lane);
                     if (a.fp8) store_scales(reinterpret_cast<float*>(dst + row.scales), m, scales + (int64_t)tok * groups, groups, G.lane);
                     if (G.lane < K) {
                         reinterpret_cast<int*>(dst + row.ids)[G.lane] = (int)m.id;
@@ -190,7 +189,7 @@ __device__ __forceinline__ void emit_row(const DispatchArgs& a, const DispatchRo
     if (a.row_map) out = reinterpret_cast<const int*>(a.row_map)[out];   // a permutation of the real rows
     uint8_t* dst = reinterpret_cast<uint8_t*>(a.recv_x) + (uint64_t)out * row.payload;
     if (a.use_tma) tma_copy(tma, dst, payload, row.payload, lane);
-    else warp_copy(dst, payload, row.payload, lane, tma.store);
+    else warp_copy(dst, payload, row.payload, lane);
     if (a.fp8) store_scales(reinterpret_cast<float*>(a.recv_x_scales) + (int64_t)out * groups, m, scales, groups, lane);
     if (want_k) {
         const bool local = m.id >= lo && m.id < lo + El;
@@ -303,11 +302,6 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
                      [&](int k) { return (int64_t)__ldcg(reinterpret_cast<const int*>(r + row.ids) + k); },
                      [&](int k) { return __ldcg(reinterpret_cast<const float*>(r + row.weights) + k); },
                      __ldcg(reinterpret_cast<const int*>(r + row.src)), lo, G.lane);
-            if (s.l2_hints & kHintDiscard) {   // the slot is dead until the ring wraps: no write-back
-                if (a.use_tma) fence_proxy_async_global();
-                __syncwarp();
-                discard_l2(r, row.bytes, G.lane);
-            }
         }
         group_sync(G.g, G.W);                       // every read of these slots is done (tma_copy
                                                     // returns once its loads completed)
@@ -353,7 +347,6 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch(NormalStatic s, 
         if (g >= R) return;
         uint8_t* tma_smem = tma_shared();
         WarpTma tma = tma_setup(tma_smem, reinterpret_cast<uint64_t*>(tma_smem + kTmaSmemData), warp, lane);
-        tma.store = l2_store(s, kHintStreamOut, true);
         dispatch_recv(s, a, row, c, Group{g, warp % W, W, lane}, sh_flag, tma);
     }
 }

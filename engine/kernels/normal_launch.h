@@ -35,15 +35,6 @@ constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kScanWindow = 32;         // tokens per routing ballot
 constexpr int kMaxWindows = 4;          // ballots per dispatch-sender round (bounded by ring_tokens / 32)
 
-// L2 hints (NormalStatic::l2_hints). With ring copies each row crosses HBM twice unless its ring lines
-// live and die in the L2: a slot is written by the sender, read once by the receiver soon after, and
-// then dead until the ring wraps; writing it back to HBM is wasted bandwidth.
-constexpr int kHintDiscard = 1;         // the receiver drops a consumed slot's lines (discard.global.L2)
-constexpr int kHintStreamOut = 2;       // output rows are stored evict-first: they are not read again here
-constexpr int kHintKeepRing = 4;        // ring rows are stored evict-last: the receiver reads them next
-// Off until measured on a GPU (docs/normal_mode.md, "L2 hints"); tests/test_normal_sim.py checks each bit.
-constexpr int kHintsDefault = 0;
-
 // Device error record (pinned host memory, int32 words): [code, a, b, c]. errors.py decodes it (5 is
 // the relay's kErrQp).
 enum NormalError : int {
@@ -88,9 +79,6 @@ struct NormalStatic {
     // marked (its entry cleared) and the call completes among the others; without one it voids the call
     // with kErrPeerTimeout.
     uint64_t active = 0;
-    // L2 hints of the ring traffic (kHint* bits; native.py PYEP_NORMAL_L2_HINTS). Each bit changes only
-    // where bytes sit in the L2, never which bytes a call returns.
-    int l2_hints = kHintsDefault;
 };
 
 struct LayoutArgs {

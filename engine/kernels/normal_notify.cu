@@ -267,7 +267,6 @@ void check_static(const NormalStatic& s) {
     if (!s.buf || !s.peer_base || !s.err || !s.host_counts || !s.workspace || !s.tag_record || !s.layout_scratch)
         bad("pointers must be set");
     if (s.ring_off % 128 || s.buf % 128) bad("the buffer and its ring offset must be 128-byte aligned");
-    if (s.l2_hints & ~(kHintDiscard | kHintStreamOut | kHintKeepRing)) bad("l2_hints has unknown bits");
     if (s.slot_bytes == 0 || s.slot_bytes % 128) bad("slot_bytes must be a positive multiple of 128");
 }
 

@@ -20,7 +20,6 @@ struct WarpTma {
     uint64_t* bar;       // kTmaStages mbarriers
     uint32_t phases;     // bit s: the parity the next wait on stage s expects
     uint32_t next;       // chunks issued so far (selects the stage)
-    L2Store store;       // the L2 policy of the bulk stores (kHintStreamOut), or none
 };
 
 #if !defined(PYEP_LL_CPU_SIM)
@@ -36,7 +35,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // Lane 0 of the warp initialises its barriers (once per kernel).
 __device__ __forceinline__ WarpTma tma_setup(uint8_t* smem_base, uint64_t* bars, int warp, int lane) {
-    WarpTma t{smem_base + (size_t)warp * kTmaStages * kTmaStageBytes, bars + warp * kTmaStages, 0u, 0u, {}};
+    WarpTma t{smem_base + (size_t)warp * kTmaStages * kTmaStageBytes, bars + warp * kTmaStages, 0u, 0u};
     if (lane == 0) {
         for (int s = 0; s < kTmaStages; ++s)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(t.bar + s)) : "memory");
@@ -86,22 +85,14 @@ __device__ __forceinline__ void tma_copy(WarpTma& t, uint8_t* dst, const uint8_t
             uint8_t* d = dst + (size_t)i * kTmaStageBytes;
             const uint32_t from = smem_addr(t.smem + stage * kTmaStageBytes);
             const int n = min(kTmaStageBytes, bytes - i * kTmaStageBytes);
-            if (t.store.hinted)
-                asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;"
-                             ::"l"(d), "r"(from), "r"(n), "l"(t.store.policy) : "memory");
-            else
-                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                             ::"l"(d), "r"(from), "r"(n) : "memory");
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                         ::"l"(d), "r"(from), "r"(n) : "memory");
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         }
         t.next += chunks;
     }
     __syncwarp();
 }
-
-// Orders this warp's earlier bulk-copy reads (async proxy) before its later generic writes to the same
-// bytes (a discard_l2 of the slot they read). Every lane, after tma_copy returned.
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 // Wait until this warp's bulk stores are complete (before the kernel ends).
 __device__ __forceinline__ void tma_drain(int lane) {
@@ -114,13 +105,12 @@ __device__ __forceinline__ void tma_drain(int lane) {
 __device__ __forceinline__ uint8_t* tma_shared() { return sim_smem(); }
 __device__ __forceinline__ WarpTma tma_setup(uint8_t* smem_base, uint64_t* bars, int, int) {
     __syncwarp();
-    return WarpTma{smem_base, bars, 0u, 0u, {}};
+    return WarpTma{smem_base, bars, 0u, 0u};
 }
 __device__ __forceinline__ void tma_copy(WarpTma& t, uint8_t* dst, const uint8_t* src, int bytes, int lane) {
-    warp_copy(dst, src, bytes, lane, t.store);
+    warp_copy(dst, src, bytes, lane);
     __syncwarp();
 }
-__device__ __forceinline__ void fence_proxy_async_global() {}
 __device__ __forceinline__ void tma_drain(int) { __syncwarp(); }
 #endif  // !PYEP_LL_CPU_SIM
 

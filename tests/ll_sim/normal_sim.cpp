@@ -3,8 +3,7 @@
 // host C++ against cuda_shim.h, as ll_sim.cpp does for the LL kernels.
 // Every simulated rank's grid runs at once, one OS thread per GPU thread, against host buffers laid out
 // by pyep/ep/normal/layout.py; a peer's ring is reached by direct stores, as over NVLink. The bulk
-// copies (TMA) are the warp's own copies here, and a discarded L2 line reads back as poison
-// (normal_common.cuh discard_l2), so a discard issued before the last read of a slot shows in the data.
+// copies (TMA) are the warp's own copies here.
 #define PYEP_LL_CPU_SIM 1
 #include "cuda_shim.h"
 
@@ -32,7 +31,6 @@ NormalStatic static_from(const py::dict& d) {
     set(d, "off_tail", s.off_tail); set(d, "off_head", s.off_head); set(d, "off_tx", s.off_tx); set(d, "off_rx", s.off_rx);
     set(d, "off_alive", s.off_alive);
     set(d, "err", s.err); set(d, "workspace", s.workspace); set(d, "timeout_ns", s.timeout_ns);
-    set(d, "l2_hints", s.l2_hints);
     opt(d, "active", s.active);
     opt(d, "off_flag", s.off_flag); opt(d, "off_notify", s.off_notify); opt(d, "notify_ints", s.notify_ints);
     set(d, "host_counts", s.host_counts); set(d, "tag_record", s.tag_record); set(d, "layout_scratch", s.layout_scratch);

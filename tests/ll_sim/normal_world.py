@@ -107,9 +107,9 @@ class NormalWorld:
     """R ranks' buffers and counters; dispatch() and combine() launch the kernels on every rank at once."""
 
     def __init__(self, sim: Any, R: int, H: int, K: int, E: int, C: int, Q: int, chunk: int,
-                 hints: int = 0, use_tma: int = 1, masked: bool = False, timeout_ns: int = TIMEOUT_NS) -> None:
+                 use_tma: int = 1, masked: bool = False, timeout_ns: int = TIMEOUT_NS) -> None:
         self.sim, self.R, self.H, self.K, self.E, self.C, self.Q, self.chunk = sim, R, H, K, E, C, Q, chunk
-        self.hints, self.use_tma, self.timeout_ns = hints, use_tma, timeout_ns
+        self.use_tma, self.timeout_ns = use_tma, timeout_ns
         # With a mask (docs/elastic.md, "Normal mode"): each rank's active_ranks, and the tokens each call
         # did not deliver to each rank.
         self.active = [torch.ones(R, dtype=torch.int32) for _ in range(R)] if masked else None
@@ -134,7 +134,7 @@ class NormalWorld:
                     ring_off=self.ring_off, ring_capacity=self.capacity, slot_bytes=self.slot,
                     off_tail=w["tail"], off_head=w["head"], off_tx=w["tx_pos"], off_rx=w["rx_pos"], off_alive=w["alive"],
                     err=self.err[r].data_ptr(), workspace=self.ws[r].data_ptr(), timeout_ns=self.timeout_ns,
-                    l2_hints=self.hints, active=self.active[r].data_ptr() if self.active is not None else 0,
+                    active=self.active[r].data_ptr() if self.active is not None else 0,
                     off_flag=w["notify_flag"], off_notify=w["notify"], notify_ints=layout.notify_ints(),
                     host_counts=self.host[r].data_ptr(), tag_record=self.tag_record[r].data_ptr(),
                     layout_scratch=self.scratch[r].data_ptr())

@@ -1,10 +1,8 @@
 // What a ring costs in HBM traffic, alone on the GPU: rows moved x -> ring -> out by producer/consumer
 // block pairs (the normal mode's two copies: sender to the peer's ring, receiver to its output rows,
 // with a tail/head handshake every `chunk` rows), against the same rows moved x -> out once by as many
-// blocks (what senders writing the final rows would do), with the L2 hints of normal_launch.h: the
-// consumer dropping each slot's lines once read (discard.global.L2, kHintDiscard), output rows stored
-// evict-first (kHintStreamOut), ring rows stored evict-last (kHintKeepRing). If the hints bring the
-// two-copy pipeline near the one-copy rate, the ring's second crossing of HBM was what bounded it.
+// blocks (what senders writing the final rows would do). The gap is what a design with one copy per
+// row could win when both ends share one memory (docs/results/2026-11-26g-h100x1/).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Iengine tools/dev/ring_copy_rate.cu -o /tmp/ring_copy_rate && /tmp/ring_copy_rate
 // Prints one line per (row size, block pairs, mode): microseconds and payload GB/s (rows x row bytes
@@ -23,18 +21,10 @@ using namespace pyep::normal;
 constexpr int kThreads = 768;   // the dispatch's blocks
 constexpr int kWarps = kThreads / 32;
 
-// The hints a run applies, as a NormalStatic (only l2_hints is read).
-NormalStatic hints_of(int bits) {
-    NormalStatic s;
-    s.l2_hints = bits;
-    return s;
-}
-
 // Block pair p moves rows [p*per, (p+1)*per): block 2p copies x -> ring (Q slots), block 2p + 1 ring -> out.
 // ctl[p] = {tail, head}: rows published / consumed (release / acquire, as the kernels' counters).
 __global__ void __launch_bounds__(kThreads, 1) ring_pipeline(const uint8_t* x, uint8_t* ring, uint8_t* out, int* ctl,
-                                                            int per, int row_bytes, int slot_bytes, int Q, int chunk,
-                                                            NormalStatic s) {
+                                                            int per, int row_bytes, int slot_bytes, int Q, int chunk) {
     const int p = blockIdx.x / 2, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int* tail = ctl + 2 * p;
     int* head = ctl + 2 * p + 1;
@@ -42,20 +32,17 @@ __global__ void __launch_bounds__(kThreads, 1) ring_pipeline(const uint8_t* x, u
     const size_t first = (size_t)p * per;
     __shared__ int avail;
     if (blockIdx.x % 2 == 0) {
-        const L2Store store = l2_store(s, kHintKeepRing, false);
         for (int i0 = 0; i0 < per; i0 += chunk) {
             const int n = min(chunk, per - i0);
             if (threadIdx.x == 0)
                 while (ld_acquire_sys(head) < i0 + n - Q) LL_SPIN_HINT();
             __syncthreads();
             for (int j = warp; j < n; j += kWarps)
-                warp_copy(slots + (size_t)((i0 + j) % Q) * slot_bytes, x + (first + i0 + j) * row_bytes, row_bytes, lane,
-                          store);
+                warp_copy(slots + (size_t)((i0 + j) % Q) * slot_bytes, x + (first + i0 + j) * row_bytes, row_bytes, lane);
             __syncthreads();
             if (threadIdx.x == 0) st_release_sys(tail, i0 + n);
         }
     } else {
-        const L2Store store = l2_store(s, kHintStreamOut, true);
         for (int done = 0; done < per;) {
             if (threadIdx.x == 0) {
                 int t;
@@ -66,11 +53,7 @@ __global__ void __launch_bounds__(kThreads, 1) ring_pipeline(const uint8_t* x, u
             const int n = avail;
             for (int j = warp; j < n; j += kWarps) {
                 const uint8_t* slot = slots + (size_t)((done + j) % Q) * slot_bytes;
-                warp_copy(out + (first + done + j) * row_bytes, slot, row_bytes, lane, store);
-                if (s.l2_hints & kHintDiscard) {
-                    __syncwarp();
-                    discard_l2(slot, slot_bytes, lane);
-                }
+                warp_copy(out + (first + done + j) * row_bytes, slot, row_bytes, lane);
             }
             __syncthreads();
             done += n;
@@ -80,12 +63,10 @@ __global__ void __launch_bounds__(kThreads, 1) ring_pipeline(const uint8_t* x, u
 }
 
 // The same rows once: block b copies rows b, b + gridDim.x, ... x -> out, one per warp.
-__global__ void __launch_bounds__(kThreads, 1) one_copy(const uint8_t* x, uint8_t* out, int rows, int row_bytes,
-                                                       NormalStatic s) {
-    const L2Store store = l2_store(s, kHintStreamOut, true);
+__global__ void __launch_bounds__(kThreads, 1) one_copy(const uint8_t* x, uint8_t* out, int rows, int row_bytes) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int r = blockIdx.x * kWarps + warp; r < rows; r += gridDim.x * kWarps)
-        warp_copy(out + (size_t)r * row_bytes, x + (size_t)r * row_bytes, row_bytes, lane, store);
+        warp_copy(out + (size_t)r * row_bytes, x + (size_t)r * row_bytes, row_bytes, lane);
 }
 
 void check(cudaError_t e, const char* what) {
@@ -132,19 +113,15 @@ int main() {
             check(cudaMalloc(&ring, (size_t)pairs * Q * slot_bytes), "malloc");
             check(cudaMalloc(&ctl, 2 * sizeof(int) * pairs), "malloc");
             const int per = rows / pairs;
-            struct Mode { const char* name; int two; int hints; };
-            const Mode modes[] = {{"two copies", 1, 0}, {"two copies, discard", 1, kHintDiscard},
-                                  {"two copies, discard + out evict-first", 1, kHintDiscard | kHintStreamOut},
-                                  {"two copies, all hints", 1, kHintDiscard | kHintStreamOut | kHintKeepRing},
-                                  {"one copy (2 x pairs blocks)", 0, 0}};
+            struct Mode { const char* name; bool two; };
+            const Mode modes[] = {{"two copies", true}, {"one copy (2 x pairs blocks)", false}};
             for (const Mode& m : modes) {
-                const NormalStatic s = hints_of(m.hints);
                 const float us = median_us([&] {
                     if (m.two) {
                         cudaMemsetAsync(ctl, 0, 2 * sizeof(int) * pairs);
-                        ring_pipeline<<<2 * pairs, kThreads>>>(x, ring, out, ctl, per, row_bytes, slot_bytes, Q, chunk, s);
+                        ring_pipeline<<<2 * pairs, kThreads>>>(x, ring, out, ctl, per, row_bytes, slot_bytes, Q, chunk);
                     } else {
-                        one_copy<<<2 * pairs, kThreads>>>(x, out, per * pairs, row_bytes, s);
+                        one_copy<<<2 * pairs, kThreads>>>(x, out, per * pairs, row_bytes);
                     }
                     check(cudaGetLastError(), "launch");
                 }, reps);

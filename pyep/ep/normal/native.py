@@ -34,17 +34,6 @@ log = logging.getLogger("pyep.ep.normal.native")
 SETUP_TIMEOUT_FLOOR_S = 120.0
 
 
-def l2_hints(value: str, default: int) -> int:
-    """PYEP_NORMAL_L2_HINTS: the kernels' L2 hints as a bit mask (normal_launch.h kHint*: 1 drop consumed
-    ring lines, 2 output rows evict-first, 4 ring rows evict-last; `default` when unset), an A/B switch
-    of the measurements: the same bytes either way. Anything but 0-7 is a ValueError."""
-    if value == "":
-        return default
-    if value not in {str(b) for b in range(8)}:
-        raise ValueError(f"PYEP_NORMAL_L2_HINTS={value!r}: expected a bit mask from 0 to 7")
-    return int(value)
-
-
 def _engine() -> Any:
     from ..._native import load
     mod = load()
@@ -129,7 +118,6 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         # copy engine (an A/B switch for measurements; both give the same bytes).
         import os
         self._use_tma = os.environ.get("PYEP_NORMAL_TMA", "1") != "0"
-        self._l2_hints = l2_hints(os.environ.get("PYEP_NORMAL_L2_HINTS", ""), int(self._n.L2_HINTS_DEFAULT))
         # Pinned host words the kernels write and the host reads without synchronising.
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host = torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cpu",
@@ -159,7 +147,6 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         s = self._n.NormalStatic()
         s.rank, s.num_ranks = self.rank, self.num_ranks
         s.buf = self._buf
-        s.l2_hints = self._l2_hints
         s.peer_base = self._peer_base.data_ptr()
         s.ring_off = layout.ring_offset(self.num_ranks, self._extra)
         s.ring_capacity = self._bytes - s.ring_off
