@@ -29,17 +29,18 @@ SIM_DIR = os.path.join(ROOT, "tests", "ll_sim")
 
 # ------------------------------------------------------------------ cases (run in the worker)
 def case_rounds(path: str, R: int, sizes: List[int], C: int, Q: int, chunk: int, use_tma: int) -> str:
-    """BF16 dispatch + combine with a bias, FP8 dispatch + combine, then BF16 again: every output
-    against the contract, the rings wrapping, the counters carried over."""
+    """BF16 dispatch + combine with a bias, FP8 dispatch + combine with row-major then column-major
+    scales (read in place), then BF16 again: every output against the contract, the rings wrapping, the
+    counters carried over."""
     sys.path.insert(0, SIM_DIR)
     import torch
     from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
     H, K, E = 256, 4, 4 * R
     w = NormalWorld(sim, R, H, K, E, C, Q, chunk, use_tma=use_tma)
-    for i, fp8 in enumerate([False, True, False]):
-        what = f"R={R} tma={use_tma} call {i} fp8={fp8}"
-        inputs = make_inputs(R, sizes, H, K, E, fp8, seed=100 * R + i)
+    for i, (fp8, colmajor) in enumerate([(False, False), (True, False), (True, True), (False, False)]):
+        what = f"R={R} tma={use_tma} call {i} fp8={fp8} colmajor={colmajor}"
+        inputs = make_inputs(R, sizes, H, K, E, fp8, seed=100 * R + i, colmajor=colmajor)
         handles, outs = w.dispatch(inputs)
         assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
         check_dispatch(inputs, handles, outs, E, what)
@@ -64,7 +65,7 @@ def case_worst_tokens_and_cached(path: str) -> str:
     handles, outs = w.dispatch(inputs, worst=sum(i.topk.shape[0] for i in inputs))
     assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
     check_dispatch(inputs, handles, outs, E, "num_worst_tokens")
-    again = make_inputs(R, [70, 45, 88], H, K, E, True, seed=11)   # same routing, FP8 rows
+    again = make_inputs(R, [70, 45, 88], H, K, E, True, seed=11, colmajor=True)   # same routing, FP8 rows
     for a, b in zip(again, inputs):
         a.topk, a.weights = b.topk, b.weights
     handles, outs = w.dispatch(again, cached=True)

@@ -129,8 +129,11 @@ void register_normal(py::module_& m) {
            int ring_tokens, int chunk_tokens, int num_out_rows, int num_worst_tokens, bool use_tma, uint64_t recv_x,
            uint64_t recv_x_scales, uint64_t recv_topk_idx, uint64_t recv_topk_weights, uint64_t recv_src_idx,
            uint64_t src_idx, uint64_t row_map, uint64_t stream, uint64_t x_row_bytes, uint64_t dropped,
-           uint64_t send_head) {
+           uint64_t send_head, int64_t scale_token_stride, int64_t scale_group_stride) {
             DispatchArgs a;
+            // -1: dense row-major scales [N, H/128].
+            a.scale_token_stride = scale_token_stride < 0 ? hidden / 128 : scale_token_stride;
+            a.scale_group_stride = scale_group_stride < 0 ? 1 : scale_group_stride;
             a.dropped = dropped;
             a.send_head = send_head;
             a.x = x;
@@ -169,9 +172,10 @@ void register_normal(py::module_& m) {
         py::arg("num_worst_tokens"), py::arg("use_tma"), py::arg("recv_x"), py::arg("recv_x_scales"),
         py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("src_idx"),
         py::arg("row_map"), py::arg("stream"), py::arg("x_row_bytes") = 0, py::arg("dropped") = 0,
-        py::arg("send_head") = 0,
+        py::arg("send_head") = 0, py::arg("scale_token_stride") = -1, py::arg("scale_group_stride") = -1,
         "Launch the dispatch kernel (x_row_bytes: payload stride, 0 = dense; dropped: device int32 [R] or 0; "
-        "send_head: the routing positions whose rows a mask drops are cleared, or 0)");
+        "send_head: the routing positions whose rows a mask drops are cleared, or 0; scale_*_stride: x_scales' "
+        "strides in floats, -1 = row-major)");
 
     n.def(
         "combine",

@@ -32,7 +32,9 @@ __device__ __forceinline__ int source_index(const DispatchArgs& a, int tok) {
 }
 
 // A row's small fields, held in registers across its payload copy: the first two FP8 scales a lane
-// moves (groups lane and lane + 32; H <= 8192), its top-k entry, the source index.
+// moves (groups lane and lane + 32; H <= 8192), its top-k entry, the source index. A row's scales are
+// `gs` floats apart: 1 in a ring slot, the caller's group stride in x_scales (N for the column-major
+// scales DeepGEMM and DeepEP's tests pass, read in place rather than transposed by an extra kernel).
 struct RowMeta {
     float sc0, sc1;
     int64_t id;
@@ -40,19 +42,20 @@ struct RowMeta {
     int src;
 };
 
-__device__ __forceinline__ RowMeta load_meta(const float* scales, int groups, int64_t id, float weight, int src,
-                                             int lane) {
+__device__ __forceinline__ RowMeta load_meta(const float* scales, int64_t gs, int groups, int64_t id, float weight,
+                                             int src, int lane) {
     RowMeta m{0.f, 0.f, id, weight, src};
-    if (scales && lane < groups) m.sc0 = __ldcg(scales + lane);
-    if (scales && lane + 32 < groups) m.sc1 = __ldcg(scales + lane + 32);
+    if (scales && lane < groups) m.sc0 = __ldcg(scales + lane * gs);
+    if (scales && lane + 32 < groups) m.sc1 = __ldcg(scales + (lane + 32) * gs);
     return m;
 }
 
 // Scales past the 64th (H > 8192) are copied here directly.
-__device__ __forceinline__ void store_scales(float* dst, const RowMeta& m, const float* scales, int groups, int lane) {
+__device__ __forceinline__ void store_scales(float* dst, const RowMeta& m, const float* scales, int64_t gs, int groups,
+                                             int lane) {
     if (lane < groups) dst[lane] = m.sc0;
     if (lane + 32 < groups) dst[lane + 32] = m.sc1;
-    for (int g = lane + 64; g < groups; g += 32) dst[g] = __ldcg(scales + g);
+    for (int g = lane + 64; g < groups; g += 32) dst[g] = __ldcg(scales + g * gs);
 }
 
 struct Group {
@@ -147,12 +150,15 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
                     uint8_t* dst = ring + slot_offset(s, sent + j, Q);
                     // The row's small fields are loaded before the payload copy, so that their loads
                     // are in flight with it instead of adding round trips after it.
-                    const RowMeta m = load_meta(a.fp8 ? scales + (int64_t)tok * groups : nullptr, groups,
+                    const float* row_scales = a.fp8 ? scales + tok * a.scale_token_stride : nullptr;
+                    const RowMeta m = load_meta(row_scales, a.scale_group_stride, groups,
                                                 G.lane < K && topk ? topk[(int64_t)tok * K + G.lane] : -1,
                                                 G.lane < K && weights ? weights[(int64_t)tok * K + G.lane] : 0.f,
                                                 G.lane == 0 ? source_index(a, tok) : 0, G.lane);
                     warp_copy(dst, payload_of(a, row, tok), row.payload, G.lane);
-                    if (a.fp8) store_scales(reinterpret_cast<float*>(dst + row.scales), m, scales + (int64_t)tok * groups, groups, G.lane);
+                    if (a.fp8)
+                        store_scales(reinterpret_cast<float*>(dst + row.scales), m, row_scales, a.scale_group_stride,
+                                     groups, G.lane);
                     if (G.lane < K) {
                         reinterpret_cast<int*>(dst + row.ids)[G.lane] = (int)m.id;
                         reinterpret_cast<float*>(dst + row.weights)[G.lane] = m.weight;
@@ -180,17 +186,18 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
 // The small fields are loaded first (load_meta), so that their latency overlaps the payload copy's.
 template <typename Id, typename Weight>
 __device__ __forceinline__ void emit_row(const DispatchArgs& a, const DispatchRow& row, WarpTma& tma, int out,
-                                         const uint8_t* payload, const float* scales, Id id, Weight weight,
-                                         int src_token, int lo, int lane) {
+                                         const uint8_t* payload, const float* scales, int64_t gs, Id id,
+                                         Weight weight, int src_token, int lo, int lane) {
     const int K = a.num_topk, El = a.num_local_experts, groups = a.hidden / 128;
     const bool want_k = a.recv_topk_idx && lane < K;
-    const RowMeta m = load_meta(a.fp8 ? scales : nullptr, groups, want_k ? id(lane) : -1,
+    const RowMeta m = load_meta(a.fp8 ? scales : nullptr, gs, groups, want_k ? id(lane) : -1,
                                 want_k && a.recv_topk_weights ? weight(lane) : 0.f, src_token, lane);
     if (a.row_map) out = reinterpret_cast<const int*>(a.row_map)[out];   // a permutation of the real rows
     uint8_t* dst = reinterpret_cast<uint8_t*>(a.recv_x) + (uint64_t)out * row.payload;
     if (a.use_tma) tma_copy(tma, dst, payload, row.payload, lane);
     else warp_copy(dst, payload, row.payload, lane);
-    if (a.fp8) store_scales(reinterpret_cast<float*>(a.recv_x_scales) + (int64_t)out * groups, m, scales, groups, lane);
+    if (a.fp8)
+        store_scales(reinterpret_cast<float*>(a.recv_x_scales) + (int64_t)out * groups, m, scales, gs, groups, lane);
     if (want_k) {
         const bool local = m.id >= lo && m.id < lo + El;
         reinterpret_cast<int64_t*>(a.recv_topk_idx)[(int64_t)out * K + lane] = local ? m.id - lo : -1;
@@ -223,7 +230,7 @@ __device__ void empty_rows(const DispatchArgs& a, const DispatchRow& row, int r0
 // the j-th row of a 32-token round goes to warp j mod W, at row recv_channel_prefix[me][c] + position.
 __device__ void dispatch_self(const NormalStatic& s, const DispatchArgs& a, const DispatchRow& row, int c,
                               const Group& G, WarpTma& tma) {
-    const int R = s.num_ranks, me = s.rank, K = a.num_topk, groups = a.hidden / 128;
+    const int R = s.num_ranks, me = s.rank, K = a.num_topk;
     int t0, t1;
     channel_range(a.num_tokens, a.num_channels, c, t0, t1);
     int start, count;
@@ -244,7 +251,8 @@ __device__ void dispatch_self(const NormalStatic& s, const DispatchArgs& a, cons
             const int out = start + pos + j;
             if (j % G.W != G.wi || out >= a.num_out_rows) continue;
             const int tok = wbase + bit;
-            emit_row(a, row, tma, out, payload_of(a, row, tok), scales + (int64_t)tok * groups,
+            emit_row(a, row, tma, out, payload_of(a, row, tok), scales + tok * a.scale_token_stride,
+                     a.scale_group_stride,
                      [&](int k) { return topk ? topk[(int64_t)tok * K + k] : (int64_t)-1; },
                      [&](int k) { return weights ? weights[(int64_t)tok * K + k] : 0.f; }, source_index(a, tok), lo,
                      G.lane);
@@ -298,7 +306,7 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
             const int out = start + i;
             if (out >= a.num_out_rows) continue;    // more rows than num_worst_tokens: recorded by notify
             const uint8_t* r = ring + slot_offset(s, i, Q);
-            emit_row(a, row, tma, out, r, reinterpret_cast<const float*>(r + row.scales),
+            emit_row(a, row, tma, out, r, reinterpret_cast<const float*>(r + row.scales), 1,
                      [&](int k) { return (int64_t)__ldcg(reinterpret_cast<const int*>(r + row.ids) + k); },
                      [&](int k) { return __ldcg(reinterpret_cast<const float*>(r + row.weights) + k); },
                      __ldcg(reinterpret_cast<const int*>(r + row.src)), lo, G.lane);

@@ -42,7 +42,9 @@ class RankInputs:
     weights: torch.Tensor                # fp32 [N, K]
 
 
-def make_inputs(R: int, sizes: List[int], H: int, K: int, E: int, fp8: bool, seed: int) -> List[RankInputs]:
+def make_inputs(R: int, sizes: List[int], H: int, K: int, E: int, fp8: bool, seed: int,
+                colmajor: bool = False) -> List[RankInputs]:
+    """`colmajor`: FP8 scales column-major (stride (1, N)), as DeepGEMM and DeepEP's tests lay them out."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for r in range(R):
@@ -55,6 +57,8 @@ def make_inputs(R: int, sizes: List[int], H: int, K: int, E: int, fp8: bool, see
         if fp8:
             x = torch.randint(0, 256, (n, H), generator=g, dtype=torch.uint8)
             scales = torch.rand((n, H // 128), generator=g, dtype=torch.float32) + 0.5
+            if colmajor:
+                scales = scales.T.contiguous().T
         else:
             x = torch.randn((n, H), generator=g, dtype=torch.float32).to(torch.bfloat16)
             scales = None
@@ -220,6 +224,8 @@ class NormalWorld:
             o["_keep"] = keep
             args.append(dict(
                 x=_ptr(inp.x), x_scales=_ptr(inp.scales), topk_idx=0 if cached else _ptr(inp.topk),
+                scale_token_stride=inp.scales.stride(0) if fp8 else 0,
+                scale_group_stride=inp.scales.stride(1) if fp8 else 1,
                 topk_weights=0 if cached else _ptr(inp.weights), num_worst_tokens=worst,
                 is_token_in_rank=keep[4].data_ptr(), rank_prefix_matrix=h.rank_prefix.data_ptr(),
                 channel_prefix_matrix=h.channel_prefix.data_ptr(),

@@ -443,9 +443,7 @@ class NormalBuffer(NormalBufferMembership):
                 num_worst_tokens = handle.num_worst_tokens
             else:
                 in_rank = is_token_in_rank
-            scales = args.x_scales
-            if scales is not None and not scales.is_contiguous():
-                scales = scales.contiguous()   # a device copy, no host read; backends take dense scales
+            scales = args.x_scales   # any strides: each backend reads them in place or makes them dense
             call = DispatchCall(x=args.x, x_scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
                                 num_tokens_per_rank=num_tokens_per_rank,
                                 num_tokens_per_rdma_rank=None if cached else num_tokens_per_rdma_rank,

@@ -362,7 +362,8 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
                          cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, rows,
                          call.num_worst_tokens, self._use_tma, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w),
                          0 if cached else recv_src.data_ptr(), 0, 0, stream, 0, ptr(dropped),
-                         send_head.data_ptr() if dropped is not None else 0)
+                         send_head.data_ptr() if dropped is not None else 0,
+                         *(call.x_scales.stride() if fp8 else (-1, -1)))   # scales read in place, any layout
         # With a mask the handle keeps the call's is_token_in_rank less the ranks out of it (as the
         # reference backend's does); the kernels' own view is send_head, cleared for rows not sent.
         in_rank_kept = (in_rank & (self._mask != 0).view(1, -1)) if dropped is not None and not cached else None

@@ -352,7 +352,8 @@ class NormalInternodeBackend(InternodeMembership):
         rr = self._r.relay_row(h, fp8, k, p, True)
         fwd = torch.empty((f_rows, rr["bytes"]), dtype=u8, device=dev)
         send = torch.empty((s_rows, rr["bytes"]), dtype=u8, device=dev)
-        self._r.pack(self._static, call.x.data_ptr(), ptr(call.x_scales), ptr(call.topk_idx), ptr(call.topk_weights),
+        scales = call.x_scales.contiguous() if fp8 else None   # the relay's pack reads dense scales
+        self._r.pack(self._static, call.x.data_ptr(), ptr(scales), ptr(call.topk_idx), ptr(call.topk_weights),
                      in_rank.data_ptr(), node_head.data_ptr(), n, h, k, fp8, True, f_off.data_ptr(), s_off.data_ptr(),
                      fwd.data_ptr(), f_rows, send.data_ptr(), stream)
         self.relay.relay_into(PHASE_DISPATCH, send, s_off, fwd, f_off, q_r, chunk_r, capacity=f_rows)
@@ -433,7 +434,8 @@ class NormalInternodeBackend(InternodeMembership):
         rr = self._r.relay_row(h, fp8, 0, p, False)
         fwd = torch.empty((st.forward_rows, rr["bytes"]), dtype=torch.uint8, device=dev)
         send = torch.empty((st.send_rows, rr["bytes"]), dtype=torch.uint8, device=dev)
-        self._r.pack(self._static, call.x.data_ptr(), call.x_scales.data_ptr() if fp8 else 0, 0, 0, 0,
+        scales = call.x_scales.contiguous() if fp8 else None   # the relay's pack reads dense scales
+        self._r.pack(self._static, call.x.data_ptr(), scales.data_ptr() if scales is not None else 0, 0, 0, 0,
                      st.node_head.data_ptr(), n, h, 0, fp8, False, st.f_offsets.data_ptr(), st.s_offsets.data_ptr(),
                      fwd.data_ptr(), st.forward_rows, send.data_ptr(), raw_current_stream(dev))
         q_r, chunk_r = self._rdma(cfg)

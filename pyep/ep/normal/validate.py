@@ -132,7 +132,7 @@ def check_channels(what: str, config: Config, handle: NormalHandle) -> None:
 @dataclass(frozen=True)
 class DispatchArgs:
     x: "torch.Tensor"
-    x_scales: Optional["torch.Tensor"]     # contiguous once the front has made it so
+    x_scales: Optional["torch.Tensor"]     # any strides (DeepGEMM's are column-major)
     hidden: int
     num_experts: int                       # 0 for cached dispatch
     num_topk: int                          # 0 without topk_idx
