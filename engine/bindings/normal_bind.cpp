@@ -131,9 +131,8 @@ void register_normal(py::module_& m) {
            uint64_t src_idx, uint64_t row_map, uint64_t stream, uint64_t x_row_bytes, uint64_t dropped,
            uint64_t send_head, int64_t scale_token_stride, int64_t scale_group_stride) {
             DispatchArgs a;
-            // -1: dense row-major scales [N, H/128].
-            a.scale_token_stride = scale_token_stride < 0 ? hidden / 128 : scale_token_stride;
-            a.scale_group_stride = scale_group_stride < 0 ? 1 : scale_group_stride;
+            a.scale_token_stride = scale_token_stride;
+            a.scale_group_stride = scale_group_stride;
             a.dropped = dropped;
             a.send_head = send_head;
             a.x = x;

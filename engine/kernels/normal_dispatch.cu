@@ -35,6 +35,13 @@ __device__ __forceinline__ int source_index(const DispatchArgs& a, int tok) {
 // moves (groups lane and lane + 32; H <= 8192), its top-k entry, the source index. A row's scales are
 // `gs` floats apart: 1 in a ring slot, the caller's group stride in x_scales (N for the column-major
 // scales DeepGEMM and DeepEP's tests pass, read in place rather than transposed by an extra kernel).
+__device__ __forceinline__ int64_t scale_token_stride(const DispatchArgs& a) {
+    return a.scale_token_stride < 0 ? a.hidden / 128 : a.scale_token_stride;
+}
+__device__ __forceinline__ int64_t scale_group_stride(const DispatchArgs& a) {
+    return a.scale_group_stride < 0 ? 1 : a.scale_group_stride;
+}
+
 struct RowMeta {
     float sc0, sc1;
     int64_t id;
@@ -150,14 +157,14 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
                     uint8_t* dst = ring + slot_offset(s, sent + j, Q);
                     // The row's small fields are loaded before the payload copy, so that their loads
                     // are in flight with it instead of adding round trips after it.
-                    const float* row_scales = a.fp8 ? scales + tok * a.scale_token_stride : nullptr;
-                    const RowMeta m = load_meta(row_scales, a.scale_group_stride, groups,
+                    const float* row_scales = a.fp8 ? scales + tok * scale_token_stride(a) : nullptr;
+                    const RowMeta m = load_meta(row_scales, scale_group_stride(a), groups,
                                                 G.lane < K && topk ? topk[(int64_t)tok * K + G.lane] : -1,
                                                 G.lane < K && weights ? weights[(int64_t)tok * K + G.lane] : 0.f,
                                                 G.lane == 0 ? source_index(a, tok) : 0, G.lane);
                     warp_copy(dst, payload_of(a, row, tok), row.payload, G.lane);
                     if (a.fp8)
-                        store_scales(reinterpret_cast<float*>(dst + row.scales), m, row_scales, a.scale_group_stride,
+                        store_scales(reinterpret_cast<float*>(dst + row.scales), m, row_scales, scale_group_stride(a),
                                      groups, G.lane);
                     if (G.lane < K) {
                         reinterpret_cast<int*>(dst + row.ids)[G.lane] = (int)m.id;
@@ -251,8 +258,8 @@ __device__ void dispatch_self(const NormalStatic& s, const DispatchArgs& a, cons
             const int out = start + pos + j;
             if (j % G.W != G.wi || out >= a.num_out_rows) continue;
             const int tok = wbase + bit;
-            emit_row(a, row, tma, out, payload_of(a, row, tok), scales + tok * a.scale_token_stride,
-                     a.scale_group_stride,
+            emit_row(a, row, tma, out, payload_of(a, row, tok), scales + tok * scale_token_stride(a),
+                     scale_group_stride(a),
                      [&](int k) { return topk ? topk[(int64_t)tok * K + k] : (int64_t)-1; },
                      [&](int k) { return weights ? weights[(int64_t)tok * K + k] : 0.f; }, source_index(a, tok), lo,
                      G.lane);

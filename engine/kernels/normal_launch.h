@@ -125,7 +125,7 @@ struct NotifyArgs {
 struct DispatchArgs {
     uint64_t x = 0;                       // bf16 or e4m3 [N, H]
     uint64_t x_scales = 0;                // fp32 [N, H/128] (FP8 only), any strides:
-    int64_t scale_token_stride = 0, scale_group_stride = 1;   // in floats (row-major: H/128 and 1)
+    int64_t scale_token_stride = -1, scale_group_stride = -1;   // in floats; -1: row-major (H/128, 1)
     uint64_t topk_idx = 0;                // int64 [N, K] or 0
     uint64_t topk_weights = 0;            // fp32 [N, K] or 0
     uint64_t is_token_in_rank = 0;        // bool [N, R]

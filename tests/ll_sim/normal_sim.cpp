@@ -44,7 +44,7 @@ NormalStatic static_from(const py::dict& d) {
 DispatchArgs dispatch_from(const py::dict& d) {
     DispatchArgs a;
     set(d, "x", a.x); set(d, "x_scales", a.x_scales);
-    set(d, "scale_token_stride", a.scale_token_stride); set(d, "scale_group_stride", a.scale_group_stride);
+    opt(d, "scale_token_stride", a.scale_token_stride); opt(d, "scale_group_stride", a.scale_group_stride);
     set(d, "topk_idx", a.topk_idx); set(d, "topk_weights", a.topk_weights);
     set(d, "is_token_in_rank", a.is_token_in_rank); set(d, "rank_prefix_matrix", a.rank_prefix_matrix);
     set(d, "channel_prefix_matrix", a.channel_prefix_matrix);

@@ -224,8 +224,8 @@ class NormalWorld:
             o["_keep"] = keep
             args.append(dict(
                 x=_ptr(inp.x), x_scales=_ptr(inp.scales), topk_idx=0 if cached else _ptr(inp.topk),
-                scale_token_stride=inp.scales.stride(0) if fp8 else 0,
-                scale_group_stride=inp.scales.stride(1) if fp8 else 1,
+                scale_token_stride=inp.scales.stride(0) if fp8 else -1,
+                scale_group_stride=inp.scales.stride(1) if fp8 else -1,
                 topk_weights=0 if cached else _ptr(inp.weights), num_worst_tokens=worst,
                 is_token_in_rank=keep[4].data_ptr(), rank_prefix_matrix=h.rank_prefix.data_ptr(),
                 channel_prefix_matrix=h.channel_prefix.data_ptr(),
