@@ -493,18 +493,19 @@ def case_masked_silent_peer(path: str) -> str:
 
 
 def case_late_column_peer(path: str) -> str:
-    """With a mask, node 2 of 3 starts its count exchange 1.4 timeouts after the others, as when its own
+    """With a mask, node 2 of 3 starts its count exchange 1.25 timeouts after the others, as when its own
     node's kernels first waited out a dead rank there: a live node, so nobody marks it (the relay waits
-    two timeouts for a column peer) and every count arrives."""
+    two timeouts for a column peer) and every count arrives. A 1 s timeout leaves 0.75 s for a loaded
+    CI machine to start the late node's simulated grid."""
     import threading
-    M, timeout_ms = 3, 500
+    M, timeout_ms = 3, 1000
     w = _world(path, M, timeout_ms=timeout_ms)
     w.use_masks([[1, 1, 1]] * M)
     send = [[0, 5, 6], [7, 0, 8], [9, 10, 0]]
     late: dict = {}
 
     def node2() -> None:
-        time.sleep(1.4 * timeout_ms / 1000)
+        time.sleep(1.25 * timeout_ms / 1000)
         late["rc"] = w.counts(send, ranks=[2])[0]
 
     t = threading.Thread(target=node2)
