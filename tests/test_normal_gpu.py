@@ -48,6 +48,16 @@ def test_matches_reference(pools, world, hidden):
 @requires_gpus
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
+def test_one_copy_dispatch_matches_reference_and_keeps_outputs(pools, world):
+    """A buffer with an output pool: one-copy dispatch, its ring fallback when the pool is full of kept
+    outputs, and the kept outputs never overwritten (normal_gpu_cases.one_copy)."""
+    from normal_gpu_cases import one_copy
+    pools[world].run(one_copy, shape(world, 7168), "core", timeout_s=220)
+
+
+@requires_gpus
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
 def test_cuda_graph_with_worst_tokens_and_cached_handle(pools, world):
     from normal_gpu_drills import graph_case
     pools[world].run(graph_case, (64, 1024, 8 * world, 4), 3, timeout_s=220)

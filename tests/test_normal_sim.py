@@ -323,6 +323,73 @@ def case_silent_rank_without_mask(path: str) -> str:
     return "ok"
 
 
+ERR_DIRECT_DESC = 11   # normal_launch.h kErrDirectDesc
+
+
+def case_direct(path: str, R: int, sizes: List[int]) -> str:
+    """One-copy dispatch (normal_direct.cuh): every rank offers outputs in its pool, so rows go straight
+    into the receivers' recv_x (the rings stay untouched: zeroed before, zero after) and the small
+    fields through the staging rows; BF16, FP8 with column-major scales, num_worst_tokens padding, a
+    cached dispatch; a call where one rank offers nothing takes the ring path on every rank; each
+    followed by a combine over the rings (the counters stay consistent across both paths)."""
+    sys.path.insert(0, SIM_DIR)
+    import torch
+    from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
+    sim = load(path)
+    H, K, E = 256, 4, 4 * R
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 6, pool_bytes=4 << 20)
+    plan = [("bf16", False, False, None, 0), ("fp8 colmajor", True, True, None, 0), ("ring: rank 1 offers nothing", False,
+            False, [r for r in range(R) if r != 1], 0), ("fp8 worst", True, False, None, sum(sizes) + 5),
+            ("bf16 again", False, False, None, 0)]
+    for i, (what, fp8, colmajor, offer, worst) in enumerate(plan):
+        what = f"R={R} {what}"
+        inputs = make_inputs(R, sizes, H, K, E, fp8, seed=300 + 10 * R + i, colmajor=colmajor)
+        one_copy = offer is None
+        if one_copy:
+            for r in range(R):
+                w.rings(r).zero_()
+        handles, outs = w.dispatch(inputs, offer=offer, worst=worst)
+        assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
+        check_dispatch(inputs, handles, outs, E, what)
+        for r in range(R):
+            in_pool = outs[r]["recv_x"].data_ptr() >= w.bufs[r].data_ptr() + w.pool_lo
+            assert in_pool == (offer is None or r in offer), (what, r)
+            if one_copy:
+                assert not w.rings(r).any(), f"{what}: rank {r}'s rings were written on a one-copy call"
+            elif sum(sizes):
+                assert any(w.rings(q).any() for q in range(R)), f"{what}: the ring path left every ring empty"
+        if i == 1:   # the same routing again with a handle: payload and scales only
+            again = make_inputs(R, sizes, H, K, E, True, seed=400 + R, colmajor=True)
+            for a, b in zip(again, inputs):
+                a.topk, a.weights = b.topk, b.weights
+            for r in range(R):
+                w.rings(r).zero_()
+            handles, outs = w.dispatch(again, cached=True)
+            assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
+            check_dispatch(again, handles, outs, E, what + " cached")
+            assert not any(w.rings(r).any() for r in range(R)), f"{what} cached: a ring was written"
+        ys, ws = expert_outputs(handles, H, K, 40 + i)
+        comb = w.combine(handles, ys, ws)
+        assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
+        check_combine(handles, ys, ws, comb, list(range(R)), what + " combine")
+    return "ok"
+
+
+def case_direct_bad_descriptor(path: str) -> str:
+    """A rank whose one-copy descriptor points outside its pool: every rank records kErrDirectDesc naming
+    it (field 2, recv_x) and moves nothing; no rank waits for rows that will never come."""
+    sys.path.insert(0, SIM_DIR)
+    from normal_world import NormalWorld, load, make_inputs
+    sim = load(path)
+    R, H, K, E = 3, 256, 4, 12
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 6, pool_bytes=1 << 20, timeout_ns=2_000_000_000)
+    w.dispatch(make_inputs(R, [40, 50, 30], H, K, E, False, seed=71), offer=[0, 2], bad_offer=1)
+    for r in range(R):
+        code, peer, field, _ = w.errors()[r]
+        assert (code, peer, field) == (ERR_DIRECT_DESC, 1, 2), (r, w.errors())
+    return "ok"
+
+
 # ------------------------------------------------------------------ tests
 # name -> (case, its arguments after the module path)
 CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
@@ -340,6 +407,10 @@ CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     "gate_waits_for_a_peer_stalled_behind_a_dead_rank": (case_gate_behind_a_stalled_peer, ()),
     "a_call_refused_by_one_rank_is_void_everywhere": (case_refused_call, ()),
     "launch_checks_refuse_bad_rings": (case_launch_checks, ()),
+    # One-copy dispatch: 2 ranks, and 3 with one of them without tokens.
+    "direct_two_ranks": (case_direct, (2, [150, 131])),
+    "direct_three_ranks_one_empty": (case_direct, (3, [97, 0, 120])),
+    "direct_bad_descriptor_is_named": (case_direct_bad_descriptor, ()),
 }
 
 

@@ -43,8 +43,12 @@ void register_normal(py::module_& m) {
         .def_readwrite("tag_record", &NormalStatic::tag_record)
         .def_readwrite("global_base", &NormalStatic::global_base)
         .def_readwrite("layout_scratch", &NormalStatic::layout_scratch)
-        .def_readwrite("active", &NormalStatic::active);
+        .def_readwrite("active", &NormalStatic::active)
+        .def_readwrite("off_direct", &NormalStatic::off_direct)
+        .def_readwrite("pool_lo", &NormalStatic::pool_lo)
+        .def_readwrite("pool_hi", &NormalStatic::pool_hi);
     n.attr("MAX_CHANNELS") = kMaxChannels;
+    n.attr("DESC_INTS") = kDescInts;
     n.attr("MAX_RANKS") = kMaxRanks;
     n.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
     n.attr("NOTIFY_EXTRA") = kNotifyExtra;
@@ -129,8 +133,12 @@ void register_normal(py::module_& m) {
            int ring_tokens, int chunk_tokens, int num_out_rows, int num_worst_tokens, bool use_tma, uint64_t recv_x,
            uint64_t recv_x_scales, uint64_t recv_topk_idx, uint64_t recv_topk_weights, uint64_t recv_src_idx,
            uint64_t src_idx, uint64_t row_map, uint64_t stream, uint64_t x_row_bytes, uint64_t dropped,
-           uint64_t send_head, int64_t scale_token_stride, int64_t scale_group_stride) {
+           uint64_t send_head, int64_t scale_token_stride, int64_t scale_group_stride, bool direct,
+           bool direct_offer, uint64_t direct_stage) {
             DispatchArgs a;
+            a.direct = direct;
+            a.direct_offer = direct_offer;
+            a.direct_stage = direct_stage;
             a.scale_token_stride = scale_token_stride;
             a.scale_group_stride = scale_group_stride;
             a.dropped = dropped;
@@ -172,9 +180,11 @@ void register_normal(py::module_& m) {
         py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("src_idx"),
         py::arg("row_map"), py::arg("stream"), py::arg("x_row_bytes") = 0, py::arg("dropped") = 0,
         py::arg("send_head") = 0, py::arg("scale_token_stride") = -1, py::arg("scale_group_stride") = -1,
+        py::arg("direct") = false, py::arg("direct_offer") = false, py::arg("direct_stage") = 0,
         "Launch the dispatch kernel (x_row_bytes: payload stride, 0 = dense; dropped: device int32 [R] or 0; "
         "send_head: the routing positions whose rows a mask drops are cleared, or 0; scale_*_stride: x_scales' "
-        "strides in floats, -1 = row-major)");
+        "strides in floats, -1 = row-major; direct: the one-copy handshake, direct_offer: the outputs and "
+        "direct_stage lie in the output pool)");
 
     n.def(
         "combine",

@@ -7,10 +7,13 @@
 #include <cuda_runtime.h>
 #endif
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "kernels/normal_common.cuh"
+#include "kernels/normal_direct.cuh"
+#include "kernels/normal_rows.cuh"
 #include "kernels/normal_tma.cuh"
 
 namespace pyep {
@@ -20,55 +23,6 @@ namespace {
 // Receiver blocks: two TMA stages per warp, then the warps' mbarriers.
 constexpr int kTmaSmemData = kDispatchWarps * kTmaStages * kTmaStageBytes;
 constexpr int kTmaSmemBytes = kTmaSmemData + kDispatchWarps * kTmaStages * 8;
-
-// Where token tok's payload starts in x (dense, or strided through relayed rows).
-__device__ __forceinline__ const uint8_t* payload_of(const DispatchArgs& a, const DispatchRow& row, int tok) {
-    return reinterpret_cast<const uint8_t*>(a.x) + (uint64_t)tok * (a.x_row_bytes ? a.x_row_bytes : row.payload);
-}
-
-// The source index a row reports: the token's own index, or across nodes the forwarded row's.
-__device__ __forceinline__ int source_index(const DispatchArgs& a, int tok) {
-    return a.src_idx ? reinterpret_cast<const int*>(a.src_idx)[tok] : tok;
-}
-
-// A row's small fields, held in registers across its payload copy: the first two FP8 scales a lane
-// moves (groups lane and lane + 32; H <= 8192), its top-k entry, the source index. A row's scales are
-// `gs` floats apart: 1 in a ring slot, the caller's group stride in x_scales (N for the column-major
-// scales DeepGEMM and DeepEP's tests pass, read in place rather than transposed by an extra kernel).
-__device__ __forceinline__ int64_t scale_token_stride(const DispatchArgs& a) {
-    return a.scale_token_stride < 0 ? a.hidden / 128 : a.scale_token_stride;
-}
-__device__ __forceinline__ int64_t scale_group_stride(const DispatchArgs& a) {
-    return a.scale_group_stride < 0 ? 1 : a.scale_group_stride;
-}
-
-struct RowMeta {
-    float sc0, sc1;
-    int64_t id;
-    float weight;
-    int src;
-};
-
-__device__ __forceinline__ RowMeta load_meta(const float* scales, int64_t gs, int groups, int64_t id, float weight,
-                                             int src, int lane) {
-    RowMeta m{0.f, 0.f, id, weight, src};
-    if (scales && lane < groups) m.sc0 = __ldcg(scales + lane * gs);
-    if (scales && lane + 32 < groups) m.sc1 = __ldcg(scales + (lane + 32) * gs);
-    return m;
-}
-
-// Scales past the 64th (H > 8192) are copied here directly.
-__device__ __forceinline__ void store_scales(float* dst, const RowMeta& m, const float* scales, int64_t gs, int groups,
-                                             int lane) {
-    if (lane < groups) dst[lane] = m.sc0;
-    if (lane + 32 < groups) dst[lane + 32] = m.sc1;
-    for (int g = lane + 64; g < groups; g += 32) dst[g] = __ldcg(scales + g * gs);
-}
-
-struct Group {
-    int g, wi, W, lane;
-    __device__ bool leader() const { return wi == 0 && lane == 0; }
-};
 
 // With a mask: the rows of stream (c, -> d) from position `from` on are not sent (d is out of the call,
 // or was marked): counted dropped, and their tokens' send_head entries cleared, so that the combine of
@@ -329,7 +283,31 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
 
 struct DispatchShared {
     int flag[kMaxRanks];   // per receiving group: rows its leader found published, -1 to stop
+    int direct;            // one-copy call: 1, ring path: 0, a failed handshake: -1
+    DirectPeer peer[kMaxRanks];
 };
+
+// A one-copy call (normal_direct.cuh): both blocks of channel c send, block h to the ranks d = h mod 2,
+// a group of warps per rank; the group of rank d then receives d's stream (this rank's own rows go
+// straight from x, as on the ring path). No send waits on a receiver, so the receives after the sends
+// cannot close a cycle of waits.
+__device__ void dispatch_direct(const NormalStatic& s, const DispatchArgs& a, const DispatchRow& row, int c,
+                                const DispatchShared& sh) {
+    const int h = blockIdx.x & 1, R = s.num_ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int n = (R - h + 1) / 2;              // ranks of this block
+    if (n == 0) return;
+    const int W = kDispatchWarps / n, g = warp / W, d = 2 * g + h;
+    if (g >= n) return;
+    const Group G{g, warp % W, W, lane};
+    if (d == s.rank) {
+        uint8_t* tma_smem = tma_shared();
+        WarpTma tma = tma_setup(tma_smem, reinterpret_cast<uint64_t*>(tma_smem + kTmaSmemData), warp, lane);
+        dispatch_self(s, a, row, c, G, tma);
+        return;
+    }
+    direct_send(s, a, row, c, G, d, sh.peer[d]);
+    direct_recv(s, a, c, G, d);
+}
 
 __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch(NormalStatic s, DispatchArgs a) {
     int* sh_flag = block_shared<DispatchShared>().flag;
@@ -351,6 +329,20 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch(NormalStatic s, 
     if (reinterpret_cast<const int*>(s.workspace)[kWsVoid]) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = s.num_ranks;
     const DispatchRow row(a.hidden, a.fp8, a.num_topk);
+    if (a.direct) {
+        DispatchShared& sh = block_shared<DispatchShared>();
+        if (threadIdx.x == 0) {
+            const uint32_t seq = (uint32_t)reinterpret_cast<const int*>(s.workspace)[kWsSeq];
+            if (!sender) publish_desc(s, a, c, seq);
+            sh.direct = read_descs(s, a, c, seq, sh.peer);
+        }
+        __syncthreads();
+        if (sh.direct < 0) return;
+        if (sh.direct) {
+            dispatch_direct(s, a, row, c, sh);
+            return;
+        }
+    }
     if (sender) {
         // Own rows skip the ring (dispatch_self), so the sender's warps are shared by the R - 1 peers.
         if (R == 1) return;
@@ -378,6 +370,20 @@ void launch_dispatch(const NormalStatic& s, const DispatchArgs& a, uint64_t stre
     if (a.num_topk < 0 || a.num_topk > kMaxTopk) bad("num_topk must be in [0, 16]");
     if (a.x_row_bytes && (a.x_row_bytes % 16 || a.x_row_bytes < DispatchRow(a.hidden, a.fp8, a.num_topk).payload))
         bad("x_row_bytes must be 0 or a multiple of 16 that holds the payload");
+    if (a.direct && (!s.off_direct || !s.pool_hi || s.active || a.row_map || a.src_idx))
+        bad("the one-copy handshake needs a buffer with an output pool, no mask and rows of this node");
+    if (a.direct_offer) {
+        auto in_pool = [&](uint64_t p, uint64_t len) {
+            return p >= s.buf + s.pool_lo && p <= s.buf + s.pool_hi && len <= s.buf + s.pool_hi - p;
+        };
+        const uint64_t n = (uint64_t)std::max(a.num_out_rows, 0);
+        const uint64_t payload = DispatchRow(a.hidden, a.fp8, a.num_topk).payload;
+        if (!a.direct || (n && (!in_pool(a.recv_x, n * payload) ||
+                                (a.fp8 && !in_pool(a.recv_x_scales, n * (a.hidden / 128) * 4)) ||
+                                (a.direct_stage && !in_pool(a.direct_stage, n * stage_row_bytes(a.num_topk))))) ||
+            (!a.direct_stage && a.recv_src_idx))
+            bad("a one-copy offer's outputs and staging rows must lie in the buffer's output pool");
+    }
     // Pointers may be 0 for empty tensors (N = 0, nothing received); the front checked the shapes.
     check_rings(s, "normal dispatch", a.num_channels, a.ring_tokens, dispatch_row_bytes(a.hidden, a.fp8, a.num_topk),
                 a.hidden);

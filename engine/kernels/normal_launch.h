@@ -44,7 +44,14 @@ enum NormalError : int {
     kErrRankCount = 8,     // a = rank, b = num_tokens_per_rank's value, c = rows is_token_in_rank gives
     kErrNodeCount = 9,     // a = node, b = num_tokens_per_rdma_rank's value, c = tokens is_token_in_rank gives
     kErrVoidHandle = 10,   // a = the call number of the void dispatch whose handle this call used
+    kErrDirectDesc = 11,   // a = rank, b = which field (1 rows, 2 recv_x, 3 scales, 4 staging), c = its rows:
+                           // a one-copy output descriptor outside the pool (normal_direct.cuh)
 };
+
+// One-copy dispatch (normal_direct.cuh): int32 words of a channel's output descriptor, and the bytes of
+// a staging row (top-k ids as int32, weights, the source index) per output row.
+constexpr int kDescInts = 16;
+constexpr uint32_t stage_row_bytes(int num_topk) { return 8u * (uint32_t)num_topk + 4u; }
 enum Phase : int { kPhaseNotify = 0, kPhaseDispatch = 1, kPhaseCombine = 2 };
 
 // What stays fixed for the lifetime of one buffer.
@@ -79,6 +86,10 @@ struct NormalStatic {
     // marked (its entry cleared) and the call completes among the others; without one it voids the call
     // with kErrPeerTimeout.
     uint64_t active = 0;
+    // One-copy dispatch (normal_direct.cuh): word offset of the output descriptors (layout.py "direct"),
+    // and the output pool, [pool_lo, pool_hi) in bytes from the buffer's start (pool_hi 0: no pool).
+    uint32_t off_direct = 0;
+    uint64_t pool_lo = 0, pool_hi = 0;
 };
 
 struct LayoutArgs {
@@ -146,6 +157,11 @@ struct DispatchArgs {
     uint64_t x_row_bytes = 0;
     uint64_t send_head = 0;               // int32 [N, R] or 0: with a mask, entries of rows not sent are cleared
     uint64_t dropped = 0;                 // device int32 [R] or 0: tokens this call did not deliver to rank r
+    // One-copy dispatch (normal_direct.cuh). direct: this call runs the descriptor handshake (every rank
+    // of the call alike: the gate's signature holds it). direct_offer: recv_x, recv_x_scales and
+    // direct_stage (staging rows of num_out_rows x stage_row_bytes, or 0 with a handle) lie in the pool.
+    int direct = 0, direct_offer = 0;
+    uint64_t direct_stage = 0;
 };
 
 struct CombineArgs {

@@ -268,6 +268,9 @@ void check_static(const NormalStatic& s) {
         bad("pointers must be set");
     if (s.ring_off % 128 || s.buf % 128) bad("the buffer and its ring offset must be 128-byte aligned");
     if (s.slot_bytes == 0 || s.slot_bytes % 128) bad("slot_bytes must be a positive multiple of 128");
+    if (s.pool_hi && (!s.off_direct || s.pool_lo % 128 || s.pool_lo < s.ring_off + s.ring_capacity ||
+                      s.pool_hi <= s.pool_lo))
+        bad("the output pool must be a 128-byte aligned range past the rings, with its descriptors");
 }
 
 uint64_t dispatch_row_bytes(int hidden, int fp8, int num_topk) { return DispatchRow(hidden, fp8, num_topk).bytes; }

@@ -32,6 +32,7 @@ NormalStatic static_from(const py::dict& d) {
     set(d, "off_alive", s.off_alive);
     set(d, "err", s.err); set(d, "workspace", s.workspace); set(d, "timeout_ns", s.timeout_ns);
     opt(d, "active", s.active);
+    opt(d, "off_direct", s.off_direct); opt(d, "pool_lo", s.pool_lo); opt(d, "pool_hi", s.pool_hi);
     opt(d, "off_flag", s.off_flag); opt(d, "off_notify", s.off_notify); opt(d, "notify_ints", s.notify_ints);
     set(d, "host_counts", s.host_counts); set(d, "tag_record", s.tag_record); set(d, "layout_scratch", s.layout_scratch);
     check_static(s);   // the launchers' own checks (normal_notify.cu)
@@ -56,6 +57,7 @@ DispatchArgs dispatch_from(const py::dict& d) {
     set(d, "recv_topk_idx", a.recv_topk_idx); set(d, "recv_topk_weights", a.recv_topk_weights);
     set(d, "recv_src_idx", a.recv_src_idx);
     opt(d, "num_worst_tokens", a.num_worst_tokens); opt(d, "send_head", a.send_head); opt(d, "dropped", a.dropped);
+    opt(d, "direct", a.direct); opt(d, "direct_offer", a.direct_offer); opt(d, "direct_stage", a.direct_stage);
     return a;
 }
 

@@ -111,7 +111,9 @@ class NormalWorld:
     """R ranks' buffers and counters; dispatch() and combine() launch the kernels on every rank at once."""
 
     def __init__(self, sim: Any, R: int, H: int, K: int, E: int, C: int, Q: int, chunk: int,
-                 use_tma: int = 1, masked: bool = False, timeout_ns: int = TIMEOUT_NS) -> None:
+                 use_tma: int = 1, masked: bool = False, timeout_ns: int = TIMEOUT_NS, pool_bytes: int = 0) -> None:
+        """pool_bytes > 0: each buffer has an output pool past its rings and dispatch runs the one-copy
+        handshake (normal_direct.cuh); a rank offers its outputs there unless dispatch(offer=...) leaves it out."""
         self.sim, self.R, self.H, self.K, self.E, self.C, self.Q, self.chunk = sim, R, H, K, E, C, Q, chunk
         self.use_tma, self.timeout_ns = use_tma, timeout_ns
         # With a mask (docs/elastic.md, "Normal mode"): each rank's active_ranks, and the tokens each call
@@ -122,7 +124,9 @@ class NormalWorld:
         self.ring_off = layout.ring_offset(R)
         self.slot = layout.slot_bytes(H)
         self.capacity = layout.ring_bytes(R, C, Q, self.slot)
-        self.bufs = [_aligned(self.ring_off + self.capacity) for _ in range(R)]
+        self.pool_lo = self.ring_off + self.capacity if pool_bytes else 0
+        self.pool_hi = self.pool_lo + pool_bytes if pool_bytes else 0
+        self.bufs = [_aligned(self.ring_off + self.capacity + pool_bytes) for _ in range(R)]
         self.peer_base = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
         self.ws = [torch.zeros(WS_INTS, dtype=torch.int32) for _ in range(R)]
         self.err = [torch.zeros(ERR_INTS, dtype=torch.int32) for _ in range(R)]
@@ -141,7 +145,29 @@ class NormalWorld:
                     active=self.active[r].data_ptr() if self.active is not None else 0,
                     off_flag=w["notify_flag"], off_notify=w["notify"], notify_ints=layout.notify_ints(),
                     host_counts=self.host[r].data_ptr(), tag_record=self.tag_record[r].data_ptr(),
-                    layout_scratch=self.scratch[r].data_ptr())
+                    layout_scratch=self.scratch[r].data_ptr(),
+                    off_direct=w["direct"], pool_lo=self.pool_lo, pool_hi=self.pool_hi)
+
+    def rings(self, r: int) -> torch.Tensor:
+        """Rank r's ring bytes (a view)."""
+        return self.bufs[r][self.ring_off:self.ring_off + self.capacity]
+
+    def _pool_outputs(self, r: int, rows: int, fp8: bool, cached: bool) -> tuple:
+        """(recv_x, recv_scales, staging address) laid out in rank r's pool as direct_pool.OutputLayout
+        lays them out, filled with values no kernel writes."""
+        from pyep.ep.normal.direct_pool import OutputLayout
+        H = self.H
+        lay = OutputLayout.of(rows, H, 1 if fp8 else 2, fp8, None if cached else self.K)
+        assert self.pool_lo + lay.total <= self.pool_hi, "the simulated pool is too small for this call"
+        raw = self.bufs[r][self.pool_lo:self.pool_lo + lay.total]
+        x = raw[lay.x:lay.x + rows * H * (1 if fp8 else 2)]
+        x = x.view(rows, H) if fp8 else x.view(torch.bfloat16).view(rows, H)
+        x.view(torch.uint8).fill_(0x5A) if fp8 else x.fill_(3.0)
+        sc = raw[lay.scales:lay.scales + rows * (H // 128) * 4].view(torch.float32).view(rows, H // 128) if fp8 else None
+        if sc is not None:
+            sc.fill_(-1.0)
+        stage = 0 if cached else raw.data_ptr() + lay.stage
+        return x, sc, stage
 
     def notify(self, inputs: List[RankInputs], ranks: Optional[List[int]] = None, alignment: int = 1,
                status: Optional[Dict[int, int]] = None) -> List[dict]:
@@ -192,11 +218,14 @@ class NormalWorld:
         return [e.tolist()[:4] for e in self.err]
 
     def dispatch(self, inputs: List[RankInputs], ranks: Optional[List[int]] = None, cached: bool = False,
-                 worst: int = 0, handles: Optional[List["Handle"]] = None) -> tuple:
+                 worst: int = 0, handles: Optional[List["Handle"]] = None, offer: Optional[List[int]] = None,
+                 bad_offer: Optional[int] = None) -> tuple:
         """Runs one dispatch on `ranks` (all by default; a rank left out is one that never launched);
         returns (handles, outputs) with outputs[r] = dict of received tensors. `cached`: as with a
         handle (no top-k in or out, no source indices); `worst` > 0: outputs of that many rows
-        (num_worst_tokens), the real count where notify leaves it (workspace word kWsRows)."""
+        (num_worst_tokens), the real count where notify leaves it (workspace word kWsRows). With a pool
+        the ranks in `offer` (all by default) get their recv_x / recv_scales in it; `bad_offer`: that rank
+        offers a recv_x outside its pool (what a corrupted peer descriptor looks like)."""
         R, H, K = self.R, self.H, self.K
         ranks = list(range(R)) if ranks is None else ranks
         fp8 = inputs[0].scales is not None
@@ -210,6 +239,8 @@ class NormalWorld:
             assert rows >= h.num_rows
             if not gated:
                 self.ws[r][0] = h.num_rows
+                if self.pool_hi:        # kWsSeq, which the one-copy descriptors carry: a gate advances it
+                    self.ws[r][1] += 1
             o = {"recv_x": torch.full((rows, H), 0x5A, dtype=torch.uint8) if fp8 else
                  torch.full((rows, H), 3.0, dtype=torch.bfloat16),   # never what a kernel writes
                  "recv_scales": torch.full((rows, H // 128), -1.0, dtype=torch.float32) if fp8 else None,
@@ -218,6 +249,12 @@ class NormalWorld:
                  "recv_src_idx": torch.full((rows,), -7, dtype=torch.int32), "handle": h}
             if cached:
                 o["recv_topk_idx"] = o["recv_topk_weights"] = o["recv_src_idx"] = None
+            stage, offered = 0, False
+            if self.pool_hi and (offer is None or r in offer):
+                o["recv_x"], o["recv_scales"], stage = self._pool_outputs(r, rows, fp8, cached)
+                offered = True
+            if bad_offer == r:
+                offered = True
             outs.append(o)
             keep = [inp.x, inp.scales, inp.topk, inp.weights, h.in_rank[r].contiguous(), h.rank_prefix,
                     h.channel_prefix, h.recv_channel_prefix]
@@ -235,7 +272,8 @@ class NormalWorld:
                 recv_x=_ptr(o["recv_x"]), recv_x_scales=_ptr(o["recv_scales"]),
                 recv_topk_idx=_ptr(o["recv_topk_idx"]), recv_topk_weights=_ptr(o["recv_topk_weights"]),
                 recv_src_idx=_ptr(o["recv_src_idx"]), send_head=_ptr(h.send_head),
-                dropped=self.dropped[r].data_ptr()))
+                dropped=self.dropped[r].data_ptr(), direct=int(bool(self.pool_hi)), direct_offer=int(offered),
+                direct_stage=stage))
         if not gated:
             self._gate(ranks)
         self.sim.dispatch([self.static(r) for r in ranks], [args[r] for r in ranks])

@@ -22,6 +22,7 @@ ERR_EXPERT_COUNT = 7     # a = expert, b = num_tokens_per_expert's value, c = en
 ERR_RANK_COUNT = 8       # a = rank, b = num_tokens_per_rank's value, c = tokens is_token_in_rank selects
 ERR_NODE_COUNT = 9       # a = node, b = num_tokens_per_rdma_rank's value, c = tokens is_token_in_rank selects
 ERR_VOID_HANDLE = 10     # a = the call number of the void dispatch whose handle the call used
+ERR_DIRECT_DESC = 11     # a = rank, b = field (1 rows, 2 recv_x, 3 scales, 4 staging), c = its rows
 PHASES = ("notify", "dispatch", "combine")
 
 
@@ -105,6 +106,18 @@ class ElasticUnsupported(NormalModeError, NotImplementedError):
                          f"backend has it: backend='reference'; docs/elastic.md, 'Normal mode')")
 
 
+class BadOutputDescriptor(NormalModeError):
+    """A rank's one-copy output descriptor (normal_direct.cuh) lay outside the output pool: nothing of the
+    call was sent, and the buffer refuses calls until clean() (its peers time out on this rank)."""
+
+    def __init__(self, peer: int, field: int, rows: int) -> None:
+        self.peer, self.field, self.rows = peer, field, rows
+        what = {1: "its row count", 2: "recv_x", 3: "recv_x_scales", 4: "its staging rows"}.get(field, f"field {field}")
+        super().__init__(f"rank {peer}'s one-copy dispatch descriptor is invalid ({what}, {rows} rows, outside the "
+                         f"output pool): the ranks' buffers differ in size or layout, or its memory was overwritten; "
+                         f"nothing was sent (PYEP_NORMAL_DIRECT=0 turns one-copy dispatch off)")
+
+
 class BufferBroken(NormalModeError):
     """The buffer saw a peer time out (or ranks at different calls) earlier and refuses calls until
     clean()."""
@@ -156,6 +169,8 @@ def error_from_record(words: Sequence[int], num_experts: int, timeout_us: int) -
         return NormalModeError(f"this call used the handle of dispatch #{a & 0xFFFFFFFF}, which was void (a rank "
                                f"refused it or the ranks were at different calls): the call was void on every rank "
                                f"too; dispatch again for a new handle")
+    if code == ERR_DIRECT_DESC:
+        return BadOutputDescriptor(a, b, c)
     if code == ERR_BAD_HANDLE:
         return NormalModeError(f"the handle does not describe this call: channel {a} promised {b} rows, "
                                f"the tokens gave {c}; pass the handle of a dispatch with the same tokens")

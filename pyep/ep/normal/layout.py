@@ -10,7 +10,10 @@ explains who writes what.
                i32 notify_flag[2][R]       call number of source s's counts and tag, by call parity
                i32 notify[2][R][NOTIFY_INTS] source s's counts for me: rows, per channel, per expert;
                                            its call tag (tags.py); an internode call's extra words
+               i32 direct[MAX_CHANNELS][DESC_INTS] my one-copy output descriptor per channel
+                                           (normal_direct.cuh): call, offer, rows, pool offsets
     [rings]    slot[C][R][Q] of slot_bytes: ring (c, s) holds the rows source s sends me on channel c
+    [pool]     optional, at the buffer's end: one-copy dispatch outputs (direct_pool.py)
 
 Counters are absolute (they only grow, modulo 2**32) so no call ever has to reset them; each call
 starts on empty rings (a sender waits until its previous rows were consumed), so the channel count,
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .limits import MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_TOPK
+from .limits import DESC_INTS, MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_TOPK
 from .tags import TAG_INTS
 
 # rows per rank, per-channel rows, per-expert entries, the call tag (normal_launch.h kNotifyExtra)
@@ -50,7 +53,8 @@ def control_words(num_ranks: int, extra: int = 0) -> dict:
     n = MAX_CHANNELS * num_ranks
     off = {"tail": 0, "head": n, "tx_pos": 2 * n, "rx_pos": 3 * n, "alive": 4 * n, "notify_flag": 4 * n + 4}
     off["notify"] = off["notify_flag"] + 2 * num_ranks
-    off["end"] = off["notify"] + 2 * num_ranks * notify_ints(extra)
+    off["direct"] = off["notify"] + 2 * num_ranks * notify_ints(extra)
+    off["end"] = off["direct"] + MAX_CHANNELS * DESC_INTS
     return off
 
 

@@ -6,6 +6,7 @@ MAX_CHANNELS = 64        # engine/kernels/normal_launch.h kMaxChannels
 MAX_RANKS = 8            # one NVLink domain (ranks of one node) per buffer
 MAX_TOPK = 16
 MAX_LOCAL_EXPERTS = 1024
+DESC_INTS = 16           # normal_launch.h kDescInts: int32 words of a one-copy output descriptor
 DEFAULT_NUM_SMS = 24
 # Documented bounds of the arguments (docs/normal_mode.md "Bounds"): beyond them a call is refused with
 # ValueError before anything is sent. Row counts and aligned expert counts are int32 on the device, and

@@ -20,7 +20,8 @@ from .capture import capture_refusal
 from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .device_records import TAG_RECORD_INTS, DeviceRecords
-from .errors import ERR_PEER_TIMEOUT, BufferBroken, NormalCallMismatch, NotCapturable, PeerTimeout
+from .direct_pool import OutputPool, pool_bounds, ring_reserve
+from .errors import ERR_PEER_TIMEOUT, BadOutputDescriptor, BufferBroken, NormalCallMismatch, NotCapturable, PeerTimeout
 from .events import wait_bound_s
 from .native_member import NativeNormalMembership
 from .native_state import NativeCallState
@@ -76,9 +77,10 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
     def __init__(self, group: Optional["dist.ProcessGroup"], *, num_nvl_bytes: Optional[int], hidden: int,
                  transport: str, timeout_us: int, num_sms: int, nodes: Optional[NodeLayout] = None,
                  num_rdma_bytes: Optional[int] = None, notify_extra: int = 0, control: Any = None,
-                 joining: bool = False) -> None:
+                 joining: bool = False, output_pool: bool = True) -> None:
         """group: a process group; or control: a store-based buffer's control plane (pyep.ep.control),
-        joining for a restarted rank (its links are made when the survivors admit it: native_member.py)."""
+        joining for a restarted rank (its links are made when the survivors admit it: native_member.py).
+        output_pool: keep the room past the rings for one-copy dispatch outputs (direct_pool.py)."""
         import torch
         import torch.distributed as dist
         reason = NormalNativeBackend.unavailable_reason(
@@ -109,6 +111,12 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
             raise ValueError(f"num_nvl_bytes={num_nvl_bytes} does not even hold the control area "
                              f"({layout.ring_offset(r_n, notify_extra)} bytes); NormalBuffer.size_hint() says what a shape needs")
         self._setup_timeout_s = max(SETUP_TIMEOUT_FLOOR_S, 3 * timeout_us / 1e6)
+        # PYEP_NORMAL_DIRECT=0: no output pool, every dispatch takes the ring path (an A/B switch).
+        import os
+        pool_on = output_pool and os.environ.get("PYEP_NORMAL_DIRECT", "1") != "0"
+        ring_end = layout.ring_offset(r_n, notify_extra) + ring_reserve(r_n, num_sms, hidden)
+        self._pool_lo, self._pool_hi = pool_bounds(self._bytes, ring_end) if pool_on else (0, 0)
+        self._pool: Optional[OutputPool] = None
         self._buf = 0
         self._peers: Any = None
         self._broken = False
@@ -116,7 +124,6 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         self._geometry: Optional[Tuple[int, int]] = None   # (ring depth, slot stride) of the last launched call
         # PYEP_NORMAL_TMA=0: the dispatch receiver copies rows with warp loads/stores instead of the bulk
         # copy engine (an A/B switch for measurements; both give the same bytes).
-        import os
         self._use_tma = os.environ.get("PYEP_NORMAL_TMA", "1") != "0"
         # Pinned host words the kernels write and the host reads without synchronising.
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
@@ -134,6 +141,8 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
                                      timeout_us)
         try:
             self._buf = int(self._ep.device_alloc(self._bytes))
+            if self._pool_hi:
+                self._pool = OutputPool(self._buf, self._pool_lo, self._pool_hi, self.device)
             self._ep.memset_async(self._buf, 0, self._bytes, torch.cuda.current_stream().cuda_stream)
             torch.cuda.current_stream().synchronize()
             self._setup_links(group, control, joining)
@@ -149,7 +158,8 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         s.buf = self._buf
         s.peer_base = self._peer_base.data_ptr()
         s.ring_off = layout.ring_offset(self.num_ranks, self._extra)
-        s.ring_capacity = self._bytes - s.ring_off
+        s.ring_capacity = self._ring_capacity()
+        s.off_direct, s.pool_lo, s.pool_hi = words["direct"], self._pool_lo, self._pool_hi
         s.slot_bytes = layout.slot_bytes(self.hidden)
         s.off_tail, s.off_head, s.off_tx, s.off_rx = words["tail"], words["head"], words["tx_pos"], words["rx_pos"]
         s.off_flag, s.off_notify, s.off_alive = words["notify_flag"], words["notify"], words["alive"]
@@ -187,7 +197,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         void = self.records.take_void()
         value = self.records.take_error()
         for exc in (void, value):
-            if isinstance(exc, (PeerTimeout, NormalCallMismatch)):
+            if isinstance(exc, (PeerTimeout, NormalCallMismatch, BadOutputDescriptor)):
                 self._broken = True
                 if exc is void and value is not None:
                     exc.add_note(f"also recorded: {type(value).__name__}: {value}")
@@ -202,7 +212,8 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
             raise exc
 
     def _ring_capacity(self) -> int:
-        return self._bytes - layout.ring_offset(self.num_ranks, self._extra)
+        """The rings end where the output pool begins (or at the buffer's end without one)."""
+        return (self._pool_lo or self._bytes) - layout.ring_offset(self.num_ranks, self._extra)
 
     def check_call(self, call: Any) -> None:
         """What the launchers would refuse after the call's gate ran (they stay as a safety net): refused
@@ -320,6 +331,8 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         q_n = cfg.num_max_nvl_chunked_recv_tokens
         tag = None
         dropped = self._dropped()
+        # The one-copy handshake runs on every rank alike (its bit is in the signature the gate compares).
+        direct = self._pool is not None and self._mask is None
         if handle is None:
             e_n = call.num_experts
             self.records.num_experts = e_n
@@ -332,7 +345,8 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
             in_rank = call.is_token_in_rank
             a = self.count_args(n, call.num_tokens_per_expert.data_ptr(), in_rank.data_ptr(), e_n, c_n,
                                 call.expert_alignment, call.num_worst_tokens, rpm, cpm, rcp, send_head,
-                                tags.KIND_DISPATCH, [h, c_n, q_n, e_n, k, int(call.topk_weights is not None) | int(fp8) << 1])
+                                tags.KIND_DISPATCH, [h, c_n, q_n, e_n, k, int(call.topk_weights is not None) |
+                                                     int(fp8) << 1 | int(direct) << 2])
             a.num_tokens_per_rank, a.tag_out = call.num_tokens_per_rank.data_ptr(), tag.data_ptr()
             a.dropped = dropped.data_ptr() if dropped is not None else 0
             if call.topk_idx is not None and n:
@@ -347,10 +361,16 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
             rpm, cpm, rcp = handle.rank_prefix_matrix, handle.channel_prefix_matrix, handle.recv_channel_prefix_matrix
             send_head, in_rank = handle.send_head, handle.is_token_in_rank
             rows, real = handle.num_recv_rows, handle.num_recv_tokens
-            self.gate(tags.KIND_CACHED, [h, c_n, q_n, int(fp8)], handle_tag=handle.tag)
-        recv_x = torch.empty((rows, h), dtype=call.x.dtype, device=dev)
-        recv_scales = torch.empty((rows, h // 128), dtype=torch.float32, device=dev) if fp8 else None
+            self.gate(tags.KIND_CACHED, [h, c_n, q_n, int(fp8) | int(direct) << 1], handle_tag=handle.tag)
         cached = handle is not None
+        outs = None
+        if direct and not torch.cuda.is_current_stream_capturing():
+            outs = self._pool.outputs(rows, h, call.x.dtype, fp8, None if cached else k, torch.cuda.current_stream(dev))
+        if outs is not None:
+            recv_x, recv_scales = outs.recv_x, outs.recv_x_scales
+        else:
+            recv_x = torch.empty((rows, h), dtype=call.x.dtype, device=dev)
+            recv_scales = torch.empty((rows, h // 128), dtype=torch.float32, device=dev) if fp8 else None
         recv_idx = torch.empty((rows, k), dtype=torch.int64, device=dev) if k and not cached else None
         recv_w = (torch.empty((rows, k), dtype=torch.float32, device=dev)
                   if k and call.topk_weights is not None and not cached else None)
@@ -363,7 +383,8 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
                          call.num_worst_tokens, self._use_tma, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w),
                          0 if cached else recv_src.data_ptr(), 0, 0, stream, 0, ptr(dropped),
                          send_head.data_ptr() if dropped is not None else 0,
-                         *(call.x_scales.stride() if fp8 else (-1, -1)))   # scales read in place, any layout
+                         *(call.x_scales.stride() if fp8 else (-1, -1)),   # scales read in place, any layout
+                         direct, outs is not None, outs.stage if outs is not None else 0)
         # With a mask the handle keeps the call's is_token_in_rank less the ranks out of it (as the
         # reference backend's does); the kernels' own view is send_head, cleared for rows not sent.
         in_rank_kept = (in_rank & (self._mask != 0).view(1, -1)) if dropped is not None and not cached else None

@@ -137,7 +137,7 @@ class NormalInternodeBackend(InternodeMembership):
             self.node = NormalNativeBackend(node_groups[self.node_index] if control is None else None,
                                             num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport="auto",
                                             timeout_us=timeout_us, num_sms=num_sms, notify_extra=m_n * self.meta_ints,
-                                            control=node_control)
+                                            control=node_control, output_pool=False)
             self.node.join_group(list(nodes.ranks(self.node_index)), r_n)
             self.device = self.node.device
             row = self._r.relay_row(hidden, False, 16, p, True)["bytes"]

@@ -1,0 +1,61 @@
+// A dispatch row's reads from the caller's tensors: where a token's payload and FP8 scales are, its
+// small fields held in registers across the payload copy, and a warp group's coordinates. Shared by the
+// ring path (normal_dispatch.cu) and the one-copy path (normal_direct.cuh).
+#pragma once
+
+#include "kernels/normal_common.cuh"
+
+namespace pyep {
+namespace normal {
+
+// Where token tok's payload starts in x (dense, or strided through relayed rows).
+__device__ __forceinline__ const uint8_t* payload_of(const DispatchArgs& a, const DispatchRow& row, int tok) {
+    return reinterpret_cast<const uint8_t*>(a.x) + (uint64_t)tok * (a.x_row_bytes ? a.x_row_bytes : row.payload);
+}
+
+// The source index a row reports: the token's own index, or across nodes the forwarded row's.
+__device__ __forceinline__ int source_index(const DispatchArgs& a, int tok) {
+    return a.src_idx ? reinterpret_cast<const int*>(a.src_idx)[tok] : tok;
+}
+
+// A row's small fields, held in registers across its payload copy: the first two FP8 scales a lane
+// moves (groups lane and lane + 32; H <= 8192), its top-k entry, the source index. A row's scales are
+// `gs` floats apart: 1 in a ring slot, the caller's group stride in x_scales (N for the column-major
+// scales DeepGEMM and DeepEP's tests pass, read in place rather than transposed by an extra kernel).
+__device__ __forceinline__ int64_t scale_token_stride(const DispatchArgs& a) {
+    return a.scale_token_stride < 0 ? a.hidden / 128 : a.scale_token_stride;
+}
+__device__ __forceinline__ int64_t scale_group_stride(const DispatchArgs& a) {
+    return a.scale_group_stride < 0 ? 1 : a.scale_group_stride;
+}
+
+struct RowMeta {
+    float sc0, sc1;
+    int64_t id;
+    float weight;
+    int src;
+};
+
+__device__ __forceinline__ RowMeta load_meta(const float* scales, int64_t gs, int groups, int64_t id, float weight,
+                                             int src, int lane) {
+    RowMeta m{0.f, 0.f, id, weight, src};
+    if (scales && lane < groups) m.sc0 = __ldcg(scales + lane * gs);
+    if (scales && lane + 32 < groups) m.sc1 = __ldcg(scales + (lane + 32) * gs);
+    return m;
+}
+
+// Scales past the 64th (H > 8192) are copied here directly.
+__device__ __forceinline__ void store_scales(float* dst, const RowMeta& m, const float* scales, int64_t gs, int groups,
+                                             int lane) {
+    if (lane < groups) dst[lane] = m.sc0;
+    if (lane + 32 < groups) dst[lane + 32] = m.sc1;
+    for (int g = lane + 64; g < groups; g += 32) dst[g] = __ldcg(scales + g * gs);
+}
+
+struct Group {
+    int g, wi, W, lane;
+    __device__ bool leader() const { return wi == 0 && lane == 0; }
+};
+
+}  // namespace normal
+}  // namespace pyep

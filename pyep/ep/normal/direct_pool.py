@@ -1,0 +1,184 @@
+"""The output pool of one-copy dispatch (engine/kernels/normal_direct.cuh; docs/normal_mode.md,
+"One-copy dispatch").
+
+A native buffer with room past its rings keeps that room as an output pool. A dispatch offers one-copy
+outputs when its recv_x and recv_x_scales fit a free region of the pool: they are returned as views of
+that region, and the peers store rows straight into them. The region stays taken for as long as any
+tensor viewing it lives (its memory reaches torch through a CUDA array interface object whose
+finalizer frees the region). The finalizer records an event on the stream current at that moment,
+where the tensors' last uses were queued; a later call that reuses the memory makes its stream wait
+for that event before its kernel tells the peers where to write. When no free region fits (the caller
+still holds earlier outputs, or the call is too large), the call offers nothing and every rank takes
+the ring path: one-copy is an optimisation that never changes results.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+log = logging.getLogger(__name__)
+
+POOL_ALIGN = 128
+POOL_MIN_BYTES = 16 << 20      # less than this past the rings: no pool (a buffer sized by size_hint)
+RING_RESERVE_SMS = 32          # the rings below the pool hold configs of up to this many SMs (or the buffer's)
+
+
+def _align(v: int, a: int = POOL_ALIGN) -> int:
+    return (v + a - 1) // a * a
+
+
+def stage_row_bytes(num_topk: int) -> int:
+    """normal_launch.h stage_row_bytes: a staging row holds K int32 local ids, K fp32 weights, the source index."""
+    return 8 * num_topk + 4
+
+
+def ring_reserve(num_ranks: int, num_sms: int, hidden: int) -> int:
+    """Bytes kept for rings below an output pool: the largest rings of the default configs (dispatch and
+    combine, at the table's ring depth too) of max(num_sms, RING_RESERVE_SMS) SMs and this hidden."""
+    from . import layout
+    from .config import sizing_configs
+    slot = layout.slot_bytes(hidden)
+    return max(layout.ring_bytes(num_ranks, c.num_channels(), c.num_max_nvl_chunked_recv_tokens, slot)
+               for c in sizing_configs(num_ranks, max(num_sms, RING_RESERVE_SMS)))
+
+
+def output_pool_hint(num_ranks: int, num_tokens: int, hidden: int, num_topk: int = 16) -> int:
+    """Pool bytes for three dispatches' outputs of num_tokens tokens a rank, each received from every
+    rank (R x num_tokens rows), BF16 (FP8 rows and scales are smaller): a loop's previous output is
+    still held while its next call runs, and often the output of the dispatch whose handle it reuses."""
+    return 3 * OutputLayout.of(num_ranks * num_tokens, hidden, 2, False, num_topk).total + POOL_ALIGN
+
+
+def pooled_buffer_bytes(num_ranks: int, num_sms: int, hidden: int, num_tokens: int) -> int:
+    """num_nvl_bytes of a native buffer whose rings hold the default configs of num_sms SMs and whose
+    output pool holds output_pool_hint(): one-copy dispatch for calls of up to num_tokens tokens a rank."""
+    from . import layout
+    return (layout.ring_offset(num_ranks) + ring_reserve(num_ranks, num_sms, hidden) +
+            output_pool_hint(num_ranks, num_tokens, hidden) + POOL_ALIGN)
+
+
+def pool_bounds(total_bytes: int, ring_end: int) -> Tuple[int, int]:
+    """(lo, hi) byte offsets of the pool in a buffer of total_bytes whose rings end at ring_end, or (0, 0)
+    when less than POOL_MIN_BYTES is left."""
+    lo, hi = _align(ring_end), total_bytes // POOL_ALIGN * POOL_ALIGN
+    return (lo, hi) if hi - lo >= POOL_MIN_BYTES else (0, 0)
+
+
+@dataclass
+class OutputLayout:
+    """Offsets (from the region's start) of one call's outputs: recv_x, recv_x_scales (FP8), staging rows."""
+    x: int
+    scales: int
+    stage: int
+    user_bytes: int    # recv_x and its scales: what the returned tensors view
+    total: int
+
+    @staticmethod
+    def of(rows: int, hidden: int, elem: int, fp8: bool, stage_k: Optional[int]) -> "OutputLayout":
+        x_bytes = _align(rows * hidden * elem)
+        s_bytes = _align(rows * (hidden // 128) * 4) if fp8 else 0
+        user = max(POOL_ALIGN, x_bytes + s_bytes)
+        stage = _align(rows * stage_row_bytes(stage_k)) if stage_k is not None else 0
+        return OutputLayout(0, x_bytes, user if stage_k is not None else 0, user, user + stage)
+
+
+class _Region:
+    """Pool bytes handed to torch (CUDA array interface): torch keeps this object for as long as a
+    tensor viewing the bytes lives, and the region is free once it is collected."""
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 2}
+
+
+@dataclass
+class _Taken:
+    off: int
+    nbytes: int
+    released: bool = False
+    event: Any = None    # recorded where the region's last uses were queued, at release
+    lost: bool = False   # released during a stream capture: no event says when its uses end
+
+
+@dataclass
+class DirectOutputs:
+    recv_x: Any
+    recv_x_scales: Any
+    stage: int         # device address of the staging rows, or 0
+
+
+@dataclass
+class OutputPool:
+    """Regions of [lo, hi) of the buffer at `base` on `device`, handed out first-fit."""
+    base: int
+    lo: int
+    hi: int
+    device: Any
+    _taken: List[_Taken] = field(default_factory=list)
+    # Re-entrant: a finalizer may run inside outputs() itself (a collection during its allocations).
+    _lock: Any = field(default_factory=threading.RLock)
+
+    def _release(self, t: _Taken) -> None:
+        import torch
+        # A finalizer: runs in whichever thread dropped the last tensor, with the GIL.
+        try:
+            stream = torch.cuda.current_stream(self.device)
+            if torch.cuda.is_current_stream_capturing():
+                t.lost = True
+                log.warning("one-copy dispatch outputs freed during a CUDA graph capture: their pool region "
+                            "stays taken (nothing says when the captured work that used them ends)")
+            else:
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                t.event = ev
+        except Exception:   # interpreter shutdown: nothing will run on the region again
+            t.lost = True
+        with self._lock:
+            t.released = True
+
+    def _place(self, need: int) -> Optional[int]:
+        busy = sorted((t.off, t.off + t.nbytes) for t in self._taken if not t.released or t.lost)
+        start = self.lo
+        for b0, b1 in busy:
+            if start + need <= b0:
+                break
+            start = max(start, _align(b1))
+        return start if start + need <= self.hi else None
+
+    def outputs(self, rows: int, hidden: int, dtype: Any, fp8: bool, stage_k: Optional[int],
+                stream: Any) -> Optional[DirectOutputs]:
+        """recv_x [rows, hidden] of dtype, recv_x_scales [rows, hidden / 128] (FP8) and staging rows (stage_k:
+        the call's top-k, None for a dispatch with a handle) in a free region, or None. `stream` (the
+        call's) waits for the last uses of earlier outputs that lived there."""
+        import torch
+        elem = dtype.itemsize
+        lay = OutputLayout.of(rows, hidden, elem, fp8, stage_k)
+        with self._lock:
+            off = self._place(lay.total)
+            if off is None:
+                return None
+            end = off + lay.total
+            keep: List[_Taken] = []
+            for t in self._taken:
+                if t.released and not t.lost and t.off < end and off < t.off + t.nbytes:
+                    if t.event is not None:
+                        stream.wait_event(t.event)
+                    continue
+                keep.append(t)
+            taken = _Taken(off, lay.total)
+            keep.append(taken)
+            self._taken = keep
+        region = _Region(self.base + off, lay.user_bytes)
+        raw = torch.as_tensor(region, dtype=torch.uint8, device=self.device)
+        weakref.finalize(region, self._release, taken)
+        del region
+        recv_x = raw[lay.x:lay.x + rows * hidden * elem].view(dtype).view(rows, hidden)
+        scales = raw[lay.scales:lay.scales + rows * (hidden // 128) * 4].view(torch.float32).view(rows, hidden // 128) \
+            if fp8 else None
+        return DirectOutputs(recv_x, scales, self.base + off + lay.stage if stage_k is not None else 0)
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(t.nbytes for t in self._taken if not t.released or t.lost)
