@@ -194,25 +194,32 @@ def correctness(shape_args: Tuple[int, int, int, int], cases: str) -> None:
 
 
 def one_copy(shape_args: Tuple[int, int, int, int], cases: str) -> None:
-    """correctness with a buffer that has an output pool (one-copy dispatch, normal_direct.cuh); then the
-    pool's ownership: dispatches of different tokens whose outputs are all kept, until a rank's pool is
-    full and every rank takes the ring path; every kept output still equals the reference at the end (a
-    later call never wrote into memory an earlier output lives in); once released, outputs are pooled again."""
+    """correctness with a buffer that has an output pool (one-copy dispatch with a handle,
+    normal_direct.cuh); then the pool's ownership: cached dispatches of different tokens whose outputs are
+    all kept, until a rank's pool is full and every rank takes the ring path; every kept output still
+    equals the reference at the end (a later call never wrote into memory an earlier output lives in);
+    once released, outputs are pooled again."""
     import gc
 
     import torch
     import torch.distributed as dist
+    import os
+
     from pyep.ep.normal.direct_pool import pooled_buffer_bytes
     setup_device()
     s = Shape(*shape_args)
     rank, world = dist.get_rank(), dist.get_world_size()
-    nat, ref = new_buffers(s, num_nvl_bytes=pooled_buffer_bytes(world, 24, s.H, s.N))
+    os.environ["PYEP_NORMAL_DIRECT"] = "1"     # one-copy is opt-in, read when the buffer is built
+    try:
+        nat, ref = new_buffers(s, num_nvl_bytes=pooled_buffer_bytes(world, 24, s.H, s.N))
+    finally:
+        del os.environ["PYEP_NORMAL_DIRECT"]
     try:
         pool = nat.backend._pool
         assert pool is not None, "the buffer has no output pool"
 
         def pooled(t: Any) -> bool:
-            return pool.base + pool.lo <= t.data_ptr() < pool.base + pool.hi
+            return pool.memory.ptr + pool.lo <= t.data_ptr() < pool.memory.ptr + pool.hi
 
         for seed, routing, kw in CASES[cases]:
             kw = dict(kw)
@@ -222,31 +229,36 @@ def one_copy(shape_args: Tuple[int, int, int, int], cases: str) -> None:
                 from pyep.ep.normal import Config
                 kw["config"] = Config(16, 4, 32)
             run_case(nat, ref, s, seed, routing, **kw)
+        # The dispatch that makes the handle takes the ring path (its counts come back to the host
+        # between its kernels); dispatches with the handle are one-copy while the pool has room.
+        x, t, w = make_inputs(500, rank, s, "random", world)
+        gt, gw = _on("cuda", t, w)
+        lay = nat.get_dispatch_layout(gt, s.E)
+        first = nat.dispatch(x.cuda(), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                             num_tokens_per_expert=lay[2], topk_idx=gt, topk_weights=gw)
+        lr = ref.get_dispatch_layout(t, s.E)
+        first_r = ref.dispatch(x, num_tokens_per_rank=lr[0], is_token_in_rank=lr[3], num_tokens_per_expert=lr[2],
+                               topk_idx=t, topk_weights=w)
+        assert not pooled(first[0]), f"rank {rank}: a dispatch without a handle used the pool"
+        real = int((first_r[4].recv_src_idx >= 0).sum())
         kept, wanted = [], []
         for i in range(12):
-            x, t, w = make_inputs(500 + i, rank, s, "random", world)
-            gt, gw = _on("cuda", t, w)
-            lay = nat.get_dispatch_layout(gt, s.E)
-            kept.append(nat.dispatch(x.cuda(), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
-                                     num_tokens_per_expert=lay[2], topk_idx=gt, topk_weights=gw))
-            lr = ref.get_dispatch_layout(t, s.E)
-            wanted.append(ref.dispatch(x, num_tokens_per_rank=lr[0], is_token_in_rank=lr[3],
-                                       num_tokens_per_expert=lr[2], topk_idx=t, topk_weights=w))
+            xi = make_inputs(501 + i, rank, s, "random", world)[0]
+            kept.append(nat.dispatch(xi.cuda(), handle=first[4]))
+            wanted.append(ref.dispatch(xi, handle=first_r[4]))
         torch.cuda.synchronize()
         nat.backend.check_errors()
         where = [pooled(k[0]) for k in kept]
-        assert where[0], f"rank {rank}: the first dispatch's outputs are not in the pool"
+        assert where[0], f"rank {rank}: the first cached dispatch's outputs are not in the pool"
         assert not all(where), f"rank {rank}: twelve kept dispatches all fit the pool ({pool.held_bytes()} bytes held)"
         for i, (got, want) in enumerate(zip(kept, wanted)):
-            compare_dispatch(f"rank {rank} kept dispatch {i} (pooled={where[i]})", got, want)
+            compare_dispatch(f"rank {rank} kept dispatch {i} (pooled={where[i]})", got, want, cached=True, real=real)
         del kept, got
         gc.collect()
-        x, t, w = make_inputs(600, rank, s, "random", world)
-        gt, gw = _on("cuda", t, w)
-        lay = nat.get_dispatch_layout(gt, s.E)
-        again = nat.dispatch(x.cuda(), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
-                             num_tokens_per_expert=lay[2], topk_idx=gt, topk_weights=gw)
+        again = nat.dispatch(x.cuda(), handle=first[4])
         assert pooled(again[0]), f"rank {rank}: released outputs were not pooled again"
+        compare_dispatch(f"rank {rank} after the release", again, ref.dispatch(x, handle=first_r[4]), cached=True,
+                         real=real)
         torch.cuda.synchronize()
         nat.backend.check_errors()
     finally:

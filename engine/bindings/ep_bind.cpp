@@ -149,6 +149,10 @@ void register_ep(py::module_& m) {
            "Zeroed pinned host memory the device reaches at the same address (the error record).");
     ep.def("host_free", &host_free, py::arg("ptr"));
     ep.def("memset_async", &memset_async, py::arg("ptr"), py::arg("value"), py::arg("bytes"), py::arg("stream"));
+    ep.def("event_create", &event_create, "A CUDA event (timing off), as a handle.");
+    ep.def("event_destroy", &event_destroy, py::arg("event"));
+    ep.def("event_record", &event_record, py::arg("event"), py::arg("stream"));
+    ep.def("stream_wait_event", &stream_wait_event, py::arg("stream"), py::arg("event"));
     ep.def(
         "memcpy_htod", [](uint64_t dst, py::bytes data) {
             const std::string s = data;

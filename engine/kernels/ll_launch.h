@@ -176,6 +176,12 @@ uint64_t host_alloc_mapped(uint64_t bytes);
 void host_free(uint64_t ptr);
 void memset_async(uint64_t ptr, int value, uint64_t bytes, uint64_t stream);
 void memcpy_htod(uint64_t dst, const void* src, uint64_t bytes);
+// Raw CUDA events for stream ordering without torch's Stream objects (the normal mode's output pool):
+// created with timing off, recorded on / waited by streams given as handles.
+uint64_t event_create();
+void event_destroy(uint64_t event);
+void event_record(uint64_t event, uint64_t stream);
+void stream_wait_event(uint64_t stream, uint64_t event);
 std::string ipc_get_handle(uint64_t ptr);     // 64 bytes
 uint64_t ipc_open_handle(const std::string& handle);
 void ipc_close_handle(uint64_t ptr);

@@ -131,6 +131,26 @@ void memset_async(uint64_t ptr, int value, uint64_t bytes, uint64_t stream) {
           "cudaMemsetAsync");
 }
 
+uint64_t event_create() {
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    return reinterpret_cast<uint64_t>(e);
+}
+
+void event_destroy(uint64_t event) {
+    if (event) check(cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event)), "cudaEventDestroy");
+}
+
+void event_record(uint64_t event, uint64_t stream) {
+    check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(event), reinterpret_cast<cudaStream_t>(stream)),
+          "cudaEventRecord");
+}
+
+void stream_wait_event(uint64_t stream, uint64_t event) {
+    check(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<cudaEvent_t>(event), 0),
+          "cudaStreamWaitEvent");
+}
+
 void memcpy_htod(uint64_t dst, const void* src, uint64_t bytes) {
     check(cudaMemcpy(reinterpret_cast<void*>(dst), src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
 }

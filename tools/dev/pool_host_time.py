@@ -21,15 +21,17 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from pyep.ep.normal.direct_pool import OutputPool
+    from pyep._native import engine
+    from pyep.ep.normal.direct_pool import DeviceMemory, OutputPool
+    from pyep.ep.streams import raw_current_stream
     dev = torch.device("cuda", 0)
-    mem = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    pool = OutputPool(mem.data_ptr(), 0, 1 << 30, dev)
-    stream = torch.cuda.current_stream(dev)
+    ep = engine().ep
+    pool = OutputPool(DeviceMemory(ep, 1 << 30), 0, 1 << 30, dev, ep)
     rows, h, k = 8192, 7168, 8
 
     def pooled() -> object:
-        return pool.outputs(rows, h, torch.bfloat16, False, k, stream)
+        stream = raw_current_stream(dev)
+        return pool.outputs(rows, h, torch.bfloat16, False, k, stream, stream)
 
     def plain() -> object:
         return (torch.empty((rows, h), dtype=torch.bfloat16, device=dev),

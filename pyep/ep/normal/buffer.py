@@ -19,6 +19,7 @@ from .._dist import group_device
 from ..control import make_control
 from ..elastic.membership import Membership, MembershipError
 from ..backend import profiled_range
+from ..streams import raw_current_stream
 from ..config import DEFAULT_TIMEOUT_US, TRANSPORTS
 from . import validate as v
 from .._dist import all_reduce_min_bounded as all_reduce_min
@@ -450,7 +451,8 @@ class NormalBuffer(NormalBufferMembership):
                                 is_token_in_rank=in_rank,
                                 num_tokens_per_expert=num_tokens_per_expert, num_experts=args.num_experts,
                                 expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                                config=config, handle=handle, timeout_us=self._timeout_us, seq=self._seq + 1)
+                                config=config, handle=handle, timeout_us=self._timeout_us, seq=self._seq + 1,
+                                caller_stream=raw_current_stream(self._device) if self._device.type == "cuda" else 0)
             self._backend.check_call(call)
         self._seq += 1
         with profiled_range("pyep::normal::dispatch"):

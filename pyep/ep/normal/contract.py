@@ -119,6 +119,8 @@ class DispatchCall:
     handle: Optional["NormalHandle"]          # cached dispatch when given (already validated)
     timeout_us: int
     seq: int                                  # call number of this buffer, from 1
+    caller_stream: int = 0                    # the caller's cudaStream_t (0: unknown or CPU): one-copy
+                                              # outputs are used there too (direct_pool.py)
 
 
 @dataclass

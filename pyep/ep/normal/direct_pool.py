@@ -4,22 +4,24 @@
 A native buffer with room past its rings keeps that room as an output pool. A dispatch offers one-copy
 outputs when its recv_x and recv_x_scales fit a free region of the pool: they are returned as views of
 that region, and the peers store rows straight into them. The region stays taken for as long as any
-tensor viewing it lives (its memory reaches torch through a CUDA array interface object whose
-finalizer frees the region). The finalizer records an event on the stream current at that moment,
-where the tensors' last uses were queued; a later call that reuses the memory makes its stream wait
-for that event before its kernel tells the peers where to write. When no free region fits (the caller
-still holds earlier outputs, or the call is too large), the call offers nothing and every rank takes
-the ring path: one-copy is an optimisation that never changes results.
+tensor viewing it lives: its memory reaches torch through a CUDA array interface object, which torch
+keeps until the last view is gone; the pool holds only a weak reference to it.
+
+Reuse follows the caching allocator's stream semantics. The outputs belong to the streams the call was
+made for (the launch stream, and the caller's where they differ: async_finish, which record_streams its
+outputs there). A later call that reuses the memory on another launch stream first makes that stream
+wait for everything queued so far on those streams, which includes every use queued before the tensors
+were freed; on the same stream, stream order does it. Its kernel tells the peers where to write only
+after that. When no free region fits (the caller still holds earlier outputs, or the call is too large),
+the call offers nothing and every rank takes the ring path: one-copy never changes results. Per call the
+host builds no finalizer, event object or torch Stream: each of those cost tens of microseconds a call
+(tools/dev/pool_host_time.py, tools/dev/normal_host_time.py).
 """
 from __future__ import annotations
 
-import logging
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
-
-log = logging.getLogger(__name__)
 
 POOL_ALIGN = 128
 POOL_MIN_BYTES = 16 << 20      # less than this past the rings: no pool (a buffer sized by size_hint)
@@ -85,21 +87,37 @@ class OutputLayout:
         return OutputLayout(0, x_bytes, user if stage_k is not None else 0, user, user + stage)
 
 
+class DeviceMemory:
+    """The buffer's device memory, freed when the last owner lets go: the backend, and every region of
+    its pool that a caller's tensors still view (outputs kept past destroy() stay valid)."""
+
+    def __init__(self, ep: Any, nbytes: int) -> None:
+        self.ep, self.ptr = ep, int(ep.device_alloc(nbytes))
+
+    def __del__(self) -> None:
+        if self.ptr:
+            try:
+                self.ep.device_free(self.ptr)
+            except Exception:   # noqa: BLE001 - interpreter shutdown: the driver may be gone
+                pass
+            self.ptr = 0
+
+
 class _Region:
     """Pool bytes handed to torch (CUDA array interface): torch keeps this object for as long as a
     tensor viewing the bytes lives, and the region is free once it is collected."""
 
-    def __init__(self, addr: int, nbytes: int) -> None:
+    def __init__(self, addr: int, nbytes: int, owner: Any) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 2}
+        self.owner = owner
 
 
 @dataclass
 class _Taken:
     off: int
     nbytes: int
-    released: bool = False
-    event: Any = None    # recorded where the region's last uses were queued, at release
-    lost: bool = False   # released during a stream capture: no event says when its uses end
+    alive: Any                 # weakref to the _Region: None once it is gone
+    streams: Tuple[int, ...]   # raw streams the outputs were made for
 
 
 @dataclass
@@ -111,35 +129,18 @@ class DirectOutputs:
 
 @dataclass
 class OutputPool:
-    """Regions of [lo, hi) of the buffer at `base` on `device`, handed out first-fit."""
-    base: int
+    """Regions of [lo, hi) of the buffer `memory` (DeviceMemory) on `device`, handed out first-fit. `ep`:
+    the engine's ep module (raw CUDA events); close() releases the pool's event."""
+    memory: DeviceMemory
     lo: int
     hi: int
     device: Any
+    ep: Any
     _taken: List[_Taken] = field(default_factory=list)
-    # Re-entrant: a finalizer may run inside outputs() itself (a collection during its allocations).
-    _lock: Any = field(default_factory=threading.RLock)
-
-    def _release(self, t: _Taken) -> None:
-        import torch
-        # A finalizer: runs in whichever thread dropped the last tensor, with the GIL.
-        try:
-            stream = torch.cuda.current_stream(self.device)
-            if torch.cuda.is_current_stream_capturing():
-                t.lost = True
-                log.warning("one-copy dispatch outputs freed during a CUDA graph capture: their pool region "
-                            "stays taken (nothing says when the captured work that used them ends)")
-            else:
-                ev = torch.cuda.Event()
-                ev.record(stream)
-                t.event = ev
-        except Exception:   # interpreter shutdown: nothing will run on the region again
-            t.lost = True
-        with self._lock:
-            t.released = True
+    _event: int = 0
 
     def _place(self, need: int) -> Optional[int]:
-        busy = sorted((t.off, t.off + t.nbytes) for t in self._taken if not t.released or t.lost)
+        busy = sorted((t.off, t.off + t.nbytes) for t in self._taken if t.alive() is not None)
         start = self.lo
         for b0, b1 in busy:
             if start + need <= b0:
@@ -148,37 +149,45 @@ class OutputPool:
         return start if start + need <= self.hi else None
 
     def outputs(self, rows: int, hidden: int, dtype: Any, fp8: bool, stage_k: Optional[int],
-                stream: Any) -> Optional[DirectOutputs]:
+                launch_stream: int, caller_stream: int) -> Optional[DirectOutputs]:
         """recv_x [rows, hidden] of dtype, recv_x_scales [rows, hidden / 128] (FP8) and staging rows (stage_k:
-        the call's top-k, None for a dispatch with a handle) in a free region, or None. `stream` (the
-        call's) waits for the last uses of earlier outputs that lived there."""
+        the call's top-k, None for a dispatch with a handle) in a free region, or None. launch_stream (a
+        raw handle) first waits for the uses, on other streams, of earlier outputs that lived there."""
         import torch
         elem = dtype.itemsize
         lay = OutputLayout.of(rows, hidden, elem, fp8, stage_k)
-        with self._lock:
-            off = self._place(lay.total)
-            if off is None:
-                return None
-            end = off + lay.total
-            keep: List[_Taken] = []
-            for t in self._taken:
-                if t.released and not t.lost and t.off < end and off < t.off + t.nbytes:
-                    if t.event is not None:
-                        stream.wait_event(t.event)
-                    continue
-                keep.append(t)
-            taken = _Taken(off, lay.total)
-            keep.append(taken)
-            self._taken = keep
-        region = _Region(self.base + off, lay.user_bytes)
+        off = self._place(lay.total)
+        if off is None:
+            return None
+        end = off + lay.total
+        keep: List[_Taken] = []
+        for t in self._taken:
+            if t.alive() is None and t.off < end and off < t.off + t.nbytes:
+                for st in t.streams:
+                    if st != launch_stream:
+                        if not self._event:
+                            self._event = int(self.ep.event_create())
+                        # Recorded now, it covers every use queued on `st` before the tensors died.
+                        self.ep.event_record(self._event, st)
+                        self.ep.stream_wait_event(launch_stream, self._event)
+                continue
+            keep.append(t)
+        base = self.memory.ptr
+        region = _Region(base + off, lay.user_bytes, self.memory)
+        streams = (launch_stream,) if caller_stream in (0, launch_stream) else (launch_stream, caller_stream)
+        keep.append(_Taken(off, lay.total, weakref.ref(region), streams))
+        self._taken = keep
         raw = torch.as_tensor(region, dtype=torch.uint8, device=self.device)
-        weakref.finalize(region, self._release, taken)
         del region
         recv_x = raw[lay.x:lay.x + rows * hidden * elem].view(dtype).view(rows, hidden)
-        scales = raw[lay.scales:lay.scales + rows * (hidden // 128) * 4].view(torch.float32).view(rows, hidden // 128) \
-            if fp8 else None
-        return DirectOutputs(recv_x, scales, self.base + off + lay.stage if stage_k is not None else 0)
+        scales = (raw[lay.scales:lay.scales + rows * (hidden // 128) * 4].view(torch.float32).view(rows, hidden // 128)
+                  if fp8 else None)
+        return DirectOutputs(recv_x, scales, base + off + lay.stage if stage_k is not None else 0)
 
     def held_bytes(self) -> int:
-        with self._lock:
-            return sum(t.nbytes for t in self._taken if not t.released or t.lost)
+        return sum(t.nbytes for t in self._taken if t.alive() is not None)
+
+    def close(self) -> None:
+        if self._event:
+            self.ep.event_destroy(self._event)
+            self._event = 0

@@ -20,7 +20,7 @@ from .capture import capture_refusal
 from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .device_records import TAG_RECORD_INTS, DeviceRecords
-from .direct_pool import OutputPool, pool_bounds, ring_reserve
+from .direct_pool import DeviceMemory, OutputPool, pool_bounds, ring_reserve
 from .errors import ERR_PEER_TIMEOUT, BadOutputDescriptor, BufferBroken, NormalCallMismatch, NotCapturable, PeerTimeout
 from .events import wait_bound_s
 from .native_member import NativeNormalMembership
@@ -111,12 +111,15 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
             raise ValueError(f"num_nvl_bytes={num_nvl_bytes} does not even hold the control area "
                              f"({layout.ring_offset(r_n, notify_extra)} bytes); NormalBuffer.size_hint() says what a shape needs")
         self._setup_timeout_s = max(SETUP_TIMEOUT_FLOOR_S, 3 * timeout_us / 1e6)
-        # PYEP_NORMAL_DIRECT=0: no output pool, every dispatch takes the ring path (an A/B switch).
+        # PYEP_NORMAL_DIRECT=1: keep an output pool for one-copy dispatch (direct_pool.py). Off by default:
+        # under DeepEP's own test harness its dispatches ran at two speeds, the slower below the ring
+        # path's (docs/normal_mode.md, "One-copy dispatch"; docs/results/2026-11-26h-h200).
         import os
-        pool_on = output_pool and os.environ.get("PYEP_NORMAL_DIRECT", "1") != "0"
+        pool_on = output_pool and os.environ.get("PYEP_NORMAL_DIRECT", "0") == "1"
         ring_end = layout.ring_offset(r_n, notify_extra) + ring_reserve(r_n, num_sms, hidden)
         self._pool_lo, self._pool_hi = pool_bounds(self._bytes, ring_end) if pool_on else (0, 0)
         self._pool: Optional[OutputPool] = None
+        self._mem: Optional[DeviceMemory] = None
         self._buf = 0
         self._peers: Any = None
         self._broken = False
@@ -140,9 +143,10 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         self.records = DeviceRecords(self._err, self._tag_record, self._rearm_claim, self.rank, self.num_ranks,
                                      timeout_us)
         try:
-            self._buf = int(self._ep.device_alloc(self._bytes))
+            self._mem = DeviceMemory(self._ep, self._bytes)
+            self._buf = self._mem.ptr
             if self._pool_hi:
-                self._pool = OutputPool(self._buf, self._pool_lo, self._pool_hi, self.device)
+                self._pool = OutputPool(self._mem, self._pool_lo, self._pool_hi, self.device, self._ep)
             self._ep.memset_async(self._buf, 0, self._bytes, torch.cuda.current_stream().cuda_stream)
             torch.cuda.current_stream().synchronize()
             self._setup_links(group, control, joining)
@@ -331,8 +335,12 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         q_n = cfg.num_max_nvl_chunked_recv_tokens
         tag = None
         dropped = self._dropped()
-        # The one-copy handshake runs on every rank alike (its bit is in the signature the gate compares).
-        direct = self._pool is not None and self._mask is None
+        # One-copy dispatch (direct_pool.py) for dispatches with a handle: every rank runs the handshake
+        # alike (its bit is in the signature the gate compares). A dispatch without one waits on the
+        # host for its counts between its two kernels; there the ring path's senders start before the
+        # peers' dispatch kernels are launched, and the one-copy senders could not, which cost more wall
+        # time than the single copy saved (docs/normal_mode.md, "One-copy dispatch").
+        direct = self._pool is not None and self._mask is None and handle is not None
         if handle is None:
             e_n = call.num_experts
             self.records.num_experts = e_n
@@ -345,8 +353,8 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
             in_rank = call.is_token_in_rank
             a = self.count_args(n, call.num_tokens_per_expert.data_ptr(), in_rank.data_ptr(), e_n, c_n,
                                 call.expert_alignment, call.num_worst_tokens, rpm, cpm, rcp, send_head,
-                                tags.KIND_DISPATCH, [h, c_n, q_n, e_n, k, int(call.topk_weights is not None) |
-                                                     int(fp8) << 1 | int(direct) << 2])
+                                tags.KIND_DISPATCH,
+                                [h, c_n, q_n, e_n, k, int(call.topk_weights is not None) | int(fp8) << 1])
             a.num_tokens_per_rank, a.tag_out = call.num_tokens_per_rank.data_ptr(), tag.data_ptr()
             a.dropped = dropped.data_ptr() if dropped is not None else 0
             if call.topk_idx is not None and n:
@@ -365,7 +373,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         cached = handle is not None
         outs = None
         if direct and not torch.cuda.is_current_stream_capturing():
-            outs = self._pool.outputs(rows, h, call.x.dtype, fp8, None if cached else k, torch.cuda.current_stream(dev))
+            outs = self._pool.outputs(rows, h, call.x.dtype, fp8, None if cached else k, stream, call.caller_stream)
         if outs is not None:
             recv_x, recv_scales = outs.recv_x, outs.recv_x_scales
         else:
@@ -500,9 +508,12 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         if self._peers is not None:
             self._peers.close()
             self._peers = None
-        if self._buf:
-            self._ep.device_free(self._buf)
-            self._buf = 0
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        # The memory goes once no caller's one-copy output views it any more (DeviceMemory).
+        self._mem = None
+        self._buf = 0
 
     def destroy(self) -> None:
         if self._destroyed:

@@ -1,0 +1,84 @@
+"""The one-copy dispatch output pool's bookkeeping on the CPU (pyep/ep/normal/direct_pool.py): first-fit
+placement, a region taken for as long as torch keeps its array-interface object (here: a list standing in
+for the caller's tensors), no region when nothing fits, and the stream order of reuse: a region freed on
+another stream makes the new launch stream wait for an event recorded there; on the same stream nothing
+is recorded. The GPU side (torch's views of pool memory, peers writing into them, outputs kept past later
+calls) is tests/test_normal_gpu.py's one-copy case."""
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+
+from pyep.ep.normal.direct_pool import OutputLayout, OutputPool, output_pool_hint, pool_bounds
+
+
+class FakeEp:
+    def __init__(self) -> None:
+        self.calls: List[Tuple[str, int, int]] = []
+
+    def event_create(self) -> int:
+        return 77
+
+    def event_destroy(self, ev: int) -> None:
+        self.calls.append(("destroy", ev, 0))
+
+    def event_record(self, ev: int, stream: int) -> None:
+        self.calls.append(("record", ev, stream))
+
+    def stream_wait_event(self, stream: int, ev: int) -> None:
+        self.calls.append(("wait", stream, ev))
+
+
+class FakeMemory:
+    ptr = 1 << 20
+
+
+@pytest.fixture
+def pool(monkeypatch: Any) -> Tuple[OutputPool, List[Any], FakeEp]:
+    held: List[Any] = []   # the caller's tensors: their regions live while listed
+
+    def as_tensor(region: Any, dtype: Any, device: Any) -> torch.Tensor:
+        held.append(region)
+        return torch.zeros(region.__cuda_array_interface__["shape"][0], dtype=dtype)
+    monkeypatch.setattr(torch, "as_tensor", as_tensor)
+    ep = FakeEp()
+    lay = OutputLayout.of(64, 256, 2, False, 4)
+    return OutputPool(FakeMemory(), 1024, 1024 + 2 * lay.total + 128, torch.device("cpu"), ep), held, ep
+
+
+def test_first_fit_hold_and_release(pool: Tuple[OutputPool, List[Any], FakeEp]) -> None:
+    p, held, ep = pool
+    a = p.outputs(64, 256, torch.bfloat16, False, 4, 5, 5)
+    b = p.outputs(64, 256, torch.bfloat16, False, 4, 5, 5)
+    assert a is not None and b is not None
+    assert tuple(a.recv_x.shape) == (64, 256) and a.recv_x.dtype == torch.bfloat16
+    assert p.outputs(64, 256, torch.bfloat16, False, 4, 5, 5) is None, "a third output cannot fit"
+    first = held.pop(0)              # the caller frees the first outputs
+    del first
+    c = p.outputs(64, 256, torch.bfloat16, False, 4, 5, 5)
+    assert c is not None and c.stage == a.stage, "the freed region is reused first"
+    assert ep.calls == [], "reuse on the stream the outputs were made for needs no event"
+    assert p.held_bytes() == 2 * OutputLayout.of(64, 256, 2, False, 4).total
+
+
+def test_reuse_on_another_stream_waits(pool: Tuple[OutputPool, List[Any], FakeEp]) -> None:
+    p, held, ep = pool
+    p.outputs(32, 256, torch.float8_e4m3fn, True, None, 5, 9)    # async: launch 5, caller 9
+    held.clear()
+    out = p.outputs(32, 256, torch.float8_e4m3fn, True, None, 6, 6)
+    assert out is not None and out.stage == 0 and out.recv_x_scales is not None
+    assert tuple(out.recv_x_scales.shape) == (32, 2)
+    assert ep.calls == [("record", 77, 5), ("wait", 6, 77), ("record", 77, 9), ("wait", 6, 77)]
+    p.close()
+    assert ep.calls[-1] == ("destroy", 77, 0)
+
+
+def test_sizes() -> None:
+    lay = OutputLayout.of(10, 256, 1, True, 8)
+    assert lay.scales == 2560 and lay.stage == lay.user_bytes == 2560 + 128
+    assert lay.total == lay.user_bytes + (10 * (8 * 8 + 4) + 127) // 128 * 128
+    assert pool_bounds(100 << 20, 50 << 20) == (50 << 20, 100 << 20)
+    assert pool_bounds(60 << 20, 50 << 20) == (0, 0), "less than POOL_MIN_BYTES: no pool"
+    assert output_pool_hint(2, 100, 256) >= 3 * 200 * 512
