@@ -84,7 +84,8 @@ __device__ int read_descs(const NormalStatic& s, const DispatchArgs& a, int c, u
             LL_SPIN_HINT();
         }
         if (ld_volatile(d + kDescMode) != 1) return 0;
-        DirectPeer p{desc_u64(d, kDescX), desc_u64(d, kDescScales), desc_u64(d, kDescStage), ld_volatile(d + kDescRows)};
+        DirectPeer p{desc_u64(d, kDescX), desc_u64(d, kDescScales), desc_u64(d, kDescStage),
+                     ld_volatile(d + kDescRows)};
         const uint64_t n = p.rows < 0 ? 0 : (uint64_t)p.rows;
         int bad = 0;
         if (p.rows < 0) bad = 1;
@@ -111,6 +112,7 @@ __device__ void direct_send(const NormalStatic& s, const DispatchArgs& a, const 
     const int* rpm = reinterpret_cast<const int*>(a.rank_prefix_matrix);
     const int count = prefix_count(cpm, C, d, c);
     const int out0 = (me ? rpm[(me - 1) * R + d] : 0) + (c ? cpm[d * C + c - 1] : 0);
+    if (out0 < 0 && G.leader()) record_error(s, kErrBadHandle, c, count, out0);
     uint8_t* pb = peer_buf(s, d);
     uint8_t* xd = pb + P.x;
     float* sd = reinterpret_cast<float*>(pb + P.scales);
@@ -130,7 +132,10 @@ __device__ void direct_send(const NormalStatic& s, const DispatchArgs& a, const 
             const int bit = __ffs(rest) - 1;
             rest &= rest - 1;
             const int out = out0 + pos + j;
-            if (j % G.W != G.wi || out >= P.rows) continue;   // past num_worst_tokens: notify recorded it
+            // Past num_worst_tokens (notify recorded it), or before the receiver's rows: a handle's
+            // matrices are the caller's tensors, and a write outside [0, rows) would land in another
+            // output (a negative start is recorded above).
+            if (j % G.W != G.wi || out < 0 || out >= P.rows) continue;
             const int tok = wbase + bit;
             const float* row_scales = a.fp8 ? scales + tok * scale_token_stride(a) : nullptr;
             const RowMeta m = load_meta(row_scales, scale_group_stride(a), groups,
@@ -184,7 +189,8 @@ __device__ void direct_recv(const NormalStatic& s, const DispatchArgs& a, int c,
                                                           (uint64_t)out * stage_bytes);
             const float* w = reinterpret_cast<const float*>(ids + K);
             if (G.lane < K) {
-                if (a.recv_topk_idx) reinterpret_cast<int64_t*>(a.recv_topk_idx)[(int64_t)out * K + G.lane] = __ldcg(ids + G.lane);
+                if (a.recv_topk_idx)
+                    reinterpret_cast<int64_t*>(a.recv_topk_idx)[(int64_t)out * K + G.lane] = __ldcg(ids + G.lane);
                 if (a.recv_topk_weights)
                     reinterpret_cast<float*>(a.recv_topk_weights)[(int64_t)out * K + G.lane] = __ldcg(w + G.lane);
             }

@@ -272,10 +272,13 @@ class NormalSuite:
                     raise ValueError(f"the buffer runs nodes of {got} ranks, the benchmark detected "
                                      f"{self.nodes.ranks_per_node}")
             else:
-                # Room past the rings for one-copy dispatch outputs of this run's calls (direct_pool.py).
-                from ..ep.normal.direct_pool import pooled_buffer_bytes
-                nvl = max(self._nvl_bytes(), pooled_buffer_bytes(self.world_size, max(self.cfg.num_sms),
-                                                                  self.cfg.hidden, self.cfg.tokens))
+                # With PYEP_NORMAL_DIRECT=1, room past the rings for one-copy dispatch outputs of this
+                # run's calls (direct_pool.py).
+                from ..ep.normal.direct_pool import one_copy_enabled, pooled_buffer_bytes
+                nvl = self._nvl_bytes()
+                if one_copy_enabled():
+                    nvl = max(nvl, pooled_buffer_bytes(self.world_size, max(self.cfg.num_sms), self.cfg.hidden,
+                                                       self.cfg.tokens))
                 buf = self.cls(self.group, nvl, hidden=self.cfg.hidden, backend=backend,
                                transport=self.cfg.transport, timeout_us=self.cfg.timeout_us)
         except Exception as exc:  # noqa: BLE001 - reported in the row; the run goes on

@@ -28,6 +28,14 @@ POOL_MIN_BYTES = 16 << 20      # less than this past the rings: no pool (a buffe
 RING_RESERVE_SMS = 32          # the rings below the pool hold configs of up to this many SMs (or the buffer's)
 
 
+def one_copy_enabled() -> bool:
+    """PYEP_NORMAL_DIRECT=1: native buffers keep an output pool for one-copy dispatch. Off by default:
+    under DeepEP's own test harness its dispatches ran at two speeds, the slower below the ring path's
+    (docs/normal_mode.md, "One-copy dispatch"; docs/results/2026-11-26h-h200x1)."""
+    import os
+    return os.environ.get("PYEP_NORMAL_DIRECT", "0") == "1"
+
+
 def _align(v: int, a: int = POOL_ALIGN) -> int:
     return (v + a - 1) // a * a
 

@@ -20,8 +20,9 @@ from .capture import capture_refusal
 from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .device_records import TAG_RECORD_INTS, DeviceRecords
-from .direct_pool import DeviceMemory, OutputPool, pool_bounds, ring_reserve
-from .errors import ERR_PEER_TIMEOUT, BadOutputDescriptor, BufferBroken, NormalCallMismatch, NotCapturable, PeerTimeout
+from .direct_pool import DeviceMemory, OutputPool, one_copy_enabled, pool_bounds, ring_reserve
+from .errors import (ERR_PEER_TIMEOUT, BadOutputDescriptor, BufferBroken, NormalCallMismatch, NotCapturable,
+                     PeerTimeout)
 from .events import wait_bound_s
 from .native_member import NativeNormalMembership
 from .native_state import NativeCallState
@@ -111,11 +112,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
             raise ValueError(f"num_nvl_bytes={num_nvl_bytes} does not even hold the control area "
                              f"({layout.ring_offset(r_n, notify_extra)} bytes); NormalBuffer.size_hint() says what a shape needs")
         self._setup_timeout_s = max(SETUP_TIMEOUT_FLOOR_S, 3 * timeout_us / 1e6)
-        # PYEP_NORMAL_DIRECT=1: keep an output pool for one-copy dispatch (direct_pool.py). Off by default:
-        # under DeepEP's own test harness its dispatches ran at two speeds, the slower below the ring
-        # path's (docs/normal_mode.md, "One-copy dispatch"; docs/results/2026-11-26h-h200).
-        import os
-        pool_on = output_pool and os.environ.get("PYEP_NORMAL_DIRECT", "0") == "1"
+        pool_on = output_pool and one_copy_enabled()
         ring_end = layout.ring_offset(r_n, notify_extra) + ring_reserve(r_n, num_sms, hidden)
         self._pool_lo, self._pool_hi = pool_bounds(self._bytes, ring_end) if pool_on else (0, 0)
         self._pool: Optional[OutputPool] = None
@@ -127,6 +124,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         self._geometry: Optional[Tuple[int, int]] = None   # (ring depth, slot stride) of the last launched call
         # PYEP_NORMAL_TMA=0: the dispatch receiver copies rows with warp loads/stores instead of the bulk
         # copy engine (an A/B switch for measurements; both give the same bytes).
+        import os
         self._use_tma = os.environ.get("PYEP_NORMAL_TMA", "1") != "0"
         # Pinned host words the kernels write and the host reads without synchronising.
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
