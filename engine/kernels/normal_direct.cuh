@@ -123,40 +123,30 @@ __device__ void direct_send(const NormalStatic& s, const DispatchArgs& a, const 
     const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk_idx);
     const float* weights = reinterpret_cast<const float*>(a.topk_weights);
     const int groups = a.hidden / 128, lo = d * a.num_local_experts, El = a.num_local_experts;
-    int pos = 0;
-    for (int wbase = t0; wbase < t1; wbase += kScanWindow) {
-        const int t = wbase + G.lane;
-        const uint32_t mask = __ballot_sync(0xffffffffu, t < t1 && in_rank[(int64_t)t * R + d]);
-        uint32_t rest = mask;
-        for (int j = 0; rest; ++j) {
-            const int bit = __ffs(rest) - 1;
-            rest &= rest - 1;
-            const int out = out0 + pos + j;
-            // Past num_worst_tokens (notify recorded it), or before the receiver's rows: a handle's
-            // matrices are the caller's tensors, and a write outside [0, rows) would land in another
-            // output (a negative start is recorded above).
-            if (j % G.W != G.wi || out < 0 || out >= P.rows) continue;
-            const int tok = wbase + bit;
-            const float* row_scales = a.fp8 ? scales + tok * scale_token_stride(a) : nullptr;
-            const RowMeta m = load_meta(row_scales, scale_group_stride(a), groups,
-                                        G.lane < K && topk ? topk[(int64_t)tok * K + G.lane] : -1,
-                                        G.lane < K && weights ? weights[(int64_t)tok * K + G.lane] : 0.f,
-                                        G.lane == 0 ? source_index(a, tok) : 0, G.lane);
-            warp_copy(xd + (uint64_t)out * row.payload, payload_of(a, row, tok), row.payload, G.lane);
-            if (a.fp8) store_scales(sd + (int64_t)out * groups, m, row_scales, scale_group_stride(a), groups, G.lane);
-            if (td) {
-                int* ids = reinterpret_cast<int*>(td + (uint64_t)out * stage_bytes);
-                float* w = reinterpret_cast<float*>(ids + K);
-                if (G.lane < K) {
-                    const bool local = m.id >= lo && m.id < lo + El;
-                    ids[G.lane] = local ? (int)(m.id - lo) : -1;
-                    w[G.lane] = local ? m.weight : 0.f;
-                }
-                if (G.lane == 0) reinterpret_cast<int*>(w + K)[0] = m.src;
+    const int pos = for_each_routed_row(in_rank, R, d, t0, t1, G, [&](int tok, int i) {
+        const int out = out0 + i;
+        // Past num_worst_tokens (notify recorded it), or before the receiver's rows: a handle's matrices
+        // are the caller's tensors, and a write outside [0, rows) would land in another output (a
+        // negative start is recorded above).
+        if (out < 0 || out >= P.rows) return;
+        const float* row_scales = a.fp8 ? scales + tok * scale_token_stride(a) : nullptr;
+        const RowMeta m = load_meta(row_scales, scale_group_stride(a), groups,
+                                    G.lane < K && topk ? topk[(int64_t)tok * K + G.lane] : -1,
+                                    G.lane < K && weights ? weights[(int64_t)tok * K + G.lane] : 0.f,
+                                    G.lane == 0 ? source_index(a, tok) : 0, G.lane);
+        warp_copy(xd + (uint64_t)out * row.payload, payload_of(a, row, tok), row.payload, G.lane);
+        if (a.fp8) store_scales(sd + (int64_t)out * groups, m, row_scales, scale_group_stride(a), groups, G.lane);
+        if (td) {
+            int* ids = reinterpret_cast<int*>(td + (uint64_t)out * stage_bytes);
+            float* w = reinterpret_cast<float*>(ids + K);
+            if (G.lane < K) {
+                const bool local = m.id >= lo && m.id < lo + El;
+                ids[G.lane] = local ? (int)(m.id - lo) : -1;
+                w[G.lane] = local ? m.weight : 0.f;
             }
+            if (G.lane == 0) reinterpret_cast<int*>(w + K)[0] = m.src;
         }
-        pos += __popc(mask);
-    }
+    });
     group_sync(G.g, G.W);                       // every row of the stream is stored
     if (G.leader()) {
         const uint32_t base = (uint32_t)*tx_of(s, c, d);

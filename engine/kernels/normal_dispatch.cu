@@ -201,25 +201,13 @@ __device__ void dispatch_self(const NormalStatic& s, const DispatchArgs& a, cons
     const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk_idx);
     const float* weights = reinterpret_cast<const float*>(a.topk_weights);
     const int lo = me * a.num_local_experts;
-    int pos = 0;
-    for (int wbase = t0; wbase < t1; wbase += kScanWindow) {
-        const int t = wbase + G.lane;
-        const uint32_t mask = __ballot_sync(0xffffffffu, t < t1 && in_rank[(int64_t)t * R + me]);
-        uint32_t rest = mask;
-        for (int j = 0; rest; ++j) {
-            const int bit = __ffs(rest) - 1;
-            rest &= rest - 1;
-            const int out = start + pos + j;
-            if (j % G.W != G.wi || out >= a.num_out_rows) continue;
-            const int tok = wbase + bit;
-            emit_row(a, row, tma, out, payload_of(a, row, tok), scales + tok * scale_token_stride(a),
-                     scale_group_stride(a),
-                     [&](int k) { return topk ? topk[(int64_t)tok * K + k] : (int64_t)-1; },
-                     [&](int k) { return weights ? weights[(int64_t)tok * K + k] : 0.f; }, source_index(a, tok), lo,
-                     G.lane);
-        }
-        pos += __popc(mask);
-    }
+    for_each_routed_row(in_rank, R, me, t0, t1, G, [&](int tok, int i) {
+        const int out = start + i;
+        if (out >= a.num_out_rows) return;
+        emit_row(a, row, tma, out, payload_of(a, row, tok), scales + tok * scale_token_stride(a), scale_group_stride(a),
+                 [&](int k) { return topk ? topk[(int64_t)tok * K + k] : (int64_t)-1; },
+                 [&](int k) { return weights ? weights[(int64_t)tok * K + k] : 0.f; }, source_index(a, tok), lo, G.lane);
+    });
     tma_drain(G.lane);
 }
 

@@ -57,5 +57,26 @@ struct Group {
     __device__ bool leader() const { return wi == 0 && lane == 0; }
 };
 
+// The rows of tokens [t0, t1) routed to rank d, in stream order, one ballot per 32 tokens: the j-th row
+// of a window goes to warp j mod W of the group, which calls f(token, position in the stream) for it.
+// Returns the stream's row count (every warp of the group gets the same).
+template <typename F>
+__device__ __forceinline__ int for_each_routed_row(const bool* in_rank, int R, int d, int t0, int t1, const Group& G,
+                                                   F f) {
+    int pos = 0;
+    for (int wbase = t0; wbase < t1; wbase += kScanWindow) {
+        const int t = wbase + G.lane;
+        const uint32_t mask = __ballot_sync(0xffffffffu, t < t1 && in_rank[(int64_t)t * R + d]);
+        uint32_t rest = mask;
+        for (int j = 0; rest; ++j) {
+            const int bit = __ffs(rest) - 1;
+            rest &= rest - 1;
+            if (j % G.W == G.wi) f(wbase + bit, pos + j);
+        }
+        pos += __popc(mask);
+    }
+    return pos;
+}
+
 }  // namespace normal
 }  // namespace pyep
