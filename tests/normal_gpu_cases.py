@@ -209,11 +209,15 @@ def one_copy(shape_args: Tuple[int, int, int, int], cases: str) -> None:
     setup_device()
     s = Shape(*shape_args)
     rank, world = dist.get_rank(), dist.get_world_size()
+    before = os.environ.get("PYEP_NORMAL_DIRECT")
     os.environ["PYEP_NORMAL_DIRECT"] = "1"     # one-copy is opt-in, read when the buffer is built
     try:
         nat, ref = new_buffers(s, num_nvl_bytes=pooled_buffer_bytes(world, 24, s.H, s.N))
     finally:
-        del os.environ["PYEP_NORMAL_DIRECT"]
+        if before is None:
+            del os.environ["PYEP_NORMAL_DIRECT"]
+        else:
+            os.environ["PYEP_NORMAL_DIRECT"] = before
     try:
         pool = nat.backend._pool
         assert pool is not None, "the buffer has no output pool"
