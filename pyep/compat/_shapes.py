@@ -217,9 +217,5 @@ def raw_buffer_tensor(backend: Any, what: str) -> "torch.Tensor":
             f"collectives); reset state with clean_low_latency_buffer() instead")
     ptr, nbytes = raw()
 
-    class _Mem:
-        # torch.as_tensor shares memory described by the CUDA array interface without copying.
-        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                    "version": 3, "strides": None}
-
-    return torch.as_tensor(_Mem(), dtype=torch.uint8, device=device)
+    from ..ep.devmem import DeviceArray
+    return torch.as_tensor(DeviceArray(ptr, nbytes), dtype=torch.uint8, device=device)

@@ -22,7 +22,8 @@ def main() -> None:
     import torch
 
     from pyep._native import engine
-    from pyep.ep.normal.direct_pool import DeviceMemory, OutputPool
+    from pyep.ep.devmem import DeviceMemory
+    from pyep.ep.normal.direct_pool import OutputPool
     from pyep.ep.streams import raw_current_stream
     dev = torch.device("cuda", 0)
     ep = engine().ep
@@ -49,10 +50,10 @@ def main() -> None:
         del keep
     if args.profile:
         prof = cProfile.Profile()
-        keep = pooled()
+        held = [pooled()]
         prof.enable()
         for _ in range(args.calls):
-            keep = pooled()
+            held[0] = pooled()   # the previous call's outputs are released here, as in a dispatch loop
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 

@@ -23,6 +23,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
+from ..devmem import DeviceArray, DeviceMemory
+
 POOL_ALIGN = 128
 POOL_MIN_BYTES = 16 << 20      # less than this past the rings: no pool (a buffer sized by size_hint)
 RING_RESERVE_SMS = 32          # the rings below the pool hold configs of up to this many SMs (or the buffer's)
@@ -95,36 +97,11 @@ class OutputLayout:
         return OutputLayout(0, x_bytes, user if stage_k is not None else 0, user, user + stage)
 
 
-class DeviceMemory:
-    """The buffer's device memory, freed when the last owner lets go: the backend, and every region of
-    its pool that a caller's tensors still view (outputs kept past destroy() stay valid)."""
-
-    def __init__(self, ep: Any, nbytes: int) -> None:
-        self.ep, self.ptr = ep, int(ep.device_alloc(nbytes))
-
-    def __del__(self) -> None:
-        if self.ptr:
-            try:
-                self.ep.device_free(self.ptr)
-            except Exception:   # noqa: BLE001 - interpreter shutdown: the driver may be gone
-                pass
-            self.ptr = 0
-
-
-class _Region:
-    """Pool bytes handed to torch (CUDA array interface): torch keeps this object for as long as a
-    tensor viewing the bytes lives, and the region is free once it is collected."""
-
-    def __init__(self, addr: int, nbytes: int, owner: Any) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 2}
-        self.owner = owner
-
-
 @dataclass
 class _Taken:
     off: int
     nbytes: int
-    alive: Any                 # weakref to the _Region: None once it is gone
+    alive: Any                 # weakref to the region's DeviceArray: None once it is gone
     streams: Tuple[int, ...]   # raw streams the outputs were made for
 
 
@@ -181,7 +158,8 @@ class OutputPool:
                 continue
             keep.append(t)
         base = self.memory.ptr
-        region = _Region(base + off, lay.user_bytes, self.memory)
+        # The region's object: torch keeps it (and the buffer's memory) while a view lives.
+        region = DeviceArray(base + off, lay.user_bytes, owner=self.memory)
         streams = (launch_stream,) if caller_stream in (0, launch_stream) else (launch_stream, caller_stream)
         keep.append(_Taken(off, lay.total, weakref.ref(region), streams))
         self._taken = keep

@@ -471,8 +471,9 @@ class Relay:
 
     def _words(self) -> "torch.Tensor":
         import torch
-        from .native_member import _Words
-        return torch.as_tensor(_Words(self._buf, self.layout.words["end"]), dtype=torch.int32, device=self.device)
+        from ..devmem import DeviceArray
+        return torch.as_tensor(DeviceArray(self._buf, self.layout.words["end"], "<i4"), dtype=torch.int32,
+                               device=self.device)
 
     def destroy(self) -> None:
         if self._peers is not None:

@@ -20,7 +20,8 @@ from .capture import capture_refusal
 from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .device_records import TAG_RECORD_INTS, DeviceRecords
-from .direct_pool import DeviceMemory, OutputPool, one_copy_enabled, pool_bounds, ring_reserve
+from ..devmem import DeviceMemory
+from .direct_pool import OutputPool, one_copy_enabled, pool_bounds, ring_reserve
 from .errors import (ERR_PEER_TIMEOUT, BadOutputDescriptor, BufferBroken, NormalCallMismatch, NotCapturable,
                      PeerTimeout)
 from .events import wait_bound_s

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+from ..devmem import DeviceArray
 from . import layout
 from .limits import MAX_CHANNELS
 
@@ -45,13 +46,6 @@ def flags_in_step(seq: int) -> Dict[int, int]:
         return {0: 0, 1: 0}
     nxt = next_call(seq)
     return {nxt & 1: (seq - 1) & 0xFFFFFFFF, (nxt & 1) ^ 1: seq}
-
-
-class _Words:
-    """int32 view of device memory at `addr` (CUDA array interface), for the control words."""
-
-    def __init__(self, addr: int, n: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<i4", "data": (addr, False), "version": 2}
 
 
 class NativeNormalMembership:
@@ -104,7 +98,7 @@ class NativeNormalMembership:
     def _words(self) -> "torch.Tensor":
         import torch
         n = layout.control_words(self.num_ranks, self._extra)["end"]
-        return torch.as_tensor(_Words(self._buf, n), dtype=torch.int32, device=self.device)
+        return torch.as_tensor(DeviceArray(self._buf, n, "<i4"), dtype=torch.int32, device=self.device)
 
     def _restart_streams(self, rank: int) -> None:
         """This rank's words of the streams it shares with `rank` (both directions, every channel) back
