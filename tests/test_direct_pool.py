@@ -82,3 +82,17 @@ def test_sizes() -> None:
     assert pool_bounds(100 << 20, 50 << 20) == (50 << 20, 100 << 20)
     assert pool_bounds(60 << 20, 50 << 20) == (0, 0), "less than POOL_MIN_BYTES: no pool"
     assert output_pool_hint(2, 100, 256) >= 3 * 200 * 512
+
+
+def test_constants_match_the_kernels() -> None:
+    """layout.py's descriptor words and the staging row size are the kernels' (normal_launch.h)."""
+    import os
+    import re
+
+    from pyep.ep.normal.direct_pool import stage_row_bytes
+    from pyep.ep.normal.limits import DESC_INTS
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = open(os.path.join(root, "engine", "kernels", "normal_launch.h")).read()
+    assert int(re.search(r"constexpr int kDescInts = (\d+);", src).group(1)) == DESC_INTS
+    m = re.search(r"stage_row_bytes\(int num_topk\) \{ return (\d+)u \* \(uint32_t\)num_topk \+ (\d+)u; \}", src)
+    assert m is not None and all(int(m.group(1)) * k + int(m.group(2)) == stage_row_bytes(k) for k in range(17))
