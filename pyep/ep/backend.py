@@ -4,8 +4,9 @@ The low-latency contract itself is pyep.ep.ll.contract; the normal mode's is pye
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:  # torch is imported lazily everywhere in pyep
     import torch  # noqa: F401
@@ -27,6 +28,30 @@ class EventLike(Protocol):
 
 
 Hook = Callable[[], None]
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def torch_function_off(fn: F) -> F:
+    """Run a per-call entry point (dispatch, combine, layout) with torch's Python-level dispatch off
+    (torch._C.DisableTorchFunction: __torch_function__ modes and subclass handlers). Such a mode is on
+    whenever a program sets a default device (torch.set_default_device, `with torch.device(...)`, as
+    DeepEP's tests do): every tensor method the call uses (view, data_ptr, stride, ...) then goes through
+    Python and costs about 3 us more, which made a cached normal dispatch spend 170-340 us on the host
+    instead of about 70 (docs/results/2026-11-26i-h200x1). The calls are opaque communication ops, as
+    DeepEP's C++ ones are to such modes; everything they allocate names its device and dtype."""
+    off: Any = None
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal off
+        if off is None:
+            import torch
+            off = torch._C.DisableTorchFunction
+        with off():
+            return fn(*args, **kwargs)
+    return call  # type: ignore[return-value]
 
 
 def profiled_range(name: str) -> Any:

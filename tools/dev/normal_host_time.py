@@ -4,12 +4,14 @@ shim through a `deep_ep` package that re-exports pyep.compat.deep_ep), the GPU k
 figure is host time and not waiting: the timed calls queue behind a long device sleep.
 
     PYTHONPATH=<deep_ep>:<pyep root> python3 tools/dev/normal_host_time.py [--ranks 2] [--calls 100] [--profile]
+                                                                          [--as-deepep-test]
 
 Calls (DeepEP's test_intranode.py inputs: 4096 tokens, H=7168, top-8 of 256 experts, Config(24, 8, 256)):
 cached FP8 dispatch with column-major scales and cached BF16 dispatch (DeepEP's tuning calls), combine,
 get_dispatch_layout, and a full dispatch (which waits for the counts, so its figure includes the GPU).
 Prints per rank and call the median, p10 and p90 microseconds; --profile adds rank 0's cProfile (by own
-time and by cumulative time) over a second set of calls. Ranks share the visible GPUs over a gloo group,
+time and by cumulative time) over a second set of calls; --as-deepep-test sets the default dtype and
+device as DeepEP's test does (the device puts a __torch_function__ mode on every torch call). Ranks share the visible GPUs over a gloo group,
 as the one-GPU method does; start the MPS daemon first.
 """
 from __future__ import annotations
@@ -23,10 +25,13 @@ import time
 from typing import Any, Callable, Dict, List
 
 
-def _worker(rank: int, world: int, port: int, calls: int, profile: bool) -> None:
+def _worker(rank: int, world: int, port: int, calls: int, profile: bool, as_test: bool) -> None:
     import torch
     import torch.distributed as dist
     torch.cuda.set_device(rank % torch.cuda.device_count())
+    if as_test:   # DeepEP's init_dist: a default dtype, and a default device (a __torch_function__ mode)
+        torch.set_default_dtype(torch.bfloat16)
+        torch.set_default_device("cuda")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
     group = dist.new_group(list(range(world)), backend="gloo")
     import deep_ep
@@ -91,8 +96,11 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--profile", action="store_true", help="rank 0's cProfile over a second set of calls")
+    p.add_argument("--as-deepep-test", action="store_true",
+                   help="set the default dtype (bfloat16) and device (cuda) as DeepEP's tests do")
     a = p.parse_args()
-    mp.spawn(_worker, args=(a.ranks, 29500 + os.getpid() % 1000, a.calls, a.profile), nprocs=a.ranks)
+    mp.spawn(_worker, args=(a.ranks, 29500 + os.getpid() % 1000, a.calls, a.profile, a.as_deepep_test),
+             nprocs=a.ranks)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 
 from ..control import ControlPlane, make_control
 from .contract import COMBINE_REFUSED, CombineOptions, DispatchOptions, EpBackend
-from ..backend import profiled_range, CompletedEvent, EventLike, PeerTransport
+from ..backend import profiled_range, torch_function_off, CompletedEvent, EventLike, PeerTransport
 from ..config import DEFAULT_TIMEOUT_US, MAX_TOPK
 from .config import MAX_REJOIN_LEAD_CALLS, EpConfig
 from ..elastic.membership import DEFAULT_LEAD_CALLS, Membership, MembershipError, buffer_fingerprint
@@ -260,6 +260,7 @@ class EpBuffer(EpBufferMembership, EpBufferCalls):
                                                          if hook is not None else None)
 
     # ------------------------------------------------------------------ dispatch / combine
+    @torch_function_off
     def dispatch(self, x: "torch.Tensor", topk_idx: "torch.Tensor", *, use_fp8: bool = True,
                  round_scale: bool = False, use_ue8m0: bool = False,
                  active_ranks: Optional["torch.Tensor"] = None, timeout_us: Optional[int] = None,
@@ -327,6 +328,7 @@ class EpBuffer(EpBufferMembership, EpBufferCalls):
                                     res.hook if return_recv_hook else None)
         return recv, res.recv_count, handle, event, hook
 
+    @torch_function_off
     def combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
                 handle: Handle, *, active_ranks: Optional["torch.Tensor"] = None,
                 timeout_us: Optional[int] = None, zero_copy: bool = False, async_finish: bool = False,

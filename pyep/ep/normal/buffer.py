@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Un
 from .._dist import group_device
 from ..control import make_control
 from ..elastic.membership import Membership, MembershipError
-from ..backend import profiled_range
+from ..backend import profiled_range, torch_function_off
 from ..streams import raw_current_stream
 from ..config import DEFAULT_TIMEOUT_US, TRANSPORTS
 from . import validate as v
@@ -390,6 +390,7 @@ class NormalBuffer(NormalBufferMembership):
         return res
 
     # ------------------------------------------------------------------ layout
+    @torch_function_off
     def get_dispatch_layout(self, topk_idx: "torch.Tensor", num_experts: int,
                             previous_event: Optional[Any] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
@@ -412,6 +413,7 @@ class NormalBuffer(NormalBufferMembership):
                 res.is_token_in_rank, event)
 
     # ------------------------------------------------------------------ dispatch
+    @torch_function_off
     def dispatch(self, x: RecvX, handle: Optional[NormalHandle] = None,
                  num_tokens_per_rank: Optional["torch.Tensor"] = None,
                  num_tokens_per_rdma_rank: Optional["torch.Tensor"] = None,
@@ -481,6 +483,7 @@ class NormalBuffer(NormalBufferMembership):
                 new_handle, event)
 
     # ------------------------------------------------------------------ combine
+    @torch_function_off
     def combine(self, x: "torch.Tensor", handle: NormalHandle, topk_weights: Optional["torch.Tensor"] = None,
                 bias: Union[None, "torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]] = None,
                 config: Optional[Config] = None, previous_event: Optional[Any] = None,
