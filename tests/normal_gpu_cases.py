@@ -210,7 +210,7 @@ def one_copy(shape_args: Tuple[int, int, int, int], cases: str) -> None:
     s = Shape(*shape_args)
     rank, world = dist.get_rank(), dist.get_world_size()
     before = os.environ.get("PYEP_NORMAL_DIRECT")
-    os.environ["PYEP_NORMAL_DIRECT"] = "1"     # one-copy is opt-in, read when the buffer is built
+    os.environ["PYEP_NORMAL_DIRECT"] = "1"     # the default, unless the run turned it off; read at build
     try:
         nat, ref = new_buffers(s, num_nvl_bytes=pooled_buffer_bytes(world, 24, s.H, s.N))
     finally:

@@ -96,3 +96,17 @@ def test_constants_match_the_kernels() -> None:
     assert int(re.search(r"constexpr int kDescInts = (\d+);", src).group(1)) == DESC_INTS
     m = re.search(r"stage_row_bytes\(int num_topk\) \{ return (\d+)u \* \(uint32_t\)num_topk \+ (\d+)u; \}", src)
     assert m is not None and all(int(m.group(1)) * k + int(m.group(2)) == stage_row_bytes(k) for k in range(17))
+
+
+def test_one_copy_switch(monkeypatch: Any) -> None:
+    from pyep.ep.normal.direct_pool import one_copy_enabled
+    monkeypatch.delenv("PYEP_NORMAL_DIRECT", raising=False)
+    assert one_copy_enabled()
+    monkeypatch.setenv("PYEP_NORMAL_DIRECT", "0")
+    assert not one_copy_enabled()
+    monkeypatch.setenv("PYEP_NORMAL_DIRECT", "1")
+    assert one_copy_enabled()
+    for bad in ("", "yes", "2", " 1"):
+        monkeypatch.setenv("PYEP_NORMAL_DIRECT", bad)
+        with pytest.raises(ValueError, match="PYEP_NORMAL_DIRECT must be 0"):
+            one_copy_enabled()

@@ -272,7 +272,7 @@ class NormalSuite:
                     raise ValueError(f"the buffer runs nodes of {got} ranks, the benchmark detected "
                                      f"{self.nodes.ranks_per_node}")
             else:
-                # With PYEP_NORMAL_DIRECT=1, room past the rings for one-copy dispatch outputs of this
+                # Unless PYEP_NORMAL_DIRECT=0, room past the rings for one-copy dispatch outputs of this
                 # run's calls (direct_pool.py).
                 from ..ep.normal.direct_pool import one_copy_enabled, pooled_buffer_bytes
                 nvl = self._nvl_bytes()

@@ -31,11 +31,16 @@ RING_RESERVE_SMS = 32          # the rings below the pool hold configs of up to 
 
 
 def one_copy_enabled() -> bool:
-    """PYEP_NORMAL_DIRECT=1: native buffers keep an output pool for one-copy dispatch. Off by default:
-    under DeepEP's own test harness its dispatches ran at two speeds, the slower below the ring path's
-    (docs/normal_mode.md, "One-copy dispatch"; docs/results/2026-11-26h-h200x1)."""
+    """Whether native buffers keep an output pool for one-copy dispatch: on unless PYEP_NORMAL_DIRECT=0.
+    It was opt-in while DeepEP's test harness showed it at two speeds; the slow one was host time, every
+    tensor method of the call going through the __torch_function__ mode a default device puts on
+    (backend.torch_function_off; docs/results/2026-11-26i-h200x1)."""
     import os
-    return os.environ.get("PYEP_NORMAL_DIRECT", "0") == "1"
+    value = os.environ.get("PYEP_NORMAL_DIRECT", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PYEP_NORMAL_DIRECT must be 0 (ring path only) or 1 (one-copy dispatch where the "
+                         f"buffer has room past its rings, the default), got {value!r}")
+    return value == "1"
 
 
 def _align(v: int, a: int = POOL_ALIGN) -> int:

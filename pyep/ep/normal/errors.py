@@ -115,7 +115,7 @@ class BadOutputDescriptor(NormalModeError):
         what = {1: "its row count", 2: "recv_x", 3: "recv_x_scales", 4: "its staging rows"}.get(field, f"field {field}")
         super().__init__(f"rank {peer}'s one-copy dispatch descriptor is invalid ({what}, {rows} rows, outside the "
                          f"output pool): the ranks' buffers differ in size or layout, or its memory was overwritten; "
-                         f"nothing was sent (one-copy dispatch is off unless PYEP_NORMAL_DIRECT=1)")
+                         f"nothing was sent (PYEP_NORMAL_DIRECT=0 turns one-copy dispatch off)")
 
 
 class BufferBroken(NormalModeError):
