@@ -4,7 +4,8 @@
 
 DeepEP's tests/test_intranode.py times its tuning loop with utils.bench(): calls queued back to back,
 one CUDA event pair around each. This tool runs the same kind of loop on the same inputs (its test's
-routing: N tokens, random top-k of E experts) and splits each call's wall time into
+routing: N tokens, random top-k of E experts; --as-deepep-test also sets the default device and dtype as
+its init_dist does, which puts a __torch_function__ mode on every torch call) and splits each call's wall time into
   - the event time per call (what DeepEP's bench() reports),
   - the host time per call (perf_counter around the call, the GPU kept busy by the calls before it),
   - the kernels of the call from a kineto trace of the loop: per kernel name the mean duration, and the
@@ -65,6 +66,9 @@ def _worker(local_rank: int, world: int, args: argparse.Namespace, port: int) ->
     import torch.distributed as dist
     import deep_ep
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if args.as_deepep_test:   # as DeepEP's init_dist: its default device puts a __torch_function__ mode on
+        torch.set_default_dtype(torch.bfloat16)
+        torch.set_default_device("cuda")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=local_rank)
     group = dist.new_group(list(range(world)), backend="gloo")
     buf = deep_ep.Buffer(group, int(2e9), 0)
@@ -192,6 +196,8 @@ def main() -> None:
     p.add_argument("--gap-us", type=float, default=300.0)
     p.add_argument("--trace-dir", default="/tmp/b2b_traces")
     p.add_argument("--json", default="")
+    p.add_argument("--as-deepep-test", action="store_true",
+                   help="set the default dtype (bfloat16) and device (cuda) as DeepEP's tests do")
     args = p.parse_args()
     import torch.multiprocessing as mp
     port = 29000 + os.getpid() % 2000
