@@ -38,9 +38,10 @@ def torch_function_off(fn: F) -> F:
     (torch._C.DisableTorchFunction: __torch_function__ modes and subclass handlers). Such a mode is on
     whenever a program sets a default device (torch.set_default_device, `with torch.device(...)`, as
     DeepEP's tests do): every tensor method the call uses (view, data_ptr, stride, ...) then goes through
-    Python and costs about 3 us more, which made a cached normal dispatch spend 170-340 us on the host
-    instead of about 70 (docs/results/2026-11-26i-h200x1). The calls are opaque communication ops, as
-    DeepEP's C++ ones are to such modes; everything they allocate names its device and dtype."""
+    Python and costs about 3 us more: under DeepEP's test a cached normal dispatch spent 150-340 us on
+    the host, 52-130 with the mode off (docs/results/2026-11-26i-h200x1). The calls are opaque
+    communication ops, as DeepEP's C++ ones are to such modes; everything they allocate names its device
+    and dtype."""
     off: Any = None
 
     @functools.wraps(fn)
