@@ -3,8 +3,9 @@
 A program that sets a default device (DeepEP's tests: torch.set_default_device("cuda")) puts a
 __torch_function__ mode on, and every tensor method pyep's host path uses then costs microseconds more:
 a cached normal dispatch spent 170-340 us on the host under DeepEP's test instead of about 70. Here a
-counting mode stands in for that one: it must see no op of layout, dispatch, cached dispatch, combine
-or an LL round trip, and the results must equal those of the same calls without any mode.
+counting mode stands in for that one: it must see no op of layout, dispatch, cached dispatch, combine,
+an LL round trip or the DeepEP V2 shim's dispatch and combine, and the results must equal those of the
+same calls without any mode.
 """
 from __future__ import annotations
 
@@ -61,7 +62,10 @@ def _round_trips(counting: bool) -> Dict[str, Any]:
     x = torch.randn((n, h), generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).to(torch.int64)
     w = torch.rand((n, k), generator=g)
+    from pyep.compat.deep_ep import ElasticBuffer
     nb = NormalBuffer(hidden=h, backend="reference")
+    v2 = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=n, hidden=h, explicitly_destroy=True,
+                       backend="reference")
     ll = EpBuffer(None, num_max_dispatch_tokens_per_rank=n, hidden=h, num_experts=e, backend="reference",
                   max_topk=k)
     mode = CountingMode()
@@ -79,6 +83,8 @@ def _round_trips(counting: bool) -> Dict[str, Any]:
         combined, cw, _ = nb.combine(recv, handle, topk_weights=rw)
         lrecv, lcount, lhandle, _, _ = ll.dispatch(x, idx, use_fp8=False)
         lout, _, _ = ll.combine(lrecv, idx, w, lhandle)
+        vrecv, vidx, vw, vhandle, _ = v2.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e)
+        vout, _, _ = v2.combine(vrecv, vhandle, topk_weights=vw)
     finally:
         if counting:
             mode.__exit__(None, None, None)
@@ -86,7 +92,9 @@ def _round_trips(counting: bool) -> Dict[str, Any]:
         torch.set_default_dtype(torch.float32)
     nb.destroy()
     ll.destroy()
-    return {"ops": mode.ops, "tensors": [t.cpu() for t in (recv, ridx, rw, again, combined, cw, lrecv, lcount, lout)],
+    v2.destroy()
+    return {"ops": mode.ops, "tensors": [t.cpu() for t in (recv, ridx, rw, again, combined, cw, lrecv, lcount, lout,
+                                                             vrecv, vidx, vw, vout)],
             "counts": counts}
 
 

@@ -20,6 +20,7 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple, Union
 
+from ..ep.backend import torch_function_off
 from ..ep.normal.buffer import NormalBuffer
 from ..ep.normal.config import Config
 from ..ep.normal.events import cuda_event_of
@@ -278,6 +279,7 @@ class ElasticBuffer:
         return EventOverlap(EventHandle.of(ev, nb.device, wait))
 
     # ------------------------------------------------------------------ dispatch / combine
+    @torch_function_off
     def dispatch(self, x: RecvX, topk_idx: Optional["torch.Tensor"] = None,
                  topk_weights: Optional["torch.Tensor"] = None,
                  cumulative_local_expert_recv_stats: Optional["torch.Tensor"] = None,
@@ -307,6 +309,7 @@ class ElasticBuffer:
                               check_flag("do_handle_copy", do_handle_copy),
                               True if do_cpu_sync is None else check_flag("do_cpu_sync", do_cpu_sync), flags)
 
+    @torch_function_off
     def combine(self, x: "torch.Tensor", handle: EPHandle, topk_weights: Optional["torch.Tensor"] = None,
                 bias: Bias = None, num_sms: int = 0, num_qps: int = 0, previous_event: Optional[Any] = None,
                 previous_event_before_epilogue: Optional[Any] = None, async_with_compute_stream: bool = False,
