@@ -110,3 +110,20 @@ def test_one_copy_switch(monkeypatch: Any) -> None:
         monkeypatch.setenv("PYEP_NORMAL_DIRECT", bad)
         with pytest.raises(ValueError, match="PYEP_NORMAL_DIRECT must be 0"):
             one_copy_enabled()
+
+
+def test_pool_only_where_every_buffer_has_the_same_size() -> None:
+    """native.py _settle_pool: a sender checks a peer's descriptor against its own pool, so ranks whose
+    buffers differ in size keep no pool (every cached dispatch takes the ring path) instead of refusing
+    each other's descriptors."""
+    from types import SimpleNamespace
+
+    from pyep.ep.normal.native import NormalNativeBackend
+    closed: List[int] = []
+    for sizes, kept in (([1 << 30] * 4, True), ([1 << 30, 1 << 30, (1 << 30) + 128, 1 << 30], False)):
+        me = SimpleNamespace(rank=0, _bytes=1 << 30, _pool_lo=4096, _pool_hi=1 << 30,
+                             _pool=SimpleNamespace(close=lambda: closed.append(1)))
+        NormalNativeBackend._settle_pool(me, sizes)   # type: ignore[arg-type]
+        assert (me._pool is not None) == kept
+        assert (me._pool_lo, me._pool_hi) == ((4096, 1 << 30) if kept else (0, 0))
+    assert closed == [1]

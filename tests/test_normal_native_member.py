@@ -64,6 +64,8 @@ def test_setup_links_sequence_without_a_gpu(monkeypatch: Any) -> None:
     (NVLink only), fills peer_base, builds the static and meets the others at a barrier (the store's for a
     store-based buffer, the group's bounded one otherwise); a restarted rank only announces itself
     (prepare_join) and keeps a zeroed peer_base until join()."""
+    from types import SimpleNamespace
+
     import torch
 
     from pyep.ep import peers as peers_mod
@@ -77,6 +79,7 @@ def test_setup_links_sequence_without_a_gpu(monkeypatch: Any) -> None:
                      timeout_s: float) -> None:
             calls.append(("PeerSet", control, cfg.transport))
             self.links = [PeerLink(rank=r, kind="local" if r == rank else "nvlink", store_base=1000 + r) for r in range(n)]
+            self.infos = [SimpleNamespace(buffer_bytes=size) for _ in range(n)]
 
         def connect(self) -> None:
             calls.append("connect")
@@ -95,7 +98,7 @@ def test_setup_links_sequence_without_a_gpu(monkeypatch: Any) -> None:
     def backend() -> Any:
         b = NormalNativeBackend.__new__(NormalNativeBackend)
         b.rank, b.num_ranks, b.device, b._ep, b._buf, b._bytes = 1, 3, torch.device("cpu"), None, 0, 0
-        b._setup_timeout_s, b.group = 5.0, "G"
+        b._setup_timeout_s, b.group, b._pool = 5.0, "G", None
         b._make_static = lambda: calls.append("static") or "S"
         return b
     b = backend()

@@ -154,6 +154,18 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
             raise
         log.debug("rank %d: normal-mode buffer of %d bytes", self.rank, self._bytes)
 
+    def _settle_pool(self, buffer_bytes: List[int]) -> None:
+        """One-copy dispatch needs the output pool at the same offsets in every rank's buffer (a sender
+        checks a peer's descriptor against its own pool, and every rank must take the same path): with
+        buffers of different sizes (`buffer_bytes`, every rank's, from the set-up exchange) no rank keeps
+        a pool, and cached dispatches take the ring path as they would without one."""
+        if self._pool is None or all(int(b) == self._bytes for b in buffer_bytes):
+            return
+        log.info("rank %d: the ranks' buffers differ in size (%s bytes): no one-copy output pool", self.rank,
+                 sorted({int(b) for b in buffer_bytes}))
+        self._pool.close()
+        self._pool, self._pool_lo, self._pool_hi = None, 0, 0
+
     def _make_static(self) -> Any:
         words = layout.control_words(self.num_ranks, self._extra)
         s = self._n.NormalStatic()

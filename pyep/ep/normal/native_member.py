@@ -73,11 +73,13 @@ class NativeNormalMembership:
             self.open_grace()         # a store-based buffer's first calls (a restarted rank's too)
         if joining:
             self._join_payload = self._peers.prepare_join()
+            self._settle_pool([i.buffer_bytes for i in self._peers.infos])
             self._peer_base = torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
             self._static = self._make_static()
             return
         self._peers.connect()
         self._check_links()
+        self._settle_pool([i.buffer_bytes for i in self._peers.infos])
         self._peer_base = torch.tensor([link.store_base for link in self._peers.links], dtype=torch.int64,
                                        device=self.device)
         self._static = self._make_static()
