@@ -271,6 +271,23 @@ def one_copy(shape_args: Tuple[int, int, int, int], cases: str) -> None:
         torch.cuda.synchronize()
 
 
+def bulk_copy_setting(setting: str, shape_args: Tuple[int, int, int, int], cases: str) -> None:
+    """correctness and one_copy with PYEP_NORMAL_TMA=setting (native_state.bulk_copy_flags, read when a
+    buffer is built): the ring path, one-copy dispatch and combine with their row copies by warp loads and
+    stores or by the bulk copy engine give the same bits as the reference."""
+    import os
+    before = os.environ.get("PYEP_NORMAL_TMA")
+    os.environ["PYEP_NORMAL_TMA"] = setting
+    try:
+        correctness(shape_args, cases)
+        one_copy(shape_args, cases)
+    finally:
+        if before is None:
+            del os.environ["PYEP_NORMAL_TMA"]
+        else:
+            os.environ["PYEP_NORMAL_TMA"] = before
+
+
 @contextmanager
 def rank_buffers(shape_args: Tuple[int, int, int, int], **kw: Any) -> Iterator[Tuple[int, int, Shape, Any, Any]]:
     """One case's (rank, world, shape, native buffer, reference buffer); both destroyed afterwards.

@@ -57,6 +57,16 @@ def test_one_copy_dispatch_matches_reference_and_keeps_outputs(pools, world):
 
 @requires_gpus
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("setting", ["0", "peer"])
+def test_bulk_copy_settings_match_reference(pools, setting):
+    """Every other test runs the default (every row copy by the bulk copy engine); here the warp copies
+    (PYEP_NORMAL_TMA=0) and the peer stores alone by bulk copy."""
+    from normal_gpu_cases import bulk_copy_setting
+    pools[2].run(bulk_copy_setting, setting, shape(2, 7168), "core", timeout_s=220)
+
+
+@requires_gpus
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
 def test_cuda_graph_with_worst_tokens_and_cached_handle(pools, world):
     from normal_gpu_drills import graph_case

@@ -394,12 +394,12 @@ def case_direct_bad_descriptor(path: str) -> str:
 # name -> (case, its arguments after the module path)
 CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     # 2 ranks, 2 channels of 32-row rings fed 8 rows a chunk: ~70 rows a stream, every ring wraps.
-    "two_ranks_rings_wrap": (case_rounds, (2, [150, 131], 2, 32, 8, 1)),
+    "two_ranks_rings_wrap": (case_rounds, (2, [150, 131], 2, 32, 8, 3)),
     # 3 ranks (one without tokens), 3 channels, the receiver's warp copies.
     "three_ranks_one_empty_warp_copies": (case_rounds, (3, [97, 0, 120], 3, 32, 6, 0)),
     # 4 ranks with one warp per peer group.
-    "four_ranks": (case_rounds, (4, [64, 80, 33, 72], 2, 32, 4, 1)),
-    **{f"silent_rank_with_mask_is_marked_tma{t}": (case_silent_rank, (t,)) for t in (0, 1)},
+    "four_ranks": (case_rounds, (4, [64, 80, 33, 72], 2, 32, 4, 3)),
+    **{f"silent_rank_with_mask_is_marked_tma{t}": (case_silent_rank, (t,)) for t in (0, 3)},
     "silent_rank_without_mask_is_named": (case_silent_rank_without_mask, ()),
     "worst_tokens_then_cached_dispatch": (case_worst_tokens_and_cached, ()),
     "silent_rank_in_combine_is_marked": (case_silent_rank_in_combine, ()),

@@ -44,15 +44,15 @@ def main(argv: list) -> int:
 
     from pyep.bench.routing import make_batch
     from pyep.bench.config import RoutingSpec
+    from pyep.bench.dist import plan_distributed, start_distributed
     from pyep.bench.sync import Sync
     from pyep.ep.ll import EpBuffer
     from pyep.ep.ll import trace as tr
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    # Ranks may outnumber the GPUs: they then share them over a gloo group (pyep/bench/sharing.py).
+    plan = plan_distributed("cuda", "auto", os.environ)
+    _group, dev, _owned = start_distributed(plan, 120.0, "cuda")
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", local)
     buf = EpBuffer(None, num_max_dispatch_tokens_per_rank=args.tokens, hidden=args.hidden,
                    num_experts=args.experts, max_topk=args.topk, transport=args.transport, backend="native",
                    check_values=False)

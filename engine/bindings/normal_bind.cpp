@@ -130,7 +130,7 @@ void register_normal(py::module_& m) {
         [](const NormalStatic& s, uint64_t x, uint64_t x_scales, uint64_t topk_idx, uint64_t topk_weights,
            uint64_t in_rank, uint64_t rank_prefix, uint64_t channel_prefix, uint64_t recv_channel_prefix,
            int num_tokens, int hidden, int num_topk, int num_local_experts, bool fp8, int num_channels,
-           int ring_tokens, int chunk_tokens, int num_out_rows, int num_worst_tokens, bool use_tma, uint64_t recv_x,
+           int ring_tokens, int chunk_tokens, int num_out_rows, int num_worst_tokens, int use_tma, uint64_t recv_x,
            uint64_t recv_x_scales, uint64_t recv_topk_idx, uint64_t recv_topk_weights, uint64_t recv_src_idx,
            uint64_t src_idx, uint64_t row_map, uint64_t stream, uint64_t x_row_bytes, uint64_t dropped,
            uint64_t send_head, int64_t scale_token_stride, int64_t scale_group_stride, bool direct,
@@ -181,7 +181,8 @@ void register_normal(py::module_& m) {
         py::arg("row_map"), py::arg("stream"), py::arg("x_row_bytes") = 0, py::arg("dropped") = 0,
         py::arg("send_head") = 0, py::arg("scale_token_stride") = -1, py::arg("scale_group_stride") = -1,
         py::arg("direct") = false, py::arg("direct_offer") = false, py::arg("direct_stage") = 0,
-        "Launch the dispatch kernel (x_row_bytes: payload stride, 0 = dense; dropped: device int32 [R] or 0; "
+        "Launch the dispatch kernel (use_tma: normal_tma.cuh kTmaLocal | kTmaPeer, the row copies by bulk copy; "
+        "x_row_bytes: payload stride, 0 = dense; dropped: device int32 [R] or 0; "
         "send_head: the routing positions whose rows a mask drops are cleared, or 0; scale_*_stride: x_scales' "
         "strides in floats, -1 = row-major; direct: the one-copy handshake, direct_offer: the outputs and "
         "direct_stage lie in the output pool)");
@@ -191,8 +192,9 @@ void register_normal(py::module_& m) {
         [](const NormalStatic& s, uint64_t x, uint64_t topk_weights, uint64_t bias0, uint64_t bias1,
            uint64_t send_head, uint64_t rank_prefix, uint64_t channel_prefix, uint64_t recv_channel_prefix,
            int num_tokens, int hidden, int num_topk, int num_channels, int ring_tokens, int chunk_tokens,
-           uint64_t out, uint64_t out_weights, uint64_t row_map, uint64_t stream, uint64_t dropped) {
+           uint64_t out, uint64_t out_weights, uint64_t row_map, uint64_t stream, uint64_t dropped, int use_tma) {
             CombineArgs a;
+            a.use_tma = use_tma;
             a.dropped = dropped;
             a.x = x;
             a.topk_weights = topk_weights;
@@ -217,7 +219,9 @@ void register_normal(py::module_& m) {
         py::arg("send_head"), py::arg("rank_prefix"), py::arg("channel_prefix"), py::arg("recv_channel_prefix"),
         py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("num_channels"), py::arg("ring_tokens"),
         py::arg("chunk_tokens"), py::arg("out"), py::arg("out_weights"), py::arg("row_map"), py::arg("stream"),
-        py::arg("dropped") = 0, "Launch the combine kernel (dropped: device int32 [R] or 0)");
+        py::arg("dropped") = 0, py::arg("use_tma") = 0,
+        "Launch the combine kernel (dropped: device int32 [R] or 0; use_tma: normal_tma.cuh kTmaPeer, rows into "
+        "peers' rings by bulk copy)");
 }
 
 pyep::bindings::Registrar reg("normal", &register_normal);

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kernels/normal_common.cuh"
+#include "kernels/normal_tma.cuh"
 
 namespace pyep {
 namespace normal {
@@ -27,7 +28,7 @@ __device__ __forceinline__ int64_t x_row(const CombineArgs& a, int i) {
 
 // Group g (barrier 1 + g) sends to peer d != me; own rows are read in place by combine_recv.
 __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const CombineRow& row, int c, int g,
-                             int d, int wi, int W, int lane) {
+                             int d, int wi, int W, int lane, WarpTma& tma) {
     const int R = s.num_ranks, me = s.rank, Q = a.ring_tokens, K = a.num_topk, C = a.num_channels;
     int start, count;
     recv_run(a.rank_prefix_matrix, a.recv_channel_prefix_matrix, R, C, me, d, c, start, count);
@@ -40,6 +41,7 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
     // Room: the receiver needs up to one round of positions beyond its head before it frees any.
     const int chunk = max(1, min(max(a.chunk_tokens, 2 * W), Q - reduce_round(Q)));   // every warp busy
     const bool leader = wi == 0 && lane == 0;
+    const bool bulk = peer_bulk(a.use_tma, row.payload);
     // A source out of the call gets none of its rows back; the group decides together (another block
     // may clear the bit while its warps read it).
     if (s.active && group_sync_or(g, W, !in_mask(call_mask(s), d))) return;
@@ -56,15 +58,19 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
             if (!marked) record_error(s, kErrPeerTimeout, d, kPhaseCombine, c);
             failed = true;
         }
-        if (group_sync_or(g, W, failed)) return;
+        if (group_sync_or(g, W, failed)) {
+            if (bulk) tma_drain(lane);              // the stages' stores read their shared memory
+            return;
+        }
         for (int j = wi; j < n; j += W) {
             const int i = sent + j;
             const int64_t r = x_row(a, start + i);
             uint8_t* dst = ring + slot_offset(s, i, Q);
             const float w = lane < K && weights ? weights[r * K + lane] : 0.f;   // in flight with the copy
-            warp_copy(dst, x + (uint64_t)r * row.payload, row.payload, lane);
+            copy_row(tma, bulk, dst, x + (uint64_t)r * row.payload, row.payload, lane);
             if (lane < K) reinterpret_cast<float*>(dst + row.weights)[lane] = w;
         }
+        if (bulk) tma_drain_before_release(lane);   // the chunk's bulk stores are complete before its tail
         group_sync(g, W);
         sent += n;
         if (leader) st_release_sys(tail, (int)(base + sent));
@@ -218,9 +224,11 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine(NormalStatic s, Co
         return;
     }
     if (s.num_ranks == 1) return;
-    const int W = kCombineWarps / (s.num_ranks - 1), warp = threadIdx.x / 32, g = warp / W;
+    const int W = kCombineWarps / (s.num_ranks - 1), warp = threadIdx.x / 32, g = warp / W, lane = threadIdx.x % 32;
     if (g >= s.num_ranks - 1) return;
-    combine_send(s, a, row, c, g, g + (g >= s.rank), warp % W, W, threadIdx.x % 32);
+    uint8_t* tma_smem = tma_shared();
+    WarpTma tma = tma_setup(tma_smem, reinterpret_cast<uint64_t*>(tma_smem + tma_smem_data(kCombineWarps)), warp, lane);
+    combine_send(s, a, row, c, g, g + (g >= s.rank), warp % W, W, lane, tma);
 }
 
 }  // namespace
@@ -233,7 +241,14 @@ void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream
     if (a.hidden < 128 || a.hidden % 128) bad("hidden must be a positive multiple of 128");
     if (a.num_topk < 0 || a.num_topk > kMaxTopk) bad("num_topk must be in [0, 16]");
     check_rings(s, "normal combine", a.num_channels, a.ring_tokens, combine_row_bytes(a.hidden, a.num_topk), a.hidden);
-    combine<<<2 * a.num_channels, kCombineThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    // Send blocks: two bulk-copy stages per warp (normal_tma.cuh); reduce blocks leave them unused.
+    constexpr int smem = tma_smem_bytes(kCombineWarps);
+    static const bool smem_ok = [] {
+        return cudaFuncSetAttribute(combine, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess;
+    }();
+    if (!smem_ok) throw std::runtime_error("normal combine: cannot reserve " + std::to_string(smem) +
+                                           " bytes of shared memory per block");
+    combine<<<2 * a.num_channels, kCombineThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw std::runtime_error(std::string("normal combine launch: ") + cudaGetErrorString(e));
 }

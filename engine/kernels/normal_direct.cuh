@@ -22,6 +22,7 @@
 #pragma once
 
 #include "kernels/normal_rows.cuh"
+#include "kernels/normal_tma.cuh"
 
 namespace pyep {
 namespace normal {
@@ -104,7 +105,7 @@ __device__ int read_descs(const NormalStatic& s, const DispatchArgs& a, int c, u
 // Stream (channel c, me -> d), one-copy: rows straight into d's outputs, small fields into its staging
 // rows, the tail published once after the group barrier (every row of the stream is then stored).
 __device__ void direct_send(const NormalStatic& s, const DispatchArgs& a, const DispatchRow& row, int c,
-                            const Group& G, int d, const DirectPeer& P) {
+                            const Group& G, int d, const DirectPeer& P, WarpTma& tma) {
     const int R = s.num_ranks, me = s.rank, C = a.num_channels, K = a.num_topk;
     int t0, t1;
     channel_range(a.num_tokens, C, c, t0, t1);
@@ -123,6 +124,7 @@ __device__ void direct_send(const NormalStatic& s, const DispatchArgs& a, const 
     const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk_idx);
     const float* weights = reinterpret_cast<const float*>(a.topk_weights);
     const int groups = a.hidden / 128, lo = d * a.num_local_experts, El = a.num_local_experts;
+    const bool bulk = peer_bulk(a.use_tma, row.payload);
     const int pos = for_each_routed_row(in_rank, R, d, t0, t1, G, [&](int tok, int i) {
         const int out = out0 + i;
         // Past num_worst_tokens (notify recorded it), or before the receiver's rows: a handle's matrices
@@ -134,7 +136,7 @@ __device__ void direct_send(const NormalStatic& s, const DispatchArgs& a, const 
                                     G.lane < K && topk ? topk[(int64_t)tok * K + G.lane] : -1,
                                     G.lane < K && weights ? weights[(int64_t)tok * K + G.lane] : 0.f,
                                     G.lane == 0 ? source_index(a, tok) : 0, G.lane);
-        warp_copy(xd + (uint64_t)out * row.payload, payload_of(a, row, tok), row.payload, G.lane);
+        copy_row(tma, bulk, xd + (uint64_t)out * row.payload, payload_of(a, row, tok), row.payload, G.lane);
         if (a.fp8) store_scales(sd + (int64_t)out * groups, m, row_scales, scale_group_stride(a), groups, G.lane);
         if (td) {
             int* ids = reinterpret_cast<int*>(td + (uint64_t)out * stage_bytes);
@@ -147,6 +149,7 @@ __device__ void direct_send(const NormalStatic& s, const DispatchArgs& a, const 
             if (G.lane == 0) reinterpret_cast<int*>(w + K)[0] = m.src;
         }
     });
+    if (bulk) tma_drain_before_release(G.lane);
     group_sync(G.g, G.W);                       // every row of the stream is stored
     if (G.leader()) {
         const uint32_t base = (uint32_t)*tx_of(s, c, d);

@@ -20,9 +20,9 @@ namespace pyep {
 namespace normal {
 namespace {
 
-// Receiver blocks: two TMA stages per warp, then the warps' mbarriers.
-constexpr int kTmaSmemData = kDispatchWarps * kTmaStages * kTmaStageBytes;
-constexpr int kTmaSmemBytes = kTmaSmemData + kDispatchWarps * kTmaStages * 8;
+// Two TMA stages per warp, then the warps' mbarriers.
+constexpr int kTmaSmemData = tma_smem_data(kDispatchWarps);
+constexpr int kTmaSmemBytes = tma_smem_bytes(kDispatchWarps);
 
 // With a mask: the rows of stream (c, -> d) from position `from` on are not sent (d is out of the call,
 // or was marked): counted dropped, and their tokens' send_head entries cleared, so that the combine of
@@ -44,7 +44,7 @@ __device__ void drop_stream(const NormalStatic& s, const DispatchArgs& a, int c,
 // complete at the group barrier. The tail is published once `chunk` rows are pending, before any wait
 // for ring space (else a full ring could wait on rows the receiver was never told about), and at the end.
 __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, const DispatchRow& row, int c,
-                              const Group& G, int d) {
+                              const Group& G, int d, WarpTma& tma) {
     const int R = s.num_ranks, me = s.rank, Q = a.ring_tokens, K = a.num_topk;
     int t0, t1;
     channel_range(a.num_tokens, a.num_channels, c, t0, t1);
@@ -58,6 +58,7 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
     const int64_t* topk = reinterpret_cast<const int64_t*>(a.topk_idx);
     const float* weights = reinterpret_cast<const float*>(a.topk_weights);
     const int groups = a.hidden / 128;
+    const bool bulk = peer_bulk(a.use_tma, row.payload);
 
     // A peer out of the call (its gate, or marked since): nothing is sent, its rows are dropped. The
     // group decides together (another block may clear the bit while its warps read it).
@@ -91,6 +92,10 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
         }
         if (n == 0) continue;                       // the same for every warp of the group
         if (sent + n > Q || sent - published >= a.chunk_tokens) {
+            if (bulk && sent > published) {         // the rows' bulk stores are complete before the tail
+                tma_drain_before_release(G.lane);
+                group_sync(G.g, G.W);
+            }
             if (G.leader() && sent > published) st_release_sys(tail, (int)(base + sent));
             published = sent;
         }
@@ -116,7 +121,7 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
                                                 G.lane < K && topk ? topk[(int64_t)tok * K + G.lane] : -1,
                                                 G.lane < K && weights ? weights[(int64_t)tok * K + G.lane] : 0.f,
                                                 G.lane == 0 ? source_index(a, tok) : 0, G.lane);
-                    warp_copy(dst, payload_of(a, row, tok), row.payload, G.lane);
+                    copy_row(tma, bulk, dst, payload_of(a, row, tok), row.payload, G.lane);
                     if (a.fp8)
                         store_scales(reinterpret_cast<float*>(dst + row.scales), m, row_scales, scale_group_stride(a),
                                      groups, G.lane);
@@ -130,10 +135,15 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
         }
         // The round's rows are written, or a warp gave up waiting and the group stops together.
         if (group_sync_or(G.g, G.W, failed)) {
+            if (bulk) tma_drain(G.lane);            // the stages' stores read their shared memory
             if (s.active) drop_stream(s, a, c, G, d, sent, count);
             return;
         }
         sent += n;
+    }
+    if (bulk) {
+        tma_drain_before_release(G.lane);
+        group_sync(G.g, G.W);
     }
     if (G.leader()) {
         if (sent > published) st_release_sys(tail, (int)(base + sent));
@@ -155,8 +165,7 @@ __device__ __forceinline__ void emit_row(const DispatchArgs& a, const DispatchRo
                                 want_k && a.recv_topk_weights ? weight(lane) : 0.f, src_token, lane);
     if (a.row_map) out = reinterpret_cast<const int*>(a.row_map)[out];   // a permutation of the real rows
     uint8_t* dst = reinterpret_cast<uint8_t*>(a.recv_x) + (uint64_t)out * row.payload;
-    if (a.use_tma) tma_copy(tma, dst, payload, row.payload, lane);
-    else warp_copy(dst, payload, row.payload, lane);
+    copy_row(tma, a.use_tma & kTmaLocal, dst, payload, row.payload, lane);
     if (a.fp8)
         store_scales(reinterpret_cast<float*>(a.recv_x_scales) + (int64_t)out * groups, m, scales, gs, groups, lane);
     if (want_k) {
@@ -287,13 +296,13 @@ __device__ void dispatch_direct(const NormalStatic& s, const DispatchArgs& a, co
     const int W = kDispatchWarps / n, g = warp / W, d = 2 * g + h;
     if (g >= n) return;
     const Group G{g, warp % W, W, lane};
+    uint8_t* tma_smem = tma_shared();
+    WarpTma tma = tma_setup(tma_smem, reinterpret_cast<uint64_t*>(tma_smem + kTmaSmemData), warp, lane);
     if (d == s.rank) {
-        uint8_t* tma_smem = tma_shared();
-        WarpTma tma = tma_setup(tma_smem, reinterpret_cast<uint64_t*>(tma_smem + kTmaSmemData), warp, lane);
         dispatch_self(s, a, row, c, G, tma);
         return;
     }
-    direct_send(s, a, row, c, G, d, sh.peer[d]);
+    direct_send(s, a, row, c, G, d, sh.peer[d], tma);
     direct_recv(s, a, c, G, d);
 }
 
@@ -336,7 +345,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch(NormalStatic s, 
         if (R == 1) return;
         const int W = kDispatchWarps / (R - 1), g = warp / W;
         if (g >= R - 1) return;                     // warps left over when R - 1 does not divide kDispatchWarps
-        dispatch_send(s, a, row, c, Group{g, warp % W, W, lane}, g + (g >= s.rank));
+        uint8_t* tma_smem = tma_shared();
+        WarpTma tma = tma_setup(tma_smem, reinterpret_cast<uint64_t*>(tma_smem + kTmaSmemData), warp, lane);
+        dispatch_send(s, a, row, c, Group{g, warp % W, W, lane}, g + (g >= s.rank), tma);
     } else {
         const int W = kDispatchWarps / R, g = warp / W;
         if (g >= R) return;

@@ -146,7 +146,7 @@ struct DispatchArgs {
     int num_channels = 0, ring_tokens = 0, chunk_tokens = 0;
     int num_out_rows = 0;                 // rows of the outputs
     int num_worst_tokens = 0;             // > 0: pad rows past the real count (topk -1, weights 0, src -1)
-    int use_tma = 1;                      // receiver's local row copies by bulk copy (1) or by warp loads/stores (0)
+    int use_tma = 3;                      // which row copies go by bulk copy (normal_tma.cuh kTmaLocal | kTmaPeer)
     uint64_t recv_x = 0, recv_x_scales = 0, recv_topk_idx = 0, recv_topk_weights = 0, recv_src_idx = 0;
     // Across nodes the tokens are a forwarder's rows (normal_internode.md): src_idx (int32 [N] or 0) is
     // the index each row reports as its source token (0: the row's own index), row_map (int32 [rows] or
@@ -176,6 +176,7 @@ struct CombineArgs {
     uint64_t out_weights = 0;             // fp32 [N, K] or 0
     uint64_t row_map = 0;                 // int32 [rows] or 0: where row i of the dispatch order sits in x
     uint64_t dropped = 0;                 // device int32 [R] or 0: tokens this call did not deliver to rank r
+    int use_tma = 2;                      // kTmaPeer: rows into peers' rings by bulk copy (normal_tma.cuh)
 };
 
 // Bytes of one ring slot for a call (payload, FP8 scales, top-k ids and weights, source index).

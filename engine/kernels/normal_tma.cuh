@@ -1,8 +1,9 @@
 // Bulk copies global -> shared -> global with the Hopper copy engine in each SM (cp.async.bulk, "TMA"
-// without a tensor map), for the dispatch receiver's local copies (ring slot -> output row, own rows of
-// x -> output row). One lane issues them; the engine moves the bytes, so a warp no longer needs
-// thousands of bytes of registers in flight to keep HBM busy. Two stages per warp: the load of chunk
-// i + 1 runs while chunk i is stored.
+// without a tensor map): the dispatch receiver's local copies (ring slot -> output row, own rows of x ->
+// output row) and, with kTmaPeer, the row stores into peers' memory (one-copy dispatch into a peer's
+// output row, combine into a peer's ring). One lane issues them; the engine moves the bytes, so a warp no
+// longer needs thousands of bytes of registers in flight to keep HBM busy. Two stages per warp: the load
+// of chunk i + 1 runs while chunk i is stored.
 #pragma once
 
 #include <stdint.h>
@@ -14,6 +15,20 @@ namespace normal {
 
 constexpr int kTmaStageBytes = 4096;   // per stage; 2 stages per warp, 24 warps: 192 KiB of shared memory
 constexpr int kTmaStages = 2;
+// DispatchArgs / CombineArgs use_tma bits: which copies go by bulk copy (the others by warp loads/stores).
+constexpr int kTmaLocal = 1;   // the dispatch receiver's copies into this rank's outputs
+constexpr int kTmaPeer = 2;    // stores into a peer's buffer: one-copy dispatch rows, combine rows
+
+// Whether a row of `bytes` goes to a peer by bulk copy: only rows longer than a warp's stages. Rows that
+// fit them (FP8 at H = 7168, 7 KiB) lost 7 % that way under DeepEP's test at 4 ranks; BF16 rows (14 KiB)
+// gained 9 % at 2 ranks, one H100 (docs/results/2026-11-27-h100x1).
+__host__ __device__ constexpr bool peer_bulk(int flags, uint32_t bytes) {
+    return (flags & kTmaPeer) && bytes > (uint32_t)(kTmaStages * kTmaStageBytes);
+}
+
+// Dynamic shared memory of a block whose `warps` warps each own their stages and mbarriers.
+__host__ __device__ constexpr int tma_smem_data(int warps) { return warps * kTmaStages * kTmaStageBytes; }
+__host__ __device__ constexpr int tma_smem_bytes(int warps) { return tma_smem_data(warps) + warps * kTmaStages * 8; }
 
 struct WarpTma {
     uint8_t* smem;       // kTmaStages * kTmaStageBytes, this warp's
@@ -100,6 +115,17 @@ __device__ __forceinline__ void tma_drain(int lane) {
     __syncwarp();
 }
 
+// Wait until this warp's bulk stores are complete, then order them (async proxy) before the generic-proxy
+// release that tells a peer they are there: the caller's group barrier and a leader's st_release_sys of
+// the tail follow, and the peer acquires the tail before it reads the rows.
+__device__ __forceinline__ void tma_drain_before_release(int lane) {
+    if (lane == 0) {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    __syncwarp();
+}
+
 #else
 // CPU simulation (tests/ll_sim): no copy engine; a bulk copy is the warp's own copy, complete on return.
 __device__ __forceinline__ uint8_t* tma_shared() { return sim_smem(); }
@@ -112,7 +138,14 @@ __device__ __forceinline__ void tma_copy(WarpTma& t, uint8_t* dst, const uint8_t
     __syncwarp();
 }
 __device__ __forceinline__ void tma_drain(int) { __syncwarp(); }
+__device__ __forceinline__ void tma_drain_before_release(int) { __syncwarp(); }
 #endif  // !PYEP_LL_CPU_SIM
+
+// A row copy: by bulk copy when `bulk`, else by the warp's own loads and stores.
+__device__ __forceinline__ void copy_row(WarpTma& t, bool bulk, uint8_t* dst, const uint8_t* src, int bytes, int lane) {
+    if (bulk) tma_copy(t, dst, src, bytes, lane);
+    else warp_copy(dst, src, bytes, lane);
+}
 
 }  // namespace normal
 }  // namespace pyep

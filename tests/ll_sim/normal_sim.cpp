@@ -96,6 +96,7 @@ CombineArgs combine_from(const py::dict& d) {
     set(d, "num_channels", a.num_channels); set(d, "ring_tokens", a.ring_tokens); set(d, "chunk_tokens", a.chunk_tokens);
     set(d, "out", a.out); set(d, "out_weights", a.out_weights);
     opt(d, "bias0", a.bias0); opt(d, "bias1", a.bias1); opt(d, "dropped", a.dropped);
+    opt(d, "use_tma", a.use_tma);
     return a;
 }
 

@@ -111,7 +111,7 @@ class NormalWorld:
     """R ranks' buffers and counters; dispatch() and combine() launch the kernels on every rank at once."""
 
     def __init__(self, sim: Any, R: int, H: int, K: int, E: int, C: int, Q: int, chunk: int,
-                 use_tma: int = 1, masked: bool = False, timeout_ns: int = TIMEOUT_NS, pool_bytes: int = 0) -> None:
+                 use_tma: int = 3, masked: bool = False, timeout_ns: int = TIMEOUT_NS, pool_bytes: int = 0) -> None:
         """pool_bytes > 0: each buffer has an output pool past its rings and dispatch runs the one-copy
         handshake (normal_direct.cuh); a rank offers its outputs there unless dispatch(offer=...) leaves it out."""
         self.sim, self.R, self.H, self.K, self.E, self.C, self.Q, self.chunk = sim, R, H, K, E, C, Q, chunk
@@ -297,7 +297,8 @@ class NormalWorld:
                      channel_prefix_matrix=h.channel_prefix.data_ptr(),
                      recv_channel_prefix_matrix=h.recv_channel_prefix.data_ptr(), num_tokens=n, hidden=H,
                      num_topk=K, num_channels=self.C, ring_tokens=self.Q, chunk_tokens=self.chunk,
-                     out=_ptr(o["out"]), out_weights=_ptr(o["out_weights"]), dropped=self.dropped[r].data_ptr())
+                     out=_ptr(o["out"]), out_weights=_ptr(o["out_weights"]), dropped=self.dropped[r].data_ptr(),
+                     use_tma=self.use_tma)
             if bias is not None:
                 a["bias0"] = bias[r].data_ptr()
             args.append(a)

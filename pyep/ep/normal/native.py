@@ -26,7 +26,7 @@ from .errors import (ERR_PEER_TIMEOUT, BadOutputDescriptor, BufferBroken, Normal
                      PeerTimeout)
 from .events import wait_bound_s
 from .native_member import NativeNormalMembership
-from .native_state import NativeCallState
+from .native_state import NativeCallState, bulk_copy_flags
 from .topology import NodeLayout
 
 if TYPE_CHECKING:
@@ -123,10 +123,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         self._broken = False
         self._destroyed = False
         self._geometry: Optional[Tuple[int, int]] = None   # (ring depth, slot stride) of the last launched call
-        # PYEP_NORMAL_TMA=0: the dispatch receiver copies rows with warp loads/stores instead of the bulk
-        # copy engine (an A/B switch for measurements; both give the same bytes).
-        import os
-        self._use_tma = os.environ.get("PYEP_NORMAL_TMA", "1") != "0"
+        self._use_tma = bulk_copy_flags()    # PYEP_NORMAL_TMA (native_state.py)
         # Pinned host words the kernels write and the host reads without synchronising.
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host = torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cpu",
@@ -431,7 +428,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
                         hd.send_head.data_ptr(), hd.rank_prefix_matrix.data_ptr(), hd.channel_prefix_matrix.data_ptr(),
                         hd.recv_channel_prefix_matrix.data_ptr(), n, h, k, hd.num_channels,
                         cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, out.data_ptr(),
-                        ptr(out_w), 0, raw_current_stream(self.device), ptr(dropped))
+                        ptr(out_w), 0, raw_current_stream(self.device), ptr(dropped), self._use_tma)
         return CombineResult(out, out_w, num_dropped_tokens=dropped)
 
     # ------------------------------------------------------------------ for native_internode.py
@@ -476,7 +473,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         self._n.combine(self._static, x.data_ptr(), ptr(weights), 0, 0, send_head.data_ptr(), rpm.data_ptr(),
                         cpm.data_ptr(), rcp.data_ptr(), n, h, k, num_channels, cfg.num_max_nvl_chunked_recv_tokens,
                         cfg.num_max_nvl_chunked_send_tokens, out.data_ptr(), ptr(out_w), ptr(row_map),
-                        raw_current_stream(self.device))
+                        raw_current_stream(self.device), 0, self._use_tma)
 
     # ------------------------------------------------------------------ the rest
     def clean(self) -> None:

@@ -21,6 +21,24 @@ def check_device_mask(mask: "torch.Tensor", num_ranks: int, device: "torch.devic
         raise ValueError("active_ranks must be contiguous")
 
 
+# normal_tma.cuh: which row copies go by the SM's bulk copy engine.
+TMA_LOCAL = 1   # the dispatch receiver's copies into its own outputs
+TMA_PEER = 2    # stores into a peer's buffer: one-copy dispatch rows, ring rows of dispatch and combine
+_TMA_SETTINGS = {"1": TMA_LOCAL | TMA_PEER, "0": 0, "local": TMA_LOCAL, "peer": TMA_PEER}
+
+
+def bulk_copy_flags() -> int:
+    """PYEP_NORMAL_TMA: 1 (the default) every row copy of the intranode kernels by bulk copy, 0 none (warp
+    loads and stores), `local` or `peer` one side only. An A/B switch for measurements: every setting
+    moves the same bytes, and ranks may differ."""
+    import os
+    value = os.environ.get("PYEP_NORMAL_TMA", "1")
+    if value not in _TMA_SETTINGS:
+        raise ValueError(f"PYEP_NORMAL_TMA must be one of {sorted(_TMA_SETTINGS)} (1: every row copy by the "
+                         f"bulk copy engine, the default), got {value!r}")
+    return _TMA_SETTINGS[value]
+
+
 class NativeCallState:
     """Mixed into NormalNativeBackend (which provides _static, _geometry, _mask, device, num_ranks)."""
 
