@@ -28,7 +28,8 @@ SIM_DIR = os.path.join(ROOT, "tests", "ll_sim")
 
 
 # ------------------------------------------------------------------ cases (run in the worker)
-def case_rounds(path: str, R: int, sizes: List[int], C: int, Q: int, chunk: int, use_tma: int) -> str:
+def case_rounds(path: str, R: int, sizes: List[int], C: int, Q: int, chunk: int, use_tma: int,
+                H: int = 256) -> str:
     """BF16 dispatch + combine with a bias, FP8 dispatch + combine with row-major then column-major
     scales (read in place), then BF16 again: every output against the contract, the rings wrapping, the
     counters carried over."""
@@ -36,7 +37,7 @@ def case_rounds(path: str, R: int, sizes: List[int], C: int, Q: int, chunk: int,
     import torch
     from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
-    H, K, E = 256, 4, 4 * R
+    K, E = 4, 4 * R
     w = NormalWorld(sim, R, H, K, E, C, Q, chunk, use_tma=use_tma)
     for i, (fp8, colmajor) in enumerate([(False, False), (True, False), (True, True), (False, False)]):
         what = f"R={R} tma={use_tma} call {i} fp8={fp8} colmajor={colmajor}"
@@ -399,6 +400,8 @@ CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     "three_ranks_one_empty_warp_copies": (case_rounds, (3, [97, 0, 120], 3, 32, 6, 0)),
     # 4 ranks with one warp per peer group.
     "four_ranks": (case_rounds, (4, [64, 80, 33, 72], 2, 32, 4, 3)),
+    # Rows of 4 KiB: the combine's staged reduce (tokens of 3 sources) takes each row in 4 pieces.
+    "three_ranks_rows_in_pieces": (case_rounds, (3, [40, 25, 33], 2, 32, 4, 3, 2048)),
     **{f"silent_rank_with_mask_is_marked_tma{t}": (case_silent_rank, (t,)) for t in (0, 3)},
     "silent_rank_without_mask_is_named": (case_silent_rank_without_mask, ()),
     "worst_tokens_then_cached_dispatch": (case_worst_tokens_and_cached, ()),

@@ -109,13 +109,60 @@ __device__ __forceinline__ void reduce_token(const uint8_t* const* rows, int nsr
     }
 }
 
+// Bytes of each source row that one stage holds for a token of nsrc (>= 1) sources: the stage split
+// evenly, in whole 512-byte pieces (16 bytes a lane), at most the row.
+__device__ __forceinline__ int stage_piece(int nsrc, int row_bytes) {
+    return min(row_bytes, max(512, kTmaStageBytes / nsrc / 512 * 512));
+}
+
+// reduce_token's sum (same order, same rounding) with the rows brought into the warp's two stages by
+// bulk loads (normal_tma.cuh): piece j + 1 of every source row loads while the lanes sum piece j from
+// shared memory, so a warp keeps up to 8 KiB in flight where its lanes' registers held 4 KiB (8 vectors
+// a lane, 1 or 2 of each source's at 3 to 8 sources).
+__device__ void reduce_token_staged(WarpTma& t, const uint8_t* const* rows, int nsrc, const int4* b0,
+                                    const int4* b1, int4* out, int row_bytes, int lane) {
+    const int piece = stage_piece(nsrc, row_bytes), pieces = (row_bytes + piece - 1) / piece;
+    auto issue = [&](int j) {
+        const int len = min(piece, row_bytes - j * piece);
+        stage_load(t, (int)((t.next + j) % kTmaStages), rows, nsrc, (uint32_t)(j * piece), len, piece);
+    };
+    if (lane == 0) {
+        tma_reads_after_acquire();
+        issue(0);
+    }
+    for (int j = 0; j < pieces; ++j) {
+        // Stage (j + 1) % 2 was last read for piece j - 1, released at that piece's end.
+        if (lane == 0 && j + 1 < pieces) issue(j + 1);
+        const int st = (int)((t.next + j) % kTmaStages);
+        stage_wait(t, st);
+        const uint8_t* piece_rows = stage_smem(t, st);
+        const int vecs = min(piece, row_bytes - j * piece) / 16, v0 = j * piece / 16;
+        for (int v = lane; v < vecs; v += 32) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            if (b0) add_bf16x8(acc, __ldcg(b0 + v0 + v));
+            if (b1) add_bf16x8(acc, __ldcg(b1 + v0 + v));
+            for (int i = 0; i < nsrc; ++i)
+                add_bf16x8(acc, *reinterpret_cast<const int4*>(piece_rows + i * piece + v * 16));
+            int4 o;
+            __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+            out[v0 + v] = o;
+        }
+        __syncwarp();                       // every lane read the stage
+        if (lane == 0) stage_release();     // before the async proxy writes it again
+    }
+    t.next += (uint32_t)pieces;
+}
+
 struct CombineRecvShared {
     uint32_t base[kMaxRanks];   // rx position of each source's stream at the call's start
     int max[kMaxRanks];         // the round's highest position read per source
     int failed;
 };
 
-__device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const CombineRow& row, int c) {
+__device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const CombineRow& row, int c,
+                             WarpTma& tma) {
     const int R = s.num_ranks, me = s.rank, Q = a.ring_tokens, K = a.num_topk, C = a.num_channels;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, round = reduce_round(Q);
     CombineRecvShared& sh = block_shared<CombineRecvShared>();
@@ -187,7 +234,12 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
                 const int4* b0 = bias0 ? bias0 + (int64_t)t * vecs : nullptr;
                 const int4* b1 = bias1 ? bias1 + (int64_t)t * vecs : nullptr;
                 int4* o = out + (int64_t)t * vecs;
-                if (nsrc <= 2) reduce_token<2, 4>(rows, nsrc, b0, b1, o, vecs, lane);
+                // Staged for 3 or more sources, where the registers hold 2 vectors a source or fewer: with
+                // 1 or 2 (4 vectors each) the register path was faster (6 SMs, 2 ranks: 1092 against
+                // 1218 us; docs/results/2026-11-27-h100x1).
+                if ((a.use_tma & kTmaLocal) && nsrc > 2)
+                    reduce_token_staged(tma, rows, nsrc, b0, b1, o, (int)row.payload, lane);
+                else if (nsrc <= 2) reduce_token<2, 4>(rows, nsrc, b0, b1, o, vecs, lane);
                 else if (nsrc <= 4) reduce_token<4, 2>(rows, nsrc, b0, b1, o, vecs, lane);
                 else reduce_token<kMaxRanks, 1>(rows, nsrc, b0, b1, o, vecs, lane);
                 if (out_w && lane < K) {
@@ -219,15 +271,16 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine(NormalStatic s, Co
     if (reinterpret_cast<const int*>(s.workspace)[kWsVoid]) return;
     const int c = blockIdx.x >> 1;
     const CombineRow row(a.hidden, a.num_topk);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    uint8_t* tma_smem = tma_shared();
+    WarpTma tma = tma_setup(tma_smem, reinterpret_cast<uint64_t*>(tma_smem + tma_smem_data(kCombineWarps)), warp, lane);
     if (blockIdx.x & 1) {
-        combine_recv(s, a, row, c);
+        combine_recv(s, a, row, c, tma);
         return;
     }
     if (s.num_ranks == 1) return;
-    const int W = kCombineWarps / (s.num_ranks - 1), warp = threadIdx.x / 32, g = warp / W, lane = threadIdx.x % 32;
+    const int W = kCombineWarps / (s.num_ranks - 1), g = warp / W;
     if (g >= s.num_ranks - 1) return;
-    uint8_t* tma_smem = tma_shared();
-    WarpTma tma = tma_setup(tma_smem, reinterpret_cast<uint64_t*>(tma_smem + tma_smem_data(kCombineWarps)), warp, lane);
     combine_send(s, a, row, c, g, g + (g >= s.rank), warp % W, W, lane, tma);
 }
 
@@ -241,7 +294,7 @@ void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream
     if (a.hidden < 128 || a.hidden % 128) bad("hidden must be a positive multiple of 128");
     if (a.num_topk < 0 || a.num_topk > kMaxTopk) bad("num_topk must be in [0, 16]");
     check_rings(s, "normal combine", a.num_channels, a.ring_tokens, combine_row_bytes(a.hidden, a.num_topk), a.hidden);
-    // Send blocks: two bulk-copy stages per warp (normal_tma.cuh); reduce blocks leave them unused.
+    // Two bulk-copy stages per warp (normal_tma.cuh): the senders' stores, the reduce's loads.
     constexpr int smem = tma_smem_bytes(kCombineWarps);
     static const bool smem_ok = [] {
         return cudaFuncSetAttribute(combine, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess;

@@ -329,6 +329,10 @@ __device__ __forceinline__ bool group_sync_or(int group, int warps, bool pred) {
 }
 #endif  // !PYEP_LL_CPU_SIM
 
+#if defined(PYEP_LL_CPU_SIM)
+constexpr size_t kSimBlockScratch = 1024;   // the simulated block's block_shared() bytes (tests/ll_sim)
+#endif
+
 // Block-shared state of a kernel (one struct per kernel role): a __shared__ variable on the GPU; the
 // CPU simulation has no __shared__ storage class and hands out the simulated block's scratch instead.
 template <typename T>
@@ -337,7 +341,7 @@ __device__ __forceinline__ T& block_shared() {
     __shared__ T v;
     return v;
 #else
-    static_assert(sizeof(T) <= 1024, "the simulated block scratch is 1 KiB");
+    static_assert(sizeof(T) <= kSimBlockScratch, "the simulated block scratch is 1 KiB");
     return *reinterpret_cast<T*>(sim_smem());
 #endif
 }

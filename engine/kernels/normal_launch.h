@@ -176,7 +176,8 @@ struct CombineArgs {
     uint64_t out_weights = 0;             // fp32 [N, K] or 0
     uint64_t row_map = 0;                 // int32 [rows] or 0: where row i of the dispatch order sits in x
     uint64_t dropped = 0;                 // device int32 [R] or 0: tokens this call did not deliver to rank r
-    int use_tma = 2;                      // kTmaPeer: rows into peers' rings by bulk copy (normal_tma.cuh)
+    int use_tma = 3;                      // normal_tma.cuh kTmaPeer: rows into peers' rings by bulk copy;
+                                          // kTmaLocal: the reduce's rows loaded by bulk copy
 };
 
 // Bytes of one ring slot for a call (payload, FP8 scales, top-k ids and weights, source index).

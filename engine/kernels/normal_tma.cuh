@@ -7,6 +7,7 @@
 #pragma once
 
 #include <stdint.h>
+#include <string.h>
 
 #include "kernels/normal_common.cuh"
 
@@ -16,7 +17,7 @@ namespace normal {
 constexpr int kTmaStageBytes = 4096;   // per stage; 2 stages per warp, 24 warps: 192 KiB of shared memory
 constexpr int kTmaStages = 2;
 // DispatchArgs / CombineArgs use_tma bits: which copies go by bulk copy (the others by warp loads/stores).
-constexpr int kTmaLocal = 1;   // the dispatch receiver's copies into this rank's outputs
+constexpr int kTmaLocal = 1;   // the dispatch receiver's copies into this rank's outputs, the combine's reduce loads
 constexpr int kTmaPeer = 2;    // stores into a peer's buffer: one-copy dispatch rows, combine rows
 
 // Whether a row of `bytes` goes to a peer by bulk copy: only rows longer than a warp's stages. Rows that
@@ -126,12 +127,40 @@ __device__ __forceinline__ void tma_drain_before_release(int lane) {
     __syncwarp();
 }
 
+// ---- a warp's own loads into its stages (the combine's reduce): every lane tracks the same state ----
+// Stage s of warp state t: its shared memory and its mbarrier.
+__device__ __forceinline__ uint8_t* stage_smem(const WarpTma& t, int s) { return t.smem + s * kTmaStageBytes; }
+
+// Lane 0: arm stage s's barrier for `bytes`, then bulk-load each of n pieces (src[i], `len` bytes) to
+// stage offset i * stride. Pieces read rows that peers wrote (generic proxy, ordered by the caller's
+// acquire) through the async proxy: the caller fenced with tma_reads_after_acquire() first.
+__device__ __forceinline__ void stage_load(WarpTma& t, int s, const uint8_t* const* src, int n, uint32_t off, int len,
+                                          int stride) {
+    const uint32_t bar = smem_addr(t.bar + s);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n * len) : "memory");
+    for (int i = 0; i < n; ++i)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(smem_addr(stage_smem(t, s) + i * stride)), "l"(src[i] + off), "r"(len), "r"(bar)
+                     : "memory");
+}
+
+__device__ __forceinline__ void tma_reads_after_acquire() { asm volatile("fence.proxy.async;" ::: "memory"); }
+
+// Every lane: wait until stage s's loads landed (each lane flips its own copy of the parity alike).
+__device__ __forceinline__ void stage_wait(WarpTma& t, int s) { tma_wait(t, s); }
+
+// After the lanes' reads of a stage (generic proxy) and a __syncwarp, before lane 0 loads into it again
+// (async proxy).
+__device__ __forceinline__ void stage_release() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 #else
 // CPU simulation (tests/ll_sim): no copy engine; a bulk copy is the warp's own copy, complete on return.
-__device__ __forceinline__ uint8_t* tma_shared() { return sim_smem(); }
-__device__ __forceinline__ WarpTma tma_setup(uint8_t* smem_base, uint64_t* bars, int, int) {
+// The stages sit past the block_shared() scratch (normal_common.cuh), which the simulated block's
+// memory starts with; tests/ll_sim/normal_sim.cpp reserves both.
+__device__ __forceinline__ uint8_t* tma_shared() { return sim_smem() + kSimBlockScratch; }
+__device__ __forceinline__ WarpTma tma_setup(uint8_t* smem_base, uint64_t* bars, int warp, int) {
     __syncwarp();
-    return WarpTma{smem_base, bars, 0u, 0u};
+    return WarpTma{smem_base + (size_t)warp * kTmaStages * kTmaStageBytes, bars + warp * kTmaStages, 0u, 0u};
 }
 __device__ __forceinline__ void tma_copy(WarpTma& t, uint8_t* dst, const uint8_t* src, int bytes, int lane) {
     warp_copy(dst, src, bytes, lane);
@@ -139,6 +168,15 @@ __device__ __forceinline__ void tma_copy(WarpTma& t, uint8_t* dst, const uint8_t
 }
 __device__ __forceinline__ void tma_drain(int) { __syncwarp(); }
 __device__ __forceinline__ void tma_drain_before_release(int) { __syncwarp(); }
+__device__ __forceinline__ uint8_t* stage_smem(const WarpTma& t, int s) { return t.smem + s * kTmaStageBytes; }
+// The simulation's loads complete at once (plain copies into the stage).
+__device__ __forceinline__ void stage_load(WarpTma& t, int s, const uint8_t* const* src, int n, uint32_t off, int len,
+                                          int stride) {
+    for (int i = 0; i < n; ++i) memcpy(stage_smem(t, s) + i * stride, src[i] + off, (size_t)len);
+}
+__device__ __forceinline__ void tma_reads_after_acquire() {}
+__device__ __forceinline__ void stage_wait(WarpTma&, int) { __syncwarp(); }   // lane 0's copies are done
+__device__ __forceinline__ void stage_release() {}
 #endif  // !PYEP_LL_CPU_SIM
 
 // A row copy: by bulk copy when `bulk`, else by the warp's own loads and stores.

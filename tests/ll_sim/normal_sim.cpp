@@ -100,7 +100,7 @@ CombineArgs combine_from(const py::dict& d) {
     return a;
 }
 
-constexpr size_t kBlockScratch = 1024;   // normal_common.cuh block_shared()
+constexpr size_t kBlockScratch = kSimBlockScratch;   // normal_common.cuh block_shared()
 
 // Every listed rank's grid at once.
 template <typename Args, typename FromDict, typename Kernel>
@@ -117,7 +117,8 @@ void launch_on_every_rank(const py::list& statics, const py::list& args, FromDic
     for (size_t i = 0; i < ss.size(); ++i) {
         const NormalStatic s = ss[i];
         const Args a = as[i];
-        launch.grid(2 * a.num_channels, threads, kBlockScratch, [=] { kernel(s, a); });
+        // block_shared() scratch, then the warps' bulk-copy stages (normal_tma.cuh tma_shared()).
+        launch.grid(2 * a.num_channels, threads, kBlockScratch + tma_smem_bytes(threads / 32), [=] { kernel(s, a); });
     }
     launch.join();
 }

@@ -22,7 +22,7 @@ def check_device_mask(mask: "torch.Tensor", num_ranks: int, device: "torch.devic
 
 
 # normal_tma.cuh: which row copies go by the SM's bulk copy engine.
-TMA_LOCAL = 1   # the dispatch receiver's copies into its own outputs
+TMA_LOCAL = 1   # the dispatch receiver's copies into its own outputs, the combine's reduce loads
 TMA_PEER = 2    # stores into a peer's buffer: one-copy dispatch rows, ring rows of dispatch and combine
 _TMA_SETTINGS = {"1": TMA_LOCAL | TMA_PEER, "0": 0, "local": TMA_LOCAL, "peer": TMA_PEER}
 
