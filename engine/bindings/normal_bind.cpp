@@ -221,7 +221,7 @@ void register_normal(py::module_& m) {
         py::arg("chunk_tokens"), py::arg("out"), py::arg("out_weights"), py::arg("row_map"), py::arg("stream"),
         py::arg("dropped") = 0, py::arg("use_tma") = 0,
         "Launch the combine kernel (dropped: device int32 [R] or 0; use_tma: normal_tma.cuh kTmaPeer, rows into "
-        "peers' rings by bulk copy)");
+        "peers' rings by bulk copy, | kTmaLocal, the reduce's rows loaded by bulk copy; 0 = warp loads/stores)");
 }
 
 pyep::bindings::Registrar reg("normal", &register_normal);
