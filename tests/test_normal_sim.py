@@ -157,7 +157,7 @@ def case_gate_behind_a_stalled_peer(path: str) -> str:
     import torch
     from normal_world import Handle, NormalWorld, expert_outputs, load, make_inputs
     sim = load(path)
-    R, H, K, E, live = 3, 256, 4, 12, [0, 1]
+    R, K, E, live = 3, 4, 12, [0, 1]
     w = NormalWorld(sim, R, H, K, E, 2, 32, 8, masked=True, timeout_ns=1_500_000_000)
     inputs = make_inputs(R, [40, 30, 30], H, K, E, False, seed=61)
     inputs[0].topk[inputs[0].topk >= 8] = -1          # rank 0 sends nothing to rank 2 ...
@@ -257,14 +257,14 @@ def case_launch_checks(path: str) -> str:
 ERR_PEER_TIMEOUT, PHASE_DISPATCH = 3, 1   # normal_launch.h kErrPeerTimeout, kPhaseDispatch
 
 
-def case_silent_rank(path: str, use_tma: int) -> str:
+def case_silent_rank(path: str, use_tma: int, H: int = 256) -> str:
     """With a mask, rank 2 of 3 never launches: ranks 0 and 1 mark it within the timeout and finish
     without an error, rows between them intact and rank 2's rows emptied; their combine sums the two
     live ranks; the next call leaves rank 2 out from the start and is correct."""
     sys.path.insert(0, SIM_DIR)
     from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
-    R, H, K, E, live = 3, 256, 4, 12, [0, 1]
+    R, K, E, live = 3, 4, 12, [0, 1]
     w = NormalWorld(sim, R, H, K, E, 2, 32, 8, use_tma=use_tma, masked=True, timeout_ns=2_000_000_000)
     inputs = make_inputs(R, [150, 130, 80], H, K, E, False, seed=5)   # > 32 rows a stream: rings fill
     handles, outs = w.dispatch(inputs, ranks=live)
@@ -293,7 +293,7 @@ def case_silent_rank_in_combine(path: str) -> str:
     sys.path.insert(0, SIM_DIR)
     from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
-    R, H, K, E, live = 3, 256, 4, 12, [0, 1]
+    R, K, E, live = 3, 4, 12, [0, 1]
     w = NormalWorld(sim, R, H, K, E, 2, 32, 8, masked=True, timeout_ns=2_000_000_000)
     inputs = make_inputs(R, [110, 96, 40], H, K, E, False, seed=21)
     handles, outs = w.dispatch(inputs)
@@ -327,7 +327,7 @@ def case_silent_rank_without_mask(path: str) -> str:
 ERR_DIRECT_DESC = 11   # normal_launch.h kErrDirectDesc
 
 
-def case_direct(path: str, R: int, sizes: List[int]) -> str:
+def case_direct(path: str, R: int, sizes: List[int], H: int = 256) -> str:
     """One-copy dispatch (normal_direct.cuh): every rank offers outputs in its pool, so rows go straight
     into the receivers' recv_x (the rings stay untouched: zeroed before, zero after) and the small
     fields through the staging rows; BF16, FP8 with column-major scales, num_worst_tokens padding, a
@@ -337,8 +337,8 @@ def case_direct(path: str, R: int, sizes: List[int]) -> str:
     import torch
     from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
-    H, K, E = 256, 4, 4 * R
-    w = NormalWorld(sim, R, H, K, E, 2, 32, 6, pool_bytes=4 << 20)
+    K, E = 4, 4 * R
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 6, pool_bytes=max(4 << 20, 8 * H * sum(sizes)))
     plan = [("bf16", False, False, None, 0), ("fp8 colmajor", True, True, None, 0), ("ring: rank 1 offers nothing", False,
             False, [r for r in range(R) if r != 1], 0), ("fp8 worst", True, False, None, sum(sizes) + 5),
             ("bf16 again", False, False, None, 0)]
@@ -414,6 +414,12 @@ CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     "direct_two_ranks": (case_direct, (2, [150, 131])),
     "direct_three_ranks_one_empty": (case_direct, (3, [97, 0, 120])),
     "direct_bad_descriptor_is_named": (case_direct_bad_descriptor, ()),
+    # BF16 rows of 8448 bytes go to peers by bulk copy (normal_tma.cuh peer_bulk: longer than a warp's
+    # stages), FP8 rows by warp copies: the ring path's and one-copy's extra drains and barriers, and a
+    # silent rank's give-up path after bulk copies.
+    "long_rows_rings_wrap": (case_rounds, (2, [70, 61], 2, 32, 8, 3, 4224)),
+    "long_rows_direct": (case_direct, (2, [70, 61], 4224)),
+    "long_rows_silent_rank": (case_silent_rank, (3, 4224)),
 }
 
 
