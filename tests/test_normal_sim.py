@@ -157,7 +157,7 @@ def case_gate_behind_a_stalled_peer(path: str) -> str:
     import torch
     from normal_world import Handle, NormalWorld, expert_outputs, load, make_inputs
     sim = load(path)
-    R, K, E, live = 3, 4, 12, [0, 1]
+    R, H, K, E, live = 3, 256, 4, 12, [0, 1]
     w = NormalWorld(sim, R, H, K, E, 2, 32, 8, masked=True, timeout_ns=1_500_000_000)
     inputs = make_inputs(R, [40, 30, 30], H, K, E, False, seed=61)
     inputs[0].topk[inputs[0].topk >= 8] = -1          # rank 0 sends nothing to rank 2 ...
@@ -293,7 +293,7 @@ def case_silent_rank_in_combine(path: str) -> str:
     sys.path.insert(0, SIM_DIR)
     from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
-    R, K, E, live = 3, 4, 12, [0, 1]
+    R, H, K, E, live = 3, 256, 4, 12, [0, 1]
     w = NormalWorld(sim, R, H, K, E, 2, 32, 8, masked=True, timeout_ns=2_000_000_000)
     inputs = make_inputs(R, [110, 96, 40], H, K, E, False, seed=21)
     handles, outs = w.dispatch(inputs)
