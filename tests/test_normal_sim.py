@@ -334,7 +334,6 @@ def case_direct(path: str, R: int, sizes: List[int], H: int = 256) -> str:
     cached dispatch; a call where one rank offers nothing takes the ring path on every rank; each
     followed by a combine over the rings (the counters stay consistent across both paths)."""
     sys.path.insert(0, SIM_DIR)
-    import torch
     from normal_world import NormalWorld, check_combine, check_dispatch, expert_outputs, load, make_inputs
     sim = load(path)
     K, E = 4, 4 * R
