@@ -87,3 +87,29 @@ def test_rank_info_roundtrip_and_validation():
         RankInfo.decode(raw, 2)
     with pytest.raises(ValueError, match="malformed"):
         RankInfo.decode(b"\0" * 16, 0)
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("buffer_bytes", "4096", "buffer_bytes is str"), ("buffer_bytes", -1, "buffer_bytes is negative"),
+    ("buffer_bytes", True, "buffer_bytes is bool"), ("buffer_addr", 1.5, "buffer_addr is float"),
+    ("host", 7, "host is int"), ("p2p", [1, 2], "p2p must hold 0 or 1"), ("p2p", "11", "p2p is str"),
+    ("evil", 1, "unknown fields"), ("rank", None, "rank is NoneType")])
+def test_rank_info_fields_are_checked_like_input(field, value, why):
+    """A peer's description is input: a field of the wrong type or range, an unknown or a missing one is a
+    ValueError naming the rank, never a TypeError from deep inside or a value used as is."""
+    import json
+    doc = dict(rank=3, host="h", node=-1, pci_bus_id="0000:18:00.0", pid=7, buffer_addr=1 << 40,
+               buffer_bytes=4096, ipc_handle="AAEC", generation=2, nic="", p2p=[1, 0])
+    data = json.dumps(doc).encode()
+    assert RankInfo.decode(len(data).to_bytes(4, "little") + data, 3).node == -1   # as peers.py sends it
+    doc[field] = value
+    data = json.dumps(doc).encode()
+    with pytest.raises(ValueError, match=f"rank 3 sent a malformed transport description: {why}"):
+        RankInfo.decode(len(data).to_bytes(4, "little") + data, 3)
+    del doc[field]
+    if field not in ("evil", "nic", "p2p"):
+        data = json.dumps(doc).encode()
+        with pytest.raises(ValueError, match="missing fields"):
+            RankInfo.decode(len(data).to_bytes(4, "little") + data, 3)
+    with pytest.raises(ValueError, match="malformed transport description"):
+        RankInfo.decode(len(b"[1,").to_bytes(4, "little") + b"[1,", 3)

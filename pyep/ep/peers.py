@@ -32,8 +32,8 @@ class PeerSet:
         self.rank = rank
         self.num_ranks = num_ranks
         self.device_index = device_index
-        self.buffer_addr = buffer_addr
-        self.buffer_bytes = buffer_bytes
+        self.buffer_addr = int(buffer_addr)     # plain ints: RankInfo.decode checks the types on the other side
+        self.buffer_bytes = int(buffer_bytes)
         self.timeout_s = setup_timeout_s
         self.generation = 0
         self.infos: List[RankInfo] = []

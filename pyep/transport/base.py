@@ -50,16 +50,54 @@ class RankInfo:
 
     @staticmethod
     def decode(raw: bytes, expect_rank: int) -> "RankInfo":
+        """A peer's description, checked like user input: every field present, of its type and range
+        (ValueError naming the rank), before any of it sizes a mapping or picks a path."""
         n = int.from_bytes(raw[:4], "little")
         if not 0 < n <= len(raw) - 4:
             raise ValueError(f"rank {expect_rank} sent a malformed transport description ({n} bytes)")
-        info = RankInfo(**json.loads(raw[4:4 + n].decode()))
+        try:
+            doc = json.loads(raw[4:4 + n].decode())
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"rank {expect_rank} sent a malformed transport description ({exc})") from None
+        bad = _rank_info_problem(doc)
+        if bad:
+            raise ValueError(f"rank {expect_rank} sent a malformed transport description: {bad}")
+        info = RankInfo(**doc)
         if info.rank != expect_rank:
             raise ValueError(f"slot {expect_rank} of the transport exchange holds rank {info.rank}'s data")
         return info
 
     def handle_bytes(self) -> bytes:
         return base64.b64decode(self.ipc_handle) if self.ipc_handle else b""
+
+
+# RankInfo's fields: (JSON type, whether it must be >= 0). Integers exclude bool (JSON true is not a count).
+# `node` is -1 as sent (each rank derives the nodes itself, node_ids), so it is only an int.
+_INFO_FIELDS = {"rank": (int, True), "host": (str, False), "node": (int, False), "pci_bus_id": (str, False),
+                "pid": (int, True), "buffer_addr": (int, True), "buffer_bytes": (int, True),
+                "ipc_handle": (str, False), "generation": (int, True), "nic": (str, False), "p2p": (list, False)}
+
+
+def _rank_info_problem(doc: object) -> str:
+    """What is wrong with a decoded RankInfo document, or "" when nothing is."""
+    if not isinstance(doc, dict):
+        return f"not an object ({type(doc).__name__})"
+    unknown = sorted(set(doc) - set(_INFO_FIELDS))
+    if unknown:
+        return f"unknown fields {unknown}"
+    required = [f for f in _INFO_FIELDS if f not in ("nic", "p2p")]
+    missing = [f for f in required if f not in doc]
+    if missing:
+        return f"missing fields {missing}"
+    for name, value in doc.items():
+        kind, non_negative = _INFO_FIELDS[name]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return f"{name} is {type(value).__name__}, not {kind.__name__}"
+        if non_negative and value < 0:
+            return f"{name} is negative ({value})"
+        if name == "p2p" and any(isinstance(v, bool) or v not in (0, 1) for v in value):
+            return "p2p must hold 0 or 1 per rank"
+    return ""
 
 
 @dataclass
