@@ -96,7 +96,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
 
     __syncthreads();
     trace_point(s, kTraceCombine, kTrSendIssued);
-    const bool last_send = arrive_last(ws_counter(s, half, kCombineSendDone), sm.flag, true);
+    const bool last_send = arrive_last(ws_counter(s, half, kCombineSendDone), sm.flag);
     trace_point(s, kTraceCombine, kTrSendFenced);
     if (last_send) {
         const int* fail = ws_fail(s);
@@ -213,7 +213,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     }
     }   // !use_logfmt
 
-    const bool last_recv = arrive_last(ws_counter(s, half, kCombineRecvDone), sm.flag, false);
+    const bool last_recv = arrive_last(ws_counter(s, half, kCombineRecvDone), sm.flag);
     trace_point(s, kTraceCombine, kTrRecvCopied);
     if (last_recv) {
         int* sig = reinterpret_cast<int*>(hb + off_csig(s, half, 0));

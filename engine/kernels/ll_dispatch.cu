@@ -283,7 +283,7 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
     }
     trace_point(s, kTraceDispatch, kTrSendIssued);
 
-    const bool last_send = arrive_last(ws_counter(s, half, kDispatchSendDone), sm.flag, true);
+    const bool last_send = arrive_last(ws_counter(s, half, kDispatchSendDone), sm.flag);
     trace_point(s, kTraceDispatch, kTrSendFenced);
     if (last_send) {
         const int* fail = ws_fail(s);
@@ -415,7 +415,7 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
     trace_point(s, kTraceDispatch, kTrRecvReady);
     // A call this rank refused: the peers' words are awaited and cleared below, nothing is written out.
     if (!c.abort) dispatch_unpack<kFp8>(s, c, sm);
-    const bool last_recv = arrive_last(ws_counter(s, half, kDispatchRecvDone), sm.flag, false);
+    const bool last_recv = arrive_last(ws_counter(s, half, kDispatchRecvDone), sm.flag);
     trace_point(s, kTraceDispatch, kTrRecvCopied);
     if (last_recv) {
         // The first failed source into the call record, and whether this call's combine is skipped.
