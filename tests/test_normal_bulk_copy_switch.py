@@ -1,4 +1,4 @@
-"""PYEP_NORMAL_TMA (native_state.bulk_copy_flags): which row copies of the intranode normal kernels go by
+"""PYEP_NORMAL_TMA (native_state.bulk_copy_setting / bulk_copy_flags): which row copies of the intranode normal kernels go by
 the SM's bulk copy engine. The flags must be those of normal_tma.cuh (kTmaLocal = 1, kTmaPeer = 2)."""
 from __future__ import annotations
 
@@ -12,16 +12,44 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_settings(monkeypatch: Any) -> None:
-    from pyep.ep.normal.native_state import TMA_LOCAL, TMA_PEER, bulk_copy_flags
+    from pyep.ep.normal.native_state import TMA_LOCAL, TMA_PEER, bulk_copy_flags, bulk_copy_setting
     monkeypatch.delenv("PYEP_NORMAL_TMA", raising=False)
-    assert bulk_copy_flags() == TMA_LOCAL | TMA_PEER
-    for value, want in (("1", TMA_LOCAL | TMA_PEER), ("0", 0), ("local", TMA_LOCAL), ("peer", TMA_PEER)):
+    assert bulk_copy_setting() == "1"
+    both = TMA_LOCAL | TMA_PEER
+    # (setting, flags when every peer shares this GPU, flags when some peer is on another GPU)
+    for value, shared, apart in (("1", both, TMA_LOCAL), ("all", both, both), ("0", 0, 0),
+                                 ("local", TMA_LOCAL, TMA_LOCAL), ("peer", TMA_PEER, TMA_PEER)):
         monkeypatch.setenv("PYEP_NORMAL_TMA", value)
-        assert bulk_copy_flags() == want, value
-    for bad in ("", "2", "yes", "Local", " 1"):
+        assert bulk_copy_setting() == value
+        assert bulk_copy_flags(value, True) == shared, value
+        assert bulk_copy_flags(value, False) == apart, value
+    for bad in ("", "2", "yes", "Local", " 1", "ALL"):
         monkeypatch.setenv("PYEP_NORMAL_TMA", bad)
         with pytest.raises(ValueError, match="PYEP_NORMAL_TMA must be one of"):
-            bulk_copy_flags()
+            bulk_copy_setting()
+
+
+def test_topology_from_peer_descriptions() -> None:
+    """The default's peer bulk copies follow the peers' (host, PCI bus id): on only when all share ours."""
+    from types import SimpleNamespace
+
+    from pyep.ep.normal.native_member import NativeNormalMembership
+    from pyep.ep.normal.native_state import TMA_LOCAL, TMA_PEER
+
+    def flags(buses: Any, hosts: Any = None, setting: str = "1") -> int:
+        hosts = hosts or ["h"] * len(buses)
+        obj = NativeNormalMembership()
+        obj.rank, obj._tma_setting = 0, setting
+        obj._peers = SimpleNamespace(infos=[SimpleNamespace(host=h, pci_bus_id=b) for h, b in zip(hosts, buses)])
+        obj._settle_bulk_copies()
+        return obj._use_tma
+
+    assert flags(["0000:18:00.0"] * 4) == TMA_LOCAL | TMA_PEER
+    assert flags(["0000:18:00.0", "0000:18:00.0".upper()]) == TMA_LOCAL | TMA_PEER   # bus ids compare caseless
+    assert flags(["0000:18:00.0", "0000:2a:00.0"]) == TMA_LOCAL
+    assert flags(["0000:18:00.0"] * 2, hosts=["a", "b"]) == TMA_LOCAL
+    assert flags(["0000:18:00.0", "0000:2a:00.0"], setting="all") == TMA_LOCAL | TMA_PEER
+    assert flags(["0000:18:00.0"]) == TMA_LOCAL | TMA_PEER   # one rank
 
 
 def test_flags_match_the_kernels() -> None:

@@ -26,7 +26,7 @@ from .errors import (ERR_PEER_TIMEOUT, BadOutputDescriptor, BufferBroken, Normal
                      PeerTimeout)
 from .events import wait_bound_s
 from .native_member import NativeNormalMembership
-from .native_state import NativeCallState, bulk_copy_flags
+from .native_state import NativeCallState, bulk_copy_setting
 from .topology import NodeLayout
 
 if TYPE_CHECKING:
@@ -123,7 +123,8 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         self._broken = False
         self._destroyed = False
         self._geometry: Optional[Tuple[int, int]] = None   # (ring depth, slot stride) of the last launched call
-        self._use_tma = bulk_copy_flags()    # PYEP_NORMAL_TMA (native_state.py)
+        self._tma_setting = bulk_copy_setting()   # PYEP_NORMAL_TMA (native_state.py), checked here
+        self._use_tma = 0                          # its flags, once the links say where the peers are
         # Pinned host words the kernels write and the host reads without synchronising.
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host = torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cpu",

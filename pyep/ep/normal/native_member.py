@@ -50,7 +50,7 @@ def flags_in_step(seq: int) -> Dict[int, int]:
 
 class NativeNormalMembership:
     """Mixed into NormalNativeBackend (which provides _ep, _buf, _bytes, _ws, _mask, _epoch, _extra, rank,
-    num_ranks, device, _setup_timeout_s, _make_static)."""
+    num_ranks, device, _setup_timeout_s, _tma_setting, _make_static; sets _use_tma)."""
 
     _join_payload: bytes = b""
     _control: Any = None
@@ -74,16 +74,26 @@ class NativeNormalMembership:
         if joining:
             self._join_payload = self._peers.prepare_join()
             self._settle_pool([i.buffer_bytes for i in self._peers.infos])
+            self._settle_bulk_copies()
             self._peer_base = torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
             self._static = self._make_static()
             return
         self._peers.connect()
         self._check_links()
         self._settle_pool([i.buffer_bytes for i in self._peers.infos])
+        self._settle_bulk_copies()
         self._peer_base = torch.tensor([link.store_base for link in self._peers.links], dtype=torch.int64,
                                        device=self.device)
         self._static = self._make_static()
         self._barrier("normal-mode buffer setup (every rank mapped its peers)")
+
+    def _settle_bulk_copies(self) -> None:
+        """The kernels' bulk-copy flags (native_state.bulk_copy_flags): whether every peer's buffer is on
+        this rank's GPU (same host and PCI bus id in the peers' descriptions)."""
+        from .native_state import bulk_copy_flags
+        me = self._peers.infos[self.rank]
+        share = all((i.host, i.pci_bus_id.lower()) == (me.host, me.pci_bus_id.lower()) for i in self._peers.infos)
+        self._use_tma = bulk_copy_flags(self._tma_setting, share)
 
     def _check_links(self) -> None:
         kinds = {link.kind for link in self._peers.links}

@@ -24,19 +24,32 @@ def check_device_mask(mask: "torch.Tensor", num_ranks: int, device: "torch.devic
 # normal_tma.cuh: which row copies go by the SM's bulk copy engine.
 TMA_LOCAL = 1   # the dispatch receiver's copies into its own outputs, the combine's reduce loads
 TMA_PEER = 2    # stores into a peer's buffer: one-copy dispatch rows, ring rows of dispatch and combine
-_TMA_SETTINGS = {"1": TMA_LOCAL | TMA_PEER, "0": 0, "local": TMA_LOCAL, "peer": TMA_PEER}
+_TMA_SETTINGS = {"1": TMA_LOCAL | TMA_PEER, "all": TMA_LOCAL | TMA_PEER, "0": 0, "local": TMA_LOCAL,
+                 "peer": TMA_PEER}
 
 
-def bulk_copy_flags() -> int:
-    """PYEP_NORMAL_TMA: 1 (the default) every row copy of the intranode kernels by bulk copy, 0 none (warp
-    loads and stores), `local` or `peer` one side only. An A/B switch for measurements: every setting
-    moves the same bytes, and ranks may differ."""
+def bulk_copy_setting() -> str:
+    """PYEP_NORMAL_TMA, checked when the buffer is built: `1` (the default), `all`, `0`, `local` or
+    `peer` (bulk_copy_flags says what each does). ValueError for anything else."""
     import os
     value = os.environ.get("PYEP_NORMAL_TMA", "1")
     if value not in _TMA_SETTINGS:
-        raise ValueError(f"PYEP_NORMAL_TMA must be one of {sorted(_TMA_SETTINGS)} (1: every row copy by the "
-                         f"bulk copy engine, the default), got {value!r}")
-    return _TMA_SETTINGS[value]
+        raise ValueError(f"PYEP_NORMAL_TMA must be one of {sorted(_TMA_SETTINGS)} (1: the default, bulk "
+                         f"copies into peers only where they share this GPU), got {value!r}")
+    return value
+
+
+def bulk_copy_flags(setting: str, peers_share_gpu: bool) -> int:
+    """The kernels' use_tma bits for a PYEP_NORMAL_TMA setting. `1` (the default): the local copies by
+    bulk copy, and the stores into peers' buffers too where every peer shares this rank's GPU (ranks
+    sharing one GPU: HBM to HBM, where they gained 9 %); over NVLink the warps' own stores were faster
+    (4 ranks on 4 H100s: BF16 dispatch 370 against 355 GB/s, docs/results/2026-11-27b-h100x4). `all`
+    both sides whatever the topology, `0` none (warp loads and stores), `local` or `peer` one side only:
+    A/B switches for measurements. Every setting moves the same bytes, and ranks may differ."""
+    flags = _TMA_SETTINGS[setting]
+    if setting == "1" and not peers_share_gpu:
+        flags &= ~TMA_PEER
+    return flags
 
 
 class NativeCallState:
