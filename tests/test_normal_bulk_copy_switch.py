@@ -17,7 +17,7 @@ def test_settings(monkeypatch: Any) -> None:
     assert bulk_copy_setting() == "1"
     both = TMA_LOCAL | TMA_PEER
     # (setting, flags when every peer shares this GPU, flags when some peer is on another GPU)
-    for value, shared, apart in (("1", both, TMA_LOCAL), ("all", both, both), ("0", 0, 0),
+    for value, shared, apart in (("1", both, 0), ("all", both, both), ("0", 0, 0),
                                  ("local", TMA_LOCAL, TMA_LOCAL), ("peer", TMA_PEER, TMA_PEER)):
         monkeypatch.setenv("PYEP_NORMAL_TMA", value)
         assert bulk_copy_setting() == value
@@ -30,7 +30,7 @@ def test_settings(monkeypatch: Any) -> None:
 
 
 def test_topology_from_peer_descriptions() -> None:
-    """The default's peer bulk copies follow the peers' (host, PCI bus id): on only when all share ours."""
+    """The default's bulk copies follow the peers' (host, PCI bus id): on only when all share our GPU."""
     from types import SimpleNamespace
 
     from pyep.ep.normal.native_member import NativeNormalMembership
@@ -46,8 +46,8 @@ def test_topology_from_peer_descriptions() -> None:
 
     assert flags(["0000:18:00.0"] * 4) == TMA_LOCAL | TMA_PEER
     assert flags(["0000:18:00.0", "0000:18:00.0".upper()]) == TMA_LOCAL | TMA_PEER   # bus ids compare caseless
-    assert flags(["0000:18:00.0", "0000:2a:00.0"]) == TMA_LOCAL
-    assert flags(["0000:18:00.0"] * 2, hosts=["a", "b"]) == TMA_LOCAL
+    assert flags(["0000:18:00.0", "0000:2a:00.0"]) == 0
+    assert flags(["0000:18:00.0"] * 2, hosts=["a", "b"]) == 0
     assert flags(["0000:18:00.0", "0000:2a:00.0"], setting="all") == TMA_LOCAL | TMA_PEER
     assert flags(["0000:18:00.0"]) == TMA_LOCAL | TMA_PEER   # one rank
 

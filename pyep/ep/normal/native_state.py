@@ -40,16 +40,16 @@ def bulk_copy_setting() -> str:
 
 
 def bulk_copy_flags(setting: str, peers_share_gpu: bool) -> int:
-    """The kernels' use_tma bits for a PYEP_NORMAL_TMA setting. `1` (the default): the local copies by
-    bulk copy, and the stores into peers' buffers too where every peer shares this rank's GPU (ranks
-    sharing one GPU: HBM to HBM, where they gained 9 %); over NVLink the warps' own stores were faster
-    (4 ranks on 4 H100s: BF16 dispatch 370 against 355 GB/s, docs/results/2026-11-27b-h100x4). `all`
-    both sides whatever the topology, `0` none (warp loads and stores), `local` or `peer` one side only:
-    A/B switches for measurements. Every setting moves the same bytes, and ranks may differ."""
-    flags = _TMA_SETTINGS[setting]
+    """The kernels' use_tma bits for a PYEP_NORMAL_TMA setting. `1` (the default): every row copy by
+    bulk copy where every peer shares this rank's GPU (ranks sharing one GPU, HBM to HBM: BF16 dispatch
+    +18 % at 2 ranks, combine +3 % at 4), and none where a peer is on another GPU: over NVLink the warps'
+    own loads and stores were faster (4 ranks on 4 H200s, DeepEP's test, GB/s per rank: BF16 dispatch
+    385 against 380, combine 343 against 334, and 317 with the local copies alone;
+    docs/results/2026-11-27b-x4). `all` both sides whatever the topology, `0` none, `local` or `peer`
+    one side only: A/B switches for measurements. Every setting moves the same bytes; ranks may differ."""
     if setting == "1" and not peers_share_gpu:
-        flags &= ~TMA_PEER
-    return flags
+        return 0
+    return _TMA_SETTINGS[setting]
 
 
 class NativeCallState:
