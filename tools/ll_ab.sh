@@ -3,7 +3,8 @@
 # built from an earlier commit (the baseline) and from this checkout, in one run on one GPU, T by T.
 #
 #   bash tools/ll_ab.sh prepare REV            # here (needs git): the baseline's tree in .baseline/REV
-#   bash tools/ll_ab.sh run REV [T ...]        # on the GPU machine (carry .anchors and .baseline)
+#   bash tools/ll_ab.sh run REV [T ...]        # on the GPU machine (carry .anchors and .baseline;
+#                                              # LL_AB_LABEL=name labels this tree in the report)
 #
 # Why DeepEP's test and not `pyep bench`: it is the one harness both trees run unchanged (the bench and
 # the package layout changed since the baselines of interest). It times the dispatch and combine kernels
@@ -50,7 +51,10 @@ case $cmd in
         echo "T=$t $side: rc $? ($(grep -c 'Dispatch bandwidth' "$out/$side/T$t/pyep_ll_2.log" 2>/dev/null || echo 0) rank lines)"
       done
     done
-    python3 "$root/tools/ll_ab_report.py" "$out" --baseline "$rev" --current "$(cd "$root" && git rev-parse --short HEAD 2>/dev/null || echo checkout)"
+    # The tree's label: LL_AB_LABEL when given (a GPU machine's copy of the checkout may carry git
+    # metadata older than its files), else git's, marked -dirty when the files differ from it.
+    label=${LL_AB_LABEL:-$(cd "$root" && git describe --always --dirty 2>/dev/null || echo checkout)}
+    python3 "$root/tools/ll_ab_report.py" "$out" --baseline "$rev" --current "$label"
     ;;
   *) echo "usage: ll_ab.sh prepare REV | run REV [T ...]"; exit 2 ;;
 esac
