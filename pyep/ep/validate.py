@@ -31,9 +31,12 @@ def check_tensor(name: str, t: Any, *, dtype: "torch.dtype", shape: Shape, devic
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
         raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    if t.dim() != len(shape) or any(want is not None and got != want
-                                    for got, want in zip(t.shape, shape)):
-        raise ValueError(f"{name} must have shape {_fmt_shape(shape)}, got {list(t.shape)}")
+    got_shape = t.shape
+    if len(got_shape) != len(shape):
+        raise ValueError(f"{name} must have shape {_fmt_shape(shape)}, got {list(got_shape)}")
+    for got, want in zip(got_shape, shape):   # a plain loop: this runs several times in every call
+        if want is not None and got != want:
+            raise ValueError(f"{name} must have shape {_fmt_shape(shape)}, got {list(got_shape)}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if contiguous and not t.is_contiguous():

@@ -11,6 +11,7 @@ backend over store mailbox keys) and rejoin: buffer_member.py (docs/elastic.md, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import uuid
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -89,6 +90,7 @@ def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> Nor
     return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes, mask=mask)
 
 
+@functools.lru_cache(maxsize=64)   # a pure function of its arguments, asked on every call; Config is frozen
 def _default(num_ranks: int, num_sms: int, combine: bool, one_node: bool) -> Config:
     # The tuned table covers the rank counts the native kernels run on; other counts (the reference on
     # 3 ranks, say) get the Config defaults with the shared SM count.
