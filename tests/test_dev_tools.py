@@ -1,11 +1,15 @@
 """The dev tools' host-side parts on CPU: tools/dev/logfmt_bench.py's error statistics (the part that
 failed on the GPU with an empty selection) on ordinary, all-zero, empty and non-finite outputs and on
 real LogFMT round trips, and tools/dev/ranks.py (the launcher host_overhead.py and logfmt_bench.py
-share): the per-rank inputs, and a rank that cannot start is reported, not waited for."""
+share): the per-rank inputs, and a rank that cannot start is reported, not waited for; and
+tools/dev/normal_front_time.py runs on the CPU."""
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -81,3 +85,15 @@ def test_run_ranks_reports_a_rank_that_cannot_start(capsys) -> None:
     assert run_ranks("dev_tools_test", _never_called, argparse.Namespace(), 1, timeout_s=120) is None
     err = capsys.readouterr().err
     assert "dev_tools_test: rank(s) [0] gave no result" in err and "exit codes [1]" in err
+
+
+def test_normal_front_time_runs_on_cpu() -> None:
+    """tools/dev/normal_front_time.py: the front's calls with the backend stubbed, one line per call kind."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "tools/dev/normal_front_time.py", "--calls", "5", "--hidden", "256",
+                          "--tokens", "8"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [ln.split() for ln in out.stdout.splitlines() if ln.startswith("  ")]
+    assert [" ".join(ln[:-1]) for ln in lines] == ["bf16 cached dispatch", "fp8 cached dispatch", "combine",
+                                                   "bf16 cached dispatch, Config", "combine, Config"]
+    assert all(float(ln[-1]) > 0 for ln in lines)
