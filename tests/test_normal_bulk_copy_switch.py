@@ -16,16 +16,19 @@ def test_settings(monkeypatch: Any) -> None:
     monkeypatch.delenv("PYEP_NORMAL_TMA", raising=False)
     assert bulk_copy_setting() == "1"
     both = TMA_LOCAL | TMA_PEER
-    # (setting, flags when every peer shares this GPU, flags when some peer is on another GPU)
-    for value, shared, apart in (("1", both, 0), ("all", both, both), ("0", 0, 0),
-                                 ("local", TMA_LOCAL, TMA_LOCAL), ("peer", TMA_PEER, TMA_PEER)):
+    # (setting, (dispatch, combine) when every peer shares this GPU, the same when some peer is on another GPU)
+    for value, shared, apart in (("1", (both, both), (0, 0)), ("all", (both, both), (both, both)),
+                                 ("0", (0, 0), (0, 0)), ("local", (TMA_LOCAL,) * 2, (TMA_LOCAL,) * 2),
+                                 ("peer", (TMA_PEER,) * 2, (TMA_PEER,) * 2),
+                                 ("0/peer", (0, TMA_PEER), (0, TMA_PEER)), ("all/0", (both, 0), (both, 0)),
+                                 ("local/local", (TMA_LOCAL,) * 2, (TMA_LOCAL,) * 2)):
         monkeypatch.setenv("PYEP_NORMAL_TMA", value)
         assert bulk_copy_setting() == value
         assert bulk_copy_flags(value, True) == shared, value
         assert bulk_copy_flags(value, False) == apart, value
-    for bad in ("", "2", "yes", "Local", " 1", "ALL"):
+    for bad in ("", "2", "yes", "Local", " 1", "ALL", "1/0", "0/1", "0/peer/0", "/", "0/", "peer/ 0"):
         monkeypatch.setenv("PYEP_NORMAL_TMA", bad)
-        with pytest.raises(ValueError, match="PYEP_NORMAL_TMA must be one of"):
+        with pytest.raises(ValueError, match="PYEP_NORMAL_TMA must be"):
             bulk_copy_setting()
 
 
@@ -36,20 +39,22 @@ def test_topology_from_peer_descriptions() -> None:
     from pyep.ep.normal.native_member import NativeNormalMembership
     from pyep.ep.normal.native_state import TMA_LOCAL, TMA_PEER
 
-    def flags(buses: Any, hosts: Any = None, setting: str = "1") -> int:
+    def flags(buses: Any, hosts: Any = None, setting: str = "1") -> Any:
         hosts = hosts or ["h"] * len(buses)
         obj = NativeNormalMembership()
         obj.rank, obj._tma_setting = 0, setting
         obj._peers = SimpleNamespace(infos=[SimpleNamespace(host=h, pci_bus_id=b) for h, b in zip(hosts, buses)])
         obj._settle_bulk_copies()
-        return obj._use_tma
+        return obj._tma_dispatch, obj._tma_combine
 
-    assert flags(["0000:18:00.0"] * 4) == TMA_LOCAL | TMA_PEER
-    assert flags(["0000:18:00.0", "0000:18:00.0".upper()]) == TMA_LOCAL | TMA_PEER   # bus ids compare caseless
-    assert flags(["0000:18:00.0", "0000:2a:00.0"]) == 0
-    assert flags(["0000:18:00.0"] * 2, hosts=["a", "b"]) == 0
-    assert flags(["0000:18:00.0", "0000:2a:00.0"], setting="all") == TMA_LOCAL | TMA_PEER
-    assert flags(["0000:18:00.0"]) == TMA_LOCAL | TMA_PEER   # one rank
+    both = (TMA_LOCAL | TMA_PEER,) * 2
+    assert flags(["0000:18:00.0"] * 4) == both
+    assert flags(["0000:18:00.0", "0000:18:00.0".upper()]) == both   # bus ids compare caseless
+    assert flags(["0000:18:00.0", "0000:2a:00.0"]) == (0, 0)
+    assert flags(["0000:18:00.0"] * 2, hosts=["a", "b"]) == (0, 0)
+    assert flags(["0000:18:00.0", "0000:2a:00.0"], setting="all") == both
+    assert flags(["0000:18:00.0", "0000:2a:00.0"], setting="0/peer") == (0, TMA_PEER)
+    assert flags(["0000:18:00.0"]) == both   # one rank
 
 
 def test_flags_match_the_kernels() -> None:

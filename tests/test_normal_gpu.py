@@ -57,10 +57,11 @@ def test_one_copy_dispatch_matches_reference_and_keeps_outputs(pools, world):
 
 @requires_gpus
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("setting", ["0", "peer"])
+@pytest.mark.parametrize("setting", ["0", "all", "peer/local", "local/peer"])
 def test_bulk_copy_settings_match_reference(pools, setting):
-    """Every other test runs the default (every row copy by the bulk copy engine); here the warp copies
-    (PYEP_NORMAL_TMA=0) and the peer stores alone by bulk copy."""
+    """Every other test runs the default (every row copy by the bulk copy engine where the ranks share a
+    GPU, none across GPUs); here the warp copies (PYEP_NORMAL_TMA=0), every copy by bulk copy whatever the
+    topology (all), and each side alone in each kernel (dispatch/combine)."""
     from normal_gpu_cases import bulk_copy_setting
     pools[2].run(bulk_copy_setting, setting, shape(2, 7168), "core", timeout_s=220)
 

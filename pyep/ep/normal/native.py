@@ -124,7 +124,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         self._destroyed = False
         self._geometry: Optional[Tuple[int, int]] = None   # (ring depth, slot stride) of the last launched call
         self._tma_setting = bulk_copy_setting()   # PYEP_NORMAL_TMA (native_state.py), checked here
-        self._use_tma = 0                          # its flags, once the links say where the peers are
+        self._tma_dispatch = self._tma_combine = 0  # its flags, once the links say where the peers are
         # Pinned host words the kernels write and the host reads without synchronising.
         self._err = torch.zeros(8, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host = torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cpu",
@@ -397,7 +397,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
                          ptr(None if cached else call.topk_weights), in_rank.data_ptr(), rpm.data_ptr(), cpm.data_ptr(),
                          rcp.data_ptr(), n, h, k, (call.num_experts // r_n) if call.num_experts else 0, fp8, c_n,
                          cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, rows,
-                         call.num_worst_tokens, self._use_tma, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w),
+                         call.num_worst_tokens, self._tma_dispatch, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w),
                          0 if cached else recv_src.data_ptr(), 0, 0, stream, 0, ptr(dropped),
                          send_head.data_ptr() if dropped is not None else 0,
                          *(call.x_scales.stride() if fp8 else (-1, -1)),   # scales read in place, any layout
@@ -429,7 +429,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
                         hd.send_head.data_ptr(), hd.rank_prefix_matrix.data_ptr(), hd.channel_prefix_matrix.data_ptr(),
                         hd.recv_channel_prefix_matrix.data_ptr(), n, h, k, hd.num_channels,
                         cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, out.data_ptr(),
-                        ptr(out_w), 0, raw_current_stream(self.device), ptr(dropped), self._use_tma)
+                        ptr(out_w), 0, raw_current_stream(self.device), ptr(dropped), self._tma_combine)
         return CombineResult(out, out_w, num_dropped_tokens=dropped)
 
     # ------------------------------------------------------------------ for native_internode.py
@@ -463,7 +463,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         self._n.dispatch(self._static, x.data_ptr(), ptr(scales), ptr(topk), ptr(weights), in_rank.data_ptr(),
                          rpm.data_ptr(), cpm.data_ptr(), rcp.data_ptr(), n, h, k, local_experts, fp8,
                          cfg.num_channels(), cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens,
-                         rows, num_worst_tokens, self._use_tma, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx),
+                         rows, num_worst_tokens, self._tma_dispatch, recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx),
                          ptr(recv_w), ptr(recv_src), ptr(src_idx), ptr(row_map), raw_current_stream(self.device),
                          x_row_bytes)
 
@@ -474,7 +474,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         self._n.combine(self._static, x.data_ptr(), ptr(weights), 0, 0, send_head.data_ptr(), rpm.data_ptr(),
                         cpm.data_ptr(), rcp.data_ptr(), n, h, k, num_channels, cfg.num_max_nvl_chunked_recv_tokens,
                         cfg.num_max_nvl_chunked_send_tokens, out.data_ptr(), ptr(out_w), ptr(row_map),
-                        raw_current_stream(self.device), 0, self._use_tma)
+                        raw_current_stream(self.device), 0, self._tma_combine)
 
     # ------------------------------------------------------------------ the rest
     def clean(self) -> None:

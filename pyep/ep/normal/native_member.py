@@ -50,7 +50,7 @@ def flags_in_step(seq: int) -> Dict[int, int]:
 
 class NativeNormalMembership:
     """Mixed into NormalNativeBackend (which provides _ep, _buf, _bytes, _ws, _mask, _epoch, _extra, rank,
-    num_ranks, device, _setup_timeout_s, _tma_setting, _make_static; sets _use_tma)."""
+    num_ranks, device, _setup_timeout_s, _tma_setting, _make_static; sets _tma_dispatch, _tma_combine)."""
 
     _join_payload: bytes = b""
     _control: Any = None
@@ -93,7 +93,7 @@ class NativeNormalMembership:
         from .native_state import bulk_copy_flags
         me = self._peers.infos[self.rank]
         share = all((i.host, i.pci_bus_id.lower()) == (me.host, me.pci_bus_id.lower()) for i in self._peers.infos)
-        self._use_tma = bulk_copy_flags(self._tma_setting, share)
+        self._tma_dispatch, self._tma_combine = bulk_copy_flags(self._tma_setting, share)
 
     def _check_links(self) -> None:
         kinds = {link.kind for link in self._peers.links}

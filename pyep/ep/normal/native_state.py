@@ -24,32 +24,37 @@ def check_device_mask(mask: "torch.Tensor", num_ranks: int, device: "torch.devic
 # normal_tma.cuh: which row copies go by the SM's bulk copy engine.
 TMA_LOCAL = 1   # the dispatch receiver's copies into its own outputs, the combine's reduce loads
 TMA_PEER = 2    # stores into a peer's buffer: one-copy dispatch rows, ring rows of dispatch and combine
-_TMA_SETTINGS = {"1": TMA_LOCAL | TMA_PEER, "all": TMA_LOCAL | TMA_PEER, "0": 0, "local": TMA_LOCAL,
-                 "peer": TMA_PEER}
+_TMA_SIDES = {"all": TMA_LOCAL | TMA_PEER, "0": 0, "local": TMA_LOCAL, "peer": TMA_PEER}
 
 
 def bulk_copy_setting() -> str:
-    """PYEP_NORMAL_TMA, checked when the buffer is built: `1` (the default), `all`, `0`, `local` or
-    `peer` (bulk_copy_flags says what each does). ValueError for anything else."""
+    """PYEP_NORMAL_TMA, checked when the buffer is built: `1` (the default), one of `all`, `0`, `local`,
+    `peer` for both kernels, or `D/C` with one of those for the dispatch (D) and the combine (C)
+    (bulk_copy_flags says what each does). ValueError for anything else."""
     import os
     value = os.environ.get("PYEP_NORMAL_TMA", "1")
-    if value not in _TMA_SETTINGS:
-        raise ValueError(f"PYEP_NORMAL_TMA must be one of {sorted(_TMA_SETTINGS)} (1: the default, bulk "
-                         f"copies into peers only where they share this GPU), got {value!r}")
+    parts = value.split("/")
+    if value != "1" and not (len(parts) in (1, 2) and all(p in _TMA_SIDES for p in parts)):
+        raise ValueError(f"PYEP_NORMAL_TMA must be 1 (the default: bulk copies only where every peer shares "
+                         f"this GPU), one of {sorted(_TMA_SIDES)}, or DISPATCH/COMBINE with one of those each "
+                         f"(e.g. 0/peer), got {value!r}")
     return value
 
 
-def bulk_copy_flags(setting: str, peers_share_gpu: bool) -> int:
-    """The kernels' use_tma bits for a PYEP_NORMAL_TMA setting. `1` (the default): every row copy by
-    bulk copy where every peer shares this rank's GPU (ranks sharing one GPU, HBM to HBM: BF16 dispatch
-    +18 % at 2 ranks, combine +3 % at 4), and none where a peer is on another GPU: over NVLink the warps'
-    own loads and stores were faster (4 ranks on 4 H200s, DeepEP's test, GB/s per rank: BF16 dispatch
-    385 against 380, combine 343 against 334, and 317 with the local copies alone;
-    docs/results/2026-11-27b-x4). `all` both sides whatever the topology, `0` none, `local` or `peer`
-    one side only: A/B switches for measurements. Every setting moves the same bytes; ranks may differ."""
-    if setting == "1" and not peers_share_gpu:
-        return 0
-    return _TMA_SETTINGS[setting]
+def bulk_copy_flags(setting: str, peers_share_gpu: bool) -> Tuple[int, int]:
+    """The kernels' use_tma bits (dispatch, combine) for a PYEP_NORMAL_TMA setting. `1` (the default):
+    every row copy by bulk copy where every peer shares this rank's GPU (ranks sharing one GPU, HBM to
+    HBM: BF16 dispatch +18 % at 2 ranks, combine +3 % at 4), and none where a peer is on another GPU:
+    over NVLink the warps' own loads and stores were faster (4 ranks on 4 H200s, DeepEP's test, GB/s per
+    rank: BF16 dispatch 385 against 380, combine 343 against 334, and 317 with the local copies alone;
+    docs/results/2026-11-27b-x4). For measurements: `all` both sides whatever the topology, `0` none,
+    `local` or `peer` one side only, for both kernels, or `D/C` per kernel. Every setting moves the same
+    bytes; ranks may differ."""
+    if setting == "1":
+        both = TMA_LOCAL | TMA_PEER if peers_share_gpu else 0
+        return both, both
+    parts = setting.split("/")
+    return _TMA_SIDES[parts[0]], _TMA_SIDES[parts[-1]]
 
 
 class NativeCallState:
