@@ -63,7 +63,8 @@ def test_setup_links_sequence_without_a_gpu(monkeypatch: Any) -> None:
     """_setup_links with the engine and the links faked: a first process connects, checks the plan
     (NVLink only), fills peer_base, builds the static and meets the others at a barrier (the store's for a
     store-based buffer, the group's bounded one otherwise); a restarted rank only announces itself
-    (prepare_join) and keeps a zeroed peer_base until join()."""
+    (prepare_join) and keeps a zeroed peer_base until join(); both settle the bulk-copy flags from the
+    peers' descriptions."""
     from types import SimpleNamespace
 
     import torch
@@ -79,7 +80,7 @@ def test_setup_links_sequence_without_a_gpu(monkeypatch: Any) -> None:
                      timeout_s: float) -> None:
             calls.append(("PeerSet", control, cfg.transport))
             self.links = [PeerLink(rank=r, kind="local" if r == rank else "nvlink", store_base=1000 + r) for r in range(n)]
-            self.infos = [SimpleNamespace(buffer_bytes=size) for _ in range(n)]
+            self.infos = [SimpleNamespace(buffer_bytes=size, host="h", pci_bus_id=f"0000:{r:02x}:00.0") for r in range(n)]
 
         def connect(self) -> None:
             calls.append("connect")
@@ -98,7 +99,8 @@ def test_setup_links_sequence_without_a_gpu(monkeypatch: Any) -> None:
     def backend() -> Any:
         b = NormalNativeBackend.__new__(NormalNativeBackend)
         b.rank, b.num_ranks, b.device, b._ep, b._buf, b._bytes = 1, 3, torch.device("cpu"), None, 0, 0
-        b._setup_timeout_s, b.group, b._pool = 5.0, "G", None
+        b._setup_timeout_s, b.group, b._pool, b._tma_setting = 5.0, "G", None, "1"
+        b._tma_dispatch = b._tma_combine = -1
         b._make_static = lambda: calls.append("static") or "S"
         return b
     b = backend()
@@ -106,6 +108,7 @@ def test_setup_links_sequence_without_a_gpu(monkeypatch: Any) -> None:
     assert calls == [("PeerSet", "G", "nvlink"), "connect", "static",
                      ("group barrier", "normal-mode buffer setup (every rank mapped its peers)")]
     assert b._peer_base.tolist() == [1000, 1001, 1002] and b._static == "S"
+    assert (b._tma_dispatch, b._tma_combine) == (0, 0)   # peers on other GPUs: the warps' own copies
     calls.clear()
     c = Control()
     b = backend()
@@ -117,6 +120,7 @@ def test_setup_links_sequence_without_a_gpu(monkeypatch: Any) -> None:
     b._setup_links(None, c, True)
     assert calls == [("PeerSet", c, "nvlink"), "prepare_join", "static"]
     assert b.member_payload() == b"announce" and b._peer_base.tolist() == [0, 0, 0]
+    assert (b._tma_dispatch, b._tma_combine) == (0, 0)
 
 
 def test_grace_window_counts_calls() -> None:

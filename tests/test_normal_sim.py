@@ -352,7 +352,9 @@ def case_direct(path: str, R: int, sizes: List[int], H: int = 256) -> str:
         assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
         check_dispatch(inputs, handles, outs, E, what)
         for r in range(R):
-            in_pool = outs[r]["recv_x"].data_ptr() >= w.bufs[r].data_ptr() + w.pool_lo
+            # Inside [pool_lo, pool_hi) of rank r's buffer: a tensor allocated elsewhere may lie above it.
+            at = outs[r]["recv_x"].data_ptr() - w.bufs[r].data_ptr()
+            in_pool = w.pool_lo <= at < w.pool_hi
             assert in_pool == (offer is None or r in offer), (what, r)
             if one_copy:
                 assert not w.rings(r).any(), f"{what}: rank {r}'s rings were written on a one-copy call"
