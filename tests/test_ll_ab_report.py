@@ -49,3 +49,27 @@ def test_a_log_without_kernel_lines_is_not_a_figure(tmp_path: Path) -> None:
         (p / "pyep_ll_2.log").write_text(_log(10, 10, 20) if side == "base" else "Traceback: boom\n")
     assert report.main([str(tmp_path)]) == 1
     assert "no figures from new" in (tmp_path / "ll_ab.txt").read_text()
+
+
+def test_hook_halves_table_and_placement(tmp_path: Path) -> None:
+    """The hook halves (send / receive launched apart) get their own table, least over ranks, and the
+    title says where the ranks ran; a log without the halves line still gives the main table."""
+    halves = {"base": "[rank 0] Dispatch send/recv time: 24.0 + 16.0 us | Combine send/recv time: 28.0 + 20.0 us",
+              "new": "[rank 0] Dispatch send/recv time: 24.0 + 8.0 us | Combine send/recv time: 28.0 + 10.0 us"}
+    for side in ("base", "new"):
+        p = tmp_path / side / "T128"
+        p.mkdir(parents=True)
+        body = "\n".join(line for line in _log(40, 30, 80).splitlines() if "send/recv" not in line)
+        (p / "pyep_ll_2.log").write_text(body + "\n" + halves[side] + "\n")
+    assert report.main([str(tmp_path), "--where", "2 ranks, one a GPU"]) == 0
+    text = (tmp_path / "ll_ab.txt").read_text()
+    assert "2 ranks, one a GPU" in text.splitlines()[0]
+    sub = text.split("hook halves", 1)[1]
+    row = [line for line in sub.splitlines() if line.strip().startswith("128")][0]
+    assert "16.0 / 8.0" in row and "20.0 / 10.0" in row and "0.50" in row
+    assert max(len(line) for line in text.splitlines()) <= 120
+    doc = json.loads((tmp_path / "ll_ab.json").read_text())
+    assert doc["where"] == "2 ranks, one a GPU" and doc["rows"][0]["new"]["dispatch_recv_us"] == {"0": 8.0}
+    (tmp_path / "base" / "T128" / "pyep_ll_2.log").write_text(_log(40, 30, 80).split("\n[rank 0] Dispatch send")[0])
+    assert report.main([str(tmp_path)]) == 0
+    assert "hook halves" not in (tmp_path / "ll_ab.txt").read_text()

@@ -1,6 +1,7 @@
 #!/bin/bash
 # LL kernels before and after: DeepEP V1's own tests/test_low_latency.py, unchanged, on pyep's shim as
-# built from an earlier commit (the baseline) and from this checkout, in one run on one GPU, T by T.
+# built from an earlier commit (the baseline) and from this checkout, in one run, T by T: on one GPU
+# the 2 ranks share it under MPS; with two or more GPUs each rank has its own (NVLink).
 #
 #   bash tools/ll_ab.sh prepare REV            # here (needs git): the baseline's tree in .baseline/REV
 #   bash tools/ll_ab.sh run REV [T ...]        # on the GPU machine (carry .anchors and .baseline;
@@ -11,7 +12,7 @@
 # with kineto and the back-to-back dispatch + combine with CUDA events -- the kernel time and the eager
 # loop a user sees. Each T runs the baseline, then this tree, so both see the same machine state.
 # run builds the baseline's engine in place (same flags as ours), links .anchors into it (deepep_v1.sh
-# finds pyep in the folder above its own), starts the MPS daemon (2 ranks share the GPU) and writes
+# finds pyep in the folder above its own), starts the MPS daemon on one GPU and writes
 # OUT/ll_ab.{txt,json,png} through tools/ll_ab_report.py. T defaults to 1 32 128 256; other
 # test_low_latency.py defaults stay (H=7168, K=8, E=288). .baseline/ is ignored (.git/info/exclude).
 set -uo pipefail
@@ -41,7 +42,14 @@ case $cmd in
       fi
     done
     ln -sfn "$root/.anchors" "$base/.anchors"
-    pgrep -f nvidia-cuda-mps-control >/dev/null || { nvidia-cuda-mps-control -d && echo "MPS daemon started"; }
+    # One GPU: the 2 ranks share it, side by side under MPS. Two or more: one rank a GPU, as users run.
+    ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    if [ "${ngpu:-0}" -ge 2 ]; then
+      where="2 ranks, one a GPU"
+    else
+      where="2 ranks on one GPU"
+      pgrep -f nvidia-cuda-mps-control >/dev/null || { nvidia-cuda-mps-control -d && echo "MPS daemon started"; }
+    fi
     for t in "${tokens[@]}"; do
       for side in base new; do
         tree=$root; [ $side = base ] && tree=$base
@@ -54,7 +62,7 @@ case $cmd in
     # The tree's label: LL_AB_LABEL when given (a GPU machine's copy of the checkout may carry git
     # metadata older than its files), else git's, marked -dirty when the files differ from it.
     label=${LL_AB_LABEL:-$(cd "$root" && git describe --always --dirty 2>/dev/null || echo checkout)}
-    python3 "$root/tools/ll_ab_report.py" "$out" --baseline "$rev" --current "$label"
+    python3 "$root/tools/ll_ab_report.py" "$out" --baseline "$rev" --current "$label" --where "$where"
     ;;
   *) echo "usage: ll_ab.sh prepare REV | run REV [T ...]"; exit 2 ;;
 esac

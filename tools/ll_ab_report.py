@@ -4,6 +4,7 @@ tree against this one, T by T.
 Reads OUT/{base,new}/T<t>/pyep_ll_2.log, the lines DeepEP's test prints per rank:
   [rank r] Dispatch + combine bandwidth: B GB/s, avg_t=X us, ...        (CUDA events, back to back)
   [rank r] Dispatch bandwidth: B GB/s, avg_t=X us | Combine bandwidth: B GB/s, avg_t=Y us   (kineto)
+  [rank r] Dispatch send/recv time: S + R us | Combine send/recv time: S + R us   (hook halves, kineto)
 Per side and T: the least over ranks of each figure (every rank's value is in the JSON). A kernel spins
 until its peers' data arrive, so a rank that launched ahead of a late peer counts the peer's lateness as
 its own kernel time (one such run: rank 1 304 us, rank 0 34.7 us): the rank that waited least is the
@@ -21,13 +22,21 @@ from typing import Dict, List, Optional
 EAGER = re.compile(r"^\[rank (\d+)\] Dispatch \+ combine bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us")
 KERNELS = re.compile(r"^\[rank (\d+)\] Dispatch bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us \| "
                      r"Combine bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us")
+HALVES_LINE = re.compile(r"^\[rank (\d+)\] Dispatch send/recv time: ([\d.]+) \+ ([\d.]+) us \| "
+                         r"Combine send/recv time: ([\d.]+) \+ ([\d.]+) us")
 FIGURES = ("dispatch_us", "combine_us", "eager_us")
+HALVES = ("dispatch_send_us", "dispatch_recv_us", "combine_send_us", "combine_recv_us")   # optional
 
 
 def parse_log(text: str) -> Dict[str, Dict[int, float]]:
     """{figure: {rank: microseconds}} from one test_low_latency.py log."""
-    got: Dict[str, Dict[int, float]] = {f: {} for f in FIGURES}
+    got: Dict[str, Dict[int, float]] = {f: {} for f in FIGURES + HALVES}
     for line in text.splitlines():
+        m = HALVES_LINE.match(line.strip())
+        if m:
+            for i, f in enumerate(HALVES):
+                got[f][int(m.group(1))] = float(m.group(i + 2))
+            continue
         m = EAGER.match(line.strip())
         if m:
             got["eager_us"][int(m.group(1))] = float(m.group(2))
@@ -62,11 +71,12 @@ def collect(out: Path) -> List[dict]:
     return rows
 
 
-def table(rows: List[dict], baseline: str, current: str) -> str:
-    head = (f"DeepEP test_low_latency.py on pyep's shim, 2 ranks on one GPU: baseline {baseline} vs {current}\n"
+def table(rows: List[dict], baseline: str, current: str, where: str = "2 ranks on one GPU") -> str:
+    head = (f"DeepEP test_low_latency.py on pyep's shim, {where}: baseline {baseline} vs {current}\n"
             f"{'T':>4}  {'dispatch us base/new':>22}  {'ratio':>5}  {'combine us base/new':>21}  {'ratio':>5}  "
             f"{'d+c eager us base/new':>23}  {'ratio':>5}")
     lines = [head, "-" * len(head.splitlines()[1])]
+    halves = []
     for r in rows:
         if r["base"] is None or r["new"] is None:
             missing = " and ".join(s for s in ("base", "new") if r[s] is None)
@@ -77,8 +87,16 @@ def table(rows: List[dict], baseline: str, current: str) -> str:
             b, n = least(r["base"][f]), least(r["new"][f])
             cells.append(f"{b:>10.1f} / {n:<9.1f}  {n / b:>5.2f}")
         lines.append(f"{r['tokens']:>4}  " + "  ".join(cells))
-    lines.append("us: least over ranks (DeepEP's kineto kernel times; eager = CUDA events around back-to-back "
+        if all(r[s].get(f) for s in ("base", "new") for f in HALVES):
+            halves.append(f"{r['tokens']:>4}  " + "  ".join(
+                f"{least(r['base'][f]):>6.1f} / {least(r['new'][f]):<6.1f} {least(r['new'][f]) / least(r['base'][f]):>4.2f}"
+                for f in HALVES))
+    lines.append("us: least over ranks (DeepEP's kineto kernel times; eager = CUDA events around back-to-back\n"
                  "dispatch + combine); ratio = new / base")
+    if halves:
+        sub = (f"{'T':>4}  {'dispatch send':>20}  {'dispatch recv':>20}  {'combine send':>20}  {'combine recv':>20}")
+        lines += ["", "hook halves (send and receive launched apart), us base / new and ratio:", sub,
+                  "-" * len(sub)] + halves
     return "\n".join(lines)
 
 
@@ -113,17 +131,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("out", type=Path, help="ll_ab.sh's output folder (holds base/ and new/)")
     ap.add_argument("--baseline", default="base")
     ap.add_argument("--current", default="new")
+    ap.add_argument("--where", default="2 ranks on one GPU", help="where the ranks ran, for the title")
     a = ap.parse_args(argv)
     rows = collect(a.out)
     if not rows:
         print(f"no T<t> folders under {a.out}/base or {a.out}/new", file=sys.stderr)
         return 2
-    text = table(rows, a.baseline, a.current)
+    text = table(rows, a.baseline, a.current, a.where)
     print(text)
     (a.out / "ll_ab.txt").write_text(text + "\n")
-    doc = {"baseline": a.baseline, "current": a.current,
+    doc = {"baseline": a.baseline, "current": a.current, "where": a.where,
            "rows": [{"tokens": r["tokens"],
-                     **{s: ({f: {str(k): v for k, v in r[s][f].items()} for f in FIGURES} if r[s] else None)
+                     **{s: ({f: {str(k): v for k, v in r[s][f].items()} for f in FIGURES + HALVES} if r[s] else None)
                         for s in ("base", "new")}} for r in rows]}
     (a.out / "ll_ab.json").write_text(json.dumps(doc, indent=1))
     note = plot(rows, a.out / "ll_ab.png")
