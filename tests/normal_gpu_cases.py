@@ -272,7 +272,7 @@ def one_copy(shape_args: Tuple[int, int, int, int], cases: str) -> None:
 
 
 def bulk_copy_setting(setting: str, shape_args: Tuple[int, int, int, int], cases: str) -> None:
-    """correctness and one_copy with PYEP_NORMAL_TMA=setting (native_state.bulk_copy_flags, read when a
+    """correctness and one_copy with PYEP_NORMAL_TMA=setting (native_state.bulk_copy_setting, read when a
     buffer is built): the ring path, one-copy dispatch and combine with their row copies by warp loads and
     stores or by the bulk copy engine give the same bits as the reference."""
     import os

@@ -113,3 +113,14 @@ def test_rank_info_fields_are_checked_like_input(field, value, why):
             RankInfo.decode(len(data).to_bytes(4, "little") + data, 3)
     with pytest.raises(ValueError, match="malformed transport description"):
         RankInfo.decode(len(b"[1,").to_bytes(4, "little") + b"[1,", 3)
+
+
+def test_rank_info_checks_cover_every_field():
+    """The decode checks name every RankInfo field and no other, with the JSON type of its annotation."""
+    import dataclasses
+
+    from pyep.transport import base
+    names = {f.name: f.type for f in dataclasses.fields(base.RankInfo)}
+    assert set(base._INFO_FIELDS) == set(names)
+    for name, (kind, _) in base._INFO_FIELDS.items():
+        assert str(names[name]).lower().startswith(kind.__name__), (name, names[name], kind)

@@ -296,11 +296,8 @@ void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream
     check_rings(s, "normal combine", a.num_channels, a.ring_tokens, combine_row_bytes(a.hidden, a.num_topk), a.hidden);
     // Two bulk-copy stages per warp (normal_tma.cuh): the senders' stores, the reduce's loads.
     constexpr int smem = tma_smem_bytes(kCombineWarps);
-    static const bool smem_ok = [] {
-        return cudaFuncSetAttribute(combine, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess;
-    }();
-    if (!smem_ok) throw std::runtime_error("normal combine: cannot reserve " + std::to_string(smem) +
-                                           " bytes of shared memory per block");
+    static std::atomic<uint64_t> smem_devices{0};
+    reserve_stage_smem(combine, smem, smem_devices, "normal combine");
     combine<<<2 * a.num_channels, kCombineThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw std::runtime_error(std::string("normal combine launch: ") + cudaGetErrorString(e));

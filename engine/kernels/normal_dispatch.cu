@@ -386,12 +386,8 @@ void launch_dispatch(const NormalStatic& s, const DispatchArgs& a, uint64_t stre
     // Pointers may be 0 for empty tensors (N = 0, nothing received); the front checked the shapes.
     check_rings(s, "normal dispatch", a.num_channels, a.ring_tokens, dispatch_row_bytes(a.hidden, a.fp8, a.num_topk),
                 a.hidden);
-    static const bool smem_ok = [] {
-        return cudaFuncSetAttribute(dispatch, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmemBytes) ==
-               cudaSuccess;
-    }();
-    if (!smem_ok) throw std::runtime_error("normal dispatch: cannot reserve " + std::to_string(kTmaSmemBytes) +
-                                           " bytes of shared memory per block");
+    static std::atomic<uint64_t> smem_devices{0};
+    reserve_stage_smem(dispatch, kTmaSmemBytes, smem_devices, "normal dispatch");
     dispatch<<<2 * a.num_channels, kDispatchThreads, kTmaSmemBytes, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw std::runtime_error(std::string("normal dispatch launch: ") + cudaGetErrorString(e));

@@ -9,6 +9,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <atomic>
+#include <stdexcept>
+#include <string>
+
 #include "kernels/normal_common.cuh"
 
 namespace pyep {
@@ -177,6 +181,23 @@ __device__ __forceinline__ void stage_load(WarpTma& t, int s, const uint8_t* con
 __device__ __forceinline__ void tma_reads_after_acquire() {}
 __device__ __forceinline__ void stage_wait(WarpTma&, int) { __syncwarp(); }   // lane 0's copies are done
 __device__ __forceinline__ void stage_release() {}
+#endif  // !PYEP_LL_CPU_SIM
+
+#if !defined(PYEP_LL_CPU_SIM)
+// The dynamic shared memory a kernel's stages need past the 48 KiB default. cudaFuncSetAttribute acts
+// on the current device only, so it is made once per device (bit d of `devices`), not once per process:
+// a process that drives two GPUs would otherwise launch on the second without it.
+template <typename Kernel>
+inline void reserve_stage_smem(Kernel* kernel, int bytes, std::atomic<uint64_t>& devices, const char* what) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) throw std::runtime_error(std::string(what) + ": no current CUDA device");
+    const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
+    if (bit && (devices.load(std::memory_order_acquire) & bit)) return;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess)
+        throw std::runtime_error(std::string(what) + ": cannot reserve " + std::to_string(bytes) +
+                                 " bytes of shared memory per block on device " + std::to_string(dev));
+    devices.fetch_or(bit, std::memory_order_release);
+}
 #endif  // !PYEP_LL_CPU_SIM
 
 // A row copy: by bulk copy when `bulk`, else by the warp's own loads and stores.

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 if TYPE_CHECKING:
@@ -71,7 +71,8 @@ class RankInfo:
         return base64.b64decode(self.ipc_handle) if self.ipc_handle else b""
 
 
-# RankInfo's fields: (JSON type, whether it must be >= 0). Integers exclude bool (JSON true is not a count).
+# RankInfo's fields: (JSON type, whether it must be >= 0); tests/test_transport_plan.py holds them to the
+# dataclass. Integers exclude bool (JSON true is not a count).
 # `node` is -1 as sent (each rank derives the nodes itself, node_ids), so it is only an int.
 _INFO_FIELDS = {"rank": (int, True), "host": (str, False), "node": (int, False), "pci_bus_id": (str, False),
                 "pid": (int, True), "buffer_addr": (int, True), "buffer_bytes": (int, True),
@@ -85,7 +86,7 @@ def _rank_info_problem(doc: object) -> str:
     unknown = sorted(set(doc) - set(_INFO_FIELDS))
     if unknown:
         return f"unknown fields {unknown}"
-    required = [f for f in _INFO_FIELDS if f not in ("nic", "p2p")]
+    required = [f.name for f in fields(RankInfo) if f.default is MISSING and f.default_factory is MISSING]
     missing = [f for f in required if f not in doc]
     if missing:
         return f"missing fields {missing}"
