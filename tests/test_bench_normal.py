@@ -161,6 +161,11 @@ def test_parse_ll() -> None:
     assert f["kernels"]["dispatch_us"] == 31.8 and f["kernels"]["combine_gbps"] == 290.0
     assert f["hooks"]["combine_send_us"] == 31.8 and len(f["runs"]["dispatch_combine"]) == 1
     assert tool.has_figures("ll", f) and not tool.has_figures("ll", tool.parse_ll("nothing"))
+    # Ranks print without a lock: rank 0's line can follow rank 1's on one line of the log.
+    joined = tool.parse_ll("[rank 1] Dispatch + combine bandwidth: 261.38 GB/s, avg_t=84.35 us, min_t=70.98 us, "
+                           "max_t=128.16 us[rank 0] Dispatch + combine bandwidth: 265.44 GB/s, avg_t=83.06 us, "
+                           "min_t=70.69 us, max_t=106.18 us\n")
+    assert joined["dispatch_combine"] == {"gbps": 265.44, "avg_us": 83.06, "min_us": 70.69, "max_us": 106.18}
 
 
 def test_missing_deepep_is_a_note(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -111,19 +111,20 @@ def parse_ll(text: str, rank: int = 0) -> Dict[str, Any]:
     """test_low_latency.py's figures for one rank; each kind keeps every run (the test may run more
     than once) and the headline is the last one."""
     runs: Dict[str, List[Dict[str, float]]] = {"dispatch_combine": [], "kernels": [], "hooks": []}
+    # Ranks print without a lock: two ranks' lines can share one line of the log (finditer, not search).
     for line in text.splitlines():
-        m = _LL_DC.search(line)
-        if m and int(m[1]) == rank:
-            runs["dispatch_combine"].append({"gbps": float(m[2]), "avg_us": float(m[3]), "min_us": float(m[4]),
-                                             "max_us": float(m[5])})
-        m = _LL_KERNEL.search(line)
-        if m and int(m[1]) == rank:
-            runs["kernels"].append({"dispatch_gbps": float(m[2]), "dispatch_us": float(m[3]),
-                                    "combine_gbps": float(m[4]), "combine_us": float(m[5])})
-        m = _LL_HOOK.search(line)
-        if m and int(m[1]) == rank:
-            runs["hooks"].append({"dispatch_send_us": float(m[2]), "dispatch_recv_us": float(m[3]),
-                                  "combine_send_us": float(m[4]), "combine_recv_us": float(m[5])})
+        for m in _LL_DC.finditer(line):
+            if int(m[1]) == rank:
+                runs["dispatch_combine"].append({"gbps": float(m[2]), "avg_us": float(m[3]),
+                                                 "min_us": float(m[4]), "max_us": float(m[5])})
+        for m in _LL_KERNEL.finditer(line):
+            if int(m[1]) == rank:
+                runs["kernels"].append({"dispatch_gbps": float(m[2]), "dispatch_us": float(m[3]),
+                                        "combine_gbps": float(m[4]), "combine_us": float(m[5])})
+        for m in _LL_HOOK.finditer(line):
+            if int(m[1]) == rank:
+                runs["hooks"].append({"dispatch_send_us": float(m[2]), "dispatch_recv_us": float(m[3]),
+                                      "combine_send_us": float(m[4]), "combine_recv_us": float(m[5])})
     out: Dict[str, Any] = {"rank": rank, "runs": runs}
     for kind, vals in runs.items():
         if vals:
