@@ -55,11 +55,12 @@ __device__ __forceinline__ void wait_acks(const LLStatic& s, const LLCombineCall
     for (int r = threadIdx.x; r < s.num_ranks; r += blockDim.x) {
         if (peer_modes[r] == kPeerInactive) continue;
         const int* ack = reinterpret_cast<const int*>(hb + off_cack(s, c.half, r));
-        const int st = resolve_flag(state, active, r, ack, ld_volatile(sent + r), c.timeout_ns, 0);
+        bool seen = false;
+        const int st = resolve_flag(state, active, r, ack, ld_volatile(sent + r), c.timeout_ns, 0, &seen);
         if (st == kArrived) {
-            // Acquire in this thread too (another block may have decided): our stores to r's rows and
-            // to our staging slots follow r's reduce loads that the acknowledgement publishes.
-            (void)ld_acquire_sys(ack);
+            // Acquire in this thread too when another block decided: our stores to r's rows and to our
+            // staging slots follow r's reduce loads that the acknowledgement publishes.
+            if (!seen) (void)ld_acquire_sys(ack);
         } else {
             peer_modes[r] = kPeerInactive;
         }

@@ -36,8 +36,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         sm.cnt[p] = n;
     }
     __syncthreads();
-    source_offsets(sm.cnt, sm.srcoff, sm.scan, R, El);
-    block_exclusive_scan(sm.rowstart, sm.cnt, E, sm.scan);
+    plan_rows(sm.cnt, sm.rowstart, sm.srcoff, sm.scan, R, El);
     const int total = sm.rowstart[E];
     // A handle combined again: no row before each destination acknowledged our earlier combines on
     // this half (ll_ack.cuh). After the routing scans, so they overlap the wait.
@@ -96,25 +95,32 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
 
     __syncthreads();
     trace_point(s, kTraceCombine, kTrSendIssued);
-    const bool last_send = arrive_last(ws_counter(s, half, kCombineSendDone), sm.flag);
+    // What the last block's flag stores read from memory (this rank's generation, the thread's first
+    // destination) is loaded before the arrival, so the flags follow its fence directly.
+    const uint32_t tag = call_tag(c.seq, gen_of(s, s.rank));
+    const uint64_t first_base = tid < R ? peer_base(s, tid) : 0;
+    const bool last_send = arrive_last<kPeerScope>(ws_counter(s, half, kCombineSendDone), sm.flag);
     trace_point(s, kTraceCombine, kTrSendFenced);
     if (last_send) {
-        const int* fail = ws_fail(s);
         // The flag carries this call's tag (docs/ll_kernels.md, "Call tags"), or the abort marker.
-        const uint32_t tag = call_tag(c.seq, gen_of(s, s.rank));
         const uint32_t first = c.abort ? sig_word(tag, kSigAbort | (uint32_t)c.abort) : sig_word(tag, 1);
-        for (int r = tid; r < R; r += blockDim.x)
-            if (sm.active[r] == kPeerStore)
-                st_relaxed_sys(reinterpret_cast<int*>(peer_base(s, r) + off_csig(s, half, s.rank)), (int)first);
+        for (int r = tid; r < R; r += blockDim.x) {
+            if (sm.active[r] != kPeerStore) continue;
+            const uint64_t base = r == tid ? first_base : peer_base(s, r);
+            st_relaxed_sys(reinterpret_cast<int*>(base + off_csig(s, half, s.rank)), (int)first);
+        }
         // NIC: a +1 on every QP of the peer, so the flag completes only after the data of all of them; the
         // add on QP 0 also brings the tag (or, alone, the abort marker).
-        for (int i = warp; i < R * s.num_qps_per_peer; i += kWarps) {
-            const int r = i / s.num_qps_per_peer, j = i - r * s.num_qps_per_peer;
-            if (lane != 0 || sm.active[r] != kPeerNic || ld_volatile(fail + r) || (j != 0 && c.abort)) continue;
-            const int st = gda::post_masked_fa32(peer_qp(s, r, j), remote_addr(s, r) + off_csig(s, half, s.rank),
-                                                 rkey_of(s, r), j == 0 ? first : 1u, s.fetch_addr, s.lkey, false,
-                                                 c.timeout_ns);
-            if (st != gda::kOk) note_failure(s, r);
+        if (any_peer_of(sm.active, R, kPeerNic)) {
+            const int* fail = ws_fail(s);
+            for (int i = warp; i < R * s.num_qps_per_peer; i += kWarps) {
+                const int r = i / s.num_qps_per_peer, j = i - r * s.num_qps_per_peer;
+                if (lane != 0 || sm.active[r] != kPeerNic || ld_volatile(fail + r) || (j != 0 && c.abort)) continue;
+                const int st = gda::post_masked_fa32(peer_qp(s, r, j), remote_addr(s, r) + off_csig(s, half, s.rank),
+                                                     rkey_of(s, r), j == 0 ? first : 1u, s.fetch_addr, s.lkey, false,
+                                                     c.timeout_ns);
+                if (st != gda::kOk) note_failure(s, r);
+            }
         }
         __syncthreads();
         finish_failures(s, sm.active, active);
@@ -137,30 +143,25 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
 
     // Routing of this warp's first reduce item depends on nothing the peers send: load it before the
     // wait, so the wait's end is followed by the data loads only.
-    const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
-    const float* weights = reinterpret_cast<const float*>(c.weights);
     const int cols = H / 8;               // int4 columns of a row
     // LogFMT items are (token, 512 channels): lane l reduces channels 16l..16l+15.
     const int col_chunks = c.use_logfmt ? H / kLfRound : (cols + 31) / 32;
     const int64_t items = (int64_t)N * col_chunks;
     const int64_t first_it = (int64_t)blockIdx.x * kWarps + warp;
-    int64_t pre_v = -1;
-    float pre_w = 0.0f;
-    if (first_it < items && lane < K) {
-        const int t = (int)(first_it / col_chunks);
-        pre_v = __ldg(topk + t * K + lane);
-        pre_w = __ldg(weights + t * K + lane);
-    }
+    int64_t pre_v;
+    float pre_w;
+    load_item_routing(c, first_it, items, col_chunks, pre_v, pre_w);
 
     for (int r = tid; r < R; r += blockDim.x) {
         const int* sig = reinterpret_cast<const int*>(hb + off_csig(s, half, r));
         const uint32_t tag = call_tag(c.seq, gen_of(s, r)), need = (uint32_t)max(1, expect[r]);
+        bool seen = false;
         const int st = resolve_signal(state, active, r, sig,
                                       [tag, need](uint32_t v) { return judge_signal(v, tag, need); }, c.timeout_ns,
-                                      c.wait_stats);
-        // Re-read with acquire: when another block decided, this block still needs its own edge to
-        // the data the flag publishes.
-        sm.ok[r] = st == kArrived && ld_acquire_sys(sig) != 0;
+                                      c.wait_stats, &seen);
+        // When another block decided and this thread's own load did not find the flag complete, re-read
+        // it with acquire: this block needs its own edge to the data the flag publishes.
+        sm.ok[r] = st == kArrived && (seen || ld_acquire_sys(sig) != 0);
     }
     __syncthreads();
     trace_point(s, kTraceCombine, kTrRecvReady);
@@ -172,7 +173,8 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
         const int t = (int)(it / col_chunks);
         const int col = (int)(it - (int64_t)t * col_chunks) * 32 + lane;
         float my_w;
-        const int my_e = slot_expert(c, sm, El, E, t, it == first_it, pre_v, pre_w, my_w);
+        const int my_e = slot_expert(c, sm, El, E, t, pre_v, pre_w, my_w);
+        load_item_routing(c, it + (int64_t)gridDim.x * kWarps, items, col_chunks, pre_v, pre_w);
         const bool live = col < cols;
         // k ascending, kReduceBatch loads in flight at a time (all of them for K <= 8): the order of the
         // fp32 additions is fixed, and registers stay low enough for a full block of 512 threads.
@@ -188,7 +190,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
                 const int k = k0 + j;
                 use[j] = __shfl_sync(0xffffffffu, my_e, k & 31) >= 0 && k < K;
                 w[j] = __shfl_sync(0xffffffffu, my_w, k & 31);
-                if (use[j] && live) y[j] = ld_v4(hb + off_crecv(s, half, t, k) + (uint64_t)col * 16);
+                if (use[j] && live) y[j] = ld_row_v4(hb + off_crecv(s, half, t, k) + (uint64_t)col * 16);
             }
 #pragma unroll
             for (int j = 0; j < kReduceBatch; ++j) {
@@ -213,7 +215,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     }
     }   // !use_logfmt
 
-    const bool last_recv = arrive_last(ws_counter(s, half, kCombineRecvDone), sm.flag);
+    const bool last_recv = arrive_last<kGpuScope>(ws_counter(s, half, kCombineRecvDone), sm.flag);
     trace_point(s, kTraceCombine, kTrRecvCopied);
     if (last_recv) {
         int* sig = reinterpret_cast<int*>(hb + off_csig(s, half, 0));
@@ -263,7 +265,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine(LLStatic s, LLCom
 int combine_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
     // + 16 alignment slack, the LogFMT log2 table and the per-warp LogFMT staging.
-    return 4 * (4 + 2 * R + 3 * E + 2 + scan_scratch_ints(E)) + 16 + 128 * 4 + kWarps * kLfStageBytes;
+    return 4 * (4 + 2 * R + 3 * E + 2 + plan_scratch_ints(E)) + 16 + 128 * 4 + kWarps * kLfStageBytes;
 }
 
 #if !defined(PYEP_LL_CPU_SIM)

@@ -16,8 +16,8 @@ struct CombineSmem {
     int* ok;        // [R]
     int* cnt;       // [E] rows per (local expert, source rank), e-major
     int* rowstart;  // [E + 1]
-    int* srcoff;    // [E + 1] source_offsets()
-    int* scan;      // [scan_scratch_ints(E)]
+    int* srcoff;    // [E + 1] plan_rows()
+    int* scan;      // [plan_scratch_ints(E)]
     float* lf_tbl;  // [128] LogFMT log2 mantissa table (kLfLog2Mant)
     uint8_t* stage; // [kWarps][kLfStageBytes] LogFMT: one round of a warp's encoded row
 };
@@ -32,7 +32,7 @@ __device__ CombineSmem carve_combine(uint8_t* p, int R, int E) {
     m.rowstart = q; q += E + 1;
     m.srcoff = q; q += E + 1;
     m.scan = q;
-    q += scan_scratch_ints(E);
+    q += plan_scratch_ints(E);
     uint8_t* b = reinterpret_cast<uint8_t*>(q);
     b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(b) + 15) & ~uintptr_t(15));
     m.lf_tbl = reinterpret_cast<float*>(b);
@@ -55,20 +55,31 @@ __device__ __forceinline__ void post_row(const LLStatic& s, const LLCombineCall&
     __syncwarp();
 }
 
-// A reduce item's lanes 0..K-1 hold row t's top-k slots: returns the lane's expert and sets its weight.
-// An id dispatch routed as -1 (out of range, or a repeat of an earlier slot's expert) is -1 here too --
-// nothing was sent for it, and dispatch reports it -- and so is an expert whose owner did not arrive.
-// The warp's first item takes the values it loaded before the wait (pre_v, pre_w).
+// A reduce item's routing: lanes 0..K-1 load the top-k entry and weight of the item's row. Loaded one
+// item ahead (the first before the wait): an item's routing is then in registers when the item starts,
+// and its row loads do not wait a round trip behind it.
+__device__ __forceinline__ void load_item_routing(const LLCombineCall& c, int64_t it, int64_t items, int col_chunks,
+                                                  int64_t& v, float& w) {
+    const int K = c.num_topk, lane = threadIdx.x & 31;
+    v = -1;
+    w = 0.0f;
+    if (it < items && lane < K) {
+        const int t = (int)(it / col_chunks);
+        v = __ldg(reinterpret_cast<const int64_t*>(c.topk) + t * K + lane);
+        w = __ldg(reinterpret_cast<const float*>(c.weights) + t * K + lane);
+    }
+}
+
+// Lanes 0..K-1 hold row t's top-k slots (v, w from load_item_routing): returns the lane's expert and
+// sets its weight. An id dispatch routed as -1 (out of range, or a repeat of an earlier slot's expert)
+// is -1 here too -- nothing was sent for it, and dispatch reports it -- and so is an expert whose owner
+// did not arrive.
 __device__ __forceinline__ int slot_expert(const LLCombineCall& c, const CombineSmem& sm, int El, int E, int t,
-                                           bool first, int64_t pre_v, float pre_w, float& my_w) {
+                                           int64_t v, float w, float& my_w) {
     const int K = c.num_topk, lane = threadIdx.x & 31;
     const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
-    int64_t my_v = -1;
-    my_w = 0.0f;
-    if (lane < K) {
-        my_v = first ? pre_v : __ldg(topk + t * K + lane);
-        my_w = first ? pre_w : __ldg(reinterpret_cast<const float*>(c.weights) + t * K + lane);
-    }
+    const int64_t my_v = lane < K ? v : -1;
+    my_w = lane < K ? w : 0.0f;
     bool bad;
     const int my_e = checked_expert(topk, t * K + lane, my_v, K, E, 0xffffffffu, t * K, bad);
     return my_e >= 0 && !sm.ok[my_e / El] ? -1 : my_e;

@@ -120,7 +120,8 @@ __device__ void combine_reduce_logfmt(const LLStatic& s, const LLCombineCall& c,
         const int g = chunk * 4 + (lane >> 3);          // this lane's group
         const int ng = chunk * 4 + 4;                   // groups whose meta this item needs
         float my_w;
-        const int my_e = slot_expert(c, sm, El, E, t, it == first_it, pre_v, pre_w, my_w);
+        const int my_e = slot_expert(c, sm, El, E, t, pre_v, pre_w, my_w);
+        load_item_routing(c, it + (int64_t)gridDim.x * kWarps, items, col_chunks, pre_v, pre_w);
         float acc[16];
 #pragma unroll
         for (int j = 0; j < 16; ++j) acc[j] = 0.0f;

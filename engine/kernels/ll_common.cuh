@@ -118,10 +118,12 @@ __device__ __forceinline__ uint8_t* dynamic_smem() {
     extern __shared__ __align__(16) uint8_t ll_dynamic_smem[];
     return ll_dynamic_smem;
 }
-// Read-only inputs (x, topk, weights, the handle): the non-coherent path, no L1 allocation.
+// Read-only inputs (x, topk, weights, the handle): the non-coherent path, no L1 allocation. Rows are
+// read whole, 16 bytes a lane: L2::256B lets a miss fetch 256 contiguous bytes from HBM in one request
+// (a prefetch-size hint only; a warp's 512 bytes use all of it).
 __device__ __forceinline__ int4 ld_nc_v4(const void* p) {
     int4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
@@ -129,6 +131,14 @@ __device__ __forceinline__ int4 ld_nc_v4(const void* p) {
 __device__ __forceinline__ int4 ld_v4(const void* p) {
     int4 v;
     asm volatile("ld.global.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+// The same for rows that are read whole (the dispatch receive's copy, the combine's reduce), with
+// ld_nc_v4's prefetch-size hint.
+__device__ __forceinline__ int4 ld_row_v4(const void* p) {
+    int4 v;
+    asm volatile("ld.global.L1::no_allocate.L2::256B.v4.s32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
     return v;
 }
@@ -173,6 +183,7 @@ __device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) {
 __device__ __forceinline__ uint8_t* dynamic_smem() { return sim_smem(); }
 __device__ __forceinline__ int4 ld_nc_v4(const void* p) { return sim_ld_v4(p); }
 __device__ __forceinline__ int4 ld_v4(const void* p) { return sim_ld_v4(p); }
+__device__ __forceinline__ int4 ld_row_v4(const void* p) { return sim_ld_v4(p); }
 __device__ __forceinline__ void st_v4(void* p, int4 v) { sim_st_v4(p, v); }
 __device__ __forceinline__ int ld_acquire_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 __device__ __forceinline__ int ld_volatile(const int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
@@ -190,9 +201,19 @@ __device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) {
     return v;
 }
 #endif
+// Both loads in one round trip: the table load is written first, since nothing moves a load across the
+// volatile asm of the other (a branch on `active` first made them two dependent round trips).
 __device__ __forceinline__ int peer_mode(const LLStatic& s, const int* active, int r) {
+    const uint64_t pb = peer_base(s, r);
     if (ld_volatile(active + r) == 0) return kPeerInactive;
-    return peer_base(s, r) != 0 ? kPeerStore : kPeerNic;
+    return pb != 0 ? kPeerStore : kPeerNic;
+}
+// Whether any rank has PeerMode `mode` in this call (peer_modes: shared memory, the block's copy); the
+// same answer in every thread, so it can guard a barrier.
+__device__ __forceinline__ bool any_peer_of(const int* peer_modes, int num_ranks, int mode) {
+    bool any = false;
+    for (int r = 0; r < num_ranks; ++r) any |= peer_modes[r] == mode;
+    return any;
 }
 __device__ __forceinline__ int expert_of(const int64_t* topk, int i, int num_experts) {
     const int64_t v = __ldg(topk + i);
@@ -264,6 +285,30 @@ __device__ __forceinline__ void trace_point(const LLStatic& s, int kernel, int p
 // microsecond on the critical path of every dispatch.
 __host__ __device__ __forceinline__ int scan_scratch_ints(int n) { return (n + 31) / 32 + 1; }
 
+__device__ __forceinline__ int warp_inclusive_scan(int v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += y;
+    }
+    return v;
+}
+
+// One warp: tot[0..chunks) (chunk totals) becomes their exclusive scan, tot[chunks] the grand total.
+__device__ __forceinline__ void scan_chunk_totals(int* tot, int chunks) {
+    const int lane = threadIdx.x & 31;
+    int carry = 0;
+    for (int base = 0; base < chunks; base += 32) {
+        const int i = base + lane;
+        const int v = i < chunks ? tot[i] : 0;
+        const int incl = warp_inclusive_scan(v);
+        if (i < chunks) tot[i] = carry + incl - v;
+        carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) tot[chunks] = carry;
+}
+
 __device__ __forceinline__ void block_exclusive_scan(int* out, const int* in, int n, int* tot,
                                                      int clamp = 0x7fffffff) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (int)blockDim.x >> 5;
@@ -271,32 +316,12 @@ __device__ __forceinline__ void block_exclusive_scan(int* out, const int* in, in
     for (int c = warp; c < chunks; c += nwarps) {
         const int i = c * 32 + lane;
         const int v = i < n ? min(in[i], clamp) : 0;
-        int incl = v;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += y;
-        }
+        const int incl = warp_inclusive_scan(v);
         if (i < n) out[i] = incl - v;
         if (lane == 31) tot[c] = incl;
     }
     __syncthreads();
-    if (warp == 0) {
-        int carry = 0;
-        for (int base = 0; base < chunks; base += 32) {
-            const int i = base + lane;
-            const int v = i < chunks ? tot[i] : 0;
-            int incl = v;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            if (i < chunks) tot[i] = carry + incl - v;
-            carry += __shfl_sync(0xffffffffu, incl, 31);
-        }
-        if (lane == 0) tot[chunks] = carry;
-    }
+    if (warp == 0) scan_chunk_totals(tot, chunks);
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] += tot[i >> 5];
     if (threadIdx.x == 0) out[n] = tot[chunks];
@@ -316,20 +341,31 @@ __device__ __forceinline__ int find_range(const int* a, int n, int q) {
 
 // Completion protocol: every block calls this once after its part; the last block of the grid to
 // arrive gets true (in all its threads). The barrier orders every thread's stores (into peers' memory
-// too) before thread 0's system-scope fence and arrival: a release pattern, cumulative over what the
-// barrier ordered before it (PTX memory model: causality order runs through bar.sync, as NCCL's flag
-// stores after a barrier rely on). The last block's thread 0 fences (sys) again after observing every
-// arrival, and the barrier then orders the block's signal stores after that fence: the signals can be
-// relaxed stores. One fence per block, not per thread: fences of one SM run one after another (a
-// release store per signal, 288 count signals, took 7 us on H200), and a fence in every thread kept
-// 8 us between a block's last store and its arrival at T=1 on two H100s over NVLink.
+// too) before thread 0's fence and arrival: a release pattern, cumulative over what the barrier
+// ordered before it (PTX memory model: causality order runs through bar.sync, as NCCL's flag stores
+// after a barrier rely on). The last block's thread 0 fences again after observing every arrival, and
+// the barrier then orders the block's signal stores after that fence: the signals can be relaxed
+// stores. One fence per block, not per thread: fences of one SM run one after another (a release store
+// per signal, 288 count signals, took 7 us on H200), and a fence in every thread kept 8 us between a
+// block's last store and its arrival at T=1 on two H100s over NVLink.
+// Scope: a send phase (kPeerScope) publishes its blocks' stores to other GPUs, so its fences are
+// system-wide. A receive phase only needs its blocks' reads of this rank's own signal words ordered
+// before the last block clears them, all on this GPU: GPU scope. Nothing outside the GPU relies on
+// that order -- peers write this half again only after results of a later kernel reach them, and what
+// the last block then publishes (the call record, combine acknowledgements) has its own system fence,
+// which causality order chains after this one (write_call_record, send_acks).
+enum ArriveScope : int { kGpuScope = 0, kPeerScope = 1 };
+
+template <ArriveScope kScope>
 __device__ __forceinline__ bool arrive_last(int* counter, int* s_flag) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        if (kScope == kPeerScope) __threadfence_system(); else __threadfence();
         const int prev = atomicAdd(counter, 1);
         const bool last = prev == (int)gridDim.x - 1;
-        if (last) __threadfence_system();
+        if (last) {
+            if (kScope == kPeerScope) __threadfence_system(); else __threadfence();
+        }
         *s_flag = last ? 1 : 0;
     }
     __syncthreads();
@@ -346,17 +382,25 @@ __device__ __forceinline__ void add_wait(uint64_t stats, int r, int outcome, uin
 // Decides source rank r's word `flag` in this call identically for every block: the first block to
 // find it complete (judge(value) != kUndecided), or to time out, or to find r inactive records the
 // outcome with a CAS; everyone else adopts it. The timeout runs on %globaltimer (nanoseconds), never
-// clock64, from the first poll that missed; the decider adds that wait to `stats` (add_wait). (The
-// dispatch receive, with E_l words per source, uses wait_counts below.)
+// clock64, from the first poll that missed; the decider adds that wait to `stats` (add_wait). The first
+// poll goes out with the decision word and the active flag, in one round trip (none of the three waits
+// for another's value; loaded one after another they were three). `seen` (optional): whether this
+// thread's own acquire load found the word complete -- if not, a caller that goes on to read what the
+// word publishes must acquire it itself (another block decided). (The dispatch receive, with E_l words
+// per source, uses wait_counts below.)
 template <typename Judge>
 __device__ __forceinline__ int resolve_signal(int* state, const int* active, int r, const int* flag, Judge judge,
-                                              uint64_t timeout_ns, uint64_t stats) {
+                                              uint64_t timeout_ns, uint64_t stats, bool* seen = nullptr) {
     int st = ld_volatile(state + r);
+    const int on = ld_volatile(active + r);
+    int outcome = judge((uint32_t)ld_acquire_sys(flag));
+    if (seen) *seen = outcome == kArrived;
     if (st != kUndecided) return st;
-    int outcome = kInactive;
     uint64_t start = 0, waited = 0;
-    if (ld_volatile(active + r) != 0) {
-        while ((outcome = judge((uint32_t)ld_acquire_sys(flag))) == kUndecided) {
+    if (on == 0) {
+        outcome = kInactive;
+    } else {
+        while (outcome == kUndecided) {
             if (start == 0) start = gda::now_ns();
             LL_SPIN_HINT();
             st = ld_volatile(state + r);
@@ -366,7 +410,9 @@ __device__ __forceinline__ int resolve_signal(int* state, const int* active, int
                 outcome = kTimedOut;
                 break;
             }
+            outcome = judge((uint32_t)ld_acquire_sys(flag));
         }
+        if (seen) *seen = outcome == kArrived;
         if (start != 0 && outcome != kTimedOut) waited = gda::now_ns() - start;
     }
     const int prev = atomicCAS(state + r, kUndecided, outcome);
@@ -377,10 +423,10 @@ __device__ __forceinline__ int resolve_signal(int* state, const int* active, int
 
 // A counter that must reach `expect` (modulo 2^32: a counter may wrap, ll_ack.cuh): kArrived or not yet.
 __device__ __forceinline__ int resolve_flag(int* state, const int* active, int r, const int* flag, int expect,
-                                            uint64_t timeout_ns, uint64_t stats) {
+                                            uint64_t timeout_ns, uint64_t stats, bool* seen = nullptr) {
     return resolve_signal(state, active, r, flag, [expect](uint32_t v) {
         return (int)(v - (uint32_t)expect) >= 0 ? (int)kArrived : (int)kUndecided;
-    }, timeout_ns, stats);
+    }, timeout_ns, stats, seen);
 }
 
 // The dispatch receive's version of resolve_flag: each source sends E_l count words. Every thread
@@ -388,20 +434,25 @@ __device__ __forceinline__ int resolve_flag(int* state, const int* active, int r
 // word, all in one round trip -- so all E words are awaited at once (walking them one after another
 // per source was a chain of E_l dependent loads, tens of microseconds at E_l = 72). Then one thread per
 // source records the block's verdict with the CAS protocol, so all blocks agree. Shared memory:
-// src_state [R] (on return: the decision about source r), flags [R + 1] (scratch), cnt [E] (on
-// return: rows source r sent to local expert le at p = le * R + r, the signal's own index; 0 unless r
-// arrived). Fences: one per block after the polls (acquire for what this block saw, and the release
-// half for blocks that adopt its verdict), and one more only if this block adopted "arrived" for a
-// word it had not seen and had to read it afterwards. With `stats` (WaitStats), waited [R] (shared)
-// collects, per source, the latest moment a word this block had to wait for was seen, counted from
-// this thread's entry; the deciding block adds it (add_wait). A word that is not call `seq`'s tag from
-// its source (generation from `gens`, LLStatic::peer_gen, or 0), or is its abort marker, decides the
-// source as kMismatch / kAborted (every one of its words counts 0); the generation is loaded in the same
-// round trip as the first poll. Another call's tag stops this block's wait for that source's other words
-// (they belong to the peer's own call and may never come; clean() clears them). An abort marker does not:
-// the refusing rank writes it into every word, on the QP of each word's expert, in one launch, and a word
-// on another QP can land after the first -- were the wait cut short, the last block would clear the half
-// before it landed, and the stale marker would turn the next call on this half into a mismatch.
+// src_state [R] (on return: the decision about source r), flags [R] (scratch), cnt [E] (on return:
+// rows source r sent to local expert le at p = le * R + r, the signal's own index; 0 unless r arrived).
+// Memory order: every poll is an acquire load, so each word this block uses was acquired by the thread
+// that read it, and the barriers after the polls carry that to the threads that copy (causality runs
+// through bar.sync). Relaxed polls with one system fence per block after them cost a fence on every
+// receive (and a second one when the block adopted another block's verdict for words it had not seen);
+// an acquire load is an ordinary load plus an L1 invalidation. A source decided before this block
+// looked is adopted from the poll's own load of the decision word, and an undecided one goes straight
+// to the CAS, which returns the verdict if another block was first: no round trip only to read it.
+// With `stats` (WaitStats), waited [R] (shared) collects, per source, the latest moment a word this
+// block had to wait for was seen, counted from this thread's entry; the deciding block adds it
+// (add_wait). A word that is not call `seq`'s tag from its source (generation from `gens`,
+// LLStatic::peer_gen, or 0), or is its abort marker, decides the source as kMismatch / kAborted (every
+// one of its words counts 0); the generation is loaded in the same round trip as the first poll.
+// Another call's tag stops this block's wait for that source's other words (they belong to the peer's
+// own call and may never come; clean() clears them). An abort marker does not: the refusing rank writes
+// it into every word, on the QP of each word's expert, in one launch, and a word on another QP can land
+// after the first -- were the wait cut short, the last block would clear the half before it landed, and
+// the stale marker would turn the next call on this half into a mismatch.
 enum CountFlag : int { kSeenAll = 0, kUnseen = 1, kLate = 2, kInactiveSrc = 4, kAbortSeen = 8, kTagBad = 16 };
 
 __device__ __forceinline__ void wait_counts(int* state, const int* active, const int* sig, int num_ranks,
@@ -410,9 +461,10 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
                                             uint32_t seq, const int* gens) {
     const int R = num_ranks;
     const uint64_t entry = stats ? gda::now_ns() : 0;
-    for (int r = threadIdx.x; r <= R; r += blockDim.x) {
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
         flags[r] = 0;
-        if (stats && r < R) waited[r] = 0;
+        src_state[r] = kUndecided;
+        if (stats) waited[r] = 0;
     }
     __syncthreads();
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
@@ -420,7 +472,9 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
         const int gen = gens ? __ldg(gens + r) : 0;     // the host changes it between calls only
         const int on = ld_volatile(active + r);
         const int st = ld_volatile(state + r);
-        int v = ld_relaxed_sys(sig + p);
+        int v = ld_acquire_sys(sig + p);
+        // A decision is final within the call: every thread that saw one saw the same.
+        if (st != kUndecided) src_state[r] = st;
         if (on == 0) {
             atomicOr(flags + r, kInactiveSrc);
             v = 0;
@@ -428,7 +482,7 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
             uint64_t deadline = 0;
             for (int spins = 0;; ++spins) {
                 LL_SPIN_HINT();
-                if ((v = ld_relaxed_sys(sig + p)) != 0) break;
+                if ((v = ld_acquire_sys(sig + p)) != 0) break;
                 if ((spins & 15) != 15) continue;
                 // Someone (another block, or a thread of this one) already settled r: stop waiting. A
                 // decision is only taken once a block saw all of r's words (or timed out), so stopping then
@@ -454,38 +508,28 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) fence_acq_rel_sys();
-    __syncthreads();
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        int st = ld_volatile(state + r);
-        if (st == kUndecided) {
-            // A source is late for this block only if one of its words stayed unseen while nobody had
-            // decided (a decided state is never undecided again within the call).
-            const int f = flags[r];
-            const int outcome = (f & kInactiveSrc) ? kInactive : (f & kAbortSeen) ? kAborted
-                                : (f & kTagBad) ? kMismatch : (f & kUnseen) ? kTimedOut : kArrived;
-            const int prev = atomicCAS(state + r, kUndecided, outcome);
-            st = prev == kUndecided ? outcome : prev;
-            if (prev == kUndecided) add_wait(stats, r, outcome, stats ? waited[r] : 0);
-        }
-        src_state[r] = st;
+        if (src_state[r] != kUndecided) continue;
+        // A source is late for this block only if one of its words stayed unseen while nobody had
+        // decided (a decided state is never undecided again within the call).
+        const int f = flags[r];
+        const int outcome = (f & kInactiveSrc) ? kInactive : (f & kAbortSeen) ? kAborted
+                            : (f & kTagBad) ? kMismatch : (f & kUnseen) ? kTimedOut : kArrived;
+        const int prev = atomicCAS(state + r, kUndecided, outcome);
+        src_state[r] = prev == kUndecided ? outcome : prev;
+        if (prev == kUndecided) add_wait(stats, r, outcome, stats ? waited[r] : 0);
     }
     __syncthreads();
     // Another block saw every word of r and decided "arrived" first: read the words it saw (they are
-    // visible to us too by now, or very soon), then acquire once.
+    // visible to us too by now, or very soon), each with acquire like the polls.
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
         if (src_state[p % R] != kArrived || cnt[p] != 0) continue;
         const uint64_t deadline = gda::now_ns() + timeout_ns;
         int v;
-        while ((v = ld_relaxed_sys(sig + p)) == 0 && gda::now_ns() < deadline) LL_SPIN_HINT();
+        while ((v = ld_acquire_sys(sig + p)) == 0 && gda::now_ns() < deadline) LL_SPIN_HINT();
         cnt[p] = v;
-        flags[R] = 1;
     }
     __syncthreads();
-    if (flags[R]) {
-        if (threadIdx.x == 0) fence_acq_rel_sys();
-        __syncthreads();
-    }
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
         const int n = src_state[p % R] == kArrived ? max(0, min((int)((uint32_t)cnt[p] & kSigValue) - 1, max_rows)) : 0;
         cnt[p] = n;
@@ -493,19 +537,43 @@ __device__ __forceinline__ void wait_counts(int* state, const int* active, const
     __syncthreads();
 }
 
-// Where source r's messages for local expert e start among r's slots (the sender packs them by
-// expert): prefix sums over e per source. Computed as one block scan of the counts transposed to
-// source-major order -- offs[r * E_l + e] then holds the rows of all sources before r plus the rows of
-// (r, e' < e) -- instead of R threads each walking E_l entries (about a microsecond at E_l = 72).
-// offs: [E + 1] ints of shared memory; read it with source_slot().
-__device__ __forceinline__ void source_offsets(const int* cnt, int* offs, int* scan, int R, int El) {
-    const int E = R * El;
-    for (int p = threadIdx.x; p < E; p += blockDim.x) {
-        const int e = p / R, r = p - e * R;
-        offs[r * El + e] = cnt[p];
+// The plan of rows that the dispatch receive and the combine send share, from cnt [E] (rows of (local
+// expert e, source r) at p = e * R + r, the count word's own index): rowstart [E + 1], the exclusive
+// scan of cnt in that order (output rows by expert, then source), and offs [E + 1], the exclusive scan
+// of cnt transposed to source-major order -- offs[r * E_l + e] holds the rows of all sources before r
+// plus those of (r, e' < e), so source_slot() says where source r's messages for e start among its
+// slots (the sender packs them by expert). Both scans share three barriers: run one after the other,
+// with the transpose, they took seven, about 2 us of a dispatch receive at E = 288. Run by every
+// thread after a barrier; scan: plan_scratch_ints(E) ints of shared memory.
+__host__ __device__ __forceinline__ int plan_scratch_ints(int n) { return 2 * scan_scratch_ints(n); }
+
+__device__ __forceinline__ void plan_rows(const int* cnt, int* rowstart, int* offs, int* scan, int R, int El) {
+    const int E = R * El, chunks = (E + 31) / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (int)blockDim.x >> 5;
+    int* tot[2] = {scan, scan + chunks + 1};
+    for (int c = warp; c < 2 * chunks; c += nwarps) {
+        const int which = c >= chunks, i = (c - which * chunks) * 32 + lane;
+        int v = 0;
+        if (i < E) {
+            const int r = i / El;
+            v = which ? cnt[(i - r * El) * R + r] : cnt[i];
+        }
+        const int incl = warp_inclusive_scan(v);
+        if (i < E) (which ? offs : rowstart)[i] = incl - v;
+        if (lane == 31) tot[which][c - which * chunks] = incl;
     }
     __syncthreads();
-    block_exclusive_scan(offs, offs, E, scan);
+    for (int w = warp; w < 2; w += nwarps) scan_chunk_totals(tot[w], chunks);
+    __syncthreads();
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+        rowstart[i] += tot[0][i >> 5];
+        offs[i] += tot[1][i >> 5];
+    }
+    if (threadIdx.x == 0) {
+        rowstart[E] = tot[0][chunks];
+        offs[E] = tot[1][chunks];
+    }
+    __syncthreads();
 }
 __device__ __forceinline__ int source_slot(const int* offs, int El, int e, int r) {
     return offs[r * El + e] - offs[r * El];
@@ -572,9 +640,7 @@ __device__ __forceinline__ void finish_decisions(int* state, int* active, int nu
 // Only NIC posts fail: with no NIC peer (peer_modes: this call's PeerMode per rank, shared memory)
 // there is nothing to collect, and no reason to make threads that just stored signals wait on loads.
 __device__ __forceinline__ void finish_failures(const LLStatic& s, const int* peer_modes, int* active) {
-    bool any_nic = false;
-    for (int r = 0; r < s.num_ranks; ++r) any_nic |= peer_modes[r] == kPeerNic;
-    if (!any_nic) return;
+    if (!any_peer_of(peer_modes, s.num_ranks, kPeerNic)) return;
     int* fail = ws_fail(s);
     for (int r = threadIdx.x; r < s.num_ranks; r += blockDim.x) {
         if (ld_volatile(fail + r)) {

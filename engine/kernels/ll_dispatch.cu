@@ -56,10 +56,10 @@ struct DispatchSmem {
     int* base;          // [E + 1]
     int* cnt;           // [E] received count per (local expert, source) pair, e-major
     int* rowstart;      // [E + 1]
-    int* srcoff;        // [E + 1] source_offsets()
-    int* scan;          // [scan_scratch_ints(E)]
+    int* srcoff;        // [E + 1] plan_rows()
+    int* scan;          // [plan_scratch_ints(E)]
     int* src_state;     // [R] receive: the decision about each source
-    int* wflags;        // [R + 1] receive: wait_counts scratch
+    int* wflags;        // [R] receive: wait_counts scratch
 };
 
 __device__ DispatchSmem carve_dispatch(uint8_t* p, int R, int E) {
@@ -80,7 +80,7 @@ __device__ DispatchSmem carve_dispatch(uint8_t* p, int R, int E) {
     m.cnt = q; q += E;
     m.rowstart = q; q += E + 1;
     m.srcoff = q; q += E + 1;
-    m.scan = q; q += scan_scratch_ints(E);
+    m.scan = q; q += plan_scratch_ints(E);
     m.src_state = q; q += R;
     m.wflags = q;
     return m;
@@ -112,14 +112,16 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
     const unsigned kTopkLanes = (1u << kMaxTopk) - 1u;
     const int64_t pre_v0 = tid < NK ? __ldg(topk + tid) : -1;
     const int64_t pre_v1 = tid + bd < NK ? __ldg(topk + tid + bd) : -1;
+    // And the first token's own top-k row: issued here, its load would otherwise wait behind the
+    // peer-mode loads below (volatile asm: no load moves across it).
+    const int64_t pre_t0 = (t0 < N && tid < K) ? __ldg(topk + t0 * K + tid) : -1;
     for (int r = tid; r < R; r += blockDim.x) sm.active[r] = peer_mode(s, active, r);
     for (int e = tid; e < E; e += blockDim.x) sm.hist[e] = 0;
     if (tid == 0) sm.flag[1] = 0x7fffffff;   // smallest index of a bad entry (block 0 reports it)
     if (tid < kMaxTopk) {
         // Inactive destinations are filtered when the send kinds are set (their entries never count).
         bool bad;
-        const int64_t v = (t0 < N && tid < K) ? __ldg(topk + t0 * K + tid) : -1;
-        sm.target[tid] = checked_expert(topk, t0 * K + tid, v, K, E, kTopkLanes, t0 * K, bad);
+        sm.target[tid] = checked_expert(topk, t0 * K + tid, pre_t0, K, E, kTopkLanes, t0 * K, bad);
         sm.rank[tid] = 0;
     }
     __syncthreads();
@@ -283,33 +285,41 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
     }
     trace_point(s, kTraceDispatch, kTrSendIssued);
 
-    const bool last_send = arrive_last(ws_counter(s, half, kDispatchSendDone), sm.flag);
+    // What the last block's signal loop reads from memory (this rank's generation, the thread's first
+    // destination), loaded before the arrival: the signals then follow the last fence directly, not a
+    // round trip later.
+    const uint32_t tag = call_tag(c.seq, gen_of(s, s.rank));
+    const uint64_t first_base = tid < E ? peer_base(s, tid / El) : 0;
+    const bool last_send = arrive_last<kPeerScope>(ws_counter(s, half, kDispatchSendDone), sm.flag);
     trace_point(s, kTraceDispatch, kTrSendFenced);
     if (last_send) {
-        const int* fail = ws_fail(s);
         // Each count word carries this call's tag (docs/ll_kernels.md, "Call tags"); a refused call sends
         // the abort marker in every word instead (N = 0 here: no payload went out).
-        const uint32_t tag = call_tag(c.seq, gen_of(s, s.rank));
         auto word = [&](int i) {
             return c.abort ? sig_word(tag, kSigAbort | (uint32_t)c.abort) : sig_word(tag, (uint32_t)min(sm.hist[i], T) + 1);
         };
         for (int i = tid; i < E; i += blockDim.x) {
             const int dst = i / El, le = i - dst * El;
             if (sm.active[dst] != kPeerStore) continue;
-            st_relaxed_sys(reinterpret_cast<int*>(peer_base(s, dst) + off_dsig(s, half, le, s.rank)), (int)word(i));
+            const uint64_t base = i == tid ? first_base : peer_base(s, dst);
+            st_relaxed_sys(reinterpret_cast<int*>(base + off_dsig(s, half, le, s.rank)), (int)word(i));
         }
         __syncthreads();
         trace_point(s, kTraceDispatch, kTrSendSignaled);
         // NIC signals: one posting lane per warp (qp.h's ordering spin assumes independent posters).
-        for (int i = tid / 32; i < E; i += kWarps) {
-            const int dst = i / El, le = i - dst * El;
-            if (lane != 0 || sm.active[dst] != kPeerNic || ld_volatile(fail + dst)) continue;
-            const int st = gda::post_masked_fa32(peer_qp(s, dst, le % s.num_qps_per_peer),
-                                                 remote_addr(s, dst) + off_dsig(s, half, le, s.rank), rkey_of(s, dst),
-                                                 word(i), s.fetch_addr, s.lkey, false, c.timeout_ns);
-            if (st != gda::kOk) note_failure(s, dst);
+        if (any_peer_of(sm.active, R, kPeerNic)) {
+            const int* fail = ws_fail(s);
+            for (int i = tid / 32; i < E; i += kWarps) {
+                const int dst = i / El, le = i - dst * El;
+                if (lane != 0 || sm.active[dst] != kPeerNic || ld_volatile(fail + dst)) continue;
+                const int st = gda::post_masked_fa32(peer_qp(s, dst, le % s.num_qps_per_peer),
+                                                     remote_addr(s, dst) + off_dsig(s, half, le, s.rank),
+                                                     rkey_of(s, dst), word(i), s.fetch_addr, s.lkey, false,
+                                                     c.timeout_ns);
+                if (st != gda::kOk) note_failure(s, dst);
+            }
+            __syncthreads();
         }
-        __syncthreads();
         finish_failures(s, sm.active, active);
         if (tid == 0) *ws_counter(s, half, kDispatchSendDone) = 0;
     }
@@ -325,8 +335,7 @@ __device__ void dispatch_unpack(const LLStatic& s, const LLDispatchCall& c, Disp
     const int half = c.half;
     const int G = H / 128;
     uint8_t* hb = reinterpret_cast<uint8_t*>(s.buf);
-    source_offsets(sm.cnt, sm.srcoff, sm.scan, R, El);
-    block_exclusive_scan(sm.rowstart, sm.cnt, E, sm.scan);
+    plan_rows(sm.cnt, sm.rowstart, sm.srcoff, sm.scan, R, El);
     const int total = sm.rowstart[E];
     trace_point(s, kTraceDispatch, kTrRecvPlanned);
     if (blockIdx.x == 0) {
@@ -363,36 +372,43 @@ __device__ void dispatch_unpack(const LLStatic& s, const LLDispatchCall& c, Disp
         const int4* src4 = reinterpret_cast<const int4*>(msg);
         int4* dst4 = reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(c.recv_x) + out_row * (size_t)(kFp8 ? H : 2 * H));
         const int j0 = ch * per_item + lane;
+        // Every load of the item -- the payload chunk and, for a row's first chunk, its header and its
+        // scales -- is issued before any store: one round trip per item instead of one per field (the
+        // loads are volatile asm, so they issue in this order and each waits only at its first use).
+        const bool head = ch == 0;
         int4 v[kCopyUnroll];
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u)
-            if (j0 + u * 32 < payload_int4) v[u] = ld_v4(src4 + j0 + u * 32);
+            if (j0 + u * 32 < payload_int4) v[u] = ld_row_v4(src4 + j0 + u * 32);
+        int4 hdr = make_int4(0, 0, 0, 0), sv = hdr;
+        if (head && lane == 0) hdr = ld_v4(msg + hdr_offset(kFp8, H));
+        // Scales: lane l reads groups 4l..4l+3 as one int4 (the sender pads them to whole int4 with
+        // zeros; G <= kMaxGroups = 128, so W <= 32 lanes).
+        const int W = (G + 3) / 4;
+        if (kFp8 && head && lane < W) sv = ld_v4(msg + H + 16 * lane);
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u)
             if (j0 + u * 32 < payload_int4) st_v4(dst4 + j0 + u * 32, v[u]);
-        if (ch != 0) continue;
+        if (!head) continue;
         if (lane == 0) {
-            const int4 hdr = ld_v4(msg + hdr_offset(kFp8, H));
             src_info[out_row] = hdr.x;
             recv_slot[out_row] = hdr.y;
         }
-        if (kFp8) {
-            const float* sc = reinterpret_cast<const float*>(msg + H);
+        if (kFp8 && lane < W) {
+            const uint32_t sc[4] = {(uint32_t)sv.x, (uint32_t)sv.y, (uint32_t)sv.z, (uint32_t)sv.w};
             if (!c.use_ue8m0) {
                 float* out = reinterpret_cast<float*>(c.recv_scales);
-                for (int g = lane; g < G; g += 32) out[((size_t)e * G + g) * RT + row] = ld_f32(sc + g);
-            } else {
-                const int W = (G + 3) / 4;
-                int* out = reinterpret_cast<int*>(c.recv_scales);
-                for (int w = lane; w < W; w += 32) {
-                    uint32_t packed = 0;
 #pragma unroll
-                    for (int b = 0; b < 4; ++b) {
-                        const int g = 4 * w + b;
-                        if (g < G) packed |= ((__float_as_uint(ld_f32(sc + g)) >> 23) & 0xffu) << (8 * b);
-                    }
-                    out[((size_t)e * W + w) * RT + row] = (int)packed;
+                for (int b = 0; b < 4; ++b) {
+                    const int g = 4 * lane + b;
+                    if (g < G) out[((size_t)e * G + g) * RT + row] = __uint_as_float(sc[b]);
                 }
+            } else {
+                uint32_t packed = 0;
+#pragma unroll
+                for (int b = 0; b < 4; ++b)
+                    if (4 * lane + b < G) packed |= ((sc[b] >> 23) & 0xffu) << (8 * b);
+                reinterpret_cast<int*>(c.recv_scales)[((size_t)e * W + lane) * RT + row] = (int)packed;
             }
         }
     }
@@ -415,7 +431,7 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
     trace_point(s, kTraceDispatch, kTrRecvReady);
     // A call this rank refused: the peers' words are awaited and cleared below, nothing is written out.
     if (!c.abort) dispatch_unpack<kFp8>(s, c, sm);
-    const bool last_recv = arrive_last(ws_counter(s, half, kDispatchRecvDone), sm.flag);
+    const bool last_recv = arrive_last<kGpuScope>(ws_counter(s, half, kDispatchRecvDone), sm.flag);
     trace_point(s, kTraceDispatch, kTrRecvCopied);
     if (last_recv) {
         // The first failed source into the call record, and whether this call's combine is skipped.
@@ -454,7 +470,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch(LLStatic s, LLDi
 
 int dispatch_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
-    return 16 * kMaxTopk + 8 * R + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + 3 * R + 1 + 5 * E + 3 + scan_scratch_ints(E));
+    return 16 * kMaxTopk + 8 * R + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + 3 * R + 5 * E + 3 + plan_scratch_ints(E));
 }
 
 #if !defined(PYEP_LL_CPU_SIM)
