@@ -3,10 +3,11 @@
 // local) or staged and RDMA-written (NIC), count signals after the data, then the receive side packs
 // the messages into recv_x / scales / src_info / layout_range.
 //
-// Send: block b handles tokens b, b + grid, ... Every block first builds the histogram of this rank's
-// valid entries per expert (so slot bases are known without any cross-block agreement), then per
-// token computes each top-k entry's rank among earlier entries of the same expert, casts the row once
-// and stores it to all K destinations. The last block to finish sends every count signal (-count-1).
+// Send: block b handles a contiguous run of tokens. Every block first builds the histogram of this
+// rank's valid entries per expert (so slot bases are known without any cross-block agreement) and, in
+// the same pass, the count of each expert's entries before its run; then per token each top-k entry's
+// rank among earlier entries of the same expert is that running count, the row is cast once and stored
+// to all K destinations. The last block to finish sends every count signal (-count-1).
 // Receive: every block decides each source rank's arrival (consistently, see wait_counts), builds
 // the row prefix over (expert, source) pairs, and copies an even share of the messages (items of
 // 32 lanes x kCopyUnroll int4), so skewed routing does not serialise on one expert.
@@ -47,7 +48,6 @@ struct DispatchSmem {
     unsigned long long* waited;  // [R] receive: wait_counts' per-source wait (WaitStats)
     float* scale;       // [kMaxGroups]
     int* target;        // [kMaxTopk] expert of slot k, -1 = not sent
-    int* rank;          // [kMaxTopk] entries of the same expert before (t, k)
     int* kind;          // [kMaxTopk] 0 none, 1 store, 2 NIC
     int* dst;           // [kMaxTopk]
     int* flag;          // [4]
@@ -55,6 +55,8 @@ struct DispatchSmem {
     int* hist;          // [E]
     int* base;          // [E + 1]
     int* cnt;           // [E] received count per (local expert, source) pair, e-major
+    int* before;        // [E] send: valid entries of each expert before the row in hand (cnt's memory:
+                        // the receive writes cnt only after a barrier that ends the send)
     int* rowstart;      // [E + 1]
     int* srcoff;        // [E + 1] plan_rows()
     int* scan;          // [plan_scratch_ints(E)]
@@ -70,7 +72,6 @@ __device__ DispatchSmem carve_dispatch(uint8_t* p, int R, int E) {
     m.scale = reinterpret_cast<float*>(p); p += 4 * kMaxGroups;
     int* q = reinterpret_cast<int*>(p);
     m.target = q; q += kMaxTopk;
-    m.rank = q; q += kMaxTopk;
     m.kind = q; q += kMaxTopk;
     m.dst = q; q += kMaxTopk;
     m.flag = q; q += 4;
@@ -78,6 +79,7 @@ __device__ DispatchSmem carve_dispatch(uint8_t* p, int R, int E) {
     m.hist = q; q += E;
     m.base = q; q += E + 1;
     m.cnt = q; q += E;
+    m.before = m.cnt;
     m.rowstart = q; q += E + 1;
     m.srcoff = q; q += E + 1;
     m.scan = q; q += plan_scratch_ints(E);
@@ -96,12 +98,16 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
     const int64_t* topk = reinterpret_cast<const int64_t*>(c.topk);
     trace_point(s, kTraceDispatch, kTrSendBegin);
 
+    // Block b sends the contiguous tokens [c0, c1), so each entry's rank among the earlier entries of
+    // its expert is the count of those before c0 -- taken in the histogram pass every block makes
+    // anyway -- plus the block's own entries so far (a strided split made every later token walk all
+    // entries before it again: a round trip per 512 entries, per token).
+    const int c0 = (int)((int64_t)blockIdx.x * N / gridDim.x), c1 = (int)((int64_t)(blockIdx.x + 1) * N / gridDim.x);
     // The first token's row does not depend on anything: start loading it before the histogram so
     // the HBM latency overlaps the routing work.
-    const int t0 = blockIdx.x;
     int4 pre_a = make_int4(0, 0, 0, 0), pre_b = pre_a;
-    if (t0 < N && tid < H / 16) {
-        const uint8_t* xr = reinterpret_cast<const uint8_t*>(c.x) + (size_t)t0 * H * 2 + (size_t)tid * 32;
+    if (c0 < c1 && tid < H / 16) {
+        const uint8_t* xr = reinterpret_cast<const uint8_t*>(c.x) + (size_t)c0 * H * 2 + (size_t)tid * 32;
         pre_a = ld_nc_v4(xr);
         pre_b = ld_nc_v4(xr + 16);
     }
@@ -114,27 +120,23 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
     const int64_t pre_v1 = tid + bd < NK ? __ldg(topk + tid + bd) : -1;
     // And the first token's own top-k row: issued here, its load would otherwise wait behind the
     // peer-mode loads below (volatile asm: no load moves across it).
-    const int64_t pre_t0 = (t0 < N && tid < K) ? __ldg(topk + t0 * K + tid) : -1;
+    int64_t pre_row = (c0 < c1 && tid < K) ? __ldg(topk + c0 * K + tid) : -1;
     for (int r = tid; r < R; r += blockDim.x) sm.active[r] = peer_mode(s, active, r);
-    for (int e = tid; e < E; e += blockDim.x) sm.hist[e] = 0;
-    if (tid == 0) sm.flag[1] = 0x7fffffff;   // smallest index of a bad entry (block 0 reports it)
-    if (tid < kMaxTopk) {
-        // Inactive destinations are filtered when the send kinds are set (their entries never count).
-        bool bad;
-        sm.target[tid] = checked_expert(topk, t0 * K + tid, pre_t0, K, E, kTopkLanes, t0 * K, bad);
-        sm.rank[tid] = 0;
+    for (int e = tid; e < E; e += blockDim.x) {
+        sm.hist[e] = 0;
+        sm.before[e] = 0;
     }
+    if (tid == 0) sm.flag[1] = 0x7fffffff;   // smallest index of a bad entry (block 0 reports it)
     __syncthreads();
-    // One pass over all entries: the per-expert histogram, and for the first token each top-k entry's
-    // rank among earlier entries of the same expert (later tokens get their own pass below). Bad
-    // entries (checked_expert) count as -1 here, so they are not sent and take no slot.
+    // One pass over all entries: the per-expert histogram, and the entries of each expert before this
+    // block's first token. Bad entries (checked_expert) count as -1 here, so they are not sent and take
+    // no slot; neither do entries for inactive ranks.
+    const int first_entry = c0 * K;
     auto count_entry = [&](int i, int e, bool bad) {
         if (bad) atomicMin(&sm.flag[1], i);
         if (e < 0 || !sm.active[e / El]) return;
         atomicAdd(&sm.hist[e], 1);
-        if (t0 < N && i < t0 * K + K)
-            for (int k = 0; k < K; ++k)
-                if (i < t0 * K + k && e == sm.target[k]) atomicAdd(&sm.rank[k], 1);
+        if (i < first_entry) atomicAdd(&sm.before[e], 1);
     };
     {
         bool bad;
@@ -160,34 +162,27 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
     const uint32_t hdr_off = hdr_offset(kFp8, H);
     const uint32_t msg_len = hdr_off + kHeaderBytes;
     const int scale_vecs = kFp8 ? (G + 3) / 4 : 0;
-    for (int t = t0; t < N; t += gridDim.x) {
-        if (t != t0) {
-            if (tid < kMaxTopk) {
-                bool bad;
-                const int64_t v = tid < K ? __ldg(topk + t * K + tid) : -1;
-                int e = checked_expert(topk, t * K + tid, v, K, E, kTopkLanes, t * K, bad);
-                if (e >= 0 && !sm.active[e / El]) e = -1;
-                sm.target[tid] = e;
-                sm.rank[tid] = 0;
-            }
-            __syncthreads();
-            const int pos0 = t * K;
-            for (int wb = wb0; wb < pos0 + K; wb += bd) {
-                const int i = wb + lane;
-                bool bad;
-                const int e = checked_expert(topk, i, i < pos0 + K ? __ldg(topk + i) : -1, K, E, 0xffffffffu, wb, bad);
-                if (e < 0) continue;
-                for (int k = 0; k < K; ++k)
-                    if (i < pos0 + k && e == sm.target[k]) atomicAdd(&sm.rank[k], 1);
-            }
-            __syncthreads();
+    for (int t = c0; t < c1; ++t) {
+        if (tid < kMaxTopk) {
+            // A row names each expert at most once (checked_expert routes repeats as -1), so an entry's
+            // rank is the count of its expert's entries in earlier rows.
+            bool bad;
+            int e = checked_expert(topk, t * K + tid, pre_row, K, E, kTopkLanes, t * K, bad);
+            if (e >= 0 && !sm.active[e / El]) e = -1;
+            sm.target[tid] = e;
         }
+        // The next row's top-k entries, in flight while this row goes out.
+        pre_row = (t + 1 < c1 && tid < K) ? __ldg(topk + (t + 1) * K + tid) : -1;
+        __syncthreads();
         if (tid < K) {
             const int e = sm.target[tid];
             int kind = 0;
-            if (e >= 0 && sm.active[e / El] && sm.rank[tid] < T) {
+            // Distinct experts in a row: thread k alone reads and advances its expert's count.
+            const int rank = e >= 0 ? sm.before[e] : T;
+            if (e >= 0) sm.before[e] = rank + 1;
+            if (rank < T) {
                 const int dst = e / El;
-                const uint64_t slot = (uint64_t)(sm.base[e] - sm.base[dst * El] + sm.rank[tid]);
+                const uint64_t slot = (uint64_t)(sm.base[e] - sm.base[dst * El] + rank);
                 const uint64_t off = off_drecv(s, half, s.rank, slot);
                 const uint64_t pb = peer_base(s, dst);
                 sm.dst[tid] = dst;
@@ -206,7 +201,7 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
 
         const uint8_t* xrow = reinterpret_cast<const uint8_t*>(c.x) + (size_t)t * H * 2;
         for (int ch = tid; ch < H / 16; ch += blockDim.x) {
-            const bool pre = t == t0 && ch == tid;
+            const bool pre = ch == tid;   // this thread's first chunk was loaded ahead
             const int4 a = pre ? pre_a : ld_nc_v4(xrow + (size_t)ch * 32);
             const int4 b = pre ? pre_b : ld_nc_v4(xrow + (size_t)ch * 32 + 16);
             if (kFp8) {
@@ -245,6 +240,12 @@ __device__ void dispatch_send(const LLStatic& s, const LLDispatchCall& c, Dispat
                     st_v4(d + 16, b);
                 }
             }
+        }
+        // The next row's first chunk, in flight during this row's headers and barriers.
+        if (t + 1 < c1 && tid < H / 16) {
+            const uint8_t* xr = xrow + (size_t)H * 2 + (size_t)tid * 32;
+            pre_a = ld_nc_v4(xr);
+            pre_b = ld_nc_v4(xr + 16);
         }
         __syncthreads();
         // Header (token, k, local expert) after the payload and, for FP8, the scales padded to whole int4.
@@ -470,7 +471,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch(LLStatic s, LLDi
 
 int dispatch_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
-    return 16 * kMaxTopk + 8 * R + 4 * kMaxGroups + 4 * (4 * kMaxTopk + 4 + 3 * R + 5 * E + 3 + plan_scratch_ints(E));
+    return 16 * kMaxTopk + 8 * R + 4 * kMaxGroups + 4 * (3 * kMaxTopk + 4 + 3 * R + 5 * E + 3 + plan_scratch_ints(E));
 }
 
 #if !defined(PYEP_LL_CPU_SIM)
