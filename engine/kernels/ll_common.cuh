@@ -550,28 +550,30 @@ __host__ __device__ __forceinline__ int plan_scratch_ints(int n) { return 2 * sc
 __device__ __forceinline__ void plan_rows(const int* cnt, int* rowstart, int* offs, int* scan, int R, int El) {
     const int E = R * El, chunks = (E + 31) / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (int)blockDim.x >> 5;
-    int* tot[2] = {scan, scan + chunks + 1};
+    int* const tot_rows = scan;               // chunk totals of rowstart, then of offs
+    int* const tot_offs = scan + chunks + 1;
     for (int c = warp; c < 2 * chunks; c += nwarps) {
-        const int which = c >= chunks, i = (c - which * chunks) * 32 + lane;
+        const bool src_major = c >= chunks;
+        const int i = (src_major ? c - chunks : c) * 32 + lane;
         int v = 0;
         if (i < E) {
             const int r = i / El;
-            v = which ? cnt[(i - r * El) * R + r] : cnt[i];
+            v = src_major ? cnt[(i - r * El) * R + r] : cnt[i];
         }
         const int incl = warp_inclusive_scan(v);
-        if (i < E) (which ? offs : rowstart)[i] = incl - v;
-        if (lane == 31) tot[which][c - which * chunks] = incl;
+        if (i < E) (src_major ? offs : rowstart)[i] = incl - v;
+        if (lane == 31) (src_major ? tot_offs : tot_rows)[src_major ? c - chunks : c] = incl;
     }
     __syncthreads();
-    for (int w = warp; w < 2; w += nwarps) scan_chunk_totals(tot[w], chunks);
+    for (int w = warp; w < 2; w += nwarps) scan_chunk_totals(w ? tot_offs : tot_rows, chunks);
     __syncthreads();
     for (int i = threadIdx.x; i < E; i += blockDim.x) {
-        rowstart[i] += tot[0][i >> 5];
-        offs[i] += tot[1][i >> 5];
+        rowstart[i] += tot_rows[i >> 5];
+        offs[i] += tot_offs[i >> 5];
     }
     if (threadIdx.x == 0) {
-        rowstart[E] = tot[0][chunks];
-        offs[E] = tot[1][chunks];
+        rowstart[E] = tot_rows[chunks];
+        offs[E] = tot_offs[chunks];
     }
     __syncthreads();
 }
