@@ -73,3 +73,25 @@ def test_hook_halves_table_and_placement(tmp_path: Path) -> None:
     (tmp_path / "base" / "T128" / "pyep_ll_2.log").write_text(_log(40, 30, 80).split("\n[rank 0] Dispatch send")[0])
     assert report.main([str(tmp_path)]) == 0
     assert "hook halves" not in (tmp_path / "ll_ab.txt").read_text()
+
+
+def test_repeats_keep_the_least_and_every_run(tmp_path: Path) -> None:
+    """LL_AB_REPEAT: run<k> folders per side and T; each cell is the least over ranks and runs (a run
+    whose kernels doubled while the ranks waited for each other does not set it), a failed run is
+    skipped, every complete run is in the JSON, and two ranks' lines sharing one line both count."""
+    runs = {"base": [(40, 30, 80), (42, 31, 85)], "new": [(60, 50, 90), (20, 15, 40), None]}
+    for side, figs in runs.items():
+        for k, f in enumerate(figs, 1):
+            p = tmp_path / side / "T32" / f"run{k}"
+            p.mkdir(parents=True)
+            (p / "pyep_ll_2.log").write_text(_log(*f) if f else "Traceback: boom\n")
+    assert report.main([str(tmp_path)]) == 0
+    text = (tmp_path / "ll_ab.txt").read_text()
+    row = [line for line in text.splitlines() if line.strip().startswith("32")][0]
+    assert "40.0 / 20.0" in row and "30.0 / 15.0" in row and "0.50" in row
+    assert "2-2 run(s)" not in text and "2 run(s) per cell" in text
+    doc = json.loads((tmp_path / "ll_ab.json").read_text())
+    assert len(doc["rows"][0]["new_runs"]) == 2 and doc["rows"][0]["new"]["dispatch_us"] == {"0": 20.0, "1": 22.0}
+    joined = report.parse_log("[rank 1] Dispatch + combine bandwidth: 1.0 GB/s, avg_t=84.35 us, min_t=1 us"
+                              "[rank 0] Dispatch + combine bandwidth: 1.0 GB/s, avg_t=83.06 us, min_t=1 us\n")
+    assert joined["eager_us"] == {1: 84.35, 0: 83.06}

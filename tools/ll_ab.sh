@@ -5,7 +5,9 @@
 #
 #   bash tools/ll_ab.sh prepare REV            # here (needs git): the baseline's tree in .baseline/REV
 #   bash tools/ll_ab.sh run REV [T ...]        # on the GPU machine (carry .anchors and .baseline;
-#                                              # LL_AB_LABEL=name labels this tree in the report)
+#                                              # LL_AB_LABEL=name labels this tree in the report,
+#                                              # LL_AB_REPEAT=N runs each T N times, base and new
+#                                              # alternating; the report keeps the least of them)
 #
 # Why DeepEP's test and not `pyep bench`: it is the one harness both trees run unchanged (the bench and
 # the package layout changed since the baselines of interest). It times the dispatch and combine kernels
@@ -50,13 +52,19 @@ case $cmd in
       where="2 ranks on one GPU"
       pgrep -f nvidia-cuda-mps-control >/dev/null || { nvidia-cuda-mps-control -d && echo "MPS daemon started"; }
     fi
+    # One sample is the test's own average over its iterations; with two ranks on one GPU a kernel's
+    # time also holds any wait for the other rank, so a sample can double (docs/results/2026-11-27c-x2).
+    repeat=${LL_AB_REPEAT:-1}
+    [[ $repeat =~ ^[1-9][0-9]*$ ]] || { echo "LL_AB_REPEAT must be a positive integer, got '$repeat'"; exit 2; }
     for t in "${tokens[@]}"; do
-      for side in base new; do
-        tree=$root; [ $side = base ] && tree=$base
-        mkdir -p "$out/$side/T$t"
-        OUT=$out/$side/T$t DEEPEP_ON=pyep bash "$tree/.anchors/deepep_v1.sh" ll 2 --num-tokens "$t" \
-          > "$out/$side/T$t/run.txt" 2>&1
-        echo "T=$t $side: rc $? ($(grep -c 'Dispatch bandwidth' "$out/$side/T$t/pyep_ll_2.log" 2>/dev/null || echo 0) rank lines)"
+      for k in $(seq 1 "$repeat"); do
+        for side in base new; do
+          tree=$root; [ $side = base ] && tree=$base
+          dir=$out/$side/T$t/run$k
+          mkdir -p "$dir"
+          OUT=$dir DEEPEP_ON=pyep bash "$tree/.anchors/deepep_v1.sh" ll 2 --num-tokens "$t" > "$dir/run.txt" 2>&1
+          echo "T=$t $side run $k: rc $? ($(grep -c 'Dispatch bandwidth' "$dir/pyep_ll_2.log" 2>/dev/null || echo 0) rank lines)"
+        done
       done
     done
     # The tree's label: LL_AB_LABEL when given (a GPU machine's copy of the checkout may carry git

@@ -1,11 +1,13 @@
 """Table, JSON and plot of tools/ll_ab.sh's runs: DeepEP's test_low_latency.py on pyep's shim, baseline
 tree against this one, T by T.
 
-Reads OUT/{base,new}/T<t>/pyep_ll_2.log, the lines DeepEP's test prints per rank:
+Reads OUT/{base,new}/T<t>/run<k>/pyep_ll_2.log (one folder per repeat, LL_AB_REPEAT; an older run's
+OUT/{base,new}/T<t>/pyep_ll_2.log too), the lines DeepEP's test prints per rank:
   [rank r] Dispatch + combine bandwidth: B GB/s, avg_t=X us, ...        (CUDA events, back to back)
   [rank r] Dispatch bandwidth: B GB/s, avg_t=X us | Combine bandwidth: B GB/s, avg_t=Y us   (kineto)
   [rank r] Dispatch send/recv time: S + R us | Combine send/recv time: S + R us   (hook halves, kineto)
-Per side and T: the least over ranks of each figure (every rank's value is in the JSON). A kernel spins
+Per side and T: the least over ranks and repeats of each figure (every run's values are in the JSON;
+ranks print without a lock, so two ranks' lines may share one line of the log). A kernel spins
 until its peers' data arrive, so a rank that launched ahead of a late peer counts the peer's lateness as
 its own kernel time (one such run: rank 1 304 us, rank 0 34.7 us): the rank that waited least is the
 closest to the kernel's own time; both trees get the same statistic. Ratio = current / baseline: below
@@ -19,10 +21,10 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-EAGER = re.compile(r"^\[rank (\d+)\] Dispatch \+ combine bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us")
-KERNELS = re.compile(r"^\[rank (\d+)\] Dispatch bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us \| "
+EAGER = re.compile(r"\[rank (\d+)\] Dispatch \+ combine bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us")
+KERNELS = re.compile(r"\[rank (\d+)\] Dispatch bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us \| "
                      r"Combine bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us")
-HALVES_LINE = re.compile(r"^\[rank (\d+)\] Dispatch send/recv time: ([\d.]+) \+ ([\d.]+) us \| "
+HALVES_LINE = re.compile(r"\[rank (\d+)\] Dispatch send/recv time: ([\d.]+) \+ ([\d.]+) us \| "
                          r"Combine send/recv time: ([\d.]+) \+ ([\d.]+) us")
 FIGURES = ("dispatch_us", "combine_us", "eager_us")
 HALVES = ("dispatch_send_us", "dispatch_recv_us", "combine_send_us", "combine_recv_us")   # optional
@@ -32,27 +34,34 @@ def parse_log(text: str) -> Dict[str, Dict[int, float]]:
     """{figure: {rank: microseconds}} from one test_low_latency.py log."""
     got: Dict[str, Dict[int, float]] = {f: {} for f in FIGURES + HALVES}
     for line in text.splitlines():
-        m = HALVES_LINE.match(line.strip())
-        if m:
+        for m in HALVES_LINE.finditer(line):
             for i, f in enumerate(HALVES):
                 got[f][int(m.group(1))] = float(m.group(i + 2))
-            continue
-        m = EAGER.match(line.strip())
-        if m:
+        for m in EAGER.finditer(line):
             got["eager_us"][int(m.group(1))] = float(m.group(2))
-            continue
-        m = KERNELS.match(line.strip())
-        if m:
+        for m in KERNELS.finditer(line):
             got["dispatch_us"][int(m.group(1))] = float(m.group(2))
             got["combine_us"][int(m.group(1))] = float(m.group(3))
     return got
 
 
-def side_figures(path: Path) -> Optional[Dict[str, Dict[int, float]]]:
-    if not path.is_file():
+def side_runs(folder: Path) -> List[Dict[str, Dict[int, float]]]:
+    """Every complete run of one side at one T: folder/pyep_ll_2.log and folder/run<k>/pyep_ll_2.log."""
+    logs = [folder / "pyep_ll_2.log"] + sorted(folder.glob("run*/pyep_ll_2.log"))
+    runs = [parse_log(p.read_text(errors="replace")) for p in logs if p.is_file()]
+    return [r for r in runs if all(r[f] for f in FIGURES)]
+
+
+def merge(runs: List[Dict[str, Dict[int, float]]]) -> Optional[Dict[str, Dict[int, float]]]:
+    """Per figure and rank, the least over runs (None without a complete run)."""
+    if not runs:
         return None
-    got = parse_log(path.read_text(errors="replace"))
-    return got if all(got[f] for f in FIGURES) else None
+    out: Dict[str, Dict[int, float]] = {f: {} for f in FIGURES + HALVES}
+    for run in runs:
+        for f, per_rank in run.items():
+            for rank, v in per_rank.items():
+                out[f][rank] = min(v, out[f].get(rank, v))
+    return out
 
 
 def least(values: Dict[int, float]) -> float:
@@ -66,7 +75,9 @@ def collect(out: Path) -> List[dict]:
     for t in tokens:
         row: dict = {"tokens": t}
         for side in ("base", "new"):
-            row[side] = side_figures(out / side / f"T{t}" / "pyep_ll_2.log")
+            runs = side_runs(out / side / f"T{t}")
+            row[side] = merge(runs)
+            row[f"{side}_runs"] = runs
         rows.append(row)
     return rows
 
@@ -91,8 +102,10 @@ def table(rows: List[dict], baseline: str, current: str, where: str = "2 ranks o
             halves.append(f"{r['tokens']:>4}  " + "  ".join(
                 f"{least(r['base'][f]):>6.1f} / {least(r['new'][f]):<6.1f} {least(r['new'][f]) / least(r['base'][f]):>4.2f}"
                 for f in HALVES))
-    lines.append("us: least over ranks (DeepEP's kineto kernel times; eager = CUDA events around back-to-back\n"
-                 "dispatch + combine); ratio = new / base")
+    counts = sorted({len(r[f"{s}_runs"]) for r in rows for s in ("base", "new") if r.get(f"{s}_runs")})
+    runs_note = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}" if counts else "0"
+    lines.append(f"us: least over ranks and {runs_note} run(s) per cell (DeepEP's kineto kernel times; eager = CUDA\n"
+                 "events around back-to-back dispatch + combine); ratio = new / base")
     if halves:
         sub = (f"{'T':>4}  {'dispatch send':>20}  {'dispatch recv':>20}  {'combine send':>20}  {'combine recv':>20}")
         lines += ["", "hook halves (send and receive launched apart), us base / new and ratio:", sub,
@@ -143,7 +156,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     doc = {"baseline": a.baseline, "current": a.current, "where": a.where,
            "rows": [{"tokens": r["tokens"],
                      **{s: ({f: {str(k): v for k, v in r[s][f].items()} for f in FIGURES + HALVES} if r[s] else None)
-                        for s in ("base", "new")}} for r in rows]}
+                        for s in ("base", "new")},
+                     **{f"{s}_runs": [{f: {str(k): v for k, v in run[f].items()} for f in FIGURES + HALVES}
+                                      for run in r[f"{s}_runs"]] for s in ("base", "new")}} for r in rows]}
     (a.out / "ll_ab.json").write_text(json.dumps(doc, indent=1))
     note = plot(rows, a.out / "ll_ab.png")
     if note:
