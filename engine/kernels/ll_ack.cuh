@@ -12,7 +12,7 @@
 // (r saw their flag, which follows them on the same RC QP). Counters are compared modulo 2^32.
 #pragma once
 
-#include "kernels/ll_common.cuh"
+#include "kernels/ll_arrival.cuh"
 
 namespace pyep {
 namespace ll {

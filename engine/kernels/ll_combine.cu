@@ -12,9 +12,9 @@
 #endif
 
 #include "kernels/ll_ack.cuh"
+#include "kernels/ll_arrival.cuh"
 #include "kernels/ll_combine_common.cuh"
 #include "kernels/ll_combine_logfmt.cuh"
-#include "kernels/ll_common.cuh"
 #include "kernels/ll_logfmt.cuh"
 
 namespace pyep {

@@ -3,7 +3,7 @@
 // of a reduce item. Only ll_combine.cu includes it: its contents keep that file's internal linkage.
 #pragma once
 
-#include "kernels/ll_common.cuh"
+#include "kernels/ll_arrival.cuh"
 #include "kernels/ll_logfmt.cuh"
 
 namespace pyep {

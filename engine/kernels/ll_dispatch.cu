@@ -15,7 +15,7 @@
 #include <cuda_runtime.h>
 #endif
 
-#include "kernels/ll_common.cuh"
+#include "kernels/ll_arrival.cuh"
 
 namespace pyep {
 namespace ll {

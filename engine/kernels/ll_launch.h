@@ -91,7 +91,7 @@ enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2 };
 // receive phase adds, per source rank r, the nanoseconds (%globaltimer) it spent waiting for r's
 // signal(s): from the first poll that found them missing until they were all seen, or until r timed
 // out. 0 when they were there at the first poll, and nothing for a source that is inactive. Added
-// once per source and call, by the block whose verdict decided r (ll_common.cuh), as a 64-bit atomic
+// once per source and call, by the block whose verdict decided r (ll_arrival.cuh), as a 64-bit atomic
 // add: the tensor accumulates over calls. DeepEP counts clock64 cycles and sums its per-expert waits;
 // pyep's unit is the nanosecond on every GPU (docs/ll_kernels.md).
 
