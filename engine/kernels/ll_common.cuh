@@ -157,8 +157,9 @@ __device__ __forceinline__ int ld_volatile(const int* p) {
     asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-// Polling a signal: a relaxed (morally strong) load, and once it is seen, fence_acq_rel_sys() in the
-// same thread -- the PTX "acquire pattern" -- instead of an ld.acquire.sys per poll.
+// A relaxed (morally strong) load. Polling with it and, once the value is seen, fence_acq_rel_sys() in
+// the same thread is the PTX "acquire pattern" (the normal mode's waits); the LL receive polls with
+// ld_acquire_sys instead, which spares its blocks a system fence (ll_arrival.cuh, wait_counts).
 __device__ __forceinline__ int ld_relaxed_sys(const int* p) {
     int v;
     asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -168,11 +169,6 @@ __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_re
 // Signal stores of the last block (see arrive_last): ordered by the fence that block already ran.
 __device__ __forceinline__ void st_relaxed_sys(int* p, int v) {
     asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ float ld_f32(const float* p) {
-    float v;
-    asm volatile("ld.global.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
-    return v;
 }
 __device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) {
     uint32_t v;
@@ -191,11 +187,6 @@ __device__ __forceinline__ int ld_volatile(const int* p) { return __atomic_load_
 __device__ __forceinline__ int ld_relaxed_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 __device__ __forceinline__ void fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 __device__ __forceinline__ void st_relaxed_sys(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-__device__ __forceinline__ float ld_f32(const float* p) {
-    float v;
-    __builtin_memcpy(&v, p, 4);
-    return v;
-}
 __device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) {
     uint32_t v;
     __builtin_memcpy(&v, p, 4);
@@ -215,10 +206,6 @@ __device__ __forceinline__ bool any_peer_of(const int* peer_modes, int num_ranks
     bool any = false;
     for (int r = 0; r < num_ranks; ++r) any |= peer_modes[r] == mode;
     return any;
-}
-__device__ __forceinline__ int expert_of(const int64_t* topk, int i, int num_experts) {
-    const int64_t v = __ldg(topk + i);
-    return (v >= 0 && v < num_experts) ? (int)v : -1;
 }
 
 // ---- top-k entry checks (docs/ll_kernels.md: "Where values are checked") ----------------------------
