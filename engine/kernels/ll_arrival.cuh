@@ -226,23 +226,24 @@ __device__ __forceinline__ bool write_call_record(const LLStatic& s, int code, i
 
 // Last block of a receive phase, every thread, before the decisions are cleared: whether any source's
 // exchange failed in this call (one parallel pass over the decisions; `scratch`: a shared int), and if
-// one did, thread 0 writes the first (by rank) into the call record. word(r): source r's offending
-// signal word. A rank that refused the call itself (`refused`: its host already raised) records only
-// mismatches. The caller syncs before it clears the words word(r) reads.
+// one did, thread 0 writes the first (by rank) into the call record. `decisions` [R]: this block's copy
+// of the call's per-source verdicts in shared memory -- every block adopted the same ones (the CAS
+// protocol), so the last block reads its own instead of the workspace words, a round trip less at the
+// end of every receive. word(r): source r's offending signal word. A rank that refused the call itself
+// (`refused`: its host already raised) records only mismatches. The caller syncs before it clears the
+// words word(r) reads.
 template <typename Word>
-__device__ bool record_call(const LLStatic& s, const int* state, int* scratch, int kind, uint32_t seq, bool refused,
+__device__ bool record_call(const LLStatic& s, const int* decisions, int* scratch, int kind, uint32_t seq, bool refused,
                             Word word) {
     if (threadIdx.x == 0) *scratch = 0;
     __syncthreads();
-    for (int r = threadIdx.x; r < s.num_ranks; r += blockDim.x) {
-        const int st = ld_volatile(state + r);
-        if (st == kAborted || st == kMismatch) atomicOr(scratch, 1);
-    }
+    for (int r = threadIdx.x; r < s.num_ranks; r += blockDim.x)
+        if (decisions[r] == kAborted || decisions[r] == kMismatch) atomicOr(scratch, 1);
     __syncthreads();
     const bool failed = *(volatile int*)scratch != 0;
     if (failed && threadIdx.x == 0) {     // the rare path: a serial walk is fine
         for (int r = 0; r < s.num_ranks; ++r) {
-            const int st = ld_volatile(state + r);
+            const int st = decisions[r];
             if ((st == kAborted && !refused) || st == kMismatch) {
                 write_call_record(s, st == kAborted ? kCallPeerAborted : kCallMismatch, kind, seq, r, word(r),
                                   call_tag(seq, gen_of(s, r)));
@@ -256,10 +257,10 @@ __device__ bool record_call(const LLStatic& s, const int* state, int* scratch, i
 // At the end of a receive phase (last block only): a source that timed out is marked inactive in the
 // caller's active_ranks, and the decisions are cleared for the next call on this half. Marks are
 // applied only here, after every block of the launch has read active_ranks, so that all blocks of a
-// launch see one membership.
-__device__ __forceinline__ void finish_decisions(int* state, int* active, int num_ranks) {
+// launch see one membership. decisions: the block's shared copy of the verdicts (record_call).
+__device__ __forceinline__ void finish_decisions(int* state, const int* decisions, int* active, int num_ranks) {
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
-        if (ld_volatile(state + r) == kTimedOut) atomicExch(active + r, 0);
+        if (decisions[r] == kTimedOut) atomicExch(active + r, 0);
         state[r] = kUndecided;
     }
 }

@@ -162,6 +162,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
         // When another block decided and this thread's own load did not find the flag complete, re-read
         // it with acquire: this block needs its own edge to the data the flag publishes.
         sm.ok[r] = st == kArrived && (seen || ld_acquire_sys(sig) != 0);
+        sm.dec[r] = st;
     }
     __syncthreads();
     trace_point(s, kTraceCombine, kTrRecvReady);
@@ -219,11 +220,11 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrRecvCopied);
     if (last_recv) {
         int* sig = reinterpret_cast<int*>(hb + off_csig(s, half, 0));
-        record_call(s, state, sm.flag + 2, kKindCombine, c.seq, c.abort != 0,
+        record_call(s, sm.dec, sm.flag + 2, kKindCombine, c.seq, c.abort != 0,
                     [&](int r) { return (uint32_t)ld_relaxed_sys(sig + r); });
         __syncthreads();
         for (int r = tid; r < R; r += blockDim.x) sig[r] = 0;
-        finish_decisions(state, active, R);
+        finish_decisions(state, sm.dec, active, R);
         if (tid == 0) *ws_counter(s, half, kCombineRecvDone) = 0;
         send_acks(s, c, sm.ok);
     }
@@ -265,7 +266,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine(LLStatic s, LLCom
 int combine_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
     // + 16 alignment slack, the LogFMT log2 table and the per-warp LogFMT staging.
-    return 4 * (4 + 2 * R + 3 * E + 2 + plan_scratch_ints(E)) + 16 + 128 * 4 + kWarps * kLfStageBytes;
+    return 4 * (4 + 3 * R + 3 * E + 2 + plan_scratch_ints(E)) + 16 + 128 * 4 + kWarps * kLfStageBytes;
 }
 
 #if !defined(PYEP_LL_CPU_SIM)

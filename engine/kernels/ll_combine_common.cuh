@@ -14,6 +14,7 @@ struct CombineSmem {
     int* flag;      // [4]
     int* active;    // [R] PeerMode of each rank in this call
     int* ok;        // [R]
+    int* dec;       // [R] receive: the call's verdict about each source (resolve_signal)
     int* cnt;       // [E] rows per (local expert, source rank), e-major
     int* rowstart;  // [E + 1]
     int* srcoff;    // [E + 1] plan_rows()
@@ -28,6 +29,7 @@ __device__ CombineSmem carve_combine(uint8_t* p, int R, int E) {
     m.flag = q; q += 4;
     m.active = q; q += R;
     m.ok = q; q += R;
+    m.dec = q; q += R;
     m.cnt = q; q += E;
     m.rowstart = q; q += E + 1;
     m.srcoff = q; q += E + 1;

@@ -436,7 +436,7 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
     trace_point(s, kTraceDispatch, kTrRecvCopied);
     if (last_recv) {
         // The first failed source into the call record, and whether this call's combine is skipped.
-        const bool failed = record_call(s, state, sm.flag + 2, kKindDispatch, c.seq, c.abort != 0, [&](int r) {
+        const bool failed = record_call(s, sm.src_state, sm.flag + 2, kKindDispatch, c.seq, c.abort != 0, [&](int r) {
             const uint32_t tag = call_tag(c.seq, gen_of(s, r));
             for (int le = 0; le < El; ++le) {
                 const uint32_t v = (uint32_t)ld_relaxed_sys(sig + le * R + r);
@@ -450,7 +450,7 @@ __device__ void dispatch_recv(const LLStatic& s, const LLDispatchCall& c, Dispat
         // can only start after they have this call's results from us.
         int* words = reinterpret_cast<int*>(hb + off_dsig(s, half, 0, 0));
         for (int i = tid; i < E; i += blockDim.x) words[i] = 0;
-        finish_decisions(state, active, R);
+        finish_decisions(state, sm.src_state, active, R);
         if (tid == 0) *ws_counter(s, half, kDispatchRecvDone) = 0;
     }
     trace_point(s, kTraceDispatch, kTrRecvDone);
