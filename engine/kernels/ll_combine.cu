@@ -176,6 +176,18 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
         float my_w;
         const int my_e = slot_expert(c, sm, El, E, t, pre_v, pre_w, my_w);
         load_item_routing(c, it + (int64_t)gridDim.x * kWarps, items, col_chunks, pre_v, pre_w);
+        {
+            // The next item's rows into L2 while this one is reduced: its addresses are (token, slot),
+            // known without its routing. Lane l takes 128-byte line l % 4 of slot l / 4 (a warp's 512
+            // bytes of 8 slots; an unused slot's line is fetched for nothing).
+            const int64_t nit = it + (int64_t)gridDim.x * kWarps;
+            const int k = lane >> 2;
+            if (nit < items && k < K) {
+                const int nt = (int)(nit / col_chunks), nc = (int)(nit - (int64_t)nt * col_chunks) * 32;
+                const uint64_t at = (uint64_t)nc * 16 + (uint64_t)(lane & 3) * 128;
+                if (at < (uint64_t)cols * 16) prefetch_l2(hb + off_crecv(s, half, nt, k) + at);
+            }
+        }
         const bool live = col < cols;
         // k ascending, kReduceBatch loads in flight at a time (all of them for K <= 8): the order of the
         // fp32 additions is fixed, and registers stay low enough for a full block of 512 threads.
