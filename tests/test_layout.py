@@ -95,7 +95,8 @@ def test_offsets_match_formulas():
     with pytest.raises(ValueError):
         lay.half_base(2)
     assert lay.cack_offset(1, 1) == lay.half_bytes + lay.off_cack + 4
-    assert ws_words(8) == 16 + 72
+    assert ws_words(8, 128, 8) == 16 + 72 + 2 * 128 * 8
+    assert lay.workspace_words() == ws_words(2, 4, 2)
 
 
 @pytest.mark.parametrize("bad,exc", [((128, 100, 8, 2), ValueError), ((128, 128, 9, 2), ValueError),

@@ -55,6 +55,8 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     const int64_t items = (int64_t)total * chunks;
     const int* src_info = reinterpret_cast<const int*>(c.src_info);
     const int* recv_slot = reinterpret_cast<const int*>(c.recv_slot);
+    const bool own = reads_own_rows(s, c, sm.active);
+    int* selfrow = ws_selfrow(s, half);
     for (int64_t it = (int64_t)blockIdx.x * kWarps + warp; it < items; it += (int64_t)gridDim.x * kWarps) {
         const int q = (int)(it / chunks), ch = (int)(it - (int64_t)q * chunks);
         const int p = find_range(sm.rowstart, E, q);
@@ -64,7 +66,8 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         const int row = q - sm.rowstart[e * R];
         const size_t in_row = (size_t)e * RT + row;
         const int4* src4 = reinterpret_cast<const int4*>(reinterpret_cast<const uint8_t*>(c.x) + in_row * 2 * (size_t)H);
-        const bool store_peer = sm.active[r] == kPeerStore;
+        const bool own_row = own && r == s.rank;   // ws_selfrow: its index, not its data
+        const bool store_peer = !own_row && sm.active[r] == kPeerStore;
         // The row's data does not depend on where it goes: its loads are issued together with the
         // loads of its destination (token, slot), not after them.
         const int j0 = ch * per_item + lane;
@@ -77,7 +80,9 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         const int t = __ldg(src_info + in_row), k = __ldg(recv_slot + in_row);
         if (t < 0 || t >= T || k < 0 || k >= s.max_topk) continue;  // never write outside the slot area
         const uint64_t doff = off_crecv(s, half, t, k);
-        if (store_peer) {
+        if (own_row) {
+            if (ch == 0 && lane == 0) selfrow[t * s.max_topk + k] = (int)in_row;
+        } else if (store_peer) {
             int4* dst4 = reinterpret_cast<int4*>(peer_base(s, r) + doff);
 #pragma unroll
             for (int u = 0; u < kCopyUnroll; ++u)
@@ -170,22 +175,39 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     if (c.use_logfmt) {
         combine_reduce_logfmt(s, c, sm, first_it, items, col_chunks, pre_v, pre_w);
     } else {
+    // Own rows come from x (ws_selfrow); their index, like the routing, is loaded one item ahead.
+    const bool own = reads_own_rows(s, c, sm.active) && sm.ok[s.rank];
+    const uint8_t* xb = reinterpret_cast<const uint8_t*>(c.x);
+    const int own_lo = s.rank * El, x_rows = El * R * s.num_max_tokens;
+    int pre_row = load_item_selfrow(s, c, own, first_it, items, col_chunks);
     for (int64_t it = first_it; it < items; it += (int64_t)gridDim.x * kWarps) {
         const int t = (int)(it / col_chunks);
         const int col = (int)(it - (int64_t)t * col_chunks) * 32 + lane;
         float my_w;
-        const int my_e = slot_expert(c, sm, El, E, t, pre_v, pre_w, my_w);
-        load_item_routing(c, it + (int64_t)gridDim.x * kWarps, items, col_chunks, pre_v, pre_w);
+        int my_e = slot_expert(c, sm, El, E, t, pre_v, pre_w, my_w);
+        // The slot's row in x when its expert is this rank's. An index outside x (a combine whose routing
+        // is not its dispatch's) reads nothing: the slot counts as unused.
+        int my_row = -1;
+        if (own && my_e >= own_lo && my_e < own_lo + El) {
+            if (pre_row >= 0 && pre_row < x_rows) my_row = pre_row;
+            else my_e = -1;
+        }
+        const int64_t nit = it + (int64_t)gridDim.x * kWarps;
+        load_item_routing(c, nit, items, col_chunks, pre_v, pre_w);
+        pre_row = load_item_selfrow(s, c, own, nit, items, col_chunks);
         {
-            // The next item's rows into L2 while this one is reduced: its addresses are (token, slot),
-            // known without its routing. Lane l takes 128-byte line l % 4 of slot l / 4 (a warp's 512
-            // bytes of 8 slots; an unused slot's line is fetched for nothing).
-            const int64_t nit = it + (int64_t)gridDim.x * kWarps;
+            // The next item's rows into L2 while this one is reduced. Lane l takes 128-byte line l % 4
+            // of slot l / 4 (a warp's 512 bytes of 8 slots; an unused slot's line is fetched for
+            // nothing): in the receive area at (token, slot), or in x for an own row.
             const int k = lane >> 2;
+            const int64_t nv = __shfl_sync(0xffffffffu, pre_v, k);
+            const int nrow = __shfl_sync(0xffffffffu, pre_row, k);
             if (nit < items && k < K) {
                 const int nt = (int)(nit / col_chunks), nc = (int)(nit - (int64_t)nt * col_chunks) * 32;
                 const uint64_t at = (uint64_t)nc * 16 + (uint64_t)(lane & 3) * 128;
-                if (at < (uint64_t)cols * 16) prefetch_l2(hb + off_crecv(s, half, nt, k) + at);
+                const bool nown = nv >= own_lo && nv < own_lo + El && nrow >= 0 && nrow < x_rows;
+                if (at < (uint64_t)cols * 16)
+                    prefetch_l2((nown ? xb + (uint64_t)nrow * 2 * H : hb + off_crecv(s, half, nt, k)) + at);
             }
         }
         const bool live = col < cols;
@@ -203,7 +225,10 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
                 const int k = k0 + j;
                 use[j] = __shfl_sync(0xffffffffu, my_e, k & 31) >= 0 && k < K;
                 w[j] = __shfl_sync(0xffffffffu, my_w, k & 31);
-                if (use[j] && live) y[j] = ld_row_v4(hb + off_crecv(s, half, t, k) + (uint64_t)col * 16);
+                const int row = __shfl_sync(0xffffffffu, my_row, k & 31);
+                if (use[j] && live)
+                    y[j] = row >= 0 ? ld_nc_v4(xb + (uint64_t)row * 2 * H + (uint64_t)col * 16)
+                                    : ld_row_v4(hb + off_crecv(s, half, t, k) + (uint64_t)col * 16);
             }
 #pragma unroll
             for (int j = 0; j < kReduceBatch; ++j) {

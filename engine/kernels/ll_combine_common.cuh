@@ -42,6 +42,22 @@ __device__ CombineSmem carve_combine(uint8_t* p, int R, int E) {
     return m;
 }
 
+// Workspace words after ws_astate (layout.py: ws_words): per half, T x K_max self-row words. A fused combine
+// (send and receive in one launch) does not copy the rows of this rank's own tokens into its own receive
+// slots: the send writes each such row's index in x here, at (token, slot), and the reduce reads the row
+// from x, which stays unchanged until the launch ends. It saves a write and a read of those rows (half
+// of them with 2 ranks); a split combine (return_recv_hook) copies them as before, since x may change
+// between the halves. The self flag, stored after every block's send, publishes these words too.
+__device__ __forceinline__ int* ws_selfrow(const LLStatic& s, int half) {
+    return reinterpret_cast<int*>(s.workspace) + 16 + 9 * s.num_ranks + half * s.num_max_tokens * s.max_topk;
+}
+// Whether this launch reads its own rows from x (see ws_selfrow): a fused BF16 combine that sends rows.
+// sm.active is the send's copy, so it is only read when this launch ran the send.
+__device__ __forceinline__ bool reads_own_rows(const LLStatic& s, const LLCombineCall& c, const int* peer_modes) {
+    return (c.phases & kPhaseSend) && (c.phases & kPhaseRecv) && !c.use_logfmt && !c.abort &&
+           peer_modes[s.rank] == kPeerStore;
+}
+
 // NIC peers: a warp's staged row (`bytes` at `stage`) goes to `doff` in rank r's buffer as one RDMA WRITE
 // on the QP of local expert e. Every lane's staging stores are made visible system-wide first: the NIC
 // reads them over PCIe.
@@ -70,6 +86,15 @@ __device__ __forceinline__ void load_item_routing(const LLCombineCall& c, int64_
         v = __ldg(reinterpret_cast<const int64_t*>(c.topk) + t * K + lane);
         w = __ldg(reinterpret_cast<const float*>(c.weights) + t * K + lane);
     }
+}
+// With reads_own_rows: lanes 0..K-1 load the item's self-row words (ws_selfrow), -1 otherwise. Written by
+// this launch's send: only after the self flag was acquired, and with a coherent load.
+__device__ __forceinline__ int load_item_selfrow(const LLStatic& s, const LLCombineCall& c, bool own, int64_t it,
+                                                 int64_t items, int col_chunks) {
+    const int lane = threadIdx.x & 31;
+    if (!own || it >= items || lane >= c.num_topk) return -1;
+    const int t = (int)(it / col_chunks);
+    return ld_volatile(ws_selfrow(s, c.half) + t * s.max_topk + lane);
 }
 
 // Lanes 0..K-1 hold row t's top-k slots (v, w from load_item_routing): returns the lane's expert and

@@ -10,7 +10,7 @@ import torch
 
 from pyep.ep import fp8
 from pyep.ep.ll.errors import CALL_RECORD_WORDS, RECORD_WORDS
-from pyep.ep.ll.layout import ll_buffer_layout, ws_words
+from pyep.ep.ll.layout import ll_buffer_layout
 
 
 def load(path: str) -> Any:
@@ -79,7 +79,7 @@ class World:
         self.sim, self.R, self.T, self.H, self.E, self.K_max = sim, R, T, H, E, K_max
         self.lay = ll_buffer_layout(T, H, E, R, K_max)
         self.e_l = E // R
-        self.ws = [torch.zeros(ws_words(R), dtype=torch.int32) for _ in range(R)]
+        self.ws = [torch.zeros(self.lay.workspace_words(), dtype=torch.int32) for _ in range(R)]
         # The dispatch kernel's error record per rank (pyep.ep.ll.errors; host memory on the GPU too).
         self.errs = [torch.zeros(RECORD_WORDS, dtype=torch.int32) for _ in range(R)]
         # The call record (an exchange that failed with a peer) and the generations each rank expects of

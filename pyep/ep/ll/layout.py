@@ -52,7 +52,8 @@ FETCH_BYTES = 256   # scratch where NIC atomics deposit the fetched old value (n
 # int32 words of the per-rank (not remotely written) workspace: 4 done-counters per half, padded,
 # then per half a decision word per source rank for dispatch and for combine, then send-failure flags,
 # then per half the combines sent to each rank (csent) and the decision word of a repeated combine's
-# wait for each destination's acknowledgement (ll_ack.cuh).
+# wait for each destination's acknowledgement (ll_ack.cuh), then per half T x K_max self-row words: where
+# a fused combine's rows for this rank's own tokens are in its input (ll_combine.cu, "Own rows").
 WS_HEADER_WORDS = 16
 
 
@@ -128,7 +129,7 @@ class LLLayout:
         return [(self.half_base(h) + self.off_dsig, self.off_drecv - self.off_dsig) for h in (0, 1)]
 
     def workspace_words(self) -> int:
-        return ws_words(self.num_ranks)
+        return ws_words(self.num_ranks, self.num_max_tokens, self.max_topk)
 
     def describe(self) -> str:
         mib = 1 << 20
@@ -145,10 +146,10 @@ def header_offset(hidden: int, fp8: bool) -> int:
     return hidden + _align(4 * (hidden // FP8_GROUP), 16) if fp8 else 2 * hidden
 
 
-def ws_words(num_ranks: int) -> int:
+def ws_words(num_ranks: int, num_max_tokens: int, max_topk: int) -> int:
     """int32 words of the local workspace (done counters, per-source decisions, failure flags, combines
-    sent per half and destination, repeated-combine decisions)."""
-    return WS_HEADER_WORDS + 9 * num_ranks
+    sent per half and destination, repeated-combine decisions, the fused combine's self-row map)."""
+    return WS_HEADER_WORDS + 9 * num_ranks + 2 * num_max_tokens * max_topk
 
 
 def ws_csent_index(num_ranks: int, half: int, rank: int) -> int:

@@ -25,7 +25,7 @@ from ..backend import OnceHook, profiled_range, BackendUnavailable, PeerTranspor
 from .contract import CombineOptions, CombineResult, DispatchOptions, DispatchResult
 from .config import EpConfig
 from .errors import refusal_reason
-from .layout import LLLayout, ll_buffer_layout, ws_words
+from .layout import LLLayout, ll_buffer_layout
 from ..streams import NativeEvent, raw_current_stream
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class NativeBackend(NativeSetup, NativeMembership, NativeCallTags):
         self.num_local_experts = self.layout.num_local_experts
         self.buffer_bytes = max(self.layout.total_bytes, cfg.num_buffer_bytes or 0)
         self._setup_timeout_s = max(SETUP_TIMEOUT_FLOOR_S, 3 * cfg.timeout_us / 1e6)
-        self._ws = torch.zeros(ws_words(r_n), dtype=torch.int32, device=self.device)
+        self._ws = torch.zeros(self.layout.workspace_words(), dtype=torch.int32, device=self.device)
         self._active = torch.ones(r_n, dtype=torch.int32, device=self.device)
         self._comm = torch.cuda.Stream(device=self.device)
         # The C++ fast path (ep_fast_bind.cpp), made once the static table exists; until then and in
