@@ -135,121 +135,10 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrSendDone);
 }
 
-// The BF16 reduce of this warp's items (token, 256 channels), as a pipeline kReduceStages deep: an
-// item's rows are copied into the warp's shared stage with cp.async (16 bytes a lane, no registers held)
-// two items before they are summed, so each warp has about three items' loads in flight instead of
-// one -- the reduce was bound by load latency, not bandwidth (512 threads a block at 128 registers).
-// A pipeline entry is (item, group of kReduceSlots slots): one per item for K <= 8. The routing of the
-// item being issued is loaded one item ahead of its issue (the first before the wait: pre_v, pre_w).
-// Own rows (ws_selfrow) are copied from x. Summation: k ascending, fp32, one multiply and one add per
-// term, as the file's header says.
-__device__ void combine_reduce(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm, int64_t first_it,
-                               int64_t items, int col_chunks, int64_t pre_v, float pre_w) {
-    const int R = s.num_ranks, El = s.num_local_experts, E = R * El, H = s.hidden, K = c.num_topk;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, half = c.half, cols = H / 8;
-    const uint8_t* hb = reinterpret_cast<const uint8_t*>(s.buf);
-    const uint8_t* xb = reinterpret_cast<const uint8_t*>(c.x);
-    const bool own = reads_own_rows(s, c, sm.active) && sm.ok[s.rank];
-    const int own_lo = s.rank * El, x_rows = El * R * s.num_max_tokens;
-    const int groups = (K + kReduceSlots - 1) / kReduceSlots;
-    const int64_t stride = (int64_t)gridDim.x * kWarps;
-    const int64_t n_entries = (first_it < items ? (items - first_it + stride - 1) / stride : 0) * groups;
-    ReduceStage* st = sm.rstage + warp * kReduceStages;
-
-    // Issue side: the item whose entries are being issued and its routing (lanes 0..K-1).
-    int64_t iss_it = first_it;
-    int iss_g = 0, iss_stage = 0, my_e = -1, my_row = -1;
-    float my_w = 0.0f;
-    int pre_row = load_item_selfrow(s, c, own, first_it, items, col_chunks);
-    auto issue = [&](int64_t n) {
-        ReduceStage& rs = st[iss_stage];
-        iss_stage = iss_stage + 1 == kReduceStages ? 0 : iss_stage + 1;
-        if (n < n_entries) {
-            const int t = (int)(iss_it / col_chunks);
-            if (iss_g == 0) {
-                my_e = slot_expert(c, sm, El, E, t, pre_v, pre_w, my_w);
-                // The slot's row in x when its expert is this rank's. An index outside x (a combine whose
-                // routing is not its dispatch's) reads nothing: the slot counts as unused.
-                my_row = -1;
-                if (own && my_e >= own_lo && my_e < own_lo + El) {
-                    if (pre_row >= 0 && pre_row < x_rows) my_row = pre_row;
-                    else my_e = -1;
-                }
-                load_item_routing(c, iss_it + stride, items, col_chunks, pre_v, pre_w);
-                pre_row = load_item_selfrow(s, c, own, iss_it + stride, items, col_chunks);
-            }
-            const int k0 = iss_g * kReduceSlots;
-            const bool mine = lane >= k0 && lane < k0 + kReduceSlots;
-            const uint32_t use = (__ballot_sync(0xffffffffu, mine && my_e >= 0) >> k0) & ((1u << kReduceSlots) - 1u);
-            if (mine) rs.w[lane - k0] = my_w;
-            if (lane == 0) rs.mask = use;
-            const int col = (int)(iss_it - (int64_t)t * col_chunks) * 32 + lane;
-#pragma unroll
-            for (int j = 0; j < kReduceSlots; ++j) {
-                const int row = __shfl_sync(0xffffffffu, my_row, (k0 + j) & 31);
-                if (!((use >> j) & 1u) || col >= cols) continue;
-                const uint8_t* src = row >= 0 ? xb + (uint64_t)row * 2 * H : hb + off_crecv(s, half, t, k0 + j);
-                cp_async_16(&rs.data[j][lane], src + (uint64_t)col * 16);
-            }
-            if (++iss_g == groups) {
-                iss_g = 0;
-                iss_it += stride;
-            }
-        }
-        cp_async_commit();   // an empty group past the end keeps the wait count below uniform
-    };
-    for (int n = 0; n < kReduceStages - 1; ++n) issue(n);
-
-    int64_t it = first_it;
-    int g = 0, stage = 0;
-    float acc[8];
-    for (int64_t n = 0; n < n_entries; ++n) {
-        __syncwarp();   // every lane is done with the stage the next issue overwrites (weights, mask)
-        issue(n + kReduceStages - 1);
-        cp_async_wait<kReduceStages - 1>();
-        __syncwarp();   // entry n's weights and mask, written by other lanes, are visible
-        const ReduceStage& rs = st[stage];
-        stage = stage + 1 == kReduceStages ? 0 : stage + 1;
-        if (g == 0) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-        }
-        const int t = (int)(it / col_chunks);
-        const int col = (int)(it - (int64_t)t * col_chunks) * 32 + lane;
-        const uint32_t use = rs.mask;
-        if (col < cols) {
-#pragma unroll
-            for (int j = 0; j < kReduceSlots; ++j) {
-                if (!((use >> j) & 1u)) continue;
-                const int4 y = rs.data[j][lane];
-                const float w = rs.w[j];
-                const uint32_t v[4] = {(uint32_t)y.x, (uint32_t)y.y, (uint32_t)y.z, (uint32_t)y.w};
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, bf16_lo(v[q])));
-                    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, bf16_hi(v[q])));
-                }
-            }
-        }
-        if (++g < groups) continue;
-        g = 0;
-        it += stride;
-        if (col >= cols) continue;
-        int4 o;
-        uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const __nv_bfloat162 b = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-            ow[j] = *reinterpret_cast<const uint32_t*>(&b);
-        }
-        st_v4(reinterpret_cast<uint8_t*>(c.out) + ((size_t)t * cols + col) * 16, o);
-    }
-    cp_async_wait<0>();
-}
-
 __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm) {
-    const int R = s.num_ranks, H = s.hidden, N = c.num_tokens;
-    const int tid = threadIdx.x, warp = tid >> 5;
+    const int R = s.num_ranks, El = s.num_local_experts, E = R * El, H = s.hidden;
+    const int N = c.num_tokens, K = c.num_topk;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int half = c.half;
     int* state = ws_cstate(s, half);
     int* active = reinterpret_cast<int*>(c.active);
@@ -286,8 +175,83 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     if (c.use_logfmt) {
         combine_reduce_logfmt(s, c, sm, first_it, items, col_chunks, pre_v, pre_w);
     } else {
-        combine_reduce(s, c, sm, first_it, items, col_chunks, pre_v, pre_w);
+    // Own rows come from x (ws_selfrow); their index, like the routing, is loaded one item ahead.
+    const bool own = reads_own_rows(s, c, sm.active) && sm.ok[s.rank];
+    const uint8_t* xb = reinterpret_cast<const uint8_t*>(c.x);
+    const int own_lo = s.rank * El, x_rows = El * R * s.num_max_tokens;
+    int pre_row = load_item_selfrow(s, c, own, first_it, items, col_chunks);
+    for (int64_t it = first_it; it < items; it += (int64_t)gridDim.x * kWarps) {
+        const int t = (int)(it / col_chunks);
+        const int col = (int)(it - (int64_t)t * col_chunks) * 32 + lane;
+        float my_w;
+        int my_e = slot_expert(c, sm, El, E, t, pre_v, pre_w, my_w);
+        // The slot's row in x when its expert is this rank's. An index outside x (a combine whose routing
+        // is not its dispatch's) reads nothing: the slot counts as unused.
+        int my_row = -1;
+        if (own && my_e >= own_lo && my_e < own_lo + El) {
+            if (pre_row >= 0 && pre_row < x_rows) my_row = pre_row;
+            else my_e = -1;
+        }
+        const int64_t nit = it + (int64_t)gridDim.x * kWarps;
+        load_item_routing(c, nit, items, col_chunks, pre_v, pre_w);
+        pre_row = load_item_selfrow(s, c, own, nit, items, col_chunks);
+        {
+            // The next item's rows into L2 while this one is reduced. Lane l takes 128-byte line l % 4
+            // of slot l / 4 (a warp's 512 bytes of 8 slots; an unused slot's line is fetched for
+            // nothing): in the receive area at (token, slot), or in x for an own row.
+            const int k = lane >> 2;
+            const int64_t nv = __shfl_sync(0xffffffffu, pre_v, k);
+            const int nrow = __shfl_sync(0xffffffffu, pre_row, k);
+            if (nit < items && k < K) {
+                const int nt = (int)(nit / col_chunks), nc = (int)(nit - (int64_t)nt * col_chunks) * 32;
+                const uint64_t at = (uint64_t)nc * 16 + (uint64_t)(lane & 3) * 128;
+                const bool nown = nv >= own_lo && nv < own_lo + El && nrow >= 0 && nrow < x_rows;
+                if (at < (uint64_t)cols * 16)
+                    prefetch_l2((nown ? xb + (uint64_t)nrow * 2 * H : hb + off_crecv(s, half, nt, k)) + at);
+            }
+        }
+        const bool live = col < cols;
+        // k ascending, kReduceBatch loads in flight at a time (all of them for K <= 8): the order of the
+        // fp32 additions is fixed, and registers stay low enough for a full block of 512 threads.
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+        for (int k0 = 0; k0 < K; k0 += kReduceBatch) {
+            int4 y[kReduceBatch];
+            bool use[kReduceBatch];
+            float w[kReduceBatch];
+#pragma unroll
+            for (int j = 0; j < kReduceBatch; ++j) {
+                const int k = k0 + j;
+                use[j] = __shfl_sync(0xffffffffu, my_e, k & 31) >= 0 && k < K;
+                w[j] = __shfl_sync(0xffffffffu, my_w, k & 31);
+                const int row = __shfl_sync(0xffffffffu, my_row, k & 31);
+                if (use[j] && live)
+                    y[j] = row >= 0 ? ld_nc_v4(xb + (uint64_t)row * 2 * H + (uint64_t)col * 16)
+                                    : ld_row_v4(hb + off_crecv(s, half, t, k) + (uint64_t)col * 16);
+            }
+#pragma unroll
+            for (int j = 0; j < kReduceBatch; ++j) {
+                if (!use[j] || !live) continue;
+                const uint32_t v[4] = {(uint32_t)y[j].x, (uint32_t)y[j].y, (uint32_t)y[j].z, (uint32_t)y[j].w};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w[j], bf16_lo(v[q])));
+                    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w[j], bf16_hi(v[q])));
+                }
+            }
+        }
+        if (!live) continue;
+        int4 o;
+        uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const __nv_bfloat162 b = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+            ow[j] = *reinterpret_cast<const uint32_t*>(&b);
+        }
+        st_v4(reinterpret_cast<uint8_t*>(c.out) + ((size_t)t * cols + col) * 16, o);
     }
+    }   // !use_logfmt
 
     const bool last_recv = arrive_last<kGpuScope>(ws_counter(s, half, kCombineRecvDone), sm.flag);
     trace_point(s, kTraceCombine, kTrRecvCopied);
@@ -338,8 +302,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine(LLStatic s, LLCom
 
 int combine_smem_bytes(const LLStatic& s) {
     const int R = s.num_ranks, E = s.num_ranks * s.num_local_experts;
-    // + 16 alignment slack, the LogFMT log2 table and the per-warp staging (LogFMT's or the reduce's).
-    return 4 * (4 + 3 * R + 3 * E + 2 + plan_scratch_ints(E)) + 16 + 128 * 4 + combine_stage_bytes();
+    // + 16 alignment slack, the LogFMT log2 table and the per-warp LogFMT staging.
+    return 4 * (4 + 3 * R + 3 * E + 2 + plan_scratch_ints(E)) + 16 + 128 * 4 + kWarps * kLfStageBytes;
 }
 
 #if !defined(PYEP_LL_CPU_SIM)

@@ -10,16 +10,6 @@ namespace pyep {
 namespace ll {
 namespace {
 
-// One stage of a warp's reduce pipeline (ll_combine.cu, combine_reduce): up to kReduceSlots rows of one
-// item, 16 bytes a lane each (lane l's bytes are its own: it copies and reads only them), their weights,
-// and which slots are in use (bit j: slot k0 + j).
-struct ReduceStage {
-    int4 data[kReduceSlots][32];
-    float w[kReduceSlots];
-    uint32_t mask;
-    uint32_t pad[3];
-};
-
 struct CombineSmem {
     int* flag;      // [4]
     int* active;    // [R] PeerMode of each rank in this call
@@ -31,15 +21,7 @@ struct CombineSmem {
     int* scan;      // [plan_scratch_ints(E)]
     float* lf_tbl;  // [128] LogFMT log2 mantissa table (kLfLog2Mant)
     uint8_t* stage; // [kWarps][kLfStageBytes] LogFMT: one round of a warp's encoded row
-    ReduceStage* rstage;  // [kWarps][kReduceStages] BF16 reduce; the same bytes as `stage`
 };
-
-// Dynamic shared memory of a combine launch: the carve below, then the larger of the two stagings.
-__host__ __device__ constexpr int combine_stage_bytes() {
-    return kWarps * kLfStageBytes > kWarps * kReduceStages * (int)sizeof(ReduceStage)
-               ? kWarps * kLfStageBytes
-               : kWarps * kReduceStages * (int)sizeof(ReduceStage);
-}
 
 __device__ CombineSmem carve_combine(uint8_t* p, int R, int E) {
     CombineSmem m;
@@ -57,7 +39,6 @@ __device__ CombineSmem carve_combine(uint8_t* p, int R, int E) {
     b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(b) + 15) & ~uintptr_t(15));
     m.lf_tbl = reinterpret_cast<float*>(b);
     m.stage = b + 128 * 4;
-    m.rstage = reinterpret_cast<ReduceStage*>(m.stage);
     return m;
 }
 

@@ -24,8 +24,7 @@ constexpr int kWarps = kThreadsPerBlock / 32;
 constexpr int kMaxTopk = 16;
 constexpr int kMaxGroups = 128;        // H <= 16384 -> at most 128 FP8 groups of 128 channels
 constexpr int kCopyUnroll = 8;         // int4 per lane in flight per copy item (4 KiB per warp)
-constexpr int kReduceSlots = 8;        // top-k slots per combine reduce stage (K > 8: two stages an item)
-constexpr int kReduceStages = 3;       // combine reduce pipeline depth (ll_combine.cu, combine_reduce)
+constexpr int kReduceBatch = 8;        // combine rows loaded at once per reduce item
 constexpr int kHeaderBytes = 16;
 constexpr int kMsgAlign = 128;         // layout.py MSG_ALIGN: slots are whole cache lines
 
@@ -149,19 +148,6 @@ __device__ __forceinline__ int4 ld_row_v4(const void* p) {
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
-// 16 bytes from global memory into this thread's shared memory, asynchronously (cp.async, L1 bypassed,
-// so also for data written during the kernel after an acquire): no register holds the data while it is
-// in flight. Committed as groups; cp_async_wait<N> returns when at most N of this thread's groups are
-// pending, and makes the finished ones' bytes visible to this thread.
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* src) {
-    const uint32_t d = (uint32_t)__cvta_generic_to_shared(smem_dst);
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 __device__ __forceinline__ void st_v4(void* p, int4 v) {
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};"
                  ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
@@ -201,12 +187,6 @@ __device__ __forceinline__ int4 ld_nc_v4(const void* p) { return sim_ld_v4(p); }
 __device__ __forceinline__ int4 ld_v4(const void* p) { return sim_ld_v4(p); }
 __device__ __forceinline__ int4 ld_row_v4(const void* p) { return sim_ld_v4(p); }
 __device__ __forceinline__ void prefetch_l2(const void*) {}
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* src) {
-    *reinterpret_cast<int4*>(smem_dst) = sim_ld_v4(src);
-}
-__device__ __forceinline__ void cp_async_commit() {}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {}
 __device__ __forceinline__ void st_v4(void* p, int4 v) { sim_st_v4(p, v); }
 __device__ __forceinline__ int ld_acquire_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 __device__ __forceinline__ int ld_volatile(const int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
