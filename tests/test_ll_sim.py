@@ -104,6 +104,7 @@ MATRIX = [
     (4, (3, 256, 8, 3), 1, "cross"),
     (2, (4, 384, 8, 3), 2, "softnic-all"),
     (4, (3, 256, 8, 2), 1, "softnic-cross"),
+    (2, (4, 384, 12, 10), 2, "none"),      # K > 8: the reduce's second batch of slots
 ]
 
 

@@ -195,21 +195,6 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
         const int64_t nit = it + (int64_t)gridDim.x * kWarps;
         load_item_routing(c, nit, items, col_chunks, pre_v, pre_w);
         pre_row = load_item_selfrow(s, c, own, nit, items, col_chunks);
-        {
-            // The next item's rows into L2 while this one is reduced. Lane l takes 128-byte line l % 4
-            // of slot l / 4 (a warp's 512 bytes of 8 slots; an unused slot's line is fetched for
-            // nothing): in the receive area at (token, slot), or in x for an own row.
-            const int k = lane >> 2;
-            const int64_t nv = __shfl_sync(0xffffffffu, pre_v, k);
-            const int nrow = __shfl_sync(0xffffffffu, pre_row, k);
-            if (nit < items && k < K) {
-                const int nt = (int)(nit / col_chunks), nc = (int)(nit - (int64_t)nt * col_chunks) * 32;
-                const uint64_t at = (uint64_t)nc * 16 + (uint64_t)(lane & 3) * 128;
-                const bool nown = nv >= own_lo && nv < own_lo + El && nrow >= 0 && nrow < x_rows;
-                if (at < (uint64_t)cols * 16)
-                    prefetch_l2((nown ? xb + (uint64_t)nrow * 2 * H : hb + off_crecv(s, half, nt, k)) + at);
-            }
-        }
         const bool live = col < cols;
         // k ascending, kReduceBatch loads in flight at a time (all of them for K <= 8): the order of the
         // fp32 additions is fixed, and registers stay low enough for a full block of 512 threads.

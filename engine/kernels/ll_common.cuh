@@ -143,11 +143,6 @@ __device__ __forceinline__ int4 ld_row_v4(const void* p) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
     return v;
 }
-// A hint that the line at p will be read soon: fetched into L2 with no register and no wait. Used one
-// item ahead by the receive loops, whose next item's addresses do not depend on anything loaded.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
 __device__ __forceinline__ void st_v4(void* p, int4 v) {
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};"
                  ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
@@ -186,7 +181,6 @@ __device__ __forceinline__ uint8_t* dynamic_smem() { return sim_smem(); }
 __device__ __forceinline__ int4 ld_nc_v4(const void* p) { return sim_ld_v4(p); }
 __device__ __forceinline__ int4 ld_v4(const void* p) { return sim_ld_v4(p); }
 __device__ __forceinline__ int4 ld_row_v4(const void* p) { return sim_ld_v4(p); }
-__device__ __forceinline__ void prefetch_l2(const void*) {}
 __device__ __forceinline__ void st_v4(void* p, int4 v) { sim_st_v4(p, v); }
 __device__ __forceinline__ int ld_acquire_sys(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 __device__ __forceinline__ int ld_volatile(const int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }

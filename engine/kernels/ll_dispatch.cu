@@ -373,19 +373,6 @@ __device__ void dispatch_unpack(const LLStatic& s, const LLDispatchCall& c, Disp
         const int4* src4 = reinterpret_cast<const int4*>(msg);
         int4* dst4 = reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(c.recv_x) + out_row * (size_t)(kFp8 ? H : 2 * H));
         const int j0 = ch * per_item + lane;
-        {
-            // The next item's 4 KiB into L2 meanwhile, a 128-byte line a lane (its place is known
-            // from the plan alone).
-            const int64_t nit = it + (int64_t)gridDim.x * kWarps;
-            if (nit < items) {
-                const int nq = (int)(nit / chunks), nch = (int)(nit - (int64_t)nq * chunks);
-                const int np = find_range(sm.rowstart, E, nq);
-                const int ne = np / R, nr = np - ne * R;
-                const uint64_t at = (uint64_t)nch * per_item * 16 + (uint64_t)lane * 128;
-                if (at < (uint64_t)payload_int4 * 16)
-                    prefetch_l2(hb + off_drecv(s, half, nr, (uint64_t)(source_slot(sm.srcoff, El, ne, nr) + nq - sm.rowstart[np])) + at);
-            }
-        }
         // Every load of the item -- the payload chunk and, for a row's first chunk, its header and its
         // scales -- is issued before any store: one round trip per item instead of one per field (the
         // loads are volatile asm, so they issue in this order and each waits only at its first use).
