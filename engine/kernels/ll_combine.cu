@@ -210,7 +210,8 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
                 const int k = k0 + j;
                 use[j] = __shfl_sync(0xffffffffu, my_e, k & 31) >= 0 && k < K;
                 w[j] = __shfl_sync(0xffffffffu, my_w, k & 31);
-                const int row = __shfl_sync(0xffffffffu, my_row, k & 31);
+                // `own` is the same in every lane: a split or LogFMT combine skips this shuffle.
+                const int row = own ? __shfl_sync(0xffffffffu, my_row, k & 31) : -1;
                 if (use[j] && live)
                     y[j] = row >= 0 ? ld_nc_v4(xb + (uint64_t)row * 2 * H + (uint64_t)col * 16)
                                     : ld_row_v4(hb + off_crecv(s, half, t, k) + (uint64_t)col * 16);
