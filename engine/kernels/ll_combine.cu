@@ -5,8 +5,9 @@
 // no FMA, so the result is bit-identical to the reference backend), rounding to bf16 once.
 //
 // Send work is spread evenly over all warps as (row, 4 KiB chunk) items, so a hot expert does not
-// serialise on one warp group. The reduce is spread as (token, 256-channel) items. With use_logfmt the
-// send and the reduce are ll_combine_logfmt.cuh's instead.
+// serialise on one warp group. The reduce is spread as (token, 256-channel) items. A fused BF16 combine
+// reads the rows of this rank's own tokens straight from x (ws_selfrow, ll_combine_common.cuh). With
+// use_logfmt the send and the reduce are ll_combine_logfmt.cuh's instead.
 #if !defined(PYEP_LL_CPU_SIM)
 #include <cuda_runtime.h>
 #endif
