@@ -79,6 +79,14 @@ __device__ __forceinline__ void store(const Rank& r, int t, int col, const float
     *reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(r.out) + ((size_t)t * (r.H / 8) + col) * 16) = o;
 }
 
+// Item `it`'s token and first column, or false past the end.
+__device__ __forceinline__ bool item_at(long it, long items, int chunks, int per_item, int& t, int& c0) {
+    if (it >= items) return false;
+    t = (int)(it / chunks);
+    c0 = (int)(it % chunks) * per_item;
+    return true;
+}
+
 // kCols 16-byte columns per lane and row in one item; kItems items per warp step.
 template <int kCols, int kItems, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) reduce(Rank r) {
@@ -92,9 +100,8 @@ __global__ void __launch_bounds__(kThreads, 1) reduce(Rank r) {
         float w[kItems][kK];
 #pragma unroll
         for (int i = 0; i < kItems; ++i) {
-            const long it = base + i;
-            if (it >= items) continue;
-            const int t = (int)(it / chunks), c0 = (int)(it % chunks) * per_item;
+            int t, c0;
+            if (!item_at(base + i, items, chunks, per_item, t, c0)) continue;
 #pragma unroll
             for (int k = 0; k < kK; ++k) {
                 const uint8_t* row = row_of(r, t, k);
@@ -108,9 +115,8 @@ __global__ void __launch_bounds__(kThreads, 1) reduce(Rank r) {
         }
 #pragma unroll
         for (int i = 0; i < kItems; ++i) {
-            const long it = base + i;
-            if (it >= items) continue;
-            const int t = (int)(it / chunks), c0 = (int)(it % chunks) * per_item;
+            int t, c0;
+            if (!item_at(base + i, items, chunks, per_item, t, c0)) continue;
 #pragma unroll
             for (int c = 0; c < kCols; ++c) {
                 const int col = c0 + c * 32 + lane;
