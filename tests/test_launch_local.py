@@ -171,7 +171,11 @@ def test_ctrl_c_tears_down_and_exits_130(tmp_path) -> None:
     (tmp_path / "workload.py").write_text(WORKLOAD)
     (tmp_path / "c.yaml").write_text(cfg_text)
     run_dir = str(tmp_path / "run")
-    driver = ("import argparse, sys\nfrom pyep.cli import launch as L\np = argparse.ArgumentParser()\n"
+    # The launcher as a terminal runs it: with SIGINT raising KeyboardInterrupt. A test runner started as a
+    # background job of a script inherits SIGINT ignored (POSIX shells do that without job control), and
+    # Python then installs no handler in the child: the launcher would rightly keep ignoring it.
+    driver = ("import argparse, signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "from pyep.cli import launch as L\np = argparse.ArgumentParser()\n"
               "L.add_parser(p.add_subparsers())\na = p.parse_args(['launch', *sys.argv[1:]])\nsys.exit(a.func(a))\n")
     proc = subprocess.Popen([sys.executable, "-c", driver, str(tmp_path / "c.yaml"), "--run-dir", run_dir],
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
