@@ -92,6 +92,10 @@ def test_repeats_keep_the_least_and_every_run(tmp_path: Path) -> None:
     assert "2-2 run(s)" not in text and "2 run(s) per cell" in text
     doc = json.loads((tmp_path / "ll_ab.json").read_text())
     assert len(doc["rows"][0]["new_runs"]) == 2 and doc["rows"][0]["new"]["dispatch_us"] == {"0": 20.0, "1": 22.0}
+    spread = text.split("every sample", 1)[1]
+    row = [line for line in spread.splitlines() if line.strip().startswith("32")][0]
+    assert "80.0 - 87.0" in row and "40.0 - 92.0" in row        # base (80, 82, 85, 87), new (90, 92, 40, 42)
+    assert max(len(line) for line in text.splitlines()) <= 120
     joined = report.parse_log("[rank 1] Dispatch + combine bandwidth: 1.0 GB/s, avg_t=84.35 us, min_t=1 us"
                               "[rank 0] Dispatch + combine bandwidth: 1.0 GB/s, avg_t=83.06 us, min_t=1 us\n")
     assert joined["eager_us"] == {1: 84.35, 0: 83.06}

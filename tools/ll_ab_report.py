@@ -68,6 +68,12 @@ def least(values: Dict[int, float]) -> float:
     return min(values.values())
 
 
+def eager_range(row: dict, side: str) -> str:
+    """'least - most' of the eager loop over every rank of every run of one side."""
+    vals = [v for run in row[f"{side}_runs"] for v in run.get("eager_us", {}).values()]
+    return f"{min(vals):.1f} - {max(vals):.1f}" if vals else "-"
+
+
 def collect(out: Path) -> List[dict]:
     tokens = sorted({int(p.name[1:]) for side in ("base", "new") for p in (out / side).glob("T*")
                      if p.name[1:].isdigit()})
@@ -106,6 +112,13 @@ def table(rows: List[dict], baseline: str, current: str, where: str = "2 ranks o
     runs_note = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}" if counts else "0"
     lines.append(f"us: least over ranks and {runs_note} run(s) per cell (DeepEP's kineto kernel times; eager = CUDA\n"
                  "events around back-to-back dispatch + combine); ratio = new / base")
+    spread = [f"{r['tokens']:>4}  {eager_range(r, 'base'):>17}  {eager_range(r, 'new'):>17}" for r in rows
+              if r["base"] and r["new"]]
+    if spread:
+        # The least hides how far the eager loop moves between samples: with ranks sharing a GPU it is
+        # paced by the processes' launches as much as by the kernels (docs/results/2026-11-27d-onegpu).
+        sub = f"{'T':>4}  {'base':>17}  {'new':>17}"
+        lines += ["", "d+c eager us, every sample (ranks x runs), least - most:", sub, "-" * len(sub)] + spread
     if halves:
         sub = (f"{'T':>4}  {'dispatch send':>20}  {'dispatch recv':>20}  {'combine send':>20}  {'combine recv':>20}")
         lines += ["", "hook halves (send and receive launched apart), us base / new and ratio:", sub,
