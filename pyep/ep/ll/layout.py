@@ -45,7 +45,6 @@ from ..config import FP8_GROUP, MAX_HIDDEN, MAX_TOPK, _check_int
 
 HEADER_BYTES = 16
 MSG_ALIGN = 128      # slot stride granularity: whole cache lines per message
-FP8_GROUP = 128
 SIGNAL_ALIGN = 256
 REGION_ALIGN = 4096
 FETCH_BYTES = 256   # scratch where NIC atomics deposit the fetched old value (never read)
