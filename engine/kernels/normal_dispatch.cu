@@ -197,7 +197,7 @@ __device__ void empty_rows(const DispatchArgs& a, const DispatchRow& row, int r0
 }
 
 // This rank's own rows of channel c go from x straight to their output rows (no ring, no counters):
-// the j-th row of a 32-token round goes to warp j mod W, at row recv_channel_prefix[me][c] + position.
+// the stream's i-th row goes to warp i mod W, at row recv_channel_prefix[me][c] + i.
 __device__ void dispatch_self(const NormalStatic& s, const DispatchArgs& a, const DispatchRow& row, int c,
                               const Group& G, WarpTma& tma) {
     const int R = s.num_ranks, me = s.rank, K = a.num_topk;

@@ -57,21 +57,29 @@ struct Group {
     __device__ bool leader() const { return wi == 0 && lane == 0; }
 };
 
-// The rows of tokens [t0, t1) routed to rank d, in stream order, one ballot per 32 tokens: the j-th row
-// of a window goes to warp j mod W of the group, which calls f(token, position in the stream) for it.
+// The rows of tokens [t0, t1) routed to rank d, in stream order, one ballot per 32 tokens: the stream's
+// i-th row goes to warp i mod W of the group, which calls f(token, i) for it. Counted over the stream
+// and not within each window: no barrier separates windows here, and with W = 24 warps and 32 rows a
+// window, warp j mod W would give warps 0-7 two rows a window and the others one (the stream would
+// take 1.5x as long as its rows spread evenly).
+// The next window's flags are loaded before this window's rows are copied: every warp scans every
+// window and gets only a row or two of it, so a flag load waited for at each ballot would add most of
+// a memory round trip to each row.
 // Returns the stream's row count (every warp of the group gets the same).
 template <typename F>
 __device__ __forceinline__ int for_each_routed_row(const bool* in_rank, int R, int d, int t0, int t1, const Group& G,
                                                    F f) {
+    auto routed = [&](int t) { return t < t1 && in_rank[(int64_t)t * R + d]; };
     int pos = 0;
+    bool flag = routed(t0 + G.lane);
     for (int wbase = t0; wbase < t1; wbase += kScanWindow) {
-        const int t = wbase + G.lane;
-        const uint32_t mask = __ballot_sync(0xffffffffu, t < t1 && in_rank[(int64_t)t * R + d]);
+        const uint32_t mask = __ballot_sync(0xffffffffu, flag);
+        flag = routed(wbase + kScanWindow + G.lane);
         uint32_t rest = mask;
         for (int j = 0; rest; ++j) {
             const int bit = __ffs(rest) - 1;
             rest &= rest - 1;
-            if (j % G.W == G.wi) f(wbase + bit, pos + j);
+            if ((pos + j) % G.W == G.wi) f(wbase + bit, pos + j);
         }
         pos += __popc(mask);
     }
