@@ -16,9 +16,15 @@ namespace pyep {
 namespace normal {
 namespace {
 
-// Tokens a reduce round takes (one per warp). The receiver frees ring slots once per round, so a
+// Tokens a reduce round takes (up to two per warp). The receiver frees ring slots once per round, so a
 // sender may run at most ring_tokens - round rows ahead of the receiver's head (see combine_send).
-__device__ __forceinline__ int reduce_round(int ring_tokens) { return min(kCombineWarps, ring_tokens / 2); }
+// Two tokens a warp between the round's barriers: a round lasts as long as its slowest warp, and a
+// token's time varies with its number of sources and with when their rows arrive; over two tokens a
+// warp the spread evens out, and the block waits at half as many barriers.
+constexpr int kReduceTokensPerWarp = 2;
+__device__ __forceinline__ int reduce_round(int ring_tokens) {
+    return min(kReduceTokensPerWarp * kCombineWarps, ring_tokens / 2);
+}
 
 // Row i of the dispatch's (source, token) order in x: across nodes the rows sit in the contract's order
 // and row_map says where (normal_internode.md); within one node the orders are the same.
@@ -188,8 +194,7 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
     float* out_w = reinterpret_cast<float*>(a.out_weights);
 
     for (int rs = t0; rs < t1; rs += round) {
-        const int t = rs + warp;
-        if (warp < round && t < t1) {
+        for (int t = rs + warp; t < min(rs + round, t1); t += kCombineWarps) {
             int pos = lane < R ? send_head[(int64_t)t * R + lane] : -1;
             bool ok = true;
             if (s.active && pos >= 0 && lane != me && !in_mask(call_mask(s), lane)) {
@@ -248,8 +253,9 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
                     out_w[(int64_t)t * K + lane] = w;
                 }
                 if (pos >= 0) atomicMax(&sh_max[lane], pos);
-            } else if (lane == 0) {
-                sh_failed = 1;
+            } else {
+                if (lane == 0) sh_failed = 1;
+                break;
             }
         }
         __syncthreads();                       // the round's rows are read
