@@ -21,12 +21,10 @@ set -uo pipefail
 cmd=${1:?usage: ll_ab.sh prepare REV | run REV [T ...]}; rev=${2:?baseline commit}; shift 2
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 base=$root/.baseline/$rev
+source "$root/tools/ab_trees.sh"
 case $cmd in
   prepare)
-    rm -rf "$base" && mkdir -p "$base"
-    git -C "$root" archive "$rev" | tar x -C "$base" || exit 1
-    grep -qx '/.baseline/' "$root/.git/info/exclude" 2>/dev/null || echo '/.baseline/' >> "$root/.git/info/exclude"
-    echo "baseline $rev in $base ($(du -sh "$base" | cut -f1)); carry .baseline and .anchors to the GPU machine"
+    ab_prepare "$root" "$rev" || exit 1
     ;;
   run)
     [ -d "$base/engine" ] || { echo "no baseline tree at $base: run 'll_ab.sh prepare $rev' first"; exit 2; }
@@ -34,24 +32,10 @@ case $cmd in
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     out=${OUT:-/tmp}/ll_ab; mkdir -p "$out"
     tokens=("$@"); [ ${#tokens[@]} -eq 0 ] && tokens=(1 32 128 256)
-    for tree in "$base" "$root"; do
-      if ! python3 -c "import sys; sys.path.insert(0, '$tree'); import pyep._engine as e; assert e.has_cuda" 2>/dev/null; then
-        t0=$SECONDS
-        (cd "$tree" && CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-16} \
-          python3 setup.py build_ext --inplace > "$out/build_$(basename "$tree").log" 2>&1) \
-          || { echo "build of $tree failed: $out/build_$(basename "$tree").log"; exit 1; }
-        echo "built $tree in $((SECONDS - t0)) s"
-      fi
-    done
+    ab_build "$out" "$base" "$root" || exit 1
     ln -sfn "$root/.anchors" "$base/.anchors"
     # One GPU: the 2 ranks share it, side by side under MPS. Two or more: one rank a GPU, as users run.
-    ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-    if [ "${ngpu:-0}" -ge 2 ]; then
-      where="2 ranks, one a GPU"
-    else
-      where="2 ranks on one GPU"
-      pgrep -f nvidia-cuda-mps-control >/dev/null || { nvidia-cuda-mps-control -d && echo "MPS daemon started"; }
-    fi
+    where=$(ab_mps_if_shared 2)
     # One sample is the test's own average over its iterations; with two ranks on one GPU a kernel's
     # time also holds any wait for the other rank, so a sample can double (docs/results/2026-11-27c-x2).
     repeat=${LL_AB_REPEAT:-1}

@@ -26,7 +26,7 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 FP8_FACTOR = (1 + 4 / 128) / 2   # test_intranode.py: FP8 bytes per BF16 byte
 
@@ -141,6 +141,15 @@ def _worker(local_rank: int, world: int, args: argparse.Namespace, port: int) ->
     dist.destroy_process_group()
 
 
+def main_kernel(trace: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The call's dispatch or combine kernel among a trace split's kernels (not the notify / gate
+    kernel, not the gap's sleep): the one of those names that took the most time; None if none ran."""
+    ks = sorted(trace["kernels"].items(), key=lambda kv: -kv[1]["mean_us"] * kv[1]["count"])
+    main = [d for k, d in ks if any(f"{w}{c}" in k for w in ("dispatch", "combine") for c in "<(")
+            and "notify" not in k]
+    return main[0] if main else None
+
+
 def _report(ranks: List[Dict[str, Any]], args: argparse.Namespace) -> None:
     import deep_ep
     lib = "pyep shim" if hasattr(deep_ep, "_m") else "DeepEP"
@@ -154,9 +163,7 @@ def _report(ranks: List[Dict[str, Any]], args: argparse.Namespace) -> None:
                 v = r["variants"][name][mode]
                 tr = v["trace"]
                 ks = sorted(tr["kernels"].items(), key=lambda kv: -kv[1]["mean_us"] * kv[1]["count"])
-                main = [d for k, d in ks if any(f"{w}{c}" in k for w in ("dispatch", "combine") for c in "<(")
-                        and "notify" not in k]
-                m = main[0] if main else {"mean_us": 0.0, "median_us": 0.0, "min_us": 0.0, "max_us": 0.0}
+                m = main_kernel(tr) or {"mean_us": 0.0, "median_us": 0.0, "min_us": 0.0, "max_us": 0.0}
                 other = ", ".join(f"{k.split('(')[0][-24:]}={d['mean_us']:.0f}" for k, d in ks if d is not m)[:70]
                 print(f"{name:<13} {mode:<8} {r['rank']:>4} {v['event_us_mean']:>8.1f} {v['host_us_mean']:>7.1f} "
                       f"{m['median_us']:>11.1f} {m['min_us']:>7.1f} {m['max_us']:>7.1f} {tr['idle_us_per_call']:>7.1f}  {other}")

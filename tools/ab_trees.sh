@@ -1,0 +1,48 @@
+# Sourced by tools/ll_ab.sh and tools/normal_ab.sh: the baseline tree of an A/B (.baseline/REV, ignored
+# through .git/info/exclude) and the builds of both trees on the GPU machine.
+
+# ab_prepare ROOT REV: the files of commit REV in ROOT/.baseline/REV (here, where git is).
+ab_prepare() {
+  local root=$1 rev=$2
+  local base=$root/.baseline/$rev
+  rm -rf "$base" && mkdir -p "$base"
+  git -C "$root" archive "$rev" | tar x -C "$base" || return 1
+  grep -qx '/.baseline/' "$root/.git/info/exclude" 2>/dev/null || echo '/.baseline/' >> "$root/.git/info/exclude"
+  echo "baseline $rev in $base ($(du -sh "$base" | cut -f1)); carry .baseline and .anchors to the GPU machine"
+}
+
+# ab_build LOGDIR TREE...: builds, side by side, every tree whose engine is not a CUDA build yet (MAX_JOBS,
+# default 16, split between them); a failed build names its log and returns 1.
+ab_build() {
+  local logs=$1; shift
+  local todo=() pids=() tree i rc=0 t0=$SECONDS
+  for tree in "$@"; do
+    python3 -c "import sys; sys.path.insert(0, '$tree'); import pyep._engine as e; assert e.has_cuda" 2>/dev/null \
+      || todo+=("$tree")
+  done
+  [ ${#todo[@]} -eq 0 ] && return 0
+  local jobs=$(( ${MAX_JOBS:-16} / ${#todo[@]} )); [ "$jobs" -lt 1 ] && jobs=1
+  for tree in "${todo[@]}"; do
+    (cd "$tree" && CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++ MAX_JOBS=$jobs \
+      python3 setup.py build_ext --inplace > "$logs/build_$(basename "$tree").log" 2>&1) &
+    pids+=($!)
+  done
+  for i in "${!todo[@]}"; do
+    wait "${pids[$i]}" || { echo "build of ${todo[$i]} failed: $logs/build_$(basename "${todo[$i]}").log"; rc=1; }
+  done
+  [ $rc -eq 0 ] && echo "built ${todo[*]} in $((SECONDS - t0)) s"
+  return $rc
+}
+
+# ab_mps_if_shared RANKS: prints where the ranks run; when they share a GPU, starts the MPS daemon (kernels
+# of different processes side by side) unless it runs.
+ab_mps_if_shared() {
+  local ranks=$1 ngpu
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if [ "${ngpu:-0}" -ge "$ranks" ]; then
+    echo "$ranks ranks, one a GPU"
+  else
+    pgrep -f nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d >&2
+    echo "$ranks ranks on ${ngpu:-0} GPU(s), MPS"
+  fi
+}
