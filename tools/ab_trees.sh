@@ -46,3 +46,9 @@ ab_mps_if_shared() {
     echo "$ranks ranks on ${ngpu:-0} GPU(s), MPS"
   fi
 }
+
+# ab_label ROOT GIVEN: the label of the checkout's tree: GIVEN when set (a GPU machine's copy of the
+# checkout may carry git metadata older than its files), else git's, marked -dirty when the files differ.
+ab_label() {
+  if [ -n "$2" ]; then echo "$2"; else (cd "$1" && git describe --always --dirty 2>/dev/null || echo checkout); fi
+}

@@ -51,9 +51,7 @@ case $cmd in
         done
       done
     done
-    # The tree's label: LL_AB_LABEL when given (a GPU machine's copy of the checkout may carry git
-    # metadata older than its files), else git's, marked -dirty when the files differ from it.
-    label=${LL_AB_LABEL:-$(cd "$root" && git describe --always --dirty 2>/dev/null || echo checkout)}
+    label=$(ab_label "$root" "${LL_AB_LABEL:-}")
     python3 "$root/tools/ll_ab_report.py" "$out" --baseline "$rev" --current "$label" --where "$where"
     ;;
   *) echo "usage: ll_ab.sh prepare REV | run REV [T ...]"; exit 2 ;;

@@ -14,12 +14,16 @@ closest to the kernel's own time; both trees get the same statistic. Ratio = cur
 1 is faster. A missing or unparsable log is named in the table, never guessed."""
 from __future__ import annotations
 
-import argparse
-import json
+import importlib.util
 import re
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
+
+_spec = importlib.util.spec_from_file_location("ab_report", Path(__file__).resolve().parent / "ab_report.py")
+ab_report = importlib.util.module_from_spec(_spec)
+assert _spec.loader is not None
+_spec.loader.exec_module(ab_report)
 
 EAGER = re.compile(r"\[rank (\d+)\] Dispatch \+ combine bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us")
 KERNELS = re.compile(r"\[rank (\d+)\] Dispatch bandwidth: [\d.]+ GB/s, avg_t=([\d.]+) us \| "
@@ -153,31 +157,19 @@ def plot(rows: List[dict], path: Path) -> Optional[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path, help="ll_ab.sh's output folder (holds base/ and new/)")
-    ap.add_argument("--baseline", default="base")
-    ap.add_argument("--current", default="new")
-    ap.add_argument("--where", default="2 ranks on one GPU", help="where the ranks ran, for the title")
-    a = ap.parse_args(argv)
+    a = ab_report.parse_args(__doc__.splitlines()[0], "ll_ab.sh", "2 ranks on one GPU", argv)
     rows = collect(a.out)
     if not rows:
         print(f"no T<t> folders under {a.out}/base or {a.out}/new", file=sys.stderr)
         return 2
-    text = table(rows, a.baseline, a.current, a.where)
-    print(text)
-    (a.out / "ll_ab.txt").write_text(text + "\n")
     doc = {"baseline": a.baseline, "current": a.current, "where": a.where,
            "rows": [{"tokens": r["tokens"],
                      **{s: ({f: {str(k): v for k, v in r[s][f].items()} for f in FIGURES + HALVES} if r[s] else None)
                         for s in ("base", "new")},
                      **{f"{s}_runs": [{f: {str(k): v for k, v in run[f].items()} for f in FIGURES + HALVES}
                                       for run in r[f"{s}_runs"]] for s in ("base", "new")}} for r in rows]}
-    (a.out / "ll_ab.json").write_text(json.dumps(doc, indent=1))
-    note = plot(rows, a.out / "ll_ab.png")
-    if note:
-        print(note)
+    ab_report.write(a.out, "ll_ab", table(rows, a.baseline, a.current, a.where), doc, lambda path: plot(rows, path))
     return 0 if all(r["base"] and r["new"] for r in rows) else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

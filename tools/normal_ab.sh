@@ -58,9 +58,7 @@ case $cmd in
         done
       done
     done
-    # The tree's label: NORMAL_AB_LABEL when given (a GPU machine's copy of the checkout may carry git
-    # metadata older than its files), else git's, marked -dirty when the files differ from it.
-    label=${NORMAL_AB_LABEL:-$(cd "$root" && git describe --always --dirty 2>/dev/null || echo checkout)}
+    label=$(ab_label "$root" "${NORMAL_AB_LABEL:-}")
     python3 "$root/tools/normal_ab_report.py" "$out" --baseline "$rev" --current "$label" --where "$where"
     ;;
   *) echo "usage: normal_ab.sh prepare REV | run REV [R:S ...]"; exit 2 ;;

@@ -15,7 +15,6 @@ statistic; every run's values are in the JSON. Ratio = new / base (below 1 is fa
 A missing or incomplete run is named in the table, never guessed."""
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import re
@@ -23,11 +22,18 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-_probe_spec = importlib.util.spec_from_file_location(
-    "normal_b2b_probe", Path(__file__).resolve().parent / "dev" / "normal_b2b_probe.py")
-probe = importlib.util.module_from_spec(_probe_spec)
-assert _probe_spec.loader is not None
-_probe_spec.loader.exec_module(probe)
+
+def _load(name: str, path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_TOOLS = Path(__file__).resolve().parent
+probe = _load("normal_b2b_probe", _TOOLS / "dev" / "normal_b2b_probe.py")   # its main_kernel()
+ab_report = _load("ab_report", _TOOLS / "ab_report.py")
 
 CALLS = ("fp8_colmajor", "fp8_dense", "bf16", "combine")
 FIGURES = ("event_us", "kernel_us", "b2b_gbps")   # b2b_gbps: more is better
@@ -153,27 +159,16 @@ def plot(rows: List[dict], path: Path) -> Optional[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path, help="normal_ab.sh's output folder (holds base/ and new/)")
-    ap.add_argument("--baseline", default="base")
-    ap.add_argument("--current", default="new")
-    ap.add_argument("--where", default="ranks sharing one GPU", help="where the ranks ran, for the title")
-    a = ap.parse_args(argv)
+    a = ab_report.parse_args(__doc__.splitlines()[0], "normal_ab.sh", "ranks sharing one GPU", argv)
     rows = collect(a.out)
     if not rows:
         print(f"no r<R>s<S> folders under {a.out}/base or {a.out}/new", file=sys.stderr)
         return 2
-    text = table(rows, a.baseline, a.current, a.where)
-    print(text)
-    (a.out / "normal_ab.txt").write_text(text + "\n")
     doc = {"baseline": a.baseline, "current": a.current, "where": a.where,
            "rows": [{k: r[k] for k in ("ranks", "sms", "base", "new", "base_runs", "new_runs")} for r in rows]}
-    (a.out / "normal_ab.json").write_text(json.dumps(doc, indent=1))
-    note = plot(rows, a.out / "normal_ab.png")
-    if note:
-        print(note)
+    ab_report.write(a.out, "normal_ab", table(rows, a.baseline, a.current, a.where), doc,
+                    lambda path: plot(rows, path))
     return 0 if all(r["base"] and r["new"] for r in rows) else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
