@@ -63,7 +63,10 @@ def profiled_range(name: str) -> Any:
     enabled = getattr(torch.autograd.profiler, "_is_profiler_enabled", None)
     if enabled is None or enabled:
         return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
+    return _NO_RANGE
+
+
+_NO_RANGE = contextlib.nullcontext()   # stateless and re-entrant: one serves every call
 
 
 class OnceHook:

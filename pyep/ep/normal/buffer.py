@@ -10,11 +10,10 @@ backend over store mailbox keys) and rejoin: buffer_member.py (docs/elastic.md, 
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from .._dist import group_device
 from ..control import make_control
@@ -27,7 +26,7 @@ from .._dist import all_reduce_min_bounded as all_reduce_min
 from .config import DEFAULT_NUM_SMS, MAX_CHANNELS, Config, default_config, sizing_configs
 from .buffer_member import NormalBufferMembership, check_active_ranks
 from .contract import CombineCall, DispatchCall, NormalBackend
-from .errors import ElasticUnsupported
+from .errors import ElasticUnsupported, RefusingArgs
 from .events import NormalEvent, capture_current, launch, wait_bound_s
 from .handle import NormalHandle
 from .limits import MAX_BUFFER_BYTES, MAX_GROUP_RANKS, MAX_TIMEOUT_US
@@ -356,21 +355,11 @@ class NormalBuffer(NormalBufferMembership):
         self._check_alive(what)
         return self._backend.pending_error()
 
-    @contextlib.contextmanager
-    def _refusing(self, kind: int, pending: Optional[Exception]) -> Iterator[None]:
+    def _refusing(self, kind: int, pending: Optional[Exception]) -> RefusingArgs:
         """Host checks of a call. A refused call still takes part in the call's exchange with a REFUSED
         tag (tags.py), so that its peers -- which made the call -- raise PeerRefusedCall for it instead
         of waiting for this rank or pairing its next call with this one."""
-        try:
-            yield
-        except (TypeError, ValueError) as exc:
-            problem = self._backend.refuse(kind, f"{type(exc).__name__}: {exc}")
-            if problem is not None:
-                exc.add_note(f"the call's exchange found more: {problem}")
-            if pending is not None:
-                pending.add_note(f"(raised by a call that was refused: {type(exc).__name__}: {exc})")
-                raise pending from None
-            raise
+        return RefusingArgs(self._backend, kind, pending)
 
     def _launch(self, what: str, fn: Any, tensors: Any, previous_event: Any, async_finish: bool,
                 allocate_on_comm_stream: bool, pending: Optional[Exception]) -> Tuple[Any, NormalEvent]:

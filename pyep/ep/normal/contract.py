@@ -74,7 +74,7 @@ unknown state: the buffer then refuses calls until ``clean()``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Tuple, runtime_checkable
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Protocol, Tuple, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -102,8 +102,9 @@ def combine_order(num_ranks: int, ranks_per_node: int) -> List[List[int]]:
     return [list(range(n, n + ranks_per_node)) for n in range(0, num_ranks, ranks_per_node)]
 
 
-@dataclass(frozen=True)
-class DispatchCall:
+# The call records are NamedTuples: immutable like a frozen dataclass, and built in about half the host
+# time (a frozen dataclass sets each of its fields through object.__setattr__; this runs every call).
+class DispatchCall(NamedTuple):
     x: "torch.Tensor"                         # bf16 or e4m3 [N, H], contiguous
     x_scales: Optional["torch.Tensor"]        # fp32 [N, H/128] with e4m3 x, else None
     topk_idx: Optional["torch.Tensor"]        # int64 [N, K] (None for cached dispatch)
@@ -148,8 +149,7 @@ class DispatchResult:
                                               # deliver (r inactive); None: the backend drops nothing
 
 
-@dataclass(frozen=True)
-class CombineCall:
+class CombineCall(NamedTuple):
     x: "torch.Tensor"                         # bf16 [num_recv_rows, H], contiguous
     topk_weights: Optional["torch.Tensor"]    # fp32 [num_recv_rows, K] or None
     bias: Tuple[Optional["torch.Tensor"], Optional["torch.Tensor"]]   # bf16 [N, H] each, or None

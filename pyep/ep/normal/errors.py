@@ -4,7 +4,7 @@ recorded by the kernels in a small host-visible error record and raised from it 
 call or when the call's event is waited on (no device synchronisation on the hot path)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ..errors import CallMismatch
 from ..errors import PeerRefusedCall as _PeerRefusedCall
@@ -175,3 +175,29 @@ def error_from_record(words: Sequence[int], num_experts: int, timeout_us: int) -
         return NormalModeError(f"the handle does not describe this call: channel {a} promised {b} rows, "
                                f"the tokens gave {c}; pass the handle of a dispatch with the same tokens")
     return NormalModeError(f"unknown device error record {list(words[:4])}")
+
+
+class RefusingArgs:
+    """The context of a call's host checks (NormalBuffer._refusing): a TypeError or ValueError raised
+    inside it refuses the call on the peers too (the backend's refuse: a REFUSED tag, so they raise
+    PeerRefusedCall instead of waiting), and an earlier call's pending error is raised in its place. A
+    class rather than a contextlib generator: it is entered on every call, at a third of the host time."""
+
+    __slots__ = ("backend", "kind", "pending")
+
+    def __init__(self, backend: Any, kind: int, pending: Optional[Exception]) -> None:
+        self.backend, self.kind, self.pending = backend, kind, pending
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is None or not issubclass(exc_type, (TypeError, ValueError)):
+            return False
+        problem = self.backend.refuse(self.kind, f"{type(exc).__name__}: {exc}")
+        if problem is not None:
+            exc.add_note(f"the call's exchange found more: {problem}")
+        if self.pending is not None:
+            self.pending.add_note(f"(raised by a call that was refused: {type(exc).__name__}: {exc})")
+            raise self.pending from None
+        return False

@@ -6,8 +6,7 @@ Python/torch types and dtypes raise TypeError, everything else ValueError; messa
 what was expected and what was given."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Tuple
 
 from ..config import MAX_HIDDEN
 from ..validate import check_bool
@@ -32,13 +31,14 @@ def check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> int:
     return value
 
 
-def check_tensor(name: str, t: Any, **kwargs: Any) -> "torch.Tensor":
+def check_tensor(name: str, t: Any, *, dtype: "torch.dtype", shape: Any, device: "torch.device",
+                 contiguous: bool = True) -> "torch.Tensor":
     """pyep.ep.validate.check_tensor for dense (strided) tensors: a sparse or otherwise non-strided
     tensor is refused here, before its strides or contiguity are asked for (they raise for it)."""
     import torch
     if isinstance(t, torch.Tensor) and t.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    return _check_tensor(name, t, **kwargs)
+    return _check_tensor(name, t, dtype=dtype, shape=shape, device=device, contiguous=contiguous)
 
 
 def check_hidden(name: str, hidden: int, buffer_hidden: Optional[int]) -> int:
@@ -129,8 +129,7 @@ def check_channels(what: str, config: Config, handle: NormalHandle) -> None:
                          f"num_sms={2 * handle.num_channels} or None")
 
 
-@dataclass(frozen=True)
-class DispatchArgs:
+class DispatchArgs(NamedTuple):   # a NamedTuple: built every call, in half a frozen dataclass's time
     x: "torch.Tensor"
     x_scales: Optional["torch.Tensor"]     # any strides (DeepGEMM's are column-major)
     hidden: int
@@ -152,7 +151,7 @@ def split_x(x: Any, device: "torch.device") -> Tuple["torch.Tensor", Optional["t
         if data.dim() != 2:
             raise ValueError(f"x[0] must have shape [N, hidden], got {list(data.shape)}")
         check_tensor("x[0]", data, dtype=torch.float8_e4m3fn, shape=(None, None), device=device)
-        n, h = (int(v) for v in data.shape)
+        n, h = int(data.shape[0]), int(data.shape[1])
         check_tensor("x[1] (scales)", scales, dtype=torch.float32, shape=(n, max(h, 0) // HIDDEN_ALIGN),
                      device=device, contiguous=False)
         return data, scales
@@ -181,7 +180,7 @@ def validate_dispatch(*, x: Any, handle: Any, num_tokens_per_rank: Any, num_toke
     """Checks a dispatch call (cached when handle is given); num_nodes > 1: internode."""
     import torch
     data, scales = split_x(x, device)
-    n, h = (int(v) for v in data.shape)
+    n, h = int(data.shape[0]), int(data.shape[1])
     check_hidden("x", h, buffer_hidden)
     if n > MAX_TOKENS:
         raise ValueError(f"x has {n} tokens; at most {MAX_TOKENS} are supported")
