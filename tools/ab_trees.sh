@@ -12,7 +12,8 @@ ab_prepare() {
 }
 
 # ab_build LOGDIR TREE...: builds, side by side, every tree whose engine is not a CUDA build yet (MAX_JOBS,
-# default 16, split between them); a failed build names its log and returns 1.
+# default 16, split between them); a failed build, or one still running after AB_BUILD_TIMEOUT_S (default
+# 1800), names its log and returns 1.
 ab_build() {
   local logs=$1; shift
   local todo=() pids=() tree i rc=0 t0=$SECONDS
@@ -24,11 +25,11 @@ ab_build() {
   local jobs=$(( ${MAX_JOBS:-16} / ${#todo[@]} )); [ "$jobs" -lt 1 ] && jobs=1
   for tree in "${todo[@]}"; do
     (cd "$tree" && CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++ MAX_JOBS=$jobs \
-      python3 setup.py build_ext --inplace > "$logs/build_$(basename "$tree").log" 2>&1) &
+      timeout "${AB_BUILD_TIMEOUT_S:-1800}" python3 setup.py build_ext --inplace > "$logs/build_$(basename "$tree").log" 2>&1) &
     pids+=($!)
   done
   for i in "${!todo[@]}"; do
-    wait "${pids[$i]}" || { echo "build of ${todo[$i]} failed: $logs/build_$(basename "${todo[$i]}").log"; rc=1; }
+    wait "${pids[$i]}" || { echo "build of ${todo[$i]} failed or timed out: $logs/build_$(basename "${todo[$i]}").log"; rc=1; }
   done
   [ $rc -eq 0 ] && echo "built ${todo[*]} in $((SECONDS - t0)) s"
   return $rc
