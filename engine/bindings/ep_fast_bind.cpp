@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "bindings/fast_tensor.h"
 #include "bindings/ll_argcheck.h"
 #include "bindings/registry.h"
 #include "kernels/ll_launch.h"
@@ -28,6 +29,8 @@ namespace lc = pyep::llcheck;
 using pyep::ll::LLCombineCall;
 using pyep::ll::LLDispatchCall;
 using pyep::ll::LLStatic;
+using pyep::bindings::new_storage;
+using pyep::bindings::over;
 
 static_assert(static_cast<int>(c10::ScalarType::Int) == lc::kInt32, "ll_argcheck.h dtype codes");
 static_assert(static_cast<int>(c10::ScalarType::Long) == lc::kInt64, "ll_argcheck.h dtype codes");
@@ -80,20 +83,6 @@ lc::Timeout timeout_of(PyObject* o) {
     return {1, v};
 }
 
-c10::Storage new_storage(size_t nbytes) {
-    c10::Allocator* a = c10::cuda::CUDACachingAllocator::get();   // what at::empty on CUDA uses
-    return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, a->allocate(nbytes), a, /*resizable=*/false);
-}
-
-// A tensor over (part of) a storage: what at::empty / narrow / view build, without the dispatcher.
-at::Tensor over(const c10::Storage& st, caffe2::TypeMeta dtype, c10::IntArrayRef sizes, c10::IntArrayRef strides,
-                int64_t offset) {
-    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(st), c10::DispatchKeySet(c10::DispatchKey::CUDA),
-                                                          dtype);
-    t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
-    return t;
-}
-
 struct FastLL {
     LLStatic s;
     lc::Shape shape;
@@ -127,9 +116,7 @@ struct FastLL {
         if (combine && ((s.err && *reinterpret_cast<const volatile int32_t*>(s.err) != 0) ||
                         (s.call_err && *reinterpret_cast<const volatile int32_t*>(s.call_err) != 0)))
             return true;
-        // torch.empty would fill new memory in this mode; leave that to the Python path.
-        const auto& ctx = at::globalContext();
-        return ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory();
+        return pyep::bindings::empty_fills_memory();
     }
 
     uint64_t timeout_ns(const lc::Timeout& t) const {
