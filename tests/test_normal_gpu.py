@@ -154,3 +154,14 @@ def test_bench_guard_passes_on_native(tmp_path, monkeypatch):
         for p in ("dispatch", "cached_fp8", "cached_bf16", "combine", "eager"):
             assert r["kernel_us"][p]["mean"] > 0, (r["backend"], p, r["kineto"])
             assert r["wall_us"][p]["mean"] > 0
+
+
+@requires_gpus
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pooled", [False, True])
+def test_fast_path_matches_reference_and_declines(pools, pooled):
+    """The C++ fast path of cached dispatch and combine (normal_gpu_fast.fast_path): taken after the
+    Python path's first call of a handle and config, bit for bit the reference's, and leaving wrong
+    arguments, refusals and stale handles to the Python path."""
+    from normal_gpu_fast import fast_path
+    pools[2].run(fast_path, (256, 7168, 32, 8), pooled, timeout_s=220)

@@ -29,6 +29,7 @@ from .contract import CombineCall, DispatchCall, NormalBackend
 from .errors import ElasticUnsupported, RefusingArgs
 from .events import NormalEvent, capture_current, launch, wait_bound_s
 from .handle import NormalHandle
+from .native_fast import remember_plan
 from .limits import MAX_BUFFER_BYTES, MAX_GROUP_RANKS, MAX_TIMEOUT_US
 from .tags import KIND_CACHED, KIND_COMBINE, KIND_DISPATCH, KIND_LAYOUT
 from .topology import NodeLayout, detect_node_layout
@@ -163,6 +164,7 @@ class NormalBuffer(NormalBufferMembership):
         self._epoch = 0
         self._seq = 0
         self._comm: Any = None
+        self._fast: Any = None   # the backend's C++ fast path, once a plan was made (native_fast.py)
         if self._group is None:
             self._nodes = (NodeLayout(self._num_ranks, ranks_per_node) if ranks_per_node is not None
                            else NodeLayout(self._num_ranks, self._num_ranks))
@@ -416,7 +418,20 @@ class NormalBuffer(NormalBufferMembership):
                  allocate_on_comm_stream: bool = False
                  ) -> Tuple[RecvX, Optional["torch.Tensor"], Optional["torch.Tensor"], Optional[List[int]],
                             Optional[NormalHandle], NormalEvent]:
+        if (handle is not None and self._fast is not None and previous_event is None and async_finish is False
+                and allocate_on_comm_stream is False and num_tokens_per_rank is None and is_token_in_rank is None
+                and num_tokens_per_rdma_rank is None and num_tokens_per_expert is None and topk_idx is None
+                and topk_weights is None and type(expert_alignment) is int and expert_alignment == 1
+                and type(num_worst_tokens) is int and num_worst_tokens == 0 and type(handle) is NormalHandle):
+            entry = handle.fast_plans.get((KIND_CACHED, id(config)))
+            if entry is not None and entry[0] is config:
+                recv_fast = self._fast.dispatch(entry[1], x)
+                if recv_fast is not None:
+                    self._seq += 1
+                    return recv_fast, None, None, None, None, NormalEvent(
+                        None, self._device, f"normal dispatch #{self._seq}", self._bound_s, self._backend.check_errors)
         pending = self._begin("dispatch")
+        config_arg = config
         cached = handle is not None
         with self._refusing(KIND_CACHED if cached else KIND_DISPATCH, pending):
             v.check_config(config)
@@ -460,6 +475,8 @@ class NormalBuffer(NormalBufferMembership):
         recv: RecvX = (res.recv_x, res.recv_x_scales) if scales is not None else res.recv_x
         event.num_dropped_tokens = res.num_dropped_tokens
         if cached:
+            if previous_event is None and not async_finish:
+                self._remember_fast(KIND_CACHED, handle, config_arg, config, args.hidden)
             return recv, None, None, None, None, event
         new_handle = NormalHandle(
             rank_prefix_matrix=res.rank_prefix_matrix, channel_prefix_matrix=res.channel_prefix_matrix,
@@ -480,7 +497,17 @@ class NormalBuffer(NormalBufferMembership):
                 config: Optional[Config] = None, previous_event: Optional[Any] = None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False
                 ) -> Tuple["torch.Tensor", Optional["torch.Tensor"], NormalEvent]:
+        if (self._fast is not None and bias is None and previous_event is None and async_finish is False
+                and allocate_on_comm_stream is False and type(handle) is NormalHandle):
+            entry = handle.fast_plans.get((KIND_COMBINE, id(config)))
+            if entry is not None and entry[0] is config:
+                res_fast = self._fast.combine(entry[1], x, topk_weights)
+                if res_fast is not None:
+                    self._seq += 1
+                    return res_fast[0], res_fast[1], NormalEvent(
+                        None, self._device, f"normal combine #{self._seq}", self._bound_s, self._backend.check_errors)
         pending = self._begin("combine")
+        config_arg = config
         with self._refusing(KIND_COMBINE, pending):
             v.check_config(config)
             v.check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
@@ -502,7 +529,19 @@ class NormalBuffer(NormalBufferMembership):
                            hd.recv_channel_prefix_matrix, r.combined_x, r.combined_topk_weights),
                 previous_event, async_finish, allocate_on_comm_stream, pending)
         event.num_dropped_tokens = res.num_dropped_tokens
+        if bias is None and previous_event is None and not async_finish:
+            self._remember_fast(KIND_COMBINE, hd, config_arg, config, int(x.shape[1]))
         return res.combined_x, res.combined_topk_weights, event
+
+    def _remember_fast(self, kind: int, handle: NormalHandle, config_arg: Optional[Config], config: Config,
+                       hidden: int) -> None:
+        """After the Python path made a plain cached dispatch or combine (no events, no bias): the handle's
+        plan for the next such calls (native_fast.remember_plan). A store-based (elastic) buffer keeps
+        every call on the Python path."""
+        if self._member is None:
+            fast = remember_plan(self._backend, kind, handle, config_arg, config, hidden, self._epoch)
+            if fast is not None:
+                self._fast = fast
 
     # ------------------------------------------------------------------ lifetime
     def clean(self) -> None:
@@ -511,6 +550,8 @@ class NormalBuffer(NormalBufferMembership):
         self._check_alive("clean")
         self._backend.clean()
         self._epoch += 1
+        if self._fast is not None:   # the handles of earlier generations are the Python path's to refuse
+            self._fast.epoch = self._epoch
 
     def describe(self) -> str:
         self._check_alive("describe")
@@ -523,6 +564,7 @@ class NormalBuffer(NormalBufferMembership):
         if self._destroyed:
             return
         self._destroyed = True
+        self._fast = None
         self._backend.destroy()
 
     def __enter__(self) -> "NormalBuffer":

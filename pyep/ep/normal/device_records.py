@@ -36,6 +36,11 @@ class DeviceRecords:
         self._voids_seen = 0
         self._mismatches_seen = 0
 
+    @property
+    def voids_seen(self) -> int:
+        """The void count (tag record) up to which voids were reported (NormalFast declines past it)."""
+        return self._voids_seen
+
     # ------------------------------------------------------------------ the error record
     def take_error(self) -> Optional[NormalModeError]:
         """The recorded error (cleared, its claim re-armed), a PeerTimeout naming the group's rank."""

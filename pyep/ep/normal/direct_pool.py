@@ -175,6 +175,13 @@ class OutputPool:
                   if fp8 else None)
         return DirectOutputs(recv_x, scales, base + off + lay.stage if stage_k is not None else 0)
 
+    def fast_outputs(self, rows: int, hidden: int, fp8: bool, stream: int) -> Optional[Tuple[Any, Any, int]]:
+        """outputs() of a cached dispatch made on `stream` through the C++ fast path (normal_fast_bind.cpp):
+        (recv_x, recv_x_scales or None, staging address 0), or None."""
+        import torch
+        o = self.outputs(rows, hidden, torch.float8_e4m3fn if fp8 else torch.bfloat16, fp8, None, stream, stream)
+        return None if o is None else (o.recv_x, o.recv_x_scales, o.stage)
+
     def held_bytes(self) -> int:
         return sum(t.nbytes for t in self._taken if t.alive() is not None)
 

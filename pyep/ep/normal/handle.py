@@ -2,7 +2,7 @@
 bookkeeping that lets a buffer refuse a handle that is not its own or no longer valid."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
@@ -29,6 +29,8 @@ class NormalHandle:
     internode: Any = None                       # the native internode path's state (internode_order.StagedState)
     tag: Any = None                             # the backend's mark of the dispatch (contract.DispatchResult.tag)
     num_dropped_tokens: Any = None              # int32 [R]: the dispatch's tokens routed to inactive rank r
+    # The C++ fast path's plans of this handle (NormalBuffer._remember_fast): (kind, id(config)) -> (config, plan)
+    fast_plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_nodes(self) -> int:

@@ -25,6 +25,7 @@ from .direct_pool import OutputPool, one_copy_enabled, pool_bounds, ring_reserve
 from .errors import (ERR_PEER_TIMEOUT, BadOutputDescriptor, BufferBroken, NormalCallMismatch, NotCapturable,
                      PeerTimeout)
 from .events import wait_bound_s
+from .native_fast import NativeFastPath
 from .native_member import NativeNormalMembership
 from .native_state import NativeCallState, bulk_copy_setting
 from .topology import NodeLayout
@@ -47,7 +48,7 @@ def _engine() -> Any:
     return mod
 
 
-class NormalNativeBackend(NativeCallState, NativeNormalMembership):
+class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPath):
     name = "native"
     takes_mask = True   # set_mask: the kernels read and clear an active_ranks mask (docs/elastic.md)
 
@@ -204,6 +205,12 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         """The errors the device recorded for earlier calls (taken): a void call first (PeerRefusedCall,
         the value error noted on it), else the value error; a timed-out peer or ranks at different calls
         break the buffer and raise here."""
+        try:
+            return self._pending_error()
+        finally:
+            self._sync_fast()
+
+    def _pending_error(self) -> Optional[Exception]:
         if self._broken:
             raise BufferBroken("a peer timed out or the ranks were at different calls in an earlier call of this "
                                "buffer: call clean() on every live rank before using it again")
@@ -498,6 +505,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         self._ws[2] = self._epoch            # normal_tags.h kWsEpoch
         torch.cuda.current_stream().synchronize()
         self._broken = False
+        self._sync_fast()
         self._barrier(what)
 
     def buffer_bytes(self) -> int:
@@ -514,6 +522,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership):
         return [PeerTransport(link.rank, link.kind, link.detail) for link in self._peers.links]
 
     def _release(self) -> None:
+        self._close_fast()
         if self._peers is not None:
             self._peers.close()
             self._peers = None

@@ -54,6 +54,7 @@ class NativeNormalMembership:
 
     _join_payload: bytes = b""
     _control: Any = None
+    _sync_fast: Any   # native_fast.NativeFastPath
 
     # ------------------------------------------------------------------ links
     def _setup_links(self, group: Any, control: Any, joining: bool) -> None:
@@ -181,6 +182,7 @@ class NativeNormalMembership:
     def open_grace(self) -> None:
         from ..elastic.membership import REJOIN_GRACE_CALLS
         self._grace_left = 2 * REJOIN_GRACE_CALLS        # calls: a dispatch and a combine per step
+        self._sync_fast()
 
     def _call_timeout(self) -> None:
         """Before a call's launches: the kernels' timeout of this call (a field of the static they take)."""
@@ -190,6 +192,7 @@ class NativeNormalMembership:
             self._grace_left -= 1
             us = max(us, REJOIN_CALL_TIMEOUT_US)
         self._static.timeout_ns = us * 1000
+        self._sync_fast()
 
     # ------------------------------------------------------------------ survivor
     def prepare_peer(self, rank: int, payload: bytes) -> bytes:

@@ -65,6 +65,7 @@ class NativeCallState:
     _static: Any
     device: "torch.device"
     num_ranks: int
+    _sync_fast: Any   # native_fast.NativeFastPath
 
     def set_mask(self, mask: "torch.Tensor") -> None:
         """The buffer's active_ranks (int32 [R] on this device, 1 = active), read by every call's kernels
@@ -73,6 +74,7 @@ class NativeCallState:
         check_device_mask(mask, self.num_ranks, self.device)
         self._mask = mask
         self._static.active = mask.data_ptr()
+        self._sync_fast()
 
     def _dropped(self) -> Optional["torch.Tensor"]:
         """A call's per-rank count of tokens it did not deliver (with a mask), or None."""
@@ -95,6 +97,7 @@ class NativeCallState:
         if self._geometry is None or self._geometry == geometry:
             self._geometry = geometry
             self._static.slot_bytes = slot
+            self._sync_fast()
             return
         if torch.cuda.is_current_stream_capturing():
             raise ValueError(f"{what}: the ring geometry changes from {self._geometry[0]} rows of {self._geometry[1]} "
@@ -106,4 +109,5 @@ class NativeCallState:
         torch.cuda.synchronize(self.device)
         self._geometry = geometry
         self._static.slot_bytes = slot
+        self._sync_fast()
 

@@ -1,0 +1,140 @@
+"""Per-rank drills of the native normal mode's C++ fast path (pyep/ep/normal/native_fast.py,
+engine/bindings/normal_fast_bind.cpp), run by tests/test_normal_gpu.py in DistPool workers over gloo.
+Every output is compared with the reference backend's bit for bit (normal_gpu_cases)."""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from normal_gpu_cases import _on, compare_dispatch, expert, make_inputs, rank_buffers, same
+
+TIMEOUT_US = 20_000_000
+
+
+def _subclass() -> Any:
+    import torch
+
+    class Sub(torch.Tensor):
+        """A tensor subclass: valid input, which the fast path leaves to the Python path."""
+    return Sub
+
+
+def _calls(nat: Any) -> int:
+    fast = nat.backend.fast
+    return int(fast.calls) if fast is not None else 0
+
+
+def fast_path(shape_args: Tuple[int, int, int, int], pooled: bool) -> None:
+    """After the Python path's first plain cached dispatch and combine of a handle and config, the same
+    calls go through the fast path (its count grows by one a call) and equal the reference: BF16 and
+    FP8 with column-major scales, combine with and without weights, the default config and DeepEP's
+    Config(24, 8, 256); pooled: a buffer with an output pool (one-copy outputs from the fast path).
+    Then what the fast path leaves to the Python path: x of a tensor subclass (the call is made, the next
+    one is fast again); one rank's x of the wrong length is refused and its peers, whose
+    call went through the fast path, raise PeerRefusedCall at the event; after clean() the old handle
+    raises ValueError."""
+    import torch
+    import torch.distributed as dist
+
+    from pyep.ep import fp8
+    from pyep.ep.normal import Config, PeerRefusedCall
+    from pyep.ep.normal.direct_pool import pooled_buffer_bytes
+    kw: dict = dict(timeout_us=TIMEOUT_US)
+    if pooled:
+        kw["num_nvl_bytes"] = pooled_buffer_bytes(dist.get_world_size(), 24, shape_args[1], shape_args[0])
+    with rank_buffers(shape_args, **kw) as (rank, world, s, nat, ref):
+        assert (nat.backend._pool is not None) == pooled, f"rank {rank}: output pool {nat.backend._pool}"
+        x, t, w = make_inputs(7, rank, s, "random", world)
+        gx, gt, gw = _on("cuda", x, t, w)
+        lay, lr = nat.get_dispatch_layout(gt, s.E), ref.get_dispatch_layout(t, s.E)
+        first = nat.dispatch(gx, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                             topk_idx=gt, topk_weights=gw)
+        first_r = ref.dispatch(x, num_tokens_per_rank=lr[0], is_token_in_rank=lr[3], num_tokens_per_expert=lr[2],
+                               topk_idx=t, topk_weights=w)
+        hn, hr = first[4], first_r[4]
+        real = int((hr.recv_src_idx >= 0).sum())
+        q = fp8.quantize_fp8(x)
+        qg = (q[0].cuda(), q[1].cuda().T.contiguous().T)     # column-major scales, as DeepEP's test passes
+        y = expert(first_r[0], rank)
+        gy = y.cuda()
+        for config in (None, Config(24, 8, 256)):
+            for name, xin, gin in (("bf16", x, gx), ("fp8", q, qg)):
+                start = _calls(nat)
+                for i in range(3):
+                    got = nat.dispatch(gin, handle=hn, config=config)
+                    want = ref.dispatch(xin, handle=hr, config=config)
+                    torch.cuda.synchronize()
+                    got[5].wait()
+                    compare_dispatch(f"rank {rank} {name} config={config} call {i}", got, want, cached=True, real=real)
+                assert _calls(nat) - start >= 2, f"rank {rank} {name} config={config}: {_calls(nat) - start} fast calls"
+                if pooled:
+                    pool = nat.backend._pool
+                    p0 = got[0][0] if name == "fp8" else got[0]
+                    assert pool.memory.ptr + pool.lo <= p0.data_ptr() < pool.memory.ptr + pool.hi, \
+                        f"rank {rank} {name}: a fast cached dispatch's outputs are not in the pool"
+            for weights in ((first[2], first_r[2]), (None, None)):
+                start = _calls(nat)
+                for i in range(3):
+                    out = nat.combine(gy, hn, topk_weights=weights[0], config=config)
+                    out_r = ref.combine(y, hr, topk_weights=weights[1], config=config)
+                    torch.cuda.synchronize()
+                    out[2].wait()
+                    same(f"rank {rank} combine config={config} weights={weights[0] is not None} call {i}", out[0],
+                         out_r[0])
+                    same(f"rank {rank} combined weights call {i}", out[1], out_r[1])
+                assert _calls(nat) - start >= 2, f"rank {rank} combine: {_calls(nat) - start} fast calls"
+
+        # Declined but valid: x of a tensor subclass (left to the Python path), then fast again.
+        start = _calls(nat)
+        got = nat.dispatch(gx.as_subclass(_subclass()), handle=hn)
+        torch.cuda.synchronize()
+        got[5].wait()
+        compare_dispatch(f"rank {rank} x of a tensor subclass", got, ref.dispatch(x, handle=hr), cached=True, real=real)
+        assert _calls(nat) == start, f"rank {rank}: the fast path took a tensor subclass"
+        _fast_again(nat, ref, gx, x, hn, hr, rank, real)
+
+        # One rank refuses (x one token short); its peers' calls are fast and void.
+        bad = world - 1
+        if rank == bad:
+            try:
+                nat.dispatch(gx[:-1], handle=hn)
+                raise AssertionError(f"rank {rank}: x of N - 1 tokens was accepted")
+            except ValueError:
+                pass
+        else:
+            start = _calls(nat)
+            res = nat.dispatch(gx, handle=hn)
+            assert _calls(nat) == start + 1, f"rank {rank}: the good call did not take the fast path"
+            torch.cuda.synchronize()
+            try:
+                res[5].wait()
+                raise AssertionError(f"rank {rank}: rank {bad}'s refusal raised nothing")
+            except PeerRefusedCall as exc:
+                assert exc.peer == bad, str(exc)
+        dist.barrier()
+        _fast_again(nat, ref, gx, x, hn, hr, rank, real)
+
+        # After clean() the handle is of an old generation: the Python path refuses it.
+        torch.cuda.synchronize()
+        nat.clean()
+        start = _calls(nat)
+        try:
+            nat.dispatch(gx, handle=hn)
+            raise AssertionError(f"rank {rank}: a handle made before clean() was accepted")
+        except ValueError as exc:
+            assert "stale" in str(exc), str(exc)
+        assert _calls(nat) == start
+
+
+def _fast_again(nat: Any, ref: Any, gx: Any, x: Any, hn: Any, hr: Any, rank: int, real: int,
+                config: Optional[Any] = None) -> None:
+    """Two cached dispatches after a declined call: the first may take the Python path (it reports
+    what the device recorded), the second is fast, both equal the reference."""
+    import torch
+    start = _calls(nat)
+    for i in range(2):
+        got = nat.dispatch(gx, handle=hn, config=config)
+        want = ref.dispatch(x, handle=hr, config=config)
+        torch.cuda.synchronize()
+        got[5].wait()
+        compare_dispatch(f"rank {rank} after a declined call, {i}", got, want, cached=True, real=real)
+    assert _calls(nat) > start, f"rank {rank}: no fast call after a declined one"
