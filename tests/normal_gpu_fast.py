@@ -59,12 +59,7 @@ def fast_path(shape_args: Tuple[int, int, int, int], pooled: bool) -> None:
         for config in (None, Config(24, 8, 256)):
             for name, xin, gin in (("bf16", x, gx), ("fp8", q, qg)):
                 start = _calls(nat)
-                for i in range(3):
-                    got = nat.dispatch(gin, handle=hn, config=config)
-                    want = ref.dispatch(xin, handle=hr, config=config)
-                    torch.cuda.synchronize()
-                    got[5].wait()
-                    compare_dispatch(f"rank {rank} {name} config={config} call {i}", got, want, cached=True, real=real)
+                got = _cached(nat, ref, gin, xin, hn, hr, real, f"rank {rank} {name} config={config}", 3, config)
                 assert _calls(nat) - start >= 2, f"rank {rank} {name} config={config}: {_calls(nat) - start} fast calls"
                 if pooled:
                     pool = nat.backend._pool
@@ -125,16 +120,23 @@ def fast_path(shape_args: Tuple[int, int, int, int], pooled: bool) -> None:
         assert _calls(nat) == start
 
 
-def _fast_again(nat: Any, ref: Any, gx: Any, x: Any, hn: Any, hr: Any, rank: int, real: int,
-                config: Optional[Any] = None) -> None:
-    """Two cached dispatches after a declined call: the first may take the Python path (it reports
-    what the device recorded), the second is fast, both equal the reference."""
+def _cached(nat: Any, ref: Any, gin: Any, xin: Any, hn: Any, hr: Any, real: int, what: str, calls: int,
+            config: Optional[Any] = None) -> Any:
+    """`calls` cached dispatches of gin (native) and xin (reference), each equal to the reference's;
+    returns the last native result."""
     import torch
-    start = _calls(nat)
-    for i in range(2):
-        got = nat.dispatch(gx, handle=hn, config=config)
-        want = ref.dispatch(x, handle=hr, config=config)
+    for i in range(calls):
+        got = nat.dispatch(gin, handle=hn, config=config)
+        want = ref.dispatch(xin, handle=hr, config=config)
         torch.cuda.synchronize()
         got[5].wait()
-        compare_dispatch(f"rank {rank} after a declined call, {i}", got, want, cached=True, real=real)
+        compare_dispatch(f"{what} call {i}", got, want, cached=True, real=real)
+    return got
+
+
+def _fast_again(nat: Any, ref: Any, gx: Any, x: Any, hn: Any, hr: Any, rank: int, real: int) -> None:
+    """Two cached dispatches after a declined call: the first may take the Python path (it reports
+    what the device recorded), the second is fast, both equal the reference."""
+    start = _calls(nat)
+    _cached(nat, ref, gx, x, hn, hr, real, f"rank {rank} after a declined call", 2)
     assert _calls(nat) > start, f"rank {rank}: no fast call after a declined one"

@@ -62,6 +62,19 @@ uint64_t addr(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_pt
 
 int32_t read_pinned(uint64_t p, int i) { return reinterpret_cast<const volatile int32_t*>(p)[i]; }
 
+// The handle's and the config's fields, which DispatchArgs and CombineArgs share.
+template <typename Args>
+void from_plan(Args& a, const NormalPlan& p) {
+    a.rank_prefix_matrix = p.rpm;
+    a.channel_prefix_matrix = p.cpm;
+    a.recv_channel_prefix_matrix = p.rcp;
+    a.num_tokens = static_cast<int>(p.num_tokens);
+    a.hidden = static_cast<int>(p.hidden);
+    a.num_channels = p.channels;
+    a.ring_tokens = p.ring;
+    a.chunk_tokens = p.chunk;
+}
+
 std::atomic<uint64_t> next_fast_id{1};
 
 struct NormalFast {
@@ -169,16 +182,9 @@ struct NormalFast {
             a.scale_token_stride = sc->stride(0);   // read in place, any layout
             a.scale_group_stride = sc->stride(1);
         }
+        from_plan(a, p);
         a.is_token_in_rank = p.in_rank;
-        a.rank_prefix_matrix = p.rpm;
-        a.channel_prefix_matrix = p.cpm;
-        a.recv_channel_prefix_matrix = p.rcp;
-        a.num_tokens = static_cast<int>(n);
-        a.hidden = static_cast<int>(h);
         a.fp8 = fp8;
-        a.num_channels = p.channels;
-        a.ring_tokens = p.ring;
-        a.chunk_tokens = p.chunk;
         a.num_out_rows = static_cast<int>(p.rows);
         a.num_worst_tokens = p.num_worst_tokens;
         a.use_tma = tma_dispatch;
@@ -218,15 +224,8 @@ struct NormalFast {
         a.x = addr(*x);
         a.topk_weights = w ? addr(*w) : 0;
         a.send_head = p.send_head;
-        a.rank_prefix_matrix = p.rpm;
-        a.channel_prefix_matrix = p.cpm;
-        a.recv_channel_prefix_matrix = p.rcp;
-        a.num_tokens = static_cast<int>(n);
-        a.hidden = static_cast<int>(h);
+        from_plan(a, p);
         a.num_topk = static_cast<int>(k);
-        a.num_channels = p.channels;
-        a.ring_tokens = p.ring;
-        a.chunk_tokens = p.chunk;
         a.out = addr(out);
         a.out_weights = k ? addr(out_w) : 0;
         launch_combine(*s, a, reinterpret_cast<uint64_t>(st));
