@@ -165,6 +165,7 @@ class NormalBuffer(NormalBufferMembership):
         self._seq = 0
         self._comm: Any = None
         self._fast: Any = None   # the backend's C++ fast path, once a plan was made (native_fast.py)
+        self._prof: Any = None   # torch.autograd.profiler: a running profiler keeps calls on the Python path
         if self._group is None:
             self._nodes = (NodeLayout(self._num_ranks, ranks_per_node) if ranks_per_node is not None
                            else NodeLayout(self._num_ranks, self._num_ranks))
@@ -418,7 +419,8 @@ class NormalBuffer(NormalBufferMembership):
                  allocate_on_comm_stream: bool = False
                  ) -> Tuple[RecvX, Optional["torch.Tensor"], Optional["torch.Tensor"], Optional[List[int]],
                             Optional[NormalHandle], NormalEvent]:
-        if (handle is not None and self._fast is not None and previous_event is None and async_finish is False
+        if (handle is not None and self._fast is not None and not self._prof._is_profiler_enabled
+                and previous_event is None and async_finish is False
                 and allocate_on_comm_stream is False and num_tokens_per_rank is None and is_token_in_rank is None
                 and num_tokens_per_rdma_rank is None and num_tokens_per_expert is None and topk_idx is None
                 and topk_weights is None and type(expert_alignment) is int and expert_alignment == 1
@@ -497,8 +499,9 @@ class NormalBuffer(NormalBufferMembership):
                 config: Optional[Config] = None, previous_event: Optional[Any] = None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False
                 ) -> Tuple["torch.Tensor", Optional["torch.Tensor"], NormalEvent]:
-        if (self._fast is not None and bias is None and previous_event is None and async_finish is False
-                and allocate_on_comm_stream is False and type(handle) is NormalHandle):
+        if (self._fast is not None and not self._prof._is_profiler_enabled and bias is None
+                and previous_event is None and async_finish is False and allocate_on_comm_stream is False
+                and type(handle) is NormalHandle):
             entry = handle.fast_plans.get((KIND_COMBINE, id(config)))
             if entry is not None and entry[0] is config:
                 res_fast = self._fast.combine(entry[1], x, topk_weights)
@@ -537,11 +540,13 @@ class NormalBuffer(NormalBufferMembership):
                        hidden: int) -> None:
         """After the Python path made a plain cached dispatch or combine (no events, no bias): the handle's
         plan for the next such calls (native_fast.remember_plan). A store-based (elastic) buffer keeps
-        every call on the Python path."""
-        if self._member is None:
+        every call on the Python path, and so does every call while a torch profiler runs (the calls'
+        ranges, profiled_range, are the Python path's; a torch without the profiler flag: always)."""
+        import torch.autograd.profiler as prof
+        if self._member is None and hasattr(prof, "_is_profiler_enabled"):
             fast = remember_plan(self._backend, kind, handle, config_arg, config, hidden, self._epoch)
             if fast is not None:
-                self._fast = fast
+                self._prof, self._fast = prof, fast
 
     # ------------------------------------------------------------------ lifetime
     def clean(self) -> None:
