@@ -11,8 +11,10 @@ cached FP8 dispatch with column-major scales and cached BF16 dispatch (DeepEP's 
 get_dispatch_layout, and a full dispatch (which waits for the counts, so its figure includes the GPU).
 Prints per rank and call the median, p10 and p90 microseconds; --profile adds rank 0's cProfile (by own
 time and by cumulative time) over a second set of calls; --as-deepep-test sets the default dtype and
-device as DeepEP's test does (the device puts a __torch_function__ mode on every torch call). Ranks share the visible GPUs over a gloo group,
-as the one-GPU method does; start the MPS daemon first.
+device as DeepEP's test does (the device puts a __torch_function__ mode on every torch call). On pyep's
+shim each line also says how many of the timed calls the C++ fast path took (docs/normal_mode.md, "Host
+path"). Ranks share the visible GPUs over a gloo group, as the one-GPU method does; start the MPS daemon
+first.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import io
 import os
 import pstats
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 
 def _worker(rank: int, world: int, port: int, calls: int, profile: bool, as_test: bool) -> None:
@@ -56,10 +58,17 @@ def _worker(rank: int, world: int, port: int, calls: int, profile: bool, as_test
         "layout": lambda: buf.get_dispatch_layout(topk, e),
         "full dispatch (waits)": lambda: buf.dispatch(x, **full),
     }
+    def fast_calls() -> Optional[int]:
+        """Calls pyep's C++ fast path took so far (pyep's shim), None on DeepEP or without one."""
+        nb = getattr(buf, "normal_buffer", None)
+        fast = getattr(getattr(nb(), "backend", None), "fast", None) if nb is not None else None
+        return int(fast.calls) if fast is not None else None
+
     for name, fn in fns.items():
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
+        fast_before = fast_calls()
         dist.barrier(group)
         waits = name.startswith("full")
         prof = cProfile.Profile()
@@ -79,8 +88,10 @@ def _worker(rank: int, world: int, port: int, calls: int, profile: bool, as_test
             torch.cuda.synchronize()
         dist.barrier(group)
         times.sort()
+        fast_after = fast_calls()
+        taken = f"  fast path {fast_after - fast_before}/{calls * (2 if profile else 1)}" if fast_after is not None else ""
         print(f"[rank {rank}] {name:22s} host us per call: median {times[len(times) // 2]:7.1f}  "
-              f"p10 {times[len(times) // 10]:7.1f}  p90 {times[len(times) * 9 // 10]:7.1f}", flush=True)
+              f"p10 {times[len(times) // 10]:7.1f}  p90 {times[len(times) * 9 // 10]:7.1f}{taken}", flush=True)
         if profile and rank == 0:
             for key in ("tottime", "cumulative"):
                 s = io.StringIO()
