@@ -1,6 +1,7 @@
 """The normal mode's C++ fast path, its Python side on the CPU (pyep/ep/normal/native_fast.py): the switch,
-what NormalFast is told of the backend's state, and how plans are kept on a handle. The fast path itself
-(engine/bindings/normal_fast_bind.cpp) runs in tests/test_normal_gpu.py (normal_gpu_fast.fast_path)."""
+what NormalFast is told of the backend's state, how plans are kept on a handle, and which calls
+NormalBuffer hands to it (a reference buffer on 2 gloo ranks with a stand-in fast path). The fast path
+itself (engine/bindings/normal_fast_bind.cpp) runs in tests/test_normal_gpu.py (normal_gpu_fast.fast_path)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -101,3 +102,89 @@ def test_plans_bounded_and_absent_without_a_fast_path() -> None:
     h2 = _handle()
     assert remember_plan(SimpleNamespace(), KIND_CACHED, h2, None, "default", 128, 0) is None   # reference backend
     assert h2.fast_plans == {}
+
+
+# ------------------------------------------------------------------ NormalBuffer's routing to the fast path
+class FakeFast:
+    """Stands in for NormalFast on a reference buffer: records what reaches it; `take` says whether it
+    takes a call (returns a marker) or declines it (None)."""
+
+    def __init__(self) -> None:
+        self.seen: List[Any] = []
+        self.take = True
+        self.epoch = 0
+
+    def dispatch(self, plan: Any, x: Any) -> Any:
+        self.seen.append(("dispatch", plan))
+        return torch.full((1, 1), 7.0) if self.take else None
+
+    def combine(self, plan: Any, x: Any, weights: Any) -> Any:
+        self.seen.append(("combine", plan))
+        return (torch.full((1, 1), 8.0), None) if self.take else None
+
+
+def _routing_case() -> str:
+    import torch.autograd.profiler as prof
+    import torch.distributed as dist
+
+    from pyep.ep.normal import Config, NormalBuffer
+    me = dist.get_rank()
+    buf = NormalBuffer(hidden=256, backend="reference")
+    fake = FakeFast()
+    made: List[Any] = []
+
+    def fast_plan(handle: Any, config: Any, hidden: int, epoch: int) -> Any:
+        made.append((config, hidden, epoch))
+        return f"plan {len(made)}"
+
+    buf.backend.fast_plan, buf.backend.fast = fast_plan, fake
+    cfg = Config(6, 4, 32)
+    g = torch.Generator().manual_seed(me)
+    x = torch.randn((40, 256), generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, 8, (40, 2), generator=g)
+    w = torch.rand((40, 2), generator=g)
+    lay = buf.get_dispatch_layout(idx, 8)
+    recv, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                                             num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w, config=cfg)
+    assert not handle.fast_plans and not fake.seen, "a dispatch without a handle made a plan"
+    first = buf.dispatch(x, handle=handle, config=cfg)               # Python path: the plan is made
+    assert fake.seen == [] and made == [(cfg, 256, 0)], (fake.seen, made)
+    taken = buf.dispatch(x, handle=handle, config=cfg)               # taken by the fast path
+    assert fake.seen == [("dispatch", "plan 1")] and float(taken[0][0, 0]) == 7.0
+    assert taken[1:5] == (None, None, None, None) and "dispatch" in taken[5].what
+    fake.take = False                                                # declined: the Python path's result
+    again = buf.dispatch(x, handle=handle, config=cfg)
+    assert len(fake.seen) == 2 and torch.equal(again[0], first[0])
+    fake.take = True
+    for kw in (dict(async_finish=True, previous_event=buf.capture()), dict(expert_alignment=2)):
+        buf.dispatch(x, handle=handle, config=cfg, **kw)[5].wait()   # never the fast path
+    assert len(fake.seen) == 2, fake.seen
+    other = Config(6, 4, 32)                                         # equal, but another object: a new plan
+    buf.dispatch(x, handle=handle, config=other)
+    assert len(fake.seen) == 2 and len(made) == 2
+    prof._is_profiler_enabled = True                                 # a running profiler: the Python path
+    try:
+        buf.dispatch(x, handle=handle, config=cfg)
+    finally:
+        prof._is_profiler_enabled = False
+    assert len(fake.seen) == 2
+    y = recv.clone()
+    buf.combine(y, handle, topk_weights=rw, config=cfg)              # Python path, plan made
+    out = buf.combine(y, handle, topk_weights=rw, config=cfg)
+    assert fake.seen[-1] == ("combine", "plan 3") and float(out[0][0, 0]) == 8.0
+    buf.combine(y, handle, topk_weights=rw, config=cfg, bias=torch.zeros((40, 256), dtype=torch.bfloat16))
+    assert len(fake.seen) == 3, "a combine with a bias reached the fast path"
+    buf.clean()
+    assert fake.epoch == 1, "clean() did not tell the fast path the new generation"
+    buf.destroy()
+    assert buf._fast is None
+    return "ok"
+
+
+def test_buffer_routes_plain_calls_with_a_plan_to_the_fast_path(pool2: Any) -> None:
+    """NormalBuffer on the reference backend with a stand-in fast path: the first plain cached dispatch
+    or combine of a handle and config argument makes the plan, the next ones reach the fast path (its
+    result returned, its decline leaving the call to the Python path); events, expert_alignment, a bias,
+    another config object and a running profiler keep calls on the Python path; clean() and destroy()
+    reach it."""
+    assert pool2.run(_routing_case) == ["ok", "ok"]
