@@ -1,6 +1,31 @@
 # Sourced by tools/ll_ab.sh and tools/normal_ab.sh: the baseline tree of an A/B (.baseline/REV, ignored
 # through .git/info/exclude) and the builds of both trees on the GPU machine.
 
+# ab_entry NAME ARGS ROOT CMD REV: what both scripts' command lines share. `prepare REV` makes the baseline's
+# tree and exits; `run REV` checks that the tree is there, exports the one-GPU environment and sets
+# ab_base (the tree) and ab_out (${OUT:-/tmp}/NAME, made); anything else prints the usage and exits.
+ab_entry() {
+  local name=$1 args=$2 root=$3 cmd=${4:-} rev=${5:-}
+  local usage="usage: $name.sh prepare REV | run REV [$args ...]"
+  [ -n "$rev" ] || { echo "$usage"; exit 2; }
+  ab_base=$root/.baseline/$rev
+  case $cmd in
+    prepare) ab_prepare "$root" "$rev" || exit 1; exit 0 ;;
+    run) [ -d "$ab_base/engine" ] || { echo "no baseline tree at $ab_base: run '$name.sh prepare $rev' first"; exit 2; } ;;
+    *) echo "$usage"; exit 2 ;;
+  esac
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  ab_out=${OUT:-/tmp}/$name
+  mkdir -p "$ab_out"
+}
+
+# ab_repeat VAR: the value of environment variable VAR (default 1), a positive integer, else exits.
+ab_repeat() {
+  local v=${!1:-1}
+  [[ $v =~ ^[1-9][0-9]*$ ]] || { echo "$1 must be a positive integer, got '$v'" >&2; exit 2; }
+  echo "$v"
+}
+
 # ab_prepare ROOT REV: the files of commit REV in ROOT/.baseline/REV (here, where git is).
 ab_prepare() {
   local root=$1 rev=$2

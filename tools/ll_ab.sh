@@ -18,41 +18,28 @@
 # OUT/ll_ab.{txt,json,png} through tools/ll_ab_report.py. T defaults to 1 32 128 256; other
 # test_low_latency.py defaults stay (H=7168, K=8, E=288). .baseline/ is ignored (.git/info/exclude).
 set -uo pipefail
-cmd=${1:?usage: ll_ab.sh prepare REV | run REV [T ...]}; rev=${2:?baseline commit}; shift 2
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-base=$root/.baseline/$rev
 source "$root/tools/ab_trees.sh"
-case $cmd in
-  prepare)
-    ab_prepare "$root" "$rev" || exit 1
-    ;;
-  run)
-    [ -d "$base/engine" ] || { echo "no baseline tree at $base: run 'll_ab.sh prepare $rev' first"; exit 2; }
-    [ -d "$root/.anchors/deepep" ] || { echo "no .anchors/deepep (see .anchors/deepep_v1.sh's header)"; exit 2; }
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    out=${OUT:-/tmp}/ll_ab; mkdir -p "$out"
-    tokens=("$@"); [ ${#tokens[@]} -eq 0 ] && tokens=(1 32 128 256)
-    ab_build "$out" "$base" "$root" || exit 1
-    ln -sfn "$root/.anchors" "$base/.anchors"
-    # One GPU: the 2 ranks share it, side by side under MPS. Two or more: one rank a GPU, as users run.
-    where=$(ab_mps_if_shared 2)
-    # One sample is the test's own average over its iterations; with two ranks on one GPU a kernel's
-    # time also holds any wait for the other rank, so a sample can double (docs/results/2026-11-27c-x2).
-    repeat=${LL_AB_REPEAT:-1}
-    [[ $repeat =~ ^[1-9][0-9]*$ ]] || { echo "LL_AB_REPEAT must be a positive integer, got '$repeat'"; exit 2; }
-    for t in "${tokens[@]}"; do
-      for k in $(seq 1 "$repeat"); do
-        for side in base new; do
-          tree=$root; [ $side = base ] && tree=$base
-          dir=$out/$side/T$t/run$k
-          mkdir -p "$dir"
-          OUT=$dir DEEPEP_ON=pyep bash "$tree/.anchors/deepep_v1.sh" ll 2 --num-tokens "$t" > "$dir/run.txt" 2>&1
-          echo "T=$t $side run $k: rc $? ($(grep -c 'Dispatch bandwidth' "$dir/pyep_ll_2.log" 2>/dev/null || echo 0) rank lines)"
-        done
-      done
+ab_entry ll_ab "T" "$root" "$@"; rev=$2; shift 2   # prepare exits there
+[ -d "$root/.anchors/deepep" ] || { echo "no .anchors/deepep (see .anchors/deepep_v1.sh's header)"; exit 2; }
+tokens=("$@"); [ ${#tokens[@]} -eq 0 ] && tokens=(1 32 128 256)
+ab_build "$ab_out" "$ab_base" "$root" || exit 1
+ln -sfn "$root/.anchors" "$ab_base/.anchors"
+# One GPU: the 2 ranks share it, side by side under MPS. Two or more: one rank a GPU, as users run.
+where=$(ab_mps_if_shared 2)
+# One sample is the test's own average over its iterations; with two ranks on one GPU a kernel's
+# time also holds any wait for the other rank, so a sample can double (docs/results/2026-11-27c-x2).
+repeat=$(ab_repeat LL_AB_REPEAT) || exit 2
+for t in "${tokens[@]}"; do
+  for k in $(seq 1 "$repeat"); do
+    for side in base new; do
+      tree=$root; [ $side = base ] && tree=$ab_base
+      dir=$ab_out/$side/T$t/run$k
+      mkdir -p "$dir"
+      OUT=$dir DEEPEP_ON=pyep bash "$tree/.anchors/deepep_v1.sh" ll 2 --num-tokens "$t" > "$dir/run.txt" 2>&1
+      echo "T=$t $side run $k: rc $? ($(grep -c 'Dispatch bandwidth' "$dir/pyep_ll_2.log" 2>/dev/null || echo 0) rank lines)"
     done
-    label=$(ab_label "$root" "${LL_AB_LABEL:-}")
-    python3 "$root/tools/ll_ab_report.py" "$out" --baseline "$rev" --current "$label" --where "$where"
-    ;;
-  *) echo "usage: ll_ab.sh prepare REV | run REV [T ...]"; exit 2 ;;
-esac
+  done
+done
+label=$(ab_label "$root" "${LL_AB_LABEL:-}")
+python3 "$root/tools/ll_ab_report.py" "$ab_out" --baseline "$rev" --current "$label" --where "$where"

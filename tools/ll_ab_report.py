@@ -18,7 +18,7 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 _spec = importlib.util.spec_from_file_location("ab_report", Path(__file__).resolve().parent / "ab_report.py")
 ab_report = importlib.util.module_from_spec(_spec)
@@ -131,12 +131,9 @@ def table(rows: List[dict], baseline: str, current: str, where: str = "2 ranks o
 
 
 def plot(rows: List[dict], path: Path) -> Optional[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib missing: no plot (pip install matplotlib)"
+    plt = ab_report.pyplot()
+    if plt is None:
+        return ab_report.NO_MATPLOTLIB
     ok = [r for r in rows if r["base"] and r["new"]]
     if not ok:
         return "no complete T: no plot"
@@ -156,20 +153,16 @@ def plot(rows: List[dict], path: Path) -> Optional[str]:
     return None
 
 
+def _rows_json(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def figures(d: Dict[str, Any]) -> Dict[str, Any]:
+        return {f: {str(k): v for k, v in d[f].items()} for f in FIGURES + HALVES}
+    return [{"tokens": r["tokens"], **{s: figures(r[s]) if r[s] else None for s in ("base", "new")},
+             **{f"{s}_runs": [figures(run) for run in r[f"{s}_runs"]] for s in ("base", "new")}} for r in rows]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    a = ab_report.parse_args(__doc__.splitlines()[0], "ll_ab.sh", "2 ranks on one GPU", argv)
-    rows = collect(a.out)
-    if not rows:
-        print(f"no T<t> folders under {a.out}/base or {a.out}/new", file=sys.stderr)
-        return 2
-    doc = {"baseline": a.baseline, "current": a.current, "where": a.where,
-           "rows": [{"tokens": r["tokens"],
-                     **{s: ({f: {str(k): v for k, v in r[s][f].items()} for f in FIGURES + HALVES} if r[s] else None)
-                        for s in ("base", "new")},
-                     **{f"{s}_runs": [{f: {str(k): v for k, v in run[f].items()} for f in FIGURES + HALVES}
-                                      for run in r[f"{s}_runs"]] for s in ("base", "new")}} for r in rows]}
-    ab_report.write(a.out, "ll_ab", table(rows, a.baseline, a.current, a.where), doc, lambda path: plot(rows, path))
-    return 0 if all(r["base"] and r["new"] for r in rows) else 1
+    return ab_report.run(argv, __doc__.splitlines()[0], "ll_ab.sh", "2 ranks on one GPU", "ll_ab", "T<t>", collect,
+                         table, _rows_json, plot)
 
 if __name__ == "__main__":
     sys.exit(main())

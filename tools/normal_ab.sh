@@ -16,50 +16,37 @@
 # through tools/normal_ab_report.py. The probe's "gap" figures are the GPU's time (each call queued
 # behind a device sleep); its back-to-back GB/s are what DeepEP's bench() loop sees, host pace included.
 set -uo pipefail
-cmd=${1:?usage: normal_ab.sh prepare REV | run REV [R:S ...]}; rev=${2:?baseline commit}; shift 2
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-base=$root/.baseline/$rev
 source "$root/tools/ab_trees.sh"
-case $cmd in
-  prepare)
-    ab_prepare "$root" "$rev" || exit 1
-    ;;
-  run)
-    [ -d "$base/engine" ] || { echo "no baseline tree at $base: run 'normal_ab.sh prepare $rev' first"; exit 2; }
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    out=${OUT:-/tmp}/normal_ab; mkdir -p "$out"
-    configs=("$@"); [ ${#configs[@]} -eq 0 ] && configs=(2:24 2:6 4:24 4:6)
-    for cfg in "${configs[@]}"; do
-      [[ $cfg =~ ^[1-9][0-9]*:[1-9][0-9]*$ ]] || { echo "a configuration is RANKS:SMS (e.g. 4:24), got '$cfg'"; exit 2; }
+ab_entry normal_ab "R:S" "$root" "$@"; rev=$2; shift 2   # prepare exits there
+configs=("$@"); [ ${#configs[@]} -eq 0 ] && configs=(2:24 2:6 4:24 4:6)
+for cfg in "${configs[@]}"; do
+  [[ $cfg =~ ^[1-9][0-9]*:[1-9][0-9]*$ ]] || { echo "a configuration is RANKS:SMS (e.g. 4:24), got '$cfg'"; exit 2; }
+done
+repeat=$(ab_repeat NORMAL_AB_REPEAT) || exit 2
+read -r -a variants <<< "${NORMAL_AB_VARIANTS:-fp8_colmajor fp8_dense bf16 combine}"
+ab_build "$ab_out" "$ab_base" "$root" || exit 1
+# DeepEP's import name, bound to whichever tree's pyep the path names first.
+shim=$(mktemp -d); mkdir -p "$shim/deep_ep"
+printf 'from pyep.compat.deep_ep import *  # noqa\nimport pyep.compat.deep_ep as _m\nBuffer = _m.Buffer\n' \
+  > "$shim/deep_ep/__init__.py"
+most=0
+for cfg in "${configs[@]}"; do [ "${cfg%:*}" -gt "$most" ] && most=${cfg%:*}; done
+where=$(ab_mps_if_shared "$most")
+for cfg in "${configs[@]}"; do
+  r=${cfg%:*}; s=${cfg#*:}; ring=256; [ "$r" -ge 8 ] && ring=64
+  for k in $(seq 1 "$repeat"); do
+    for side in base new; do
+      tree=$root; [ $side = base ] && tree=$ab_base
+      dir=$ab_out/$side/r${r}s$s/run$k
+      mkdir -p "$dir"
+      PYTHONPATH=$shim:$tree timeout 300 python3 "$root/tools/dev/normal_b2b_probe.py" --ranks "$r" --sms "$s" \
+        --ring "$ring" --variants "${variants[@]}" --modes gap b2b --warmup 20 --iters 30 \
+        --trace-dir "$dir/traces" --json "$dir/probe.json" > "$dir/run.txt" 2>&1
+      echo "$r ranks, $s SMs, $side run $k: rc $?"
+      rm -rf "$dir/traces"   # kineto traces: tens of MB a run, summarised in probe.json
     done
-    repeat=${NORMAL_AB_REPEAT:-1}
-    [[ $repeat =~ ^[1-9][0-9]*$ ]] || { echo "NORMAL_AB_REPEAT must be a positive integer, got '$repeat'"; exit 2; }
-    read -r -a variants <<< "${NORMAL_AB_VARIANTS:-fp8_colmajor fp8_dense bf16 combine}"
-    ab_build "$out" "$base" "$root" || exit 1
-    # DeepEP's import name, bound to whichever tree's pyep the path names first.
-    shim=$(mktemp -d); mkdir -p "$shim/deep_ep"
-    printf 'from pyep.compat.deep_ep import *  # noqa\nimport pyep.compat.deep_ep as _m\nBuffer = _m.Buffer\n' \
-      > "$shim/deep_ep/__init__.py"
-    most=0
-    for cfg in "${configs[@]}"; do [ "${cfg%:*}" -gt "$most" ] && most=${cfg%:*}; done
-    where=$(ab_mps_if_shared "$most")
-    for cfg in "${configs[@]}"; do
-      r=${cfg%:*}; s=${cfg#*:}; ring=256; [ "$r" -ge 8 ] && ring=64
-      for k in $(seq 1 "$repeat"); do
-        for side in base new; do
-          tree=$root; [ $side = base ] && tree=$base
-          dir=$out/$side/r${r}s$s/run$k
-          mkdir -p "$dir"
-          PYTHONPATH=$shim:$tree timeout 300 python3 "$root/tools/dev/normal_b2b_probe.py" --ranks "$r" --sms "$s" \
-            --ring "$ring" --variants "${variants[@]}" --modes gap b2b --warmup 20 --iters 30 \
-            --trace-dir "$dir/traces" --json "$dir/probe.json" > "$dir/run.txt" 2>&1
-          echo "$r ranks, $s SMs, $side run $k: rc $?"
-          rm -rf "$dir/traces"   # kineto traces: tens of MB a run, summarised in probe.json
-        done
-      done
-    done
-    label=$(ab_label "$root" "${NORMAL_AB_LABEL:-}")
-    python3 "$root/tools/normal_ab_report.py" "$out" --baseline "$rev" --current "$label" --where "$where"
-    ;;
-  *) echo "usage: normal_ab.sh prepare REV | run REV [R:S ...]"; exit 2 ;;
-esac
+  done
+done
+label=$(ab_label "$root" "${NORMAL_AB_LABEL:-}")
+python3 "$root/tools/normal_ab_report.py" "$ab_out" --baseline "$rev" --current "$label" --where "$where"

@@ -135,12 +135,9 @@ def table(rows: List[dict], baseline: str, current: str, where: str) -> str:
 
 
 def plot(rows: List[dict], path: Path) -> Optional[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib missing: no plot (pip install matplotlib)"
+    plt = ab_report.pyplot()
+    if plt is None:
+        return ab_report.NO_MATPLOTLIB
     bars = [(f"{r['ranks']}r {r['sms']}s {c}", r["base"][c], r["new"][c]) for r in rows if r["base"] and r["new"]
             for c in CALLS if c in r["base"] and c in r["new"]]
     if not bars:
@@ -159,16 +156,10 @@ def plot(rows: List[dict], path: Path) -> Optional[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    a = ab_report.parse_args(__doc__.splitlines()[0], "normal_ab.sh", "ranks sharing one GPU", argv)
-    rows = collect(a.out)
-    if not rows:
-        print(f"no r<R>s<S> folders under {a.out}/base or {a.out}/new", file=sys.stderr)
-        return 2
-    doc = {"baseline": a.baseline, "current": a.current, "where": a.where,
-           "rows": [{k: r[k] for k in ("ranks", "sms", "base", "new", "base_runs", "new_runs")} for r in rows]}
-    ab_report.write(a.out, "normal_ab", table(rows, a.baseline, a.current, a.where), doc,
-                    lambda path: plot(rows, path))
-    return 0 if all(r["base"] and r["new"] for r in rows) else 1
+    return ab_report.run(argv, __doc__.splitlines()[0], "normal_ab.sh", "ranks sharing one GPU", "normal_ab",
+                         "r<R>s<S>", collect, table,
+                         lambda rows: [{k: r[k] for k in ("ranks", "sms", "base", "new", "base_runs", "new_runs")}
+                                       for r in rows], plot)
 
 if __name__ == "__main__":
     sys.exit(main())
