@@ -132,12 +132,14 @@ __device__ void direct_send(const NormalStatic& s, const DispatchArgs& a, const 
         // negative start is recorded above).
         if (out < 0 || out >= P.rows) return;
         const float* row_scales = a.fp8 ? scales + tok * scale_token_stride(a) : nullptr;
-        const RowMeta m = load_meta(row_scales, scale_group_stride(a), groups,
+        const RowMeta m = load_meta<ScaleSrc::kCaller>(row_scales, scale_group_stride(a), groups,
                                     G.lane < K && topk ? topk[(int64_t)tok * K + G.lane] : -1,
                                     G.lane < K && weights ? weights[(int64_t)tok * K + G.lane] : 0.f,
                                     G.lane == 0 ? source_index(a, tok) : 0, G.lane);
         copy_row(tma, bulk, xd + (uint64_t)out * row.payload, payload_of(a, row, tok), row.payload, G.lane);
-        if (a.fp8) store_scales(sd + (int64_t)out * groups, m, row_scales, scale_group_stride(a), groups, G.lane);
+        if (a.fp8)
+            store_scales<ScaleSrc::kCaller>(sd + (int64_t)out * groups, m, row_scales, scale_group_stride(a), groups,
+                                            G.lane);
         if (td) {
             int* ids = reinterpret_cast<int*>(td + (uint64_t)out * stage_bytes);
             float* w = reinterpret_cast<float*>(ids + K);

@@ -117,14 +117,14 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
                     // The row's small fields are loaded before the payload copy, so that their loads
                     // are in flight with it instead of adding round trips after it.
                     const float* row_scales = a.fp8 ? scales + tok * scale_token_stride(a) : nullptr;
-                    const RowMeta m = load_meta(row_scales, scale_group_stride(a), groups,
+                    const RowMeta m = load_meta<ScaleSrc::kCaller>(row_scales, scale_group_stride(a), groups,
                                                 G.lane < K && topk ? topk[(int64_t)tok * K + G.lane] : -1,
                                                 G.lane < K && weights ? weights[(int64_t)tok * K + G.lane] : 0.f,
                                                 G.lane == 0 ? source_index(a, tok) : 0, G.lane);
                     copy_row(tma, bulk, dst, payload_of(a, row, tok), row.payload, G.lane);
                     if (a.fp8)
-                        store_scales(reinterpret_cast<float*>(dst + row.scales), m, row_scales, scale_group_stride(a),
-                                     groups, G.lane);
+                        store_scales<ScaleSrc::kCaller>(reinterpret_cast<float*>(dst + row.scales), m, row_scales,
+                                                        scale_group_stride(a), groups, G.lane);
                     if (G.lane < K) {
                         reinterpret_cast<int*>(dst + row.ids)[G.lane] = (int)m.id;
                         reinterpret_cast<float*>(dst + row.weights)[G.lane] = m.weight;
@@ -155,19 +155,20 @@ __device__ void dispatch_send(const NormalStatic& s, const DispatchArgs& a, cons
 // One received row: payload (and FP8 scales) by the whole warp, local top-k ids / weights and the source
 // index by a few lanes. `id(k)` and `weight(k)` read the row's top-k entry from wherever it is.
 // The small fields are loaded first (load_meta), so that their latency overlaps the payload copy's.
-template <typename Id, typename Weight>
+template <ScaleSrc kSrc, typename Id, typename Weight>
 __device__ __forceinline__ void emit_row(const DispatchArgs& a, const DispatchRow& row, WarpTma& tma, int out,
                                          const uint8_t* payload, const float* scales, int64_t gs, Id id,
                                          Weight weight, int src_token, int lo, int lane) {
     const int K = a.num_topk, El = a.num_local_experts, groups = a.hidden / 128;
     const bool want_k = a.recv_topk_idx && lane < K;
-    const RowMeta m = load_meta(a.fp8 ? scales : nullptr, gs, groups, want_k ? id(lane) : -1,
+    const RowMeta m = load_meta<kSrc>(a.fp8 ? scales : nullptr, gs, groups, want_k ? id(lane) : -1,
                                 want_k && a.recv_topk_weights ? weight(lane) : 0.f, src_token, lane);
     if (a.row_map) out = reinterpret_cast<const int*>(a.row_map)[out];   // a permutation of the real rows
     uint8_t* dst = reinterpret_cast<uint8_t*>(a.recv_x) + (uint64_t)out * row.payload;
     copy_row(tma, a.use_tma & kTmaLocal, dst, payload, row.payload, lane);
     if (a.fp8)
-        store_scales(reinterpret_cast<float*>(a.recv_x_scales) + (int64_t)out * groups, m, scales, gs, groups, lane);
+        store_scales<kSrc>(reinterpret_cast<float*>(a.recv_x_scales) + (int64_t)out * groups, m, scales, gs, groups,
+                           lane);
     if (want_k) {
         const bool local = m.id >= lo && m.id < lo + El;
         reinterpret_cast<int64_t*>(a.recv_topk_idx)[(int64_t)out * K + lane] = local ? m.id - lo : -1;
@@ -213,9 +214,10 @@ __device__ void dispatch_self(const NormalStatic& s, const DispatchArgs& a, cons
     for_each_routed_row(in_rank, R, me, t0, t1, G, [&](int tok, int i) {
         const int out = start + i;
         if (out >= a.num_out_rows) return;
-        emit_row(a, row, tma, out, payload_of(a, row, tok), scales + tok * scale_token_stride(a), scale_group_stride(a),
-                 [&](int k) { return topk ? topk[(int64_t)tok * K + k] : (int64_t)-1; },
-                 [&](int k) { return weights ? weights[(int64_t)tok * K + k] : 0.f; }, source_index(a, tok), lo, G.lane);
+        emit_row<ScaleSrc::kCaller>(
+            a, row, tma, out, payload_of(a, row, tok), scales + tok * scale_token_stride(a), scale_group_stride(a),
+            [&](int k) { return topk ? topk[(int64_t)tok * K + k] : (int64_t)-1; },
+            [&](int k) { return weights ? weights[(int64_t)tok * K + k] : 0.f; }, source_index(a, tok), lo, G.lane);
     });
     tma_drain(G.lane);
 }
@@ -264,7 +266,7 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
             const int out = start + i;
             if (out >= a.num_out_rows) continue;    // more rows than num_worst_tokens: recorded by notify
             const uint8_t* r = ring + slot_offset(s, i, Q);
-            emit_row(a, row, tma, out, r, reinterpret_cast<const float*>(r + row.scales), 1,
+            emit_row<ScaleSrc::kRing>(a, row, tma, out, r, reinterpret_cast<const float*>(r + row.scales), 1,
                      [&](int k) { return (int64_t)__ldcg(reinterpret_cast<const int*>(r + row.ids) + k); },
                      [&](int k) { return __ldcg(reinterpret_cast<const float*>(r + row.weights) + k); },
                      __ldcg(reinterpret_cast<const int*>(r + row.src)), lo, G.lane);

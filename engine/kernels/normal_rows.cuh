@@ -36,20 +36,35 @@ struct RowMeta {
     int src;
 };
 
+// Where a row's scales come from: the caller's x_scales, which nothing writes while the kernel runs, or
+// a ring slot that a peer rewrites (L2 only, normal_common.cuh "copies"). The caller's are read through
+// the L1 (ld.global.nc): with the column-major scales of DeepGEMM and DeepEP's tests a row's 56 scales
+// lie in 56 sectors, each shared with the 7 next tokens, which the same block's warps copy. Alone on
+// 6 SMs (docs/results/2026-11-27g-h200x1) those loads made 7 KiB row copies 26 % slower through the L2
+// and 19 % through the L1; in the dispatch kernel the difference stayed within 3 %.
+enum class ScaleSrc { kCaller, kRing };
+
+template <ScaleSrc kSrc>
+__device__ __forceinline__ float load_scale(const float* p) {
+    return kSrc == ScaleSrc::kCaller ? __ldg(p) : __ldcg(p);
+}
+
+template <ScaleSrc kSrc>
 __device__ __forceinline__ RowMeta load_meta(const float* scales, int64_t gs, int groups, int64_t id, float weight,
                                              int src, int lane) {
     RowMeta m{0.f, 0.f, id, weight, src};
-    if (scales && lane < groups) m.sc0 = __ldcg(scales + lane * gs);
-    if (scales && lane + 32 < groups) m.sc1 = __ldcg(scales + (lane + 32) * gs);
+    if (scales && lane < groups) m.sc0 = load_scale<kSrc>(scales + lane * gs);
+    if (scales && lane + 32 < groups) m.sc1 = load_scale<kSrc>(scales + (lane + 32) * gs);
     return m;
 }
 
 // Scales past the 64th (H > 8192) are copied here directly.
+template <ScaleSrc kSrc>
 __device__ __forceinline__ void store_scales(float* dst, const RowMeta& m, const float* scales, int64_t gs, int groups,
                                              int lane) {
     if (lane < groups) dst[lane] = m.sc0;
     if (lane + 32 < groups) dst[lane + 32] = m.sc1;
-    for (int g = lane + 64; g < groups; g += 32) dst[g] = __ldcg(scales + g * gs);
+    for (int g = lane + 64; g < groups; g += 32) dst[g] = load_scale<kSrc>(scales + g * gs);
 }
 
 struct Group {
