@@ -23,6 +23,7 @@ import cProfile
 import io
 import os
 import pstats
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -90,8 +91,10 @@ def _worker(rank: int, world: int, port: int, calls: int, profile: bool, as_test
         times.sort()
         fast_after = fast_calls()
         taken = f"  fast path {fast_after - fast_before}/{calls * (2 if profile else 1)}" if fast_after is not None else ""
-        print(f"[rank {rank}] {name:22s} host us per call: median {times[len(times) // 2]:7.1f}  "
-              f"p10 {times[len(times) // 10]:7.1f}  p90 {times[len(times) * 9 // 10]:7.1f}{taken}", flush=True)
+        # One write per line: print() writes the text and its newline apart, and the ranks' lines interleaved.
+        sys.stdout.write(f"[rank {rank}] {name:22s} host us per call: median {times[len(times) // 2]:7.1f}  "
+                         f"p10 {times[len(times) // 10]:7.1f}  p90 {times[len(times) * 9 // 10]:7.1f}{taken}\n")
+        sys.stdout.flush()
         if profile and rank == 0:
             for key in ("tottime", "cumulative"):
                 s = io.StringIO()
