@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/normal_dispatch.cu"
+#include "median_us.h"
 
 // The launch's host checks (normal_dispatch.cu launch_dispatch, not called here) live in the engine.
 namespace pyep {
@@ -141,20 +142,8 @@ int main() {
                 a.recv_src_idx = a.recv_topk_weights + (uint64_t)kRows * kTopk * 4;
             }
             const DirectPeer peer{4096, 4096 + x_bytes, k.small_fields ? 4096 + x_bytes + scale_bytes : 0, kRows};
-            cudaEvent_t e0, e1;
-            cudaEventCreate(&e0);
-            cudaEventCreate(&e1);
-            std::vector<float> us;
-            for (int it = 0; it < 12; ++it) {   // the first two warm up
-                cudaEventRecord(e0);
-                loop_alone<<<C, kDispatchThreads, kTmaSmemBytes>>>(s, a, peer, k.own != 0);
-                cudaEventRecord(e1);
-                cudaEventSynchronize(e1);
-                float ms = 0;
-                cudaEventElapsedTime(&ms, e0, e1);
-                if (it >= 2) us.push_back(ms * 1e3f);
-            }
-            std::sort(us.begin(), us.end());
+            const float t =
+                median_us([&] { loop_alone<<<C, kDispatchThreads, kTmaSmemBytes>>>(s, a, peer, k.own != 0); });
             int rec[4];
             cudaMemcpy(rec, err, sizeof(rec), cudaMemcpyDeviceToHost);
             const cudaError_t e = cudaGetLastError();
@@ -163,7 +152,6 @@ int main() {
                             rec[3]);
                 return 1;
             }
-            const float t = us[us.size() / 2];
             const double payload = DispatchRow(k.hidden, k.fp8, kTopk).payload;
             std::printf(" %8.1f %9.1f", t, 2.0 * kRows * payload / (t * 1e3) / C);
         }

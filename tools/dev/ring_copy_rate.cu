@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/normal_common.cuh"
+#include "median_us.h"
 
 namespace {
 using namespace pyep::normal;
@@ -76,24 +77,6 @@ void check(cudaError_t e, const char* what) {
     }
 }
 
-template <typename Launch>
-float median_us(Launch launch, int reps) {
-    cudaEvent_t a, b;
-    check(cudaEventCreate(&a), "event");
-    check(cudaEventCreate(&b), "event");
-    std::vector<float> t;
-    for (int i = 0; i < reps + 1; ++i) {
-        check(cudaEventRecord(a), "record");
-        launch();
-        check(cudaEventRecord(b), "record");
-        check(cudaEventSynchronize(b), "kernel");
-        float ms = 0.f;
-        cudaEventElapsedTime(&ms, a, b);
-        if (i) t.push_back(ms * 1000.f);   // the first run warms up
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-}
 }  // namespace
 
 int main() {
@@ -124,7 +107,7 @@ int main() {
                         one_copy<<<2 * pairs, kThreads>>>(x, out, per * pairs, row_bytes);
                     }
                     check(cudaGetLastError(), "launch");
-                }, reps);
+                }, reps, 1);
                 std::printf("%-6d %-6d %-30s %10.1f %10.1f\n", row_bytes, pairs, m.name, us,
                             (double)per * pairs * row_bytes / us / 1e3);
             }

@@ -15,6 +15,7 @@
 #include "kernels/normal_launch.h"
 #include "kernels/normal_rows.cuh"
 #include "kernels/normal_tma.cuh"
+#include "median_us.h"
 
 namespace {
 using namespace pyep::normal;
@@ -49,34 +50,22 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) copy_rows(uint8_t* out, c
 }
 
 template <Mode kMode>
-float median_us(int blocks, uint8_t* out, const uint8_t* in, const int* perm, int rows, int row_bytes,
-                const float* scales, float* out_scales) {
+float copy_us(int blocks, uint8_t* out, const uint8_t* in, const int* perm, int rows, int row_bytes,
+              const float* scales, float* out_scales) {
     const int smem = tma_smem_bytes(kDispatchWarps);
     cudaFuncSetAttribute(copy_rows<kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    std::vector<float> us;
-    for (int it = 0; it < 12; ++it) {   // the first two warm up
-        cudaEventRecord(a);
+    return median_us([&] {
         copy_rows<kMode><<<blocks, kDispatchThreads, smem>>>(out, in, perm, rows, row_bytes, scales, out_scales);
-        cudaEventRecord(b);
-        cudaEventSynchronize(b);
-        float ms = 0;
-        cudaEventElapsedTime(&ms, a, b);
-        if (it >= 2) us.push_back(ms * 1e3f);
-    }
-    std::sort(us.begin(), us.end());
-    return us[us.size() / 2];
+    });
 }
 
 float run(Mode mode, int blocks, uint8_t* out, const uint8_t* in, const int* perm, int rows, int row_bytes,
           const float* scales, float* out_scales) {
     switch (mode) {
-        case kWarp: return median_us<kWarp>(blocks, out, in, perm, rows, row_bytes, scales, out_scales);
-        case kTma: return median_us<kTma>(blocks, out, in, perm, rows, row_bytes, scales, out_scales);
-        case kScalesL2: return median_us<kScalesL2>(blocks, out, in, perm, rows, row_bytes, scales, out_scales);
-        default: return median_us<kScalesL1>(blocks, out, in, perm, rows, row_bytes, scales, out_scales);
+        case kWarp: return copy_us<kWarp>(blocks, out, in, perm, rows, row_bytes, scales, out_scales);
+        case kTma: return copy_us<kTma>(blocks, out, in, perm, rows, row_bytes, scales, out_scales);
+        case kScalesL2: return copy_us<kScalesL2>(blocks, out, in, perm, rows, row_bytes, scales, out_scales);
+        default: return copy_us<kScalesL1>(blocks, out, in, perm, rows, row_bytes, scales, out_scales);
     }
 }
 }  // namespace
