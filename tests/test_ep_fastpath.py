@@ -15,8 +15,8 @@ import torch
 
 from pyep.ep.ll.config import EpConfig
 from pyep.ep.ll.handle import Handle
-from pyep.ep.ll.native import NativeBackend
 from pyep.ep.ll.validate import validate_combine, validate_dispatch
+from pyep.ep.validate import check_aligned
 
 T, H, E, R, K = 8, 256, 8, 2, 2
 CPU = torch.device("cpu")
@@ -137,7 +137,7 @@ def _python_dispatch(kw: Dict[str, Any]) -> Optional[type]:
     try:
         validate_dispatch(_cfg(), R, CPU, kw["x"], kw["topk_idx"], **{k: v for k, v in kw.items()
                                                                        if k not in ("x", "topk_idx")})
-        NativeBackend._check_aligned("x", kw["x"])
+        check_aligned("x", kw["x"])
     except (TypeError, ValueError) as exc:
         return type(exc)
     return None
@@ -218,9 +218,9 @@ def test_combine_predicate_mirrors_validate(name: str, kw: Dict[str, Any]) -> No
                          zero_copy=kw["zero_copy"], async_finish=kw["async_finish"],
                          return_recv_hook=kw["return_recv_hook"], out=kw["out"],
                          combine_wait_recv_cost_stats=kw["combine_wait_recv_cost_stats"])
-        NativeBackend._check_aligned("x", kw["x"])
+        check_aligned("x", kw["x"])
         if kw["out"] is not None:
-            NativeBackend._check_aligned("out", kw["out"])
+            check_aligned("out", kw["out"])
         py: Optional[type] = None
     except (TypeError, ValueError, AttributeError) as exc:
         py = type(exc)

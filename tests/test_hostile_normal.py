@@ -106,6 +106,14 @@ def _bad_calls(buf: NormalBuffer, other: NormalBuffer) -> List[Tuple[str, str, C
     *_, foreign, _ = other.dispatch(x, topk_idx=idx, topk_weights=w, **lay)
     sparse_idx = idx.to_sparse()
 
+    def misaligned(t: torch.Tensor) -> torch.Tensor:
+        """The same values in a contiguous view that starts one element past an allocation's start."""
+        flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+        v = flat[1:1 + t.numel()].view(t.shape).copy_(t)
+        assert v.is_contiguous() and v.data_ptr() % 16
+        return v
+    bias = torch.zeros(x.shape[0], H, dtype=torch.bfloat16)
+
     def disp(bad: bool, **kw: Any) -> Any:
         args = dict(topk_idx=idx, topk_weights=w, **lay)
         args.update(kw if bad else {})
@@ -119,6 +127,7 @@ def _bad_calls(buf: NormalBuffer, other: NormalBuffer) -> List[Tuple[str, str, C
         ("dispatch-worst-2**62", "ValueError", lambda b: disp(b, num_worst_tokens=BIG)),
         ("dispatch-worst-negative", "ValueError", lambda b: disp(b, num_worst_tokens=-1)),
         ("dispatch-x-sparse", "TypeError", lambda b: disp(b, x=x.to_sparse())),
+        ("dispatch-x-misaligned", "ValueError", lambda b: disp(b, x=misaligned(x))),
         ("dispatch-in-rank-int8", "TypeError", lambda b: disp(b, is_token_in_rank=tir.to(torch.int8))),
         ("dispatch-weights-bf16", "TypeError", lambda b: disp(b, topk_weights=w.to(torch.bfloat16))),
         ("dispatch-per-expert-2d", "ValueError", lambda b: disp(b, num_tokens_per_expert=ntpe.view(2, -1))),
@@ -129,6 +138,9 @@ def _bad_calls(buf: NormalBuffer, other: NormalBuffer) -> List[Tuple[str, str, C
         ("combine-x-rows", "ValueError", lambda b: buf.combine(recv[:-1] if b and recv.shape[0] else
                                                                (torch.zeros(recv.shape[0] + 1, H, dtype=torch.bfloat16)
                                                                 if b else recv), handle)),
+        ("combine-x-misaligned", "ValueError", lambda b: buf.combine(misaligned(recv) if b else recv, handle)),
+        ("combine-bias-misaligned", "ValueError", lambda b: buf.combine(recv, handle,
+                                                                       bias=misaligned(bias) if b else bias)),
         ("combine-bias-list", "TypeError", lambda b: buf.combine(recv, handle, bias=[None, None] if b else None)),
         ("combine-weights-k17", "ValueError", lambda b: buf.combine(recv, handle, topk_weights=torch.zeros(
             recv.shape[0], 17) if b else r_w)),
@@ -205,9 +217,10 @@ def run_hostile_cases() -> Dict[str, str]:
 
 DIST_IDS = [
     "layout-topk-sparse", "layout-topk-float", "layout-experts-2**62", "layout-topk-meta", "dispatch-alignment-2**62",
-    "dispatch-worst-2**62", "dispatch-worst-negative", "dispatch-x-sparse", "dispatch-in-rank-int8",
-    "dispatch-weights-bf16", "dispatch-per-expert-2d", "dispatch-previous-event-object", "dispatch-async-finish-str",
-    "cached-foreign-handle", "cached-handle-as-tuple", "combine-x-rows", "combine-bias-list", "combine-weights-k17",
+    "dispatch-worst-2**62", "dispatch-worst-negative", "dispatch-x-sparse", "dispatch-x-misaligned",
+    "dispatch-in-rank-int8", "dispatch-weights-bf16", "dispatch-per-expert-2d", "dispatch-previous-event-object",
+    "dispatch-async-finish-str", "cached-foreign-handle", "cached-handle-as-tuple", "combine-x-rows",
+    "combine-x-misaligned", "combine-bias-misaligned", "combine-bias-list", "combine-weights-k17",
     "combine-config-dict", "values-per-expert-contradicts-topk", "values-in-rank-contradicts-topk",
     "values-per-rank-contradicts-in-rank", "values-per-expert-negative-no-topk", "values-worst-tokens-too-few",
     "values-layout-id-out-of-range",

@@ -6,11 +6,11 @@
 //
 // A call the fast path does not take returns None before anything is launched or allocated, and the
 // Python path (NormalBuffer, NormalNativeBackend) runs it instead: any argument that is not a plain dense
-// tensor of the plan's shape, dtype and device (the Python path raises the typed error and refuses the
-// call to the peers), an error or void call the device recorded (the Python path raises it), a buffer
-// not `ready` (broken, a mask, a grace window, destroyed: NormalNativeBackend keeps the flag), a handle
-// of an earlier generation or of another buffer, a ring geometry other than the last call's, a stream
-// being captured, deterministic allocation.
+// tensor of the plan's shape, dtype and device, rows 16-byte aligned (the Python path raises the typed
+// error and refuses the call to the peers), an error or void call the device recorded (the Python path
+// raises it), a buffer not `ready` (broken, a mask, a grace window, destroyed: NormalNativeBackend keeps
+// the flag), a handle of an earlier generation or of another buffer, a ring geometry other than the last
+// call's, a stream being captured, deterministic allocation.
 #if defined(PYEP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -59,6 +59,10 @@ bool is_2d(const at::Tensor& t, c10::ScalarType dtype, int64_t rows, int64_t col
 }
 
 uint64_t addr(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
+
+// Rows the kernels move with 16-byte vector accesses: a contiguous view may still start at an odd element
+// (validate.check_aligned, which the Python path raises).
+bool rows_aligned(const at::Tensor& t) { return addr(t) % 16 == 0; }
 
 int32_t read_pinned(uint64_t p, int i) { return reinterpret_cast<const volatile int32_t*>(p)[i]; }
 
@@ -144,7 +148,7 @@ struct NormalFast {
         const int64_t n = p.num_tokens, h = p.hidden, groups = h / 128;
         const at::Tensor* x = tensor_on(xo, device);
         if (!x || !is_2d(*x, fp8 ? c10::ScalarType::Float8_e4m3fn : c10::ScalarType::BFloat16, n, h) ||
-            !x->is_contiguous())
+            !x->is_contiguous() || !rows_aligned(*x))
             return py::none();
         const at::Tensor* sc = fp8 ? tensor_on(so, device) : nullptr;
         if (fp8 && (!sc || !is_2d(*sc, c10::ScalarType::Float, n, groups))) return py::none();
@@ -201,7 +205,8 @@ struct NormalFast {
         if (declines(p)) return py::none();
         const int64_t n = p.num_tokens, h = p.hidden, rows = p.rows;
         const at::Tensor* x = tensor_on(x_h.ptr(), device);
-        if (!x || !is_2d(*x, c10::ScalarType::BFloat16, rows, h) || !x->is_contiguous()) return py::none();
+        if (!x || !is_2d(*x, c10::ScalarType::BFloat16, rows, h) || !x->is_contiguous() || !rows_aligned(*x))
+            return py::none();
         const at::Tensor* w = nullptr;
         int64_t k = 0;
         if (!w_h.is_none()) {

@@ -45,6 +45,14 @@ def check_tensor(name: str, t: Any, *, dtype: "torch.dtype", shape: Shape, devic
     return t
 
 
+def check_aligned(name: str, t: "torch.Tensor") -> None:
+    """The kernels move rows with 16-byte vector accesses: a contiguous tensor can still start at an odd
+    element (a slice of a flat tensor), and such a load faults the whole CUDA context."""
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address (got {t.data_ptr():#x}); "
+                         f"pass a freshly allocated or .clone()d tensor")
+
+
 def check_timeout(name: str, value: Any, default: int = DEFAULT_TIMEOUT_US) -> int:
     if value is None:
         return default

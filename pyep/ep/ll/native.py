@@ -27,6 +27,7 @@ from .config import EpConfig
 from .errors import refusal_reason
 from .layout import LLLayout, ll_buffer_layout
 from ..streams import NativeEvent, raw_current_stream
+from ..validate import check_aligned
 
 if TYPE_CHECKING:
     import torch
@@ -232,14 +233,6 @@ class NativeBackend(NativeSetup, NativeMembership, NativeCallTags):
         return self._finish(stream, async_finish, keep, what, timeout_us), hook
 
     # ------------------------------------------------------------------ dispatch / combine
-    @staticmethod
-    def _check_aligned(name: str, t: "torch.Tensor") -> None:
-        # The kernels move rows with 16-byte vector accesses; a contiguous view can still start at an
-        # odd element (e.g. a slice of a flat tensor).
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name} must start at a 16-byte aligned address (got {t.data_ptr():#x}); "
-                             f"pass a freshly allocated or .clone()d tensor")
-
     def _active_ptr(self, active: Optional["torch.Tensor"]) -> int:
         return (active if active is not None else self._active).data_ptr()
 
@@ -271,7 +264,7 @@ class NativeBackend(NativeSetup, NativeMembership, NativeCallTags):
     def _dispatch(self, half: int, x: "torch.Tensor", topk_idx: "torch.Tensor", opts: DispatchOptions,
                   sent: List[bool]) -> DispatchResult:
         import torch
-        self._check_aligned("x", x)
+        check_aligned("x", x)
         lay, dev = self.layout, self.device
         e_l, rows, h = lay.num_local_experts, self.num_ranks * lay.num_max_tokens, lay.hidden
         n, k = int(topk_idx.shape[0]), int(topk_idx.shape[1])
@@ -348,8 +341,8 @@ class NativeBackend(NativeSetup, NativeMembership, NativeCallTags):
         src = self.next_combine_buffer(handle) if opts.zero_copy else x
         out = opts.out if opts.out is not None else torch.empty((n, self.layout.hidden), dtype=torch.bfloat16,
                                                                  device=self.device)
-        self._check_aligned("x", src)
-        self._check_aligned("out", out)
+        check_aligned("x", src)
+        check_aligned("out", out)
         active = self._active_ptr(opts.active_ranks)
         waits = opts.combine_wait_recv_cost_stats
         timeout_ns = int(opts.timeout_us) * 1000

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Tuple
 
 from ..config import MAX_HIDDEN
-from ..validate import check_bool
+from ..validate import check_aligned, check_bool
 from ..validate import check_tensor as _check_tensor
 from .config import MAX_LOCAL_EXPERTS, MAX_TOPK, Config
 from .handle import NormalHandle
@@ -151,6 +151,7 @@ def split_x(x: Any, device: "torch.device") -> Tuple["torch.Tensor", Optional["t
         if data.dim() != 2:
             raise ValueError(f"x[0] must have shape [N, hidden], got {list(data.shape)}")
         check_tensor("x[0]", data, dtype=torch.float8_e4m3fn, shape=(None, None), device=device)
+        check_aligned("x[0]", data)
         n, h = int(data.shape[0]), int(data.shape[1])
         check_tensor("x[1] (scales)", scales, dtype=torch.float32, shape=(n, max(h, 0) // HIDDEN_ALIGN),
                      device=device, contiguous=False)
@@ -162,6 +163,7 @@ def split_x(x: Any, device: "torch.device") -> Tuple["torch.Tensor", Optional["t
     if x.dim() != 2:
         raise ValueError(f"x must have shape [N, hidden], got {list(x.shape)}")
     check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None), device=device)
+    check_aligned("x", x)
     return x, None
 
 
@@ -246,6 +248,7 @@ def validate_combine(*, x: Any, handle: NormalHandle, topk_weights: Any, bias: A
         raise ValueError(f"x must have shape [{handle.num_recv_rows}, hidden], got {list(x.shape)}")
     h = int(x.shape[1])
     check_tensor("x", x, dtype=torch.bfloat16, shape=(handle.num_recv_rows, h), device=device)
+    check_aligned("x", x)
     check_hidden("x", h, buffer_hidden)
     if topk_weights is not None:
         if not isinstance(topk_weights, torch.Tensor) or topk_weights.dim() != 2:
@@ -268,4 +271,5 @@ def validate_combine(*, x: Any, handle: NormalHandle, topk_weights: Any, bias: A
     for i, b in enumerate(pair):
         if b is not None:
             check_tensor(f"bias[{i}]", b, dtype=torch.bfloat16, shape=(handle.num_tokens, h), device=device)
+            check_aligned(f"bias[{i}]", b)
     return pair[0], pair[1]
