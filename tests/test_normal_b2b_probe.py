@@ -39,6 +39,18 @@ def test_kernel_split_counts_busy_and_idle_time(tmp_path: Any) -> None:
     assert abs(out["idle_us_per_call"] - ((2 * 130 + 115) - 330) / 3) < 1e-9
 
 
+def test_main_kernel_adds_a_one_copy_dispatch_s_two_kernels() -> None:
+    tool = _tool()
+    stat = lambda us: {"count": 3, "mean_us": us, "median_us": us, "min_us": us - 1, "max_us": us + 1}  # noqa: E731
+    one_copy = {"kernels": {"ns::dispatch_one_copy(S, A)": stat(90.0), "ns::dispatch(S, A)": stat(3.0),
+                            "ns::notify_kernel(S)": stat(10.0), "sleep": stat(300.0)}}
+    m = tool.main_kernel(one_copy)
+    assert m["median_us"] == 93.0 and m["min_us"] == 91.0 and m["count"] == 3
+    ring = {"kernels": {"ns::dispatch(S, A)": stat(120.0), "ns::notify_kernel(S)": stat(10.0)}}
+    assert tool.main_kernel(ring)["median_us"] == 120.0
+    assert tool.main_kernel({"kernels": {"sleep": stat(300.0)}}) is None
+
+
 def test_help_runs_without_a_gpu() -> None:
     r = subprocess.run([sys.executable, TOOL, "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "--modes" in r.stdout and "combine" in r.stdout

@@ -386,9 +386,15 @@ def case_direct_bad_descriptor(path: str) -> str:
     R, H, K, E = 3, 256, 4, 12
     w = NormalWorld(sim, R, H, K, E, 2, 32, 6, pool_bytes=1 << 20, timeout_ns=2_000_000_000)
     w.dispatch(make_inputs(R, [40, 50, 30], H, K, E, False, seed=71), offer=[0, 2], bad_offer=1)
+    from pyep.ep.normal.errors import BadOutputDescriptor, error_from_record
     for r in range(R):
         code, peer, field, _ = w.errors()[r]
         assert (code, peer, field) == (ERR_DIRECT_DESC, 1, 2), (r, w.errors())
+        err = error_from_record(w.errors()[r], E, 1000)
+        assert isinstance(err, BadOutputDescriptor) and "rank 1's" in str(err) and "recv_x" in str(err), err
+    # Field 5: the ring kernel found no path of this call recorded by the one-copy kernel (c = the call).
+    err = error_from_record([ERR_DIRECT_DESC, 2, 5, 17], E, 1000)
+    assert isinstance(err, BadOutputDescriptor) and "call 17" in str(err) and "rank 2's" in str(err), err
     return "ok"
 
 

@@ -27,8 +27,12 @@
 namespace pyep {
 namespace normal {
 
-// Descriptor words (int32) of channel c, kDescInts per channel.
+// Descriptor words (int32) of channel c, kDescInts per channel. Words from kDescPath on are this rank's
+// own: the path block h of the one-copy kernel took (kDescPath + 2h: the call number, then the path),
+// which the ring kernel launched after it reads.
 constexpr int kDescSeq = 0, kDescMode = 1, kDescRows = 2, kDescX = 4, kDescScales = 6, kDescStage = 8;
+constexpr int kDescPath = 10;
+static_assert(kDescPath + 4 <= kDescInts, "two blocks' paths fit the descriptor");
 
 __device__ __forceinline__ int* desc_of(const NormalStatic& s, uint8_t* base, int c) {
     return words(base, s.off_direct) + c * kDescInts;
@@ -100,6 +104,23 @@ __device__ int read_descs(const NormalStatic& s, const DispatchArgs& a, int c, u
         out[r] = p;
     }
     return 1;
+}
+
+// The path of block (c, h) in call `seq`: 1 one-copy (its rows moved), 0 the ring path (the ring kernel
+// moves them), -1 a failed handshake (recorded; nothing moves). The one-copy kernel's thread 0 records
+// it and the ring kernel's reads it after that kernel, in stream order: plain words suffice.
+__device__ __forceinline__ void record_path(const NormalStatic& s, int c, int h, uint32_t seq, int path) {
+    int* d = desc_of(s, reinterpret_cast<uint8_t*>(s.buf), c) + kDescPath + 2 * h;
+    d[0] = (int)seq;
+    d[1] = path;
+}
+// Its value for this call; one left by an earlier call means the word was overwritten (recorded as a
+// bad descriptor, field 5; -1: nothing moves).
+__device__ __forceinline__ int recorded_path(const NormalStatic& s, int c, int h, uint32_t seq) {
+    const int* d = desc_of(s, reinterpret_cast<uint8_t*>(s.buf), c) + kDescPath + 2 * h;
+    if (d[0] == (int)seq) return d[1];
+    record_error(s, kErrDirectDesc, s.rank, 5, (int)seq);
+    return -1;
 }
 
 // Stream (channel c, me -> d), one-copy: rows straight into d's outputs, small fields into its staging

@@ -2,7 +2,9 @@
 // receives channel c from every source. Inside a block, warp group g (kDispatchWarps / R warps) serves peer g.
 // A row travels once: the sender stores it over NVLink into the ring (channel c, source = sender) in
 // the receiver's buffer and publishes the ring's tail; the receiver copies it to its final row and
-// publishes its head in the sender's buffer. docs/normal_mode.md states the invariants.
+// publishes its head in the sender's buffer. A call that runs the one-copy handshake launches
+// dispatch_one_copy first (normal_direct.cuh), and this ring kernel then moves rows only where that one
+// recorded the ring path. docs/normal_mode.md states the invariants.
 #if !defined(PYEP_LL_CPU_SIM)   // tests/ll_sim/normal_sim.cpp compiles the kernels as host C++
 #include <cuda_runtime.h>
 #endif
@@ -282,17 +284,37 @@ __device__ void dispatch_recv(const NormalStatic& s, const DispatchArgs& a, cons
 
 struct DispatchShared {
     int flag[kMaxRanks];   // per receiving group: rows its leader found published, -1 to stop
-    int direct;            // one-copy call: 1, ring path: 0, a failed handshake: -1
+    int path;              // one-copy call: 1, ring path: 0, a failed handshake: -1
     DirectPeer peer[kMaxRanks];
 };
 
-// A one-copy call (normal_direct.cuh): both blocks of channel c send, block h to the ranks d = h mod 2,
-// a group of warps per rank; the group of rank d then receives d's stream (this rank's own rows go
-// straight from x, as on the ring path). No send waits on a receiver, so the receives after the sends
-// cannot close a cycle of waits.
-__device__ void dispatch_direct(const NormalStatic& s, const DispatchArgs& a, const DispatchRow& row, int c,
-                                const DispatchShared& sh) {
-    const int h = blockIdx.x & 1, R = s.num_ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+// The one-copy kernel (normal_direct.cuh), launched before the ring kernel when the call runs the
+// handshake (a.direct). Per channel c: the descriptor handshake; then, when every rank offered, both
+// blocks send, block h to the ranks d = h mod 2 -- this rank's own rows included, into its own outputs --
+// a group of warps per rank, and the group of rank d then receives d's stream. No send waits on a
+// receiver, so the receives after the sends cannot close a cycle of waits. Otherwise it only records
+// the path, and the ring kernel moves the rows.
+// Why two kernels: with the ring path's loops and dispatch_self in the same kernel, the register
+// allocator (80 a thread at 768 threads) spilled, and the spills (local memory, which the TMA stages
+// leave almost no L1 for) cost the one-copy loop a memory round trip per row. FP8 dispatch, 2 ranks on
+// one H200, kernel us: 380.6 -> 302.6 at 6 SMs, 108.2 -> 91.0 at 24; out-of-line ring code in one kernel
+// made it slower (458 / 139), own rows through the one-copy send with the ring code kept did little
+// (367 / 111; docs/results/2026-11-27g-h200x1).
+__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_one_copy(NormalStatic s, DispatchArgs a) {
+    // A void call (normal_gate.cuh: a rank refused it, or the ranks are at different calls) moves no
+    // row and leaves every counter as it was, on every rank alike.
+    if (reinterpret_cast<const int*>(s.workspace)[kWsVoid]) return;
+    const int c = blockIdx.x >> 1, h = blockIdx.x & 1, R = s.num_ranks;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    DispatchShared& sh = block_shared<DispatchShared>();
+    if (threadIdx.x == 0) {
+        const uint32_t seq = (uint32_t)reinterpret_cast<const int*>(s.workspace)[kWsSeq];
+        if (h) publish_desc(s, a, c, seq);
+        sh.path = read_descs(s, a, c, seq, sh.peer);
+        record_path(s, c, h, seq, sh.path);
+    }
+    __syncthreads();
+    if (sh.path != 1) return;
     const int n = (R - h + 1) / 2;              // ranks of this block
     if (n == 0) return;
     const int W = kDispatchWarps / n, g = warp / W, d = 2 * g + h;
@@ -300,14 +322,13 @@ __device__ void dispatch_direct(const NormalStatic& s, const DispatchArgs& a, co
     const Group G{g, warp % W, W, lane};
     uint8_t* tma_smem = tma_shared();
     WarpTma tma = tma_setup(tma_smem, reinterpret_cast<uint64_t*>(tma_smem + kTmaSmemData), warp, lane);
-    if (d == s.rank) {
-        dispatch_self(s, a, row, c, G, tma);
-        return;
-    }
-    direct_send(s, a, row, c, G, d, sh.peer[d], tma);
+    direct_send(s, a, DispatchRow(a.hidden, a.fp8, a.num_topk), c, G, d, sh.peer[d], tma);
     direct_recv(s, a, c, G, d);
 }
 
+// The ring kernel: 2C blocks, an even block sends channel c's rows to the peers' rings, an odd block
+// receives channel c from every source (its own rows straight from x). After the one-copy kernel it
+// moves rows only where that kernel recorded the ring path.
 __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch(NormalStatic s, DispatchArgs a) {
     int* sh_flag = block_shared<DispatchShared>().flag;
     const int c = blockIdx.x >> 1;
@@ -323,25 +344,18 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch(NormalStatic s, 
             }
         }
     }
-    // A void call (normal_gate.cuh: a rank refused it, or the ranks are at different calls) moves no
-    // row and leaves every counter as it was, on every rank alike.
-    if (reinterpret_cast<const int*>(s.workspace)[kWsVoid]) return;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = s.num_ranks;
-    const DispatchRow row(a.hidden, a.fp8, a.num_topk);
+    if (reinterpret_cast<const int*>(s.workspace)[kWsVoid]) return;   // a void call (dispatch_one_copy)
     if (a.direct) {
         DispatchShared& sh = block_shared<DispatchShared>();
         if (threadIdx.x == 0) {
             const uint32_t seq = (uint32_t)reinterpret_cast<const int*>(s.workspace)[kWsSeq];
-            if (!sender) publish_desc(s, a, c, seq);
-            sh.direct = read_descs(s, a, c, seq, sh.peer);
+            sh.path = recorded_path(s, c, blockIdx.x & 1, seq);
         }
         __syncthreads();
-        if (sh.direct < 0) return;
-        if (sh.direct) {
-            dispatch_direct(s, a, row, c, sh);
-            return;
-        }
+        if (sh.path != 0) return;
     }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = s.num_ranks;
+    const DispatchRow row(a.hidden, a.fp8, a.num_topk);
     if (sender) {
         // Own rows skip the ring (dispatch_self), so the sender's warps are shared by the R - 1 peers.
         if (R == 1) return;
@@ -388,11 +402,20 @@ void launch_dispatch(const NormalStatic& s, const DispatchArgs& a, uint64_t stre
     // Pointers may be 0 for empty tensors (N = 0, nothing received); the front checked the shapes.
     check_rings(s, "normal dispatch", a.num_channels, a.ring_tokens, dispatch_row_bytes(a.hidden, a.fp8, a.num_topk),
                 a.hidden);
-    static std::atomic<uint64_t> smem_devices{0};
-    reserve_stage_smem(dispatch, kTmaSmemBytes, smem_devices, "normal dispatch");
-    dispatch<<<2 * a.num_channels, kDispatchThreads, kTmaSmemBytes, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
-    cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) throw std::runtime_error(std::string("normal dispatch launch: ") + cudaGetErrorString(e));
+    static std::atomic<uint64_t> smem_one_copy{0}, smem_ring{0};
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    auto launched = [](const char* what) {
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+    };
+    if (a.direct) {
+        reserve_stage_smem(dispatch_one_copy, kTmaSmemBytes, smem_one_copy, "normal dispatch");
+        dispatch_one_copy<<<2 * a.num_channels, kDispatchThreads, kTmaSmemBytes, st>>>(s, a);
+        launched("normal dispatch (one-copy kernel) launch");
+    }
+    reserve_stage_smem(dispatch, kTmaSmemBytes, smem_ring, "normal dispatch");
+    dispatch<<<2 * a.num_channels, kDispatchThreads, kTmaSmemBytes, st>>>(s, a);
+    launched("normal dispatch launch");
 }
 #endif  // !PYEP_LL_CPU_SIM
 

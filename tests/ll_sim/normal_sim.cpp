@@ -135,6 +135,13 @@ PYBIND11_MODULE(normal_sim, m) {
             check_rings(static_from(statics[i].cast<py::dict>()), "normal dispatch", a.num_channels, a.ring_tokens,
                         dispatch_row_bytes(a.hidden, a.fp8, a.num_topk), a.hidden);
         }
+        // As launch_dispatch does: the one-copy kernel first when the call runs the handshake (the
+        // gate makes a.direct the same on every rank), then the ring kernel.
+        if (dispatch_from(args[0].cast<py::dict>()).direct)
+            launch_on_every_rank<DispatchArgs>(statics, args, dispatch_from, kDispatchThreads,
+                                               [](const NormalStatic& s, const DispatchArgs& a) {
+                                                   if (a.direct) dispatch_one_copy(s, a);
+                                               });
         launch_on_every_rank<DispatchArgs>(statics, args, dispatch_from, kDispatchThreads,
                                            [](const NormalStatic& s, const DispatchArgs& a) { dispatch(s, a); });
     });

@@ -112,6 +112,10 @@ class BadOutputDescriptor(NormalModeError):
 
     def __init__(self, peer: int, field: int, rows: int) -> None:
         self.peer, self.field, self.rows = peer, field, rows
+        if field == 5:   # normal_direct.cuh recorded_path: `rows` is the call number
+            super().__init__(f"rank {peer}'s ring dispatch kernel found no one-copy decision of call {rows} in its "
+                             f"own descriptor: that memory was overwritten; nothing was sent")
+            return
         what = {1: "its row count", 2: "recv_x", 3: "recv_x_scales", 4: "its staging rows"}.get(field, f"field {field}")
         super().__init__(f"rank {peer}'s one-copy dispatch descriptor is invalid ({what}, {rows} rows, outside the "
                          f"output pool): the ranks' buffers differ in size or layout, or its memory was overwritten; "
