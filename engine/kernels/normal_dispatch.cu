@@ -297,9 +297,9 @@ struct DispatchShared {
 // Why two kernels: with the ring path's loops and dispatch_self in the same kernel, the register
 // allocator (80 a thread at 768 threads) spilled, and the spills (local memory, which the TMA stages
 // leave almost no L1 for) cost the one-copy loop a memory round trip per row. FP8 dispatch, 2 ranks on
-// one H200, kernel us: 380.6 -> 302.6 at 6 SMs, 108.2 -> 91.0 at 24; out-of-line ring code in one kernel
-// made it slower (458 / 139), own rows through the one-copy send with the ring code kept did little
-// (367 / 111; docs/results/2026-11-27g-h200x1).
+// one H200, kernel us with the one-copy path alone in a kernel: 380.6 -> 302.6 at 6 SMs, 108.2 -> 91.0
+// at 24; out-of-line ring code in one kernel made it slower (458 / 139), own rows through the one-copy
+// send with the ring code kept did little (367 / 111; docs/results/2026-11-27g-h200x1).
 __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_one_copy(NormalStatic s, DispatchArgs a) {
     // A void call (normal_gate.cuh: a rank refused it, or the ranks are at different calls) moves no
     // row and leaves every counter as it was, on every rank alike.
