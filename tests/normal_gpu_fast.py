@@ -29,8 +29,8 @@ def fast_path(shape_args: Tuple[int, int, int, int], pooled: bool) -> None:
     FP8 with column-major scales, combine with and without weights, the default config and DeepEP's
     Config(24, 8, 256); pooled: a buffer with an output pool (one-copy outputs from the fast path).
     Then what the fast path leaves to the Python path: x of a tensor subclass (the call is made, the next
-    one is fast again); one rank's x of the wrong length is refused and its peers, whose
-    call went through the fast path, raise PeerRefusedCall at the event; after clean() the old handle
+    one is fast again); one rank's x of the wrong length, then one rank's x off a 16-byte boundary, is refused and its
+    peers, whose call went through the fast path, raise PeerRefusedCall at the event; after clean() the old handle
     raises ValueError."""
     import torch
     import torch.distributed as dist
@@ -103,6 +103,31 @@ def fast_path(shape_args: Tuple[int, int, int, int], pooled: bool) -> None:
             try:
                 res[5].wait()
                 raise AssertionError(f"rank {rank}: rank {bad}'s refusal raised nothing")
+            except PeerRefusedCall as exc:
+                assert exc.peer == bad, str(exc)
+        dist.barrier()
+        _fast_again(nat, ref, gx, x, hn, hr, rank, real)
+
+        # One rank's x starts 2 bytes past a 16-byte boundary (the rows move in 16-byte vectors): the fast
+        # path declines it, the Python path refuses it, and the peers' fast calls are void.
+        bad = 0
+        if rank == bad:
+            flat = torch.empty(gx.numel() + 8, dtype=gx.dtype, device=gx.device)
+            odd = flat[1:1 + gx.numel()].view_as(gx)
+            odd.copy_(gx)
+            start = _calls(nat)
+            try:
+                nat.dispatch(odd, handle=hn)
+                raise AssertionError(f"rank {rank}: x off a 16-byte boundary was accepted")
+            except ValueError as exc:
+                assert "16-byte" in str(exc) or "aligned" in str(exc), str(exc)
+            assert _calls(nat) == start, f"rank {rank}: the fast path took a misaligned x"
+        else:
+            res = nat.dispatch(gx, handle=hn)
+            torch.cuda.synchronize()
+            try:
+                res[5].wait()
+                raise AssertionError(f"rank {rank}: rank {bad}'s refusal of a misaligned x raised nothing")
             except PeerRefusedCall as exc:
                 assert exc.peer == bad, str(exc)
         dist.barrier()
