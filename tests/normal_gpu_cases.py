@@ -345,6 +345,42 @@ def mixed_rows(shape_args: Tuple[int, int, int, int], rounds: int) -> None:
             same(f"{tag} combined weights", g_w1, c1[1])
 
 
+def traced_combine(shape_args: Tuple[int, int, int, int]) -> None:
+    """PYEP_NORMAL_TRACE=1 (read when a buffer is built): the combines run the traced kernel, give the
+    reference's bits, and last_combine_trace() names every block: a reducer per channel over this rank's
+    tokens, a sender per channel over the rows it returns to its peers, each split within its span."""
+    import os
+    import torch
+    os.environ["PYEP_NORMAL_TRACE"] = "1"
+    try:
+        with rank_buffers(shape_args) as (rank, world, s, nat, ref):
+            x, t, w = make_inputs(41, rank, s, "random", world)
+            gx, gt, gw = _on("cuda", x, t, w)
+            lay, lr = nat.get_dispatch_layout(gt, s.E), ref.get_dispatch_layout(t, s.E)
+            d = nat.dispatch(gx, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                             topk_idx=gt, topk_weights=gw)
+            dr = ref.dispatch(x, num_tokens_per_rank=lr[0], is_token_in_rank=lr[3], num_tokens_per_expert=lr[2],
+                              topk_idx=t, topk_weights=w)
+            for i in range(3):   # the first through the Python path, the next through the fast path
+                got = nat.combine(expert(d[0], rank), d[4], topk_weights=d[2])
+                blocks = nat.backend.last_combine_trace()
+                same(f"rank {rank} traced combine {i}", got[0], ref.combine(expert(dr[0], rank), dr[4],
+                                                                            topk_weights=dr[2])[0])
+                channels = d[4].num_channels
+                red = [b for b in blocks if b.role == "reduce"]
+                send = [b for b in blocks if b.role == "send"]
+                assert len(red) == len(send) == channels, (rank, i, blocks)
+                assert sum(b.items for b in red) == s.N, (rank, i, red)
+                own = int(lr[3][:, rank].sum())
+                assert sum(b.items for b in send) == int(d[0].shape[0]) - own, (rank, i, send, own)
+                for b in blocks:
+                    assert 0 < b.start_ns < b.end_ns and b.warps > 0, (rank, i, b)
+                    assert b.wait_ns + b.work_ns + b.sync_ns <= b.warps * b.duration_ns, (rank, i, b)
+            torch.cuda.synchronize()
+    finally:
+        del os.environ["PYEP_NORMAL_TRACE"]
+
+
 # ---------------------------------------------------------------------- for the drills
 # (normal_gpu_drills.py) and the internode cases (normal_internode_gpu_cases.py)
 def _layout_ref(t: Any, e: int, world: int) -> Tuple[Any, Any, Any]:

@@ -47,6 +47,15 @@ def test_matches_reference(pools, world, hidden):
 
 @requires_gpus
 @pytest.mark.timeout(240)
+def test_traced_combine_matches_reference_and_names_its_blocks(pools):
+    """PYEP_NORMAL_TRACE=1: the traced combine kernel (normal_trace.cuh) gives the reference's bits and a
+    per-block trace (normal_gpu_cases.traced_combine)."""
+    from normal_gpu_cases import traced_combine
+    pools[2].run(traced_combine, shape(2, 7168), timeout_s=220)
+
+
+@requires_gpus
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
 def test_one_copy_dispatch_matches_reference_and_keeps_outputs(pools, world):
     """A buffer with an output pool: one-copy dispatch, its ring fallback when the pool is full of kept

@@ -398,6 +398,45 @@ def case_direct_bad_descriptor(path: str) -> str:
     return "ok"
 
 
+def case_combine_trace(path: str) -> str:
+    """PYEP_NORMAL_TRACE's kernel build (normal_trace.cuh): the combine's sums as without it, and per
+    block its role, the rows (senders) or tokens (reducers) it moved, its warps, and a time split that
+    fits in the block's span."""
+    sys.path.insert(0, SIM_DIR)
+    from normal_world import NormalWorld, check_combine, expert_outputs, load, make_inputs
+    from pyep.ep.normal.trace import TRACE_WORDS, decode, summarize
+    sim = load(path)
+    assert sim.trace_words == TRACE_WORDS, (sim.trace_words, TRACE_WORDS)
+    R, H, K, C, sizes = 3, 256, 4, 2, [90, 0, 71]
+    E = 4 * R
+    w = NormalWorld(sim, R, H, K, E, C, 32, 6, traced=True)
+    inputs = make_inputs(R, sizes, H, K, E, False, seed=5)
+    handles, _ = w.dispatch(inputs)
+    ys, ws = expert_outputs(handles, H, K, 3)
+    comb = w.combine(handles, ys, ws)
+    assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
+    check_combine(handles, ys, ws, comb, list(range(R)), "traced combine")
+    warps = sim.combine_threads // 32
+    for r in range(R):
+        blocks = decode(w.trace[r].tolist(), 2 * C)
+        send = [b for b in blocks if b.role == "send"]
+        red = [b for b in blocks if b.role == "reduce"]
+        assert [b.block for b in red] == [1, 3] and [b.block for b in send] == [0, 2], (r, blocks)
+        own = int((handles[r].send_head[:, r] >= 0).sum()) if sizes[r] else 0
+        assert sum(b.items for b in red) == sizes[r], (r, red)
+        assert sum(b.items for b in send) == ys[r].shape[0] - own, (r, send, ys[r].shape[0], own)
+        for b in blocks:
+            assert b.warps == (warps if b.role == "reduce" else (R - 1) * (warps // (R - 1))), (r, b)
+            assert 0 < b.start_ns <= b.end_ns, (r, b)
+            assert b.wait_ns + b.work_ns + b.sync_ns <= b.warps * b.duration_ns, (r, b)
+        if sizes[r]:
+            assert red and all(b.work_ns > 0 for b in red), (r, red)
+        shares = summarize(blocks)
+        for role in shares.values():
+            assert abs(role["wait"] + role["work"] + role["sync"] - 1) < 1e-9 or role["items"] == 0, shares
+    return "ok"
+
+
 # ------------------------------------------------------------------ tests
 # name -> (case, its arguments after the module path)
 CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
@@ -427,6 +466,7 @@ CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     "long_rows_rings_wrap": (case_rounds, (2, [70, 61], 2, 32, 8, 3, 4224)),
     "long_rows_direct": (case_direct, (2, [70, 61], 4224)),
     "long_rows_silent_rank": (case_silent_rank, (3, 4224)),
+    "combine_trace": (case_combine_trace, ()),
 }
 
 

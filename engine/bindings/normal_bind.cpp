@@ -46,7 +46,8 @@ void register_normal(py::module_& m) {
         .def_readwrite("active", &NormalStatic::active)
         .def_readwrite("off_direct", &NormalStatic::off_direct)
         .def_readwrite("pool_lo", &NormalStatic::pool_lo)
-        .def_readwrite("pool_hi", &NormalStatic::pool_hi);
+        .def_readwrite("pool_hi", &NormalStatic::pool_hi)
+        .def_readwrite("trace", &NormalStatic::trace);
     n.attr("MAX_CHANNELS") = kMaxChannels;
     n.attr("DESC_INTS") = kDescInts;
     n.attr("MAX_RANKS") = kMaxRanks;
@@ -54,6 +55,7 @@ void register_normal(py::module_& m) {
     n.attr("NOTIFY_EXTRA") = kNotifyExtra;
     n.attr("DISPATCH_THREADS") = kDispatchThreads;
     n.attr("COMBINE_THREADS") = kCombineThreads;
+    n.attr("TRACE_WORDS") = kTraceWords;   // normal_trace.cuh: uint64 words per block of a traced combine
     n.def("dispatch_row_bytes", &dispatch_row_bytes, py::arg("hidden"), py::arg("fp8"), py::arg("num_topk"));
     n.def("combine_row_bytes", &combine_row_bytes, py::arg("hidden"), py::arg("num_topk"));
 

@@ -11,6 +11,7 @@
 
 #include "kernels/normal_common.cuh"
 #include "kernels/normal_tma.cuh"
+#include "kernels/normal_trace.cuh"
 
 namespace pyep {
 namespace normal {
@@ -32,9 +33,12 @@ __device__ __forceinline__ int64_t x_row(const CombineArgs& a, int i) {
     return a.row_map ? reinterpret_cast<const int*>(a.row_map)[i] : i;
 }
 
-// Group g (barrier 1 + g) sends to peer d != me; own rows are read in place by combine_recv.
+// Group g (barrier 1 + g) sends to peer d != me; own rows are read in place by combine_recv. With a
+// trace, each warp's time splits into waiting for d's head (the leader's wait and the barrier after
+// it), copying its rows of a chunk, and the barrier before the chunk's tail.
+template <bool kTrace>
 __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const CombineRow& row, int c, int g,
-                             int d, int wi, int W, int lane, WarpTma& tma) {
+                             int d, int wi, int W, int lane, WarpTma& tma, PhaseClock<kTrace>& clk) {
     const int R = s.num_ranks, me = s.rank, Q = a.ring_tokens, K = a.num_topk, C = a.num_channels;
     int start, count;
     recv_run(a.rank_prefix_matrix, a.recv_channel_prefix_matrix, R, C, me, d, c, start, count);
@@ -58,6 +62,7 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
         failed = true;
     }
     if (group_sync_or(g, W, failed)) return;
+    clk.lap(kTraceWait);
     for (int sent = 0; sent < count;) {
         const int n = min(chunk, count - sent);
         if (sent + n > Q && leader && !wait_peer_counter(s, head, base + (uint32_t)(sent + n - Q), d, &marked)) {
@@ -68,6 +73,7 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
             if (bulk) tma_drain(lane);              // the stages' stores read their shared memory
             return;
         }
+        clk.lap(kTraceWait);
         for (int j = wi; j < n; j += W) {
             const int i = sent + j;
             const int64_t r = x_row(a, start + i);
@@ -75,11 +81,14 @@ __device__ void combine_send(const NormalStatic& s, const CombineArgs& a, const 
             const float w = lane < K && weights ? weights[r * K + lane] : 0.f;   // in flight with the copy
             copy_row(tma, bulk, dst, x + (uint64_t)r * row.payload, row.payload, lane);
             if (lane < K) reinterpret_cast<float*>(dst + row.weights)[lane] = w;
+            clk.moved(1);
         }
         if (bulk) tma_drain_before_release(lane);   // the chunk's bulk stores are complete before its tail
+        clk.lap(kTraceWork);
         group_sync(g, W);
         sent += n;
         if (leader) st_release_sys(tail, (int)(base + sent));
+        clk.lap(kTraceSync);
     }
     if (leader) *tx_of(s, c, d) = (int)(base + count);
 }
@@ -167,8 +176,11 @@ struct CombineRecvShared {
     int failed;
 };
 
+// With a trace, each warp's time splits into waiting for the sources' tails (from the token's routing
+// load to the warp's agreement that every row is there), reducing, and the round's block barriers.
+template <bool kTrace>
 __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const CombineRow& row, int c,
-                             WarpTma& tma) {
+                             WarpTma& tma, PhaseClock<kTrace>& clk) {
     const int R = s.num_ranks, me = s.rank, Q = a.ring_tokens, K = a.num_topk, C = a.num_channels;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, round = reduce_round(Q);
     CombineRecvShared& sh = block_shared<CombineRecvShared>();
@@ -215,6 +227,7 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
                 }
             }
             if (__all_sync(0xffffffffu, ok)) {
+                clk.lap(kTraceWait);
                 fence_acq_rel_sys();   // the other lanes' acquires cover the rows this lane reads
                 // Rank d's row of token t: in the ring (c, d), or for this rank itself the row of x it
                 // received at recv_channel_prefix[me][c] + position (never copied into a ring).
@@ -253,6 +266,8 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
                     out_w[(int64_t)t * K + lane] = w;
                 }
                 if (pos >= 0) atomicMax(&sh_max[lane], pos);
+                clk.lap(kTraceWork);
+                clk.moved(1);
             } else {
                 if (lane == 0) sh_failed = 1;
                 break;
@@ -265,6 +280,7 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
         __syncthreads();                       // read before the next round raises it again
         if (consumed >= 0 && threadIdx.x != me && (!s.active || in_mask(call_mask(s), threadIdx.x)))
             st_release_sys(head_of(s, peer_buf(s, threadIdx.x), c, me), (int)(sh_base[threadIdx.x] + consumed + 1));
+        clk.lap(kTraceSync);
     }
     if (threadIdx.x < R && threadIdx.x != me) {
         const int n = prefix_count(reinterpret_cast<const int*>(a.channel_prefix_matrix), C, threadIdx.x, c);
@@ -272,22 +288,26 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
     }
 }
 
+template <bool kTrace>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine(NormalStatic s, CombineArgs a) {
     // A void call (normal_gate.cuh) moves no row and leaves every counter as it was, on every rank alike.
     if (reinterpret_cast<const int*>(s.workspace)[kWsVoid]) return;
+    PhaseClock<kTrace> clk(s, blockIdx.x);
     const int c = blockIdx.x >> 1;
     const CombineRow row(a.hidden, a.num_topk);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     uint8_t* tma_smem = tma_shared();
     WarpTma tma = tma_setup(tma_smem, reinterpret_cast<uint64_t*>(tma_smem + tma_smem_data(kCombineWarps)), warp, lane);
     if (blockIdx.x & 1) {
-        combine_recv(s, a, row, c, tma);
+        combine_recv(s, a, row, c, tma, clk);
+        clk.finish(s, blockIdx.x, kTraceRoleReduce);
         return;
     }
     if (s.num_ranks == 1) return;
     const int W = kCombineWarps / (s.num_ranks - 1), g = warp / W;
     if (g >= s.num_ranks - 1) return;
-    combine_send(s, a, row, c, g, g + (g >= s.rank), warp % W, W, lane, tma);
+    combine_send(s, a, row, c, g, g + (g >= s.rank), warp % W, W, lane, tma, clk);
+    clk.finish(s, blockIdx.x, kTraceRoleSend);
 }
 
 }  // namespace
@@ -302,9 +322,20 @@ void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream
     check_rings(s, "normal combine", a.num_channels, a.ring_tokens, combine_row_bytes(a.hidden, a.num_topk), a.hidden);
     // Two bulk-copy stages per warp (normal_tma.cuh): the senders' stores, the reduce's loads.
     constexpr int smem = tma_smem_bytes(kCombineWarps);
-    static std::atomic<uint64_t> smem_devices{0};
-    reserve_stage_smem(combine, smem, smem_devices, "normal combine");
-    combine<<<2 * a.num_channels, kCombineThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(s, a);
+    const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    if (s.trace) {   // the traced build (normal_trace.cuh), on words zeroed for this call (all of them:
+                     // a reader tells the call's blocks by their role, whatever its channel count)
+        static std::atomic<uint64_t> traced_smem_devices{0};
+        reserve_stage_smem(combine<true>, smem, traced_smem_devices, "normal combine (traced)");
+        const cudaError_t z = cudaMemsetAsync(reinterpret_cast<void*>(s.trace), 0,
+                                              (size_t)2 * kMaxChannels * kTraceWords * 8, st);
+        if (z != cudaSuccess) throw std::runtime_error(std::string("normal combine trace: ") + cudaGetErrorString(z));
+        combine<true><<<2 * a.num_channels, kCombineThreads, smem, st>>>(s, a);
+    } else {
+        static std::atomic<uint64_t> smem_devices{0};
+        reserve_stage_smem(combine<false>, smem, smem_devices, "normal combine");
+        combine<false><<<2 * a.num_channels, kCombineThreads, smem, st>>>(s, a);
+    }
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw std::runtime_error(std::string("normal combine launch: ") + cudaGetErrorString(e));
 }

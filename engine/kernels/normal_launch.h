@@ -54,6 +54,16 @@ enum NormalError : int {
 constexpr int kDescInts = 16;
 constexpr uint32_t stage_row_bytes(int num_topk) { return 8u * (uint32_t)num_topk + 4u; }
 enum Phase : int { kPhaseNotify = 0, kPhaseDispatch = 1, kPhaseCombine = 2 };
+// Kernel trace (normal_trace.cuh): uint64 words per block of a traced combine (2 x num_channels blocks):
+// the first clock reading of its warps (ns, stored complemented) and the last, the warps' summed time
+// waiting on peer counters, moving rows and at barriers, the rows (senders) or tokens (reducers) moved,
+// the warps that reported, the role.
+enum TraceWord : int {
+    kTraceStart = 0, kTraceEnd = 1, kTraceWait = 2, kTraceWork = 3, kTraceSync = 4, kTraceItems = 5,
+    kTraceWarps = 6, kTraceRole = 7,
+};
+constexpr int kTraceWords = 8;
+enum TraceRole : int { kTraceRoleNone = 0, kTraceRoleSend = 1, kTraceRoleReduce = 2 };
 
 // What stays fixed for the lifetime of one buffer.
 struct NormalStatic {
@@ -91,6 +101,9 @@ struct NormalStatic {
     // and the output pool, [pool_lo, pool_hi) in bytes from the buffer's start (pool_hi 0: no pool).
     uint32_t off_direct = 0;
     uint64_t pool_lo = 0, pool_hi = 0;
+    // Device uint64[2 * kMaxChannels][kTraceWords], or 0: the combine's per-block trace
+    // (normal_trace.cuh; PYEP_NORMAL_TRACE). Set: the traced build of the kernel runs.
+    uint64_t trace = 0;
 };
 
 struct LayoutArgs {

@@ -32,7 +32,7 @@ NormalStatic static_from(const py::dict& d) {
     set(d, "off_alive", s.off_alive);
     set(d, "err", s.err); set(d, "workspace", s.workspace); set(d, "timeout_ns", s.timeout_ns);
     opt(d, "active", s.active);
-    opt(d, "off_direct", s.off_direct); opt(d, "pool_lo", s.pool_lo); opt(d, "pool_hi", s.pool_hi);
+    opt(d, "off_direct", s.off_direct); opt(d, "trace", s.trace); opt(d, "pool_lo", s.pool_lo); opt(d, "pool_hi", s.pool_hi);
     opt(d, "off_flag", s.off_flag); opt(d, "off_notify", s.off_notify); opt(d, "notify_ints", s.notify_ints);
     set(d, "host_counts", s.host_counts); set(d, "tag_record", s.tag_record); set(d, "layout_scratch", s.layout_scratch);
     check_static(s);   // the launchers' own checks (normal_notify.cu)
@@ -128,6 +128,7 @@ void launch_on_every_rank(const py::list& statics, const py::list& args, FromDic
 PYBIND11_MODULE(normal_sim, m) {
     m.attr("dispatch_threads") = kDispatchThreads;
     m.attr("combine_threads") = kCombineThreads;
+    m.attr("trace_words") = kTraceWords;
     // One dispatch: the dispatch kernel on every listed rank at once (2C blocks, as launched).
     m.def("dispatch", [](const py::list& statics, const py::list& args) {
         for (size_t i = 0; i < statics.size(); ++i) {
@@ -194,6 +195,9 @@ PYBIND11_MODULE(normal_sim, m) {
                         combine_row_bytes(a.hidden, a.num_topk), a.hidden);
         }
         launch_on_every_rank<CombineArgs>(statics, args, combine_from, kCombineThreads,
-                                          [](const NormalStatic& s, const CombineArgs& a) { combine(s, a); });
+                                          [](const NormalStatic& s, const CombineArgs& a) {
+                                              if (s.trace) combine<true>(s, a);
+                                              else combine<false>(s, a);
+                                          });
     });
 }

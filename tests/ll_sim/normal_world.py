@@ -111,9 +111,11 @@ class NormalWorld:
     """R ranks' buffers and counters; dispatch() and combine() launch the kernels on every rank at once."""
 
     def __init__(self, sim: Any, R: int, H: int, K: int, E: int, C: int, Q: int, chunk: int,
-                 use_tma: int = 3, masked: bool = False, timeout_ns: int = TIMEOUT_NS, pool_bytes: int = 0) -> None:
+                 use_tma: int = 3, masked: bool = False, timeout_ns: int = TIMEOUT_NS, pool_bytes: int = 0,
+                 traced: bool = False) -> None:
         """pool_bytes > 0: each buffer has an output pool past its rings and dispatch runs the one-copy
-        handshake (normal_direct.cuh); a rank offers its outputs there unless dispatch(offer=...) leaves it out."""
+        handshake (normal_direct.cuh); a rank offers its outputs there unless dispatch(offer=...) leaves it out.
+        traced: the combines run the traced kernel (normal_trace.cuh) into trace[r], zeroed before each."""
         self.sim, self.R, self.H, self.K, self.E, self.C, self.Q, self.chunk = sim, R, H, K, E, C, Q, chunk
         self.use_tma, self.timeout_ns = use_tma, timeout_ns
         # With a mask (docs/elastic.md, "Normal mode"): each rank's active_ranks, and the tokens each call
@@ -135,6 +137,8 @@ class NormalWorld:
         self.host = [torch.zeros(2 + MAX_LOCAL_EXPERTS, dtype=torch.int32) for _ in range(R)]
         self.tag_record = [torch.zeros(TAG_RECORD_INTS, dtype=torch.int32) for _ in range(R)]
         self.scratch = [torch.zeros(R * MAX_LOCAL_EXPERTS, dtype=torch.int32) for _ in range(R)]
+        from pyep.ep.normal.trace import TRACE_WORDS
+        self.trace = ([torch.zeros((2 * C, TRACE_WORDS), dtype=torch.int64) for _ in range(R)] if traced else None)
 
     def static(self, r: int) -> Dict[str, int]:
         w = self.words
@@ -146,7 +150,8 @@ class NormalWorld:
                     off_flag=w["notify_flag"], off_notify=w["notify"], notify_ints=layout.notify_ints(),
                     host_counts=self.host[r].data_ptr(), tag_record=self.tag_record[r].data_ptr(),
                     layout_scratch=self.scratch[r].data_ptr(),
-                    off_direct=w["direct"], pool_lo=self.pool_lo, pool_hi=self.pool_hi)
+                    off_direct=w["direct"], pool_lo=self.pool_lo, pool_hi=self.pool_hi,
+                    trace=self.trace[r].data_ptr() if self.trace is not None else 0)
 
     def rings(self, r: int) -> torch.Tensor:
         """Rank r's ring bytes (a view)."""
@@ -303,6 +308,8 @@ class NormalWorld:
                 a["bias0"] = bias[r].data_ptr()
             args.append(a)
         self._gate(ranks)
+        for t in self.trace or []:
+            t.zero_()   # as launch_combine does before a traced combine
         self.sim.combine([self.static(r) for r in ranks], [args[r] for r in ranks])
         return outs
 

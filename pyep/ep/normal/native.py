@@ -17,7 +17,7 @@ from ..backend import BackendUnavailable, PeerTransport
 from ..streams import raw_current_stream
 from . import layout, tags
 from .capture import capture_refusal
-from .config import MAX_LOCAL_EXPERTS, MAX_RANKS, Config
+from .config import MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .device_records import TAG_RECORD_INTS, DeviceRecords
 from ..devmem import DeviceMemory
@@ -29,6 +29,7 @@ from .native_fast import NativeFastPath
 from .native_member import NativeNormalMembership
 from .native_state import NativeCallState, bulk_copy_setting
 from .topology import NodeLayout
+from .trace import TRACE_WORDS, BlockTrace, decode, trace_enabled
 
 if TYPE_CHECKING:
     import torch
@@ -135,6 +136,9 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
         self._host_np = self._host.numpy()
         self._ws = torch.zeros(8, dtype=torch.int32, device=self.device)
         self._scratch = torch.zeros(MAX_RANKS * MAX_LOCAL_EXPERTS, dtype=torch.int32, device=self.device)
+        # PYEP_NORMAL_TRACE=1: the combines run the traced kernel into these words (trace.py).
+        self._trace = (torch.zeros((2 * MAX_CHANNELS, TRACE_WORDS), dtype=torch.int64, device=self.device)
+                       if trace_enabled() else None)
         self._epoch = 0
         self._mask: Optional["torch.Tensor"] = None   # set_mask: the buffer's active_ranks
         self.global_base = 0   # an internode buffer's node: the group rank of this node's first rank
@@ -185,7 +189,17 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
         s.tag_record = self._tag_record.data_ptr()
         s.global_base = self.global_base
         s.layout_scratch = self._scratch.data_ptr()
+        s.trace = self._trace.data_ptr() if self._trace is not None else 0
         return s
+
+    def last_combine_trace(self) -> List[BlockTrace]:
+        """The blocks of the last combine queued on the current stream (waits for it), as the traced
+        kernel recorded them; ValueError when the buffer was built without PYEP_NORMAL_TRACE=1."""
+        import torch
+        if self._trace is None:
+            raise ValueError("this buffer does not trace its combines: build it with PYEP_NORMAL_TRACE=1")
+        torch.cuda.current_stream(self.device).synchronize()
+        return decode(self._trace.cpu().tolist(), self._trace.shape[0])
 
     def join_group(self, global_ranks: List[int], num_ranks: int) -> None:
         """A node of an internode buffer: tags and records name the group's ranks (global_ranks[local])."""
