@@ -437,6 +437,29 @@ def case_combine_trace(path: str) -> str:
     return "ok"
 
 
+def case_combine_small_rings(path: str) -> str:
+    """Combines on rings smaller than a dispatch may use (32 rows): 8, 4 and 2 rows, where the reduce's
+    rounds and the senders' room are smallest (normal_combine.cu); every ring wraps many times, the
+    counters carry over from the dispatch's 32-row rings."""
+    sys.path.insert(0, SIM_DIR)
+    from normal_world import NormalWorld, check_combine, expert_outputs, load, make_inputs
+    sim = load(path)
+    R, H, K, sizes = 3, 256, 4, [60, 0, 47]
+    E = 4 * R
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 6)
+    for i, q in enumerate((8, 4, 2)):
+        w.Q = 32
+        inputs = make_inputs(R, sizes, H, K, E, False, seed=40 + i)
+        handles, _ = w.dispatch(inputs)
+        assert w.errors() == [[0, 0, 0, 0]] * R, (q, w.errors())
+        ys, ws = expert_outputs(handles, H, K, 50 + i)
+        w.Q = q
+        comb = w.combine(handles, ys, ws)
+        assert w.errors() == [[0, 0, 0, 0]] * R, (q, w.errors())
+        check_combine(handles, ys, ws, comb, list(range(R)), f"combine on {q}-row rings")
+    return "ok"
+
+
 # ------------------------------------------------------------------ tests
 # name -> (case, its arguments after the module path)
 CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
@@ -467,6 +490,7 @@ CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     "long_rows_direct": (case_direct, (2, [70, 61], 4224)),
     "long_rows_silent_rank": (case_silent_rank, (3, 4224)),
     "combine_trace": (case_combine_trace, ()),
+    "combine_small_rings": (case_combine_small_rings, ()),
 }
 
 
