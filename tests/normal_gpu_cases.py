@@ -305,6 +305,31 @@ def rank_buffers(shape_args: Tuple[int, int, int, int], **kw: Any) -> Iterator[T
         torch.cuda.synchronize()
 
 
+@dataclass
+class FirstDispatch:
+    """One rank's inputs (CPU and GPU) and the first full dispatch of them on both backends."""
+    x: Any
+    t: Any
+    w: Any
+    gx: Any
+    layout_ref: Tuple
+    nat: Tuple
+    ref: Tuple
+
+
+def first_dispatch(nat: Any, ref: Any, s: Shape, rank: int, world: int, seed: int) -> FirstDispatch:
+    """make_inputs(seed, ...) dispatched with top-k and the layout's counts on the native and the reference
+    buffer (the handles are out[4])."""
+    x, t, w = make_inputs(seed, rank, s, "random", world)
+    gx, gt, gw = _on("cuda", x, t, w)
+    lay, lr = nat.get_dispatch_layout(gt, s.E), ref.get_dispatch_layout(t, s.E)
+    d = nat.dispatch(gx, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                     topk_idx=gt, topk_weights=gw)
+    dr = ref.dispatch(x, num_tokens_per_rank=lr[0], is_token_in_rank=lr[3], num_tokens_per_expert=lr[2],
+                      topk_idx=t, topk_weights=w)
+    return FirstDispatch(x, t, w, gx, lr, d, dr)
+
+
 def mixed_rows(shape_args: Tuple[int, int, int, int], rounds: int) -> None:
     """Calls of different row kinds back to back with no host wait between them (num_worst_tokens): an
     FP8 dispatch, a combine without weights, a cached BF16 dispatch, a combine with weights. A peer that
@@ -354,13 +379,8 @@ def traced_combine(shape_args: Tuple[int, int, int, int]) -> None:
     os.environ["PYEP_NORMAL_TRACE"] = "1"
     try:
         with rank_buffers(shape_args) as (rank, world, s, nat, ref):
-            x, t, w = make_inputs(41, rank, s, "random", world)
-            gx, gt, gw = _on("cuda", x, t, w)
-            lay, lr = nat.get_dispatch_layout(gt, s.E), ref.get_dispatch_layout(t, s.E)
-            d = nat.dispatch(gx, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
-                             topk_idx=gt, topk_weights=gw)
-            dr = ref.dispatch(x, num_tokens_per_rank=lr[0], is_token_in_rank=lr[3], num_tokens_per_expert=lr[2],
-                              topk_idx=t, topk_weights=w)
+            f = first_dispatch(nat, ref, s, rank, world, 41)
+            d, dr, lr = f.nat, f.ref, f.layout_ref
             for i in range(3):   # the first through the Python path, the next through the fast path
                 got = nat.combine(expert(d[0], rank), d[4], topk_weights=d[2])
                 blocks = nat.backend.last_combine_trace()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from normal_gpu_cases import _on, compare_dispatch, expert, make_inputs, rank_buffers, same
+from normal_gpu_cases import compare_dispatch, expert, first_dispatch, rank_buffers, same
 
 TIMEOUT_US = 20_000_000
 
@@ -29,27 +29,22 @@ def fast_path(shape_args: Tuple[int, int, int, int], pooled: bool) -> None:
     FP8 with column-major scales, combine with and without weights, the default config and DeepEP's
     Config(24, 8, 256); pooled: a buffer with an output pool (one-copy outputs from the fast path).
     Then what the fast path leaves to the Python path: x of a tensor subclass (the call is made, the next
-    one is fast again); one rank's x of the wrong length, then one rank's x off a 16-byte boundary, is refused and its
-    peers, whose call went through the fast path, raise PeerRefusedCall at the event; after clean() the old handle
-    raises ValueError."""
+    one is fast again); one rank's x of the wrong length, then one rank's x off a 16-byte boundary, is
+    refused and its peers, whose call went through the fast path, raise PeerRefusedCall at the event;
+    after clean() the old handle raises ValueError."""
     import torch
     import torch.distributed as dist
 
     from pyep.ep import fp8
-    from pyep.ep.normal import Config, PeerRefusedCall
+    from pyep.ep.normal import Config
     from pyep.ep.normal.direct_pool import pooled_buffer_bytes
     kw: dict = dict(timeout_us=TIMEOUT_US)
     if pooled:
         kw["num_nvl_bytes"] = pooled_buffer_bytes(dist.get_world_size(), 24, shape_args[1], shape_args[0])
     with rank_buffers(shape_args, **kw) as (rank, world, s, nat, ref):
         assert (nat.backend._pool is not None) == pooled, f"rank {rank}: output pool {nat.backend._pool}"
-        x, t, w = make_inputs(7, rank, s, "random", world)
-        gx, gt, gw = _on("cuda", x, t, w)
-        lay, lr = nat.get_dispatch_layout(gt, s.E), ref.get_dispatch_layout(t, s.E)
-        first = nat.dispatch(gx, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
-                             topk_idx=gt, topk_weights=gw)
-        first_r = ref.dispatch(x, num_tokens_per_rank=lr[0], is_token_in_rank=lr[3], num_tokens_per_expert=lr[2],
-                               topk_idx=t, topk_weights=w)
+        f = first_dispatch(nat, ref, s, rank, world, 7)
+        x, gx, first, first_r = f.x, f.gx, f.nat, f.ref
         hn, hr = first[4], first_r[4]
         real = int((hr.recv_src_idx >= 0).sum())
         q = fp8.quantize_fp8(x)
@@ -88,49 +83,18 @@ def fast_path(shape_args: Tuple[int, int, int, int], pooled: bool) -> None:
         _fast_again(nat, ref, gx, x, hn, hr, rank, real)
 
         # One rank refuses (x one token short); its peers' calls are fast and void.
-        bad = world - 1
-        if rank == bad:
-            try:
-                nat.dispatch(gx[:-1], handle=hn)
-                raise AssertionError(f"rank {rank}: x of N - 1 tokens was accepted")
-            except ValueError:
-                pass
-        else:
-            start = _calls(nat)
-            res = nat.dispatch(gx, handle=hn)
-            assert _calls(nat) == start + 1, f"rank {rank}: the good call did not take the fast path"
-            torch.cuda.synchronize()
-            try:
-                res[5].wait()
-                raise AssertionError(f"rank {rank}: rank {bad}'s refusal raised nothing")
-            except PeerRefusedCall as exc:
-                assert exc.peer == bad, str(exc)
-        dist.barrier()
+        _refused_by_one_rank(nat, rank, world - 1, lambda: nat.dispatch(gx[:-1], handle=hn), "x of N - 1 tokens",
+                             lambda: nat.dispatch(gx, handle=hn))
         _fast_again(nat, ref, gx, x, hn, hr, rank, real)
 
         # One rank's x starts 2 bytes past a 16-byte boundary (the rows move in 16-byte vectors): the fast
         # path declines it, the Python path refuses it, and the peers' fast calls are void.
-        bad = 0
-        if rank == bad:
-            flat = torch.empty(gx.numel() + 8, dtype=gx.dtype, device=gx.device)
-            odd = flat[1:1 + gx.numel()].view_as(gx)
-            odd.copy_(gx)
-            start = _calls(nat)
-            try:
-                nat.dispatch(odd, handle=hn)
-                raise AssertionError(f"rank {rank}: x off a 16-byte boundary was accepted")
-            except ValueError as exc:
-                assert "16-byte" in str(exc) or "aligned" in str(exc), str(exc)
-            assert _calls(nat) == start, f"rank {rank}: the fast path took a misaligned x"
-        else:
-            res = nat.dispatch(gx, handle=hn)
-            torch.cuda.synchronize()
-            try:
-                res[5].wait()
-                raise AssertionError(f"rank {rank}: rank {bad}'s refusal of a misaligned x raised nothing")
-            except PeerRefusedCall as exc:
-                assert exc.peer == bad, str(exc)
-        dist.barrier()
+        flat = torch.empty(gx.numel() + 8, dtype=gx.dtype, device=gx.device)
+        odd = flat[1:1 + gx.numel()].view_as(gx)
+        odd.copy_(gx)
+        msg = _refused_by_one_rank(nat, rank, 0, lambda: nat.dispatch(odd, handle=hn), "x off a 16-byte boundary",
+                                   lambda: nat.dispatch(gx, handle=hn))
+        assert msg is None or "16-byte" in msg, msg
         _fast_again(nat, ref, gx, x, hn, hr, rank, real)
 
         # After clean() the handle is of an old generation: the Python path refuses it.
@@ -143,6 +107,35 @@ def fast_path(shape_args: Tuple[int, int, int, int], pooled: bool) -> None:
         except ValueError as exc:
             assert "stale" in str(exc), str(exc)
         assert _calls(nat) == start
+
+
+def _refused_by_one_rank(nat: Any, rank: int, bad: int, bad_call: Any, what: str, good_call: Any) -> Any:
+    """Rank `bad` makes bad_call, which must raise ValueError on the Python path (never the fast path);
+    the others make good_call through the fast path and must get PeerRefusedCall naming `bad` at its
+    event. Returns the bad rank's error text (None elsewhere), after a barrier."""
+    import torch
+    import torch.distributed as dist
+    from pyep.ep.normal import PeerRefusedCall
+    msg = None
+    start = _calls(nat)
+    if rank == bad:
+        try:
+            bad_call()
+            raise AssertionError(f"rank {rank}: {what} was accepted")
+        except ValueError as exc:
+            msg = str(exc)
+        assert _calls(nat) == start, f"rank {rank}: the fast path took {what}"
+    else:
+        res = good_call()
+        assert _calls(nat) == start + 1, f"rank {rank}: the good call did not take the fast path"
+        torch.cuda.synchronize()
+        try:
+            res[5].wait()
+            raise AssertionError(f"rank {rank}: rank {bad}'s refusal of {what} raised nothing")
+        except PeerRefusedCall as exc:
+            assert exc.peer == bad, str(exc)
+    dist.barrier()
+    return msg
 
 
 def _cached(nat: Any, ref: Any, gin: Any, xin: Any, hn: Any, hr: Any, real: int, what: str, calls: int,

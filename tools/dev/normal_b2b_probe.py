@@ -61,23 +61,32 @@ def _kernel_split(trace_path: str, calls: int) -> Dict[str, Any]:
             "idle_us_per_call": (span - busy) / calls}
 
 
-def _worker(local_rank: int, world: int, args: argparse.Namespace, port: int) -> None:
+def first_dispatch(deep_ep: Any, rank: int, world: int, args: argparse.Namespace, port: int) -> tuple:
+    """This rank's gloo group (ranks share the GPUs), DeepEP's Buffer(group, 2e9, 0), its test inputs and
+    their first full dispatch: (group, buf, inputs, config, recv_x, handle)."""
     import torch
     import torch.distributed as dist
-    import deep_ep
-    torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    if args.as_deepep_test:   # as DeepEP's init_dist: its default device puts a __torch_function__ mode on
-        torch.set_default_dtype(torch.bfloat16)
-        torch.set_default_device("cuda")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=local_rank)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
     group = dist.new_group(list(range(world)), backend="gloo")
     buf = deep_ep.Buffer(group, int(2e9), 0)
-    inp = _inputs(local_rank, args.num_tokens, args.hidden, args.num_topk, args.num_experts)
+    inp = _inputs(rank, args.num_tokens, args.hidden, args.num_topk, args.num_experts)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(inp["topk"], args.num_experts)
     cfg = deep_ep.Config(args.sms, args.chunk, args.ring)
     recv_x, _, _, _, handle, _ = buf.dispatch(inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                               num_tokens_per_expert=per_expert, topk_idx=inp["topk"],
                                               topk_weights=inp["weights"], config=cfg)
+    return group, buf, inp, cfg, recv_x, handle
+
+
+def _worker(local_rank: int, world: int, args: argparse.Namespace, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import deep_ep
+    if args.as_deepep_test:   # as DeepEP's init_dist: its default device puts a __torch_function__ mode on
+        torch.set_default_dtype(torch.bfloat16)
+        torch.set_default_device("cuda")
+    group, buf, inp, cfg, recv_x, handle = first_dispatch(deep_ep, local_rank, world, args, port)
     out: Dict[str, Any] = {"rank": local_rank, "variants": {}, "recv_rows": int(recv_x.shape[0])}
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
     os.makedirs(args.trace_dir, exist_ok=True)
@@ -191,9 +200,9 @@ def _report(ranks: List[Dict[str, Any]], args: argparse.Namespace) -> None:
             json.dump({"library": lib, "args": vars(args), "ranks": ranks}, f, indent=1)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=4)
+def add_shape_args(p: argparse.ArgumentParser, ranks: int) -> None:
+    """DeepEP's test shape and the Config, as this probe and tools/dev/normal_combine_trace.py take them."""
+    p.add_argument("--ranks", type=int, default=ranks)
     p.add_argument("--num-tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--num-topk", type=int, default=8)
@@ -201,6 +210,11 @@ def main() -> None:
     p.add_argument("--sms", type=int, default=24)
     p.add_argument("--chunk", type=int, default=8, help="Config's NVL send chunk")
     p.add_argument("--ring", type=int, default=256, help="Config's NVL receive ring (DeepEP's test: 256)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_shape_args(p, ranks=4)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--aligned-iters", type=int, default=10)

@@ -33,18 +33,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     import torch
     import torch.distributed as dist
     sys.path.insert(0, HERE)
-    from normal_b2b_probe import _inputs       # DeepEP's test routing, as the probe makes it
+    from normal_b2b_probe import first_dispatch   # DeepEP's test inputs and routing, as the probe makes them
     import pyep.compat.deep_ep as deep_ep
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
-    group = dist.new_group(list(range(world)), backend="gloo")
-    buf = deep_ep.Buffer(group, int(2e9), 0)
-    inp = _inputs(rank, args.num_tokens, args.hidden, args.num_topk, args.num_experts)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(inp["topk"], args.num_experts)
-    cfg = deep_ep.Config(args.sms, args.chunk, args.ring)
-    recv_x, _, _, _, handle, _ = buf.dispatch(inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                              num_tokens_per_expert=per_expert, topk_idx=inp["topk"],
-                                              topk_weights=inp["weights"], config=cfg)
+    group, buf, _, cfg, recv_x, handle = first_dispatch(deep_ep, rank, world, args, port)
     backend = buf.normal_buffer().backend
     calls: List[List[Dict[str, Any]]] = []
     for i in range(args.warmup + args.calls):
@@ -101,15 +92,10 @@ def _report(ranks: List[Dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    sys.path.insert(0, HERE)
+    from normal_b2b_probe import add_shape_args
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--num-tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--num-topk", type=int, default=8)
-    p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--sms", type=int, default=24)
-    p.add_argument("--chunk", type=int, default=8, help="Config's NVL send chunk")
-    p.add_argument("--ring", type=int, default=256, help="Config's NVL receive ring")
+    add_shape_args(p, ranks=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--json", default="")
