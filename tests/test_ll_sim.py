@@ -105,6 +105,8 @@ MATRIX = [
     (2, (4, 384, 8, 3), 2, "softnic-all"),
     (4, (3, 256, 8, 2), 1, "softnic-cross"),
     (2, (4, 384, 12, 10), 2, "none"),      # K > 8: the reduce's second batch of slots
+    (2, (3, 5120, 4, 3), 2, "none"),       # rows over one combine send item (8 KiB), the last one partial
+    (2, (3, 5120, 4, 3), 2, "softnic-all"),
 ]
 
 

@@ -4,7 +4,7 @@
 // reduces out[t] = sum over k ascending of w[t,k] * y[t,k] in fp32 (one multiply and one add per term,
 // no FMA, so the result is bit-identical to the reference backend), rounding to bf16 once.
 //
-// Send work is spread evenly over all warps as (row, 4 KiB chunk) items, so a hot expert does not
+// Send work is spread evenly over all warps as (row, 8 KiB chunk) items, so a hot expert does not
 // serialise on one warp group. The reduce is spread as (token, 256-channel) items. A fused BF16 combine
 // reads the rows of this rank's own tokens straight from x (ws_selfrow, ll_combine_common.cuh). With
 // use_logfmt the send and the reduce are ll_combine_logfmt.cuh's instead.
@@ -51,7 +51,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         combine_send_logfmt(s, c, sm, total);
     } else {
     const int row_int4 = H / 8;
-    const int per_item = 32 * kCopyUnroll;
+    const int per_item = 32 * kCombineSendUnroll;
     const int chunks = (row_int4 + per_item - 1) / per_item;
     const int64_t items = (int64_t)total * chunks;
     const int* src_info = reinterpret_cast<const int*>(c.src_info);
@@ -69,13 +69,16 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         const int4* src4 = reinterpret_cast<const int4*>(reinterpret_cast<const uint8_t*>(c.x) + in_row * 2 * (size_t)H);
         const bool own_row = own && r == s.rank;   // ws_selfrow: its index, not its data
         const bool store_peer = !own_row && sm.active[r] == kPeerStore;
+        // An own row (its index) and a NIC row (staged whole) are one item's work: the row's other items
+        // leave before any global load, so a warp's next copy is not queued behind their latency.
+        if (!store_peer && ch != 0) continue;
         // The row's data does not depend on where it goes: its loads are issued together with the
         // loads of its destination (token, slot), not after them.
         const int j0 = ch * per_item + lane;
-        int4 v[kCopyUnroll];
+        int4 v[kCombineSendUnroll];
         if (store_peer) {
 #pragma unroll
-            for (int u = 0; u < kCopyUnroll; ++u)
+            for (int u = 0; u < kCombineSendUnroll; ++u)
                 if (j0 + u * 32 < row_int4) v[u] = ld_nc_v4(src4 + j0 + u * 32);
         }
         const int t = __ldg(src_info + in_row), k = __ldg(recv_slot + in_row);
@@ -86,7 +89,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
         } else if (store_peer) {
             int4* dst4 = reinterpret_cast<int4*>(peer_base(s, r) + doff);
 #pragma unroll
-            for (int u = 0; u < kCopyUnroll; ++u)
+            for (int u = 0; u < kCombineSendUnroll; ++u)
                 if (j0 + u * 32 < row_int4) st_v4(dst4 + j0 + u * 32, v[u]);
         } else if (ch == 0) {
             // NIC: stage the whole row in the slot its input arrived in (layout.py explains why that

@@ -24,6 +24,7 @@ constexpr int kWarps = kThreadsPerBlock / 32;
 constexpr int kMaxTopk = 16;
 constexpr int kMaxGroups = 128;        // H <= 16384 -> at most 128 FP8 groups of 128 channels
 constexpr int kCopyUnroll = 8;         // int4 per lane in flight per copy item (4 KiB per warp)
+constexpr int kCombineSendUnroll = 16; // the combine send's items: 8 KiB per warp (a 14 KiB row in 2 items)
 constexpr int kReduceBatch = 8;        // combine rows loaded at once per reduce item
 constexpr int kHeaderBytes = 16;
 constexpr int kMsgAlign = 128;         // layout.py MSG_ALIGN: slots are whole cache lines
