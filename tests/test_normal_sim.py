@@ -392,9 +392,40 @@ def case_direct_bad_descriptor(path: str) -> str:
         assert (code, peer, field) == (ERR_DIRECT_DESC, 1, 2), (r, w.errors())
         err = error_from_record(w.errors()[r], E, 1000)
         assert isinstance(err, BadOutputDescriptor) and "rank 1's" in str(err) and "recv_x" in str(err), err
-    # Field 5: the ring kernel found no path of this call recorded by the one-copy kernel (c = the call).
-    err = error_from_record([ERR_DIRECT_DESC, 2, 5, 17], E, 1000)
-    assert isinstance(err, BadOutputDescriptor) and "call 17" in str(err) and "rank 2's" in str(err), err
+    return "ok"
+
+
+ERR_LOST_PATH = 12   # normal_launch.h kErrLostPath
+
+
+def case_direct_lost_path(path: str) -> str:
+    """A rank whose record of the one-copy kernel's path (normal_direct.cuh record_path) is overwritten
+    before its ring kernel reads it: that rank records kErrLostPath naming itself and the call, and its
+    ring kernel moves nothing; the rows the one-copy kernel moved are all there, the other rank is clean."""
+    import torch
+    sys.path.insert(0, SIM_DIR)
+    from normal_world import NormalWorld, check_dispatch, load, make_inputs
+    sim = load(path)
+    R, H, K, E, C = 2, 256, 4, 8, 2
+    w = NormalWorld(sim, R, H, K, E, C, 32, 6, pool_bytes=4 << 20, timeout_ns=2_000_000_000)
+    inputs = make_inputs(R, [60, 45], H, K, E, False, seed=91)
+    seq = int(w.ws[1][1]) + 1   # kWsSeq of this call (NormalWorld.dispatch advances it)
+
+    def overwrite_rank1_paths() -> None:
+        assert int(w.ws[1][1]) == seq
+        words = w.bufs[1].view(torch.int32)[w.words["direct"]:]   # layout.control_words: int32 offsets
+        for c in range(C):
+            for h in range(2):
+                at = c * sim.desc_ints + sim.desc_path + 2 * h
+                assert int(words[at]) == seq, (c, h, int(words[at]), seq)
+                words[at] = seq - 1   # an earlier call's record
+    handles, outs = w.dispatch(inputs, between=overwrite_rank1_paths)
+    from pyep.ep.normal.errors import LostDispatchPath, error_from_record
+    assert w.errors()[0] == [0, 0, 0, 0], w.errors()
+    assert w.errors()[1][:3] == [ERR_LOST_PATH, 1, seq], w.errors()
+    err = error_from_record(w.errors()[1], E, 1000)
+    assert isinstance(err, LostDispatchPath) and f"call {seq}" in str(err) and "rank 1's" in str(err), err
+    check_dispatch(inputs, handles, outs, E, "one-copy rows before the lost path")
     return "ok"
 
 
@@ -483,6 +514,7 @@ CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     "direct_two_ranks": (case_direct, (2, [150, 131])),
     "direct_three_ranks_one_empty": (case_direct, (3, [97, 0, 120])),
     "direct_bad_descriptor_is_named": (case_direct_bad_descriptor, ()),
+    "direct_lost_path_is_named": (case_direct_lost_path, ()),
     # BF16 rows of 8448 bytes go to peers by bulk copy (normal_tma.cuh peer_bulk: longer than a warp's
     # stages), FP8 rows by warp copies: the ring path's and one-copy's extra drains and barriers, and a
     # silent rank's give-up path after bulk copies.

@@ -114,12 +114,12 @@ __device__ __forceinline__ void record_path(const NormalStatic& s, int c, int h,
     d[0] = (int)seq;
     d[1] = path;
 }
-// Its value for this call; one left by an earlier call means the word was overwritten (recorded as a
-// bad descriptor, field 5; -1: nothing moves).
+// Its value for this call; one left by an earlier call means the word was overwritten (recorded as
+// kErrLostPath; -1: nothing moves).
 __device__ __forceinline__ int recorded_path(const NormalStatic& s, int c, int h, uint32_t seq) {
     const int* d = desc_of(s, reinterpret_cast<uint8_t*>(s.buf), c) + kDescPath + 2 * h;
     if (d[0] == (int)seq) return d[1];
-    record_error(s, kErrDirectDesc, s.rank, 5, (int)seq);
+    record_error(s, kErrLostPath, s.rank, (int)seq, 0);
     return -1;
 }
 

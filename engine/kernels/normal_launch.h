@@ -45,8 +45,9 @@ enum NormalError : int {
     kErrNodeCount = 9,     // a = node, b = num_tokens_per_rdma_rank's value, c = tokens is_token_in_rank gives
     kErrVoidHandle = 10,   // a = the call number of the void dispatch whose handle this call used
     kErrDirectDesc = 11,   // a = rank, b = which field (1 rows, 2 recv_x, 3 scales, 4 staging), c = its rows:
-                           // a one-copy output descriptor outside the pool (normal_direct.cuh); b = 5: the
-                           // ring kernel found no path of call c recorded (normal_direct.cuh recorded_path)
+                           // a one-copy output descriptor outside the pool (normal_direct.cuh)
+    kErrLostPath = 12,     // a = rank, b = the call number: the ring kernel found no path of this call
+                           // recorded by the one-copy kernel (normal_direct.cuh recorded_path)
 };
 
 // One-copy dispatch (normal_direct.cuh): int32 words of a channel's output descriptor, and the bytes of

@@ -129,8 +129,11 @@ PYBIND11_MODULE(normal_sim, m) {
     m.attr("dispatch_threads") = kDispatchThreads;
     m.attr("combine_threads") = kCombineThreads;
     m.attr("trace_words") = kTraceWords;
+    m.attr("desc_ints") = kDescInts;
+    m.attr("desc_path") = kDescPath;
     // One dispatch: the dispatch kernel on every listed rank at once (2C blocks, as launched).
-    m.def("dispatch", [](const py::list& statics, const py::list& args) {
+    // `between`, if given, is called after the one-copy kernel and before the ring kernel.
+    m.def("dispatch", [](const py::list& statics, const py::list& args, const py::object& between) {
         for (size_t i = 0; i < statics.size(); ++i) {
             const DispatchArgs a = dispatch_from(args[i].cast<py::dict>());
             check_rings(static_from(statics[i].cast<py::dict>()), "normal dispatch", a.num_channels, a.ring_tokens,
@@ -143,9 +146,10 @@ PYBIND11_MODULE(normal_sim, m) {
                                                [](const NormalStatic& s, const DispatchArgs& a) {
                                                    if (a.direct) dispatch_one_copy(s, a);
                                                });
+        if (!between.is_none()) between();
         launch_on_every_rank<DispatchArgs>(statics, args, dispatch_from, kDispatchThreads,
                                            [](const NormalStatic& s, const DispatchArgs& a) { dispatch(s, a); });
-    });
+    }, py::arg("statics"), py::arg("args"), py::arg("between") = py::none());
     // get_dispatch_layout on one rank (the layout kernel exchanges nothing).
     m.def("layout", [](const py::dict& st, const py::dict& args) {
         const NormalStatic s = static_from(st);

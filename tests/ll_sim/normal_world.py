@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -224,13 +224,14 @@ class NormalWorld:
 
     def dispatch(self, inputs: List[RankInputs], ranks: Optional[List[int]] = None, cached: bool = False,
                  worst: int = 0, handles: Optional[List["Handle"]] = None, offer: Optional[List[int]] = None,
-                 bad_offer: Optional[int] = None) -> tuple:
+                 bad_offer: Optional[int] = None, between: Optional[Callable[[], None]] = None) -> tuple:
         """Runs one dispatch on `ranks` (all by default; a rank left out is one that never launched);
         returns (handles, outputs) with outputs[r] = dict of received tensors. `cached`: as with a
         handle (no top-k in or out, no source indices); `worst` > 0: outputs of that many rows
         (num_worst_tokens), the real count where notify leaves it (workspace word kWsRows). With a pool
         the ranks in `offer` (all by default) get their recv_x / recv_scales in it; `bad_offer`: that rank
-        offers a recv_x outside its pool (what a corrupted peer descriptor looks like)."""
+        offers a recv_x outside its pool (what a corrupted peer descriptor looks like); `between` runs after
+        the one-copy kernel and before the ring kernel."""
         R, H, K = self.R, self.H, self.K
         ranks = list(range(R)) if ranks is None else ranks
         fp8 = inputs[0].scales is not None
@@ -281,7 +282,7 @@ class NormalWorld:
                 direct_stage=stage))
         if not gated:
             self._gate(ranks)
-        self.sim.dispatch([self.static(r) for r in ranks], [args[r] for r in ranks])
+        self.sim.dispatch([self.static(r) for r in ranks], [args[r] for r in ranks], between)
         return handles, outs
 
     def combine(self, handles: List[Handle], ys: List[torch.Tensor], ws: List[torch.Tensor],

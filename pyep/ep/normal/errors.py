@@ -23,6 +23,7 @@ ERR_RANK_COUNT = 8       # a = rank, b = num_tokens_per_rank's value, c = tokens
 ERR_NODE_COUNT = 9       # a = node, b = num_tokens_per_rdma_rank's value, c = tokens is_token_in_rank selects
 ERR_VOID_HANDLE = 10     # a = the call number of the void dispatch whose handle the call used
 ERR_DIRECT_DESC = 11     # a = rank, b = field (1 rows, 2 recv_x, 3 scales, 4 staging), c = its rows
+ERR_LOST_PATH = 12       # a = rank, b = the call number
 PHASES = ("notify", "dispatch", "combine")
 
 
@@ -112,14 +113,21 @@ class BadOutputDescriptor(NormalModeError):
 
     def __init__(self, peer: int, field: int, rows: int) -> None:
         self.peer, self.field, self.rows = peer, field, rows
-        if field == 5:   # normal_direct.cuh recorded_path: `rows` is the call number
-            super().__init__(f"rank {peer}'s ring dispatch kernel found no one-copy decision of call {rows} in its "
-                             f"own descriptor: that memory was overwritten; nothing was sent")
-            return
         what = {1: "its row count", 2: "recv_x", 3: "recv_x_scales", 4: "its staging rows"}.get(field, f"field {field}")
         super().__init__(f"rank {peer}'s one-copy dispatch descriptor is invalid ({what}, {rows} rows, outside the "
                          f"output pool): the ranks' buffers differ in size or layout, or its memory was overwritten; "
                          f"nothing was sent (PYEP_NORMAL_DIRECT=0 turns one-copy dispatch off)")
+
+
+class LostDispatchPath(NormalModeError):
+    """A rank's ring dispatch kernel found no record of the path (one-copy or ring) its one-copy kernel
+    took for this call (normal_direct.cuh recorded_path): that memory was overwritten. Nothing more of
+    the call was sent, and the buffer refuses calls until clean() (its peers time out on this rank)."""
+
+    def __init__(self, peer: int, call: int) -> None:
+        self.peer, self.call = peer, call
+        super().__init__(f"rank {peer}'s ring dispatch kernel found no one-copy decision of call {call} in its "
+                         f"own descriptor: that memory was overwritten; nothing more of the call was sent")
 
 
 class BufferBroken(NormalModeError):
@@ -175,6 +183,8 @@ def error_from_record(words: Sequence[int], num_experts: int, timeout_us: int) -
                                f"too; dispatch again for a new handle")
     if code == ERR_DIRECT_DESC:
         return BadOutputDescriptor(a, b, c)
+    if code == ERR_LOST_PATH:
+        return LostDispatchPath(a, b)
     if code == ERR_BAD_HANDLE:
         return NormalModeError(f"the handle does not describe this call: channel {a} promised {b} rows, "
                                f"the tokens gave {c}; pass the handle of a dispatch with the same tokens")

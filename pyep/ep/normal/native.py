@@ -22,8 +22,8 @@ from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, 
 from .device_records import TAG_RECORD_INTS, DeviceRecords
 from ..devmem import DeviceMemory
 from .direct_pool import OutputPool, one_copy_enabled, pool_bounds, ring_reserve
-from .errors import (ERR_PEER_TIMEOUT, BadOutputDescriptor, BufferBroken, NormalCallMismatch, NotCapturable,
-                     PeerTimeout)
+from .errors import (ERR_PEER_TIMEOUT, BadOutputDescriptor, BufferBroken, LostDispatchPath, NormalCallMismatch,
+                     NotCapturable, PeerTimeout)
 from .events import wait_bound_s
 from .native_fast import NativeFastPath
 from .native_member import NativeNormalMembership
@@ -231,7 +231,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
         void = self.records.take_void()
         value = self.records.take_error()
         for exc in (void, value):
-            if isinstance(exc, (PeerTimeout, NormalCallMismatch, BadOutputDescriptor)):
+            if isinstance(exc, (PeerTimeout, NormalCallMismatch, BadOutputDescriptor, LostDispatchPath)):
                 self._broken = True
                 if exc is void and value is not None:
                     exc.add_note(f"also recorded: {type(value).__name__}: {value}")
