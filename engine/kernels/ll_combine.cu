@@ -139,10 +139,80 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     trace_point(s, kTraceCombine, kTrSendDone);
 }
 
-__device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm) {
+// The BF16 reduce of the receive half. kOwnRows (reads_own_rows: a fused combine) takes this rank's own
+// rows from x (ws_selfrow), their index loaded one item ahead like the routing; a split combine's reduce
+// is compiled without it: as a runtime branch, the own-row loads, shuffles and the select between x and the
+// slot made a split receive half 10 % slower at T = 256 (docs/results/2026-11-27j-h200).
+template <bool kOwnRows>
+__device__ void combine_reduce(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm, int64_t first_it,
+                               int64_t items, int col_chunks, int64_t pre_v, float pre_w) {
     const int R = s.num_ranks, El = s.num_local_experts, E = R * El, H = s.hidden;
-    const int N = c.num_tokens, K = c.num_topk;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int K = c.num_topk, lane = threadIdx.x & 31, half = c.half, cols = H / 8;
+    const uint8_t* hb = reinterpret_cast<const uint8_t*>(s.buf);
+    const uint8_t* xb = reinterpret_cast<const uint8_t*>(c.x);
+    const int own_lo = s.rank * El, x_rows = El * R * s.num_max_tokens;
+    int pre_row = kOwnRows ? load_item_selfrow(s, c, true, first_it, items, col_chunks) : -1;
+    for (int64_t it = first_it; it < items; it += (int64_t)gridDim.x * kWarps) {
+        const int t = (int)(it / col_chunks);
+        const int col = (int)(it - (int64_t)t * col_chunks) * 32 + lane;
+        float my_w;
+        int my_e = slot_expert(c, sm, El, E, t, pre_v, pre_w, my_w);
+        // The slot's row in x when its expert is this rank's. An index outside x (a combine whose routing
+        // is not its dispatch's) reads nothing: the slot counts as unused.
+        int my_row = -1;
+        if (kOwnRows && my_e >= own_lo && my_e < own_lo + El) {
+            if (pre_row >= 0 && pre_row < x_rows) my_row = pre_row;
+            else my_e = -1;
+        }
+        const int64_t nit = it + (int64_t)gridDim.x * kWarps;
+        load_item_routing(c, nit, items, col_chunks, pre_v, pre_w);
+        if (kOwnRows) pre_row = load_item_selfrow(s, c, true, nit, items, col_chunks);
+        const bool live = col < cols;
+        // k ascending, kReduceBatch loads in flight at a time (all of them for K <= 8): the order of the
+        // fp32 additions is fixed, and registers stay low enough for a full block of 512 threads.
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+        for (int k0 = 0; k0 < K; k0 += kReduceBatch) {
+            int4 y[kReduceBatch];
+            bool use[kReduceBatch];
+            float w[kReduceBatch];
+#pragma unroll
+            for (int j = 0; j < kReduceBatch; ++j) {
+                const int k = k0 + j;
+                use[j] = __shfl_sync(0xffffffffu, my_e, k & 31) >= 0 && k < K;
+                w[j] = __shfl_sync(0xffffffffu, my_w, k & 31);
+                const int row = kOwnRows ? __shfl_sync(0xffffffffu, my_row, k & 31) : -1;
+                if (use[j] && live)
+                    y[j] = row >= 0 ? ld_nc_v4(xb + (uint64_t)row * 2 * H + (uint64_t)col * 16)
+                                    : ld_row_v4(hb + off_crecv(s, half, t, k) + (uint64_t)col * 16);
+            }
+#pragma unroll
+            for (int j = 0; j < kReduceBatch; ++j) {
+                if (!use[j] || !live) continue;
+                const uint32_t v[4] = {(uint32_t)y[j].x, (uint32_t)y[j].y, (uint32_t)y[j].z, (uint32_t)y[j].w};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w[j], bf16_lo(v[q])));
+                    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w[j], bf16_hi(v[q])));
+                }
+            }
+        }
+        if (!live) continue;
+        int4 o;
+        uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const __nv_bfloat162 b = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+            ow[j] = *reinterpret_cast<const uint32_t*>(&b);
+        }
+        st_v4(reinterpret_cast<uint8_t*>(c.out) + ((size_t)t * cols + col) * 16, o);
+    }
+}
+
+__device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm) {
+    const int R = s.num_ranks, H = s.hidden, N = c.num_tokens;
+    const int tid = threadIdx.x, warp = tid >> 5;
     const int half = c.half;
     int* state = ws_cstate(s, half);
     int* active = reinterpret_cast<int*>(c.active);
@@ -176,72 +246,12 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     __syncthreads();
     trace_point(s, kTraceCombine, kTrRecvReady);
 
-    if (c.use_logfmt) {
+    if (c.use_logfmt)
         combine_reduce_logfmt(s, c, sm, first_it, items, col_chunks, pre_v, pre_w);
-    } else {
-    // Own rows come from x (ws_selfrow); their index, like the routing, is loaded one item ahead.
-    const bool own = reads_own_rows(s, c, sm.active) && sm.ok[s.rank];
-    const uint8_t* xb = reinterpret_cast<const uint8_t*>(c.x);
-    const int own_lo = s.rank * El, x_rows = El * R * s.num_max_tokens;
-    int pre_row = load_item_selfrow(s, c, own, first_it, items, col_chunks);
-    for (int64_t it = first_it; it < items; it += (int64_t)gridDim.x * kWarps) {
-        const int t = (int)(it / col_chunks);
-        const int col = (int)(it - (int64_t)t * col_chunks) * 32 + lane;
-        float my_w;
-        int my_e = slot_expert(c, sm, El, E, t, pre_v, pre_w, my_w);
-        // The slot's row in x when its expert is this rank's. An index outside x (a combine whose routing
-        // is not its dispatch's) reads nothing: the slot counts as unused.
-        int my_row = -1;
-        if (own && my_e >= own_lo && my_e < own_lo + El) {
-            if (pre_row >= 0 && pre_row < x_rows) my_row = pre_row;
-            else my_e = -1;
-        }
-        const int64_t nit = it + (int64_t)gridDim.x * kWarps;
-        load_item_routing(c, nit, items, col_chunks, pre_v, pre_w);
-        pre_row = load_item_selfrow(s, c, own, nit, items, col_chunks);
-        const bool live = col < cols;
-        // k ascending, kReduceBatch loads in flight at a time (all of them for K <= 8): the order of the
-        // fp32 additions is fixed, and registers stay low enough for a full block of 512 threads.
-        float acc[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-        for (int k0 = 0; k0 < K; k0 += kReduceBatch) {
-            int4 y[kReduceBatch];
-            bool use[kReduceBatch];
-            float w[kReduceBatch];
-#pragma unroll
-            for (int j = 0; j < kReduceBatch; ++j) {
-                const int k = k0 + j;
-                use[j] = __shfl_sync(0xffffffffu, my_e, k & 31) >= 0 && k < K;
-                w[j] = __shfl_sync(0xffffffffu, my_w, k & 31);
-                // `own` is the same in every lane: a split or LogFMT combine skips this shuffle.
-                const int row = own ? __shfl_sync(0xffffffffu, my_row, k & 31) : -1;
-                if (use[j] && live)
-                    y[j] = row >= 0 ? ld_nc_v4(xb + (uint64_t)row * 2 * H + (uint64_t)col * 16)
-                                    : ld_row_v4(hb + off_crecv(s, half, t, k) + (uint64_t)col * 16);
-            }
-#pragma unroll
-            for (int j = 0; j < kReduceBatch; ++j) {
-                if (!use[j] || !live) continue;
-                const uint32_t v[4] = {(uint32_t)y[j].x, (uint32_t)y[j].y, (uint32_t)y[j].z, (uint32_t)y[j].w};
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w[j], bf16_lo(v[q])));
-                    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w[j], bf16_hi(v[q])));
-                }
-            }
-        }
-        if (!live) continue;
-        int4 o;
-        uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const __nv_bfloat162 b = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-            ow[j] = *reinterpret_cast<const uint32_t*>(&b);
-        }
-        st_v4(reinterpret_cast<uint8_t*>(c.out) + ((size_t)t * cols + col) * 16, o);
-    }
-    }   // !use_logfmt
+    else if (reads_own_rows(s, c, sm.active) && sm.ok[s.rank])
+        combine_reduce<true>(s, c, sm, first_it, items, col_chunks, pre_v, pre_w);
+    else
+        combine_reduce<false>(s, c, sm, first_it, items, col_chunks, pre_v, pre_w);
 
     const bool last_recv = arrive_last<kGpuScope>(ws_counter(s, half, kCombineRecvDone), sm.flag);
     trace_point(s, kTraceCombine, kTrRecvCopied);
