@@ -22,6 +22,7 @@ namespace pyep {
 namespace ll {
 namespace {
 
+template <bool kLogfmt>
 __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm) {
     const int R = s.num_ranks, El = s.num_local_experts, E = R * El, T = s.num_max_tokens, H = s.hidden;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -47,7 +48,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
     const int RT = R * T;
     if (c.abort) {
         // A combine this rank refused: no rows, only the abort-tagged flags below.
-    } else if (c.use_logfmt) {
+    } else if (kLogfmt) {
         combine_send_logfmt(s, c, sm, total);
     } else {
     const int row_int4 = H / 8;
@@ -210,6 +211,7 @@ __device__ void combine_reduce(const LLStatic& s, const LLCombineCall& c, Combin
     }
 }
 
+template <bool kLogfmt>
 __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm) {
     const int R = s.num_ranks, H = s.hidden, N = c.num_tokens;
     const int tid = threadIdx.x, warp = tid >> 5;
@@ -224,7 +226,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     // wait, so the wait's end is followed by the data loads only.
     const int cols = H / 8;               // int4 columns of a row
     // LogFMT items are (token, 512 channels): lane l reduces channels 16l..16l+15.
-    const int col_chunks = c.use_logfmt ? H / kLfRound : (cols + 31) / 32;
+    const int col_chunks = kLogfmt ? H / kLfRound : (cols + 31) / 32;
     const int64_t items = (int64_t)N * col_chunks;
     const int64_t first_it = (int64_t)blockIdx.x * kWarps + warp;
     int64_t pre_v;
@@ -246,7 +248,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
     __syncthreads();
     trace_point(s, kTraceCombine, kTrRecvReady);
 
-    if (c.use_logfmt)
+    if (kLogfmt)
         combine_reduce_logfmt(s, c, sm, first_it, items, col_chunks, pre_v, pre_w);
     else if (reads_own_rows(s, c, sm.active) && sm.ok[s.rank])
         combine_reduce<true>(s, c, sm, first_it, items, col_chunks, pre_v, pre_w);
@@ -282,6 +284,8 @@ __device__ void combine_skipped(const LLStatic& s, const LLCombineCall& c) {
     if (blockIdx.x == 0 && threadIdx.x == 0) write_call_record(s, kCallSkipped, kKindCombine, c.seq, -1, 0, 0);
 }
 
+// One instance per payload format (c.use_logfmt == kLogfmt): each is register-allocated for its own loops.
+template <bool kLogfmt>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine(LLStatic s, LLCombineCall c) {
     if (ld_volatile(ws_dfail(s, c.half)) != 0) {
         combine_skipped(s, c);
@@ -289,12 +293,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine(LLStatic s, LLCom
     }
     uint8_t* smem = dynamic_smem();
     CombineSmem sm = carve_combine(smem, s.num_ranks, s.num_ranks * s.num_local_experts);
-    if (c.use_logfmt)
+    if (kLogfmt)
         for (int j = threadIdx.x; j < 128; j += blockDim.x) sm.lf_tbl[j] = __uint_as_float(kLfLog2Mant[j]);
-    if (c.phases & kPhaseSend) combine_send(s, c, sm);
+    if (c.phases & kPhaseSend) combine_send<kLogfmt>(s, c, sm);
     if (c.phases & kPhaseRecv) {
         __syncthreads();
-        combine_recv(s, c, sm);
+        combine_recv<kLogfmt>(s, c, sm);
     }
 }
 
@@ -310,21 +314,24 @@ int combine_smem_bytes(const LLStatic& s) {
 void check_cuda(cudaError_t e, const char* what);  // ll_runtime.cu
 
 void load_combine_kernels(const LLStatic& s) {
-    cudaFuncAttributes attr;
-    check_cuda(cudaFuncGetAttributes(&attr, combine), "ll combine module load");
-    const int smem = combine_smem_bytes(s);
-    if (smem > 48 * 1024)
-        check_cuda(cudaFuncSetAttribute(combine, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                   "ll combine smem attribute");
+    for (auto* kernel : {combine<false>, combine<true>}) {
+        cudaFuncAttributes attr;
+        check_cuda(cudaFuncGetAttributes(&attr, kernel), "ll combine module load");
+        const int smem = combine_smem_bytes(s);
+        if (smem > 48 * 1024)
+            check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                       "ll combine smem attribute");
+    }
 }
 
 void launch_combine(const LLStatic& s, const LLCombineCall& c, uint64_t stream) {
     check_call(s, c);
+    auto* kernel = c.use_logfmt ? combine<true> : combine<false>;
     const int smem = combine_smem_bytes(s);
     if (smem > 48 * 1024)
-        check_cuda(cudaFuncSetAttribute(combine, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-              "ll combine smem attribute");
-    combine<<<s.num_blocks, kThreadsPerBlock, smem, reinterpret_cast<cudaStream_t>(stream)>>>(s, c);
+        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                   "ll combine smem attribute");
+    kernel<<<s.num_blocks, kThreadsPerBlock, smem, reinterpret_cast<cudaStream_t>(stream)>>>(s, c);
     check_cuda(cudaGetLastError(), "ll combine launch");
 }
 

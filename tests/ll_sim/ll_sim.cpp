@@ -72,6 +72,12 @@ ll::LLCombineCall combine_from(const py::dict& d) {
     return c;
 }
 
+// The combine kernel has one instance per payload format; launch_combine picks it the same way.
+void run_combine(const ll::LLStatic& s, const ll::LLCombineCall& c) {
+    if (c.use_logfmt) ll::combine<true>(s, c);
+    else ll::combine<false>(s, c);
+}
+
 // Runs one launch per listed rank, all at once; returns when every simulated thread has finished.
 template <typename Call, typename Kernel>
 void run_grids(const std::vector<ll::LLStatic>& ss, const std::vector<Call>& cs, Kernel kernel, int smem) {
@@ -99,7 +105,7 @@ void run_stream(const std::vector<Launch>& launches) {
         const ll::LLStatic s = l.s;
         if (l.combine) {
             const ll::LLCombineCall c = l.c;
-            launch.grid(s.num_blocks, ll::kThreadsPerBlock, (size_t)ll::combine_smem_bytes(s), [=] { ll::combine(s, c); });
+            launch.grid(s.num_blocks, ll::kThreadsPerBlock, (size_t)ll::combine_smem_bytes(s), [=] { run_combine(s, c); });
         } else {
             const ll::LLDispatchCall c = l.d;
             auto kern = c.use_fp8 ? ll::dispatch<true> : ll::dispatch<false>;
@@ -138,7 +144,7 @@ PYBIND11_MODULE(ll_sim, m) {
         }
         const int smem = ll::combine_smem_bytes(ss.at(0));
         py::gil_scoped_release nogil;
-        run_grids(ss, cs, ll::combine, smem);
+        run_grids(ss, cs, run_combine, smem);
     });
     // streams: one list per rank of ("dispatch" | "combine", static, call); every rank's list runs in
     // order (stream order, no host sync between its launches), all ranks at once.
