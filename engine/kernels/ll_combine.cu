@@ -143,7 +143,7 @@ __device__ void combine_send(const LLStatic& s, const LLCombineCall& c, CombineS
 // The BF16 reduce of the receive half. kOwnRows (reads_own_rows: a fused combine) takes this rank's own
 // rows from x (ws_selfrow), their index loaded one item ahead like the routing; a split combine's reduce
 // is compiled without it: as a runtime branch, the own-row loads, shuffles and the select between x and the
-// slot made a split receive half 10 % slower at T = 256 (docs/results/2026-11-27j-h200).
+// slot made a split receive half 10 % slower at T = 256 (docs/results/2026-11-27j-onegpu).
 template <bool kOwnRows>
 __device__ void combine_reduce(const LLStatic& s, const LLCombineCall& c, CombineSmem& sm, int64_t first_it,
                                int64_t items, int col_chunks, int64_t pre_v, float pre_w) {
