@@ -23,6 +23,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 
+from pyep.ep.normal.errors import ERR_DIRECT_DESC, ERR_LOST_PATH, ERR_PEER_TIMEOUT, PHASES
+
+PHASE_DISPATCH = PHASES.index("dispatch")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIM_DIR = os.path.join(ROOT, "tests", "ll_sim")
 
@@ -254,9 +257,6 @@ def case_launch_checks(path: str) -> str:
     return "ok"
 
 
-ERR_PEER_TIMEOUT, PHASE_DISPATCH = 3, 1   # normal_launch.h kErrPeerTimeout, kPhaseDispatch
-
-
 def case_silent_rank(path: str, use_tma: int, H: int = 256) -> str:
     """With a mask, rank 2 of 3 never launches: ranks 0 and 1 mark it within the timeout and finish
     without an error, rows between them intact and rank 2's rows emptied; their combine sums the two
@@ -322,9 +322,6 @@ def case_silent_rank_without_mask(path: str) -> str:
     code, peer, phase, channel = w.errors()[0]
     assert (code, peer, phase) == (ERR_PEER_TIMEOUT, 1, PHASE_DISPATCH) and 0 <= channel < 2, w.errors()[0]
     return "ok"
-
-
-ERR_DIRECT_DESC = 11   # normal_launch.h kErrDirectDesc
 
 
 def case_direct(path: str, R: int, sizes: List[int], H: int = 256) -> str:
@@ -393,9 +390,6 @@ def case_direct_bad_descriptor(path: str) -> str:
         err = error_from_record(w.errors()[r], E, 1000)
         assert isinstance(err, BadOutputDescriptor) and "rank 1's" in str(err) and "recv_x" in str(err), err
     return "ok"
-
-
-ERR_LOST_PATH = 12   # normal_launch.h kErrLostPath
 
 
 def case_direct_lost_path(path: str) -> str:
@@ -491,6 +485,19 @@ def case_combine_small_rings(path: str) -> str:
     return "ok"
 
 
+def case_error_codes(path: str) -> str:
+    """pyep/ep/normal/errors.py's record codes and phase order are the kernels' (normal_launch.h
+    NormalError, Phase): a code that differs would raise the wrong error, naming the wrong rank or call."""
+    sys.path.insert(0, SIM_DIR)
+    from normal_world import load
+    from pyep.ep.normal import errors
+    sim = load(path)
+    ours = {k: v for k, v in vars(errors).items() if k.startswith("ERR_")}
+    assert dict(sim.error_codes) == ours, (dict(sim.error_codes), ours)
+    assert tuple(sim.phases) == tuple(range(len(errors.PHASES))), (sim.phases, errors.PHASES)
+    return "ok"
+
+
 # ------------------------------------------------------------------ tests
 # name -> (case, its arguments after the module path)
 CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
@@ -523,6 +530,7 @@ CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     "long_rows_silent_rank": (case_silent_rank, (3, 4224)),
     "combine_trace": (case_combine_trace, ()),
     "combine_small_rings": (case_combine_small_rings, ()),
+    "error_codes_match_errors_py": (case_error_codes, ()),
 }
 
 

@@ -131,6 +131,16 @@ PYBIND11_MODULE(normal_sim, m) {
     m.attr("trace_words") = kTraceWords;
     m.attr("desc_ints") = kDescInts;
     m.attr("desc_path") = kDescPath;
+    // normal_launch.h NormalError by pyep/ep/normal/errors.py's names: the test checks that file against it.
+    py::dict codes;
+    codes["ERR_NONE"] = (int)kErrNone; codes["ERR_EXPERT_ID"] = (int)kErrExpertId;
+    codes["ERR_WORST_TOKENS"] = (int)kErrWorstTokens; codes["ERR_PEER_TIMEOUT"] = (int)kErrPeerTimeout;
+    codes["ERR_BAD_HANDLE"] = (int)kErrBadHandle; codes["ERR_IN_RANK"] = (int)kErrInRank;
+    codes["ERR_EXPERT_COUNT"] = (int)kErrExpertCount; codes["ERR_RANK_COUNT"] = (int)kErrRankCount;
+    codes["ERR_NODE_COUNT"] = (int)kErrNodeCount; codes["ERR_VOID_HANDLE"] = (int)kErrVoidHandle;
+    codes["ERR_DIRECT_DESC"] = (int)kErrDirectDesc; codes["ERR_LOST_PATH"] = (int)kErrLostPath;
+    m.attr("error_codes") = codes;
+    m.attr("phases") = py::make_tuple((int)kPhaseNotify, (int)kPhaseDispatch, (int)kPhaseCombine);
     // One dispatch: the dispatch kernel on every listed rank at once (2C blocks, as launched).
     // `between`, if given, is called after the one-copy kernel and before the ring kernel.
     m.def("dispatch", [](const py::list& statics, const py::list& args, const py::object& between) {
