@@ -254,6 +254,7 @@ __device__ void combine_recv(const LLStatic& s, const LLCombineCall& c, CombineS
         combine_reduce<true>(s, c, sm, first_it, items, col_chunks, pre_v, pre_w);
     else
         combine_reduce<false>(s, c, sm, first_it, items, col_chunks, pre_v, pre_w);
+    trace_point(s, kTraceCombine, kTrRecvReduced);
 
     const bool last_recv = arrive_last<kGpuScope>(ws_counter(s, half, kCombineRecvDone), sm.flag);
     trace_point(s, kTraceCombine, kTrRecvCopied);

@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
-# Slot order (ll_launch.h TracePoint); the two late additions are listed where they happen in time by
+# Slot order (ll_launch.h TracePoint); the late additions are listed where they happen in time by
 # TIME_ORDER.
 POINTS = ("send_begin", "send_routed", "send_issued", "send_fenced", "send_done",
-          "recv_begin", "recv_ready", "recv_copied", "recv_done", "send_signaled", "recv_planned")
+          "recv_begin", "recv_ready", "recv_copied", "recv_done", "send_signaled", "recv_planned",
+          "recv_reduced")
 TIME_ORDER = ("send_begin", "send_routed", "send_issued", "send_fenced", "send_signaled", "send_done",
-              "recv_begin", "recv_ready", "recv_planned", "recv_copied", "recv_done")
+              "recv_begin", "recv_ready", "recv_planned", "recv_reduced", "recv_copied",
+              "recv_done")
 KERNELS = ("dispatch", "combine")
 ENV_VAR = "PYEP_LL_TRACE"
 

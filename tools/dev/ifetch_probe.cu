@@ -1,0 +1,104 @@
+// How long an SM takes to run code that is not in its instruction caches, against the same code run again
+// right away. A kernel's code is fetched in 128-byte lines as the warps reach it; between two calls of an
+// LL kernel other kernels run, so every call starts cold. This probe runs one straight block of N
+// independent FMAs (16 bytes of code each, no memory access between the two clock reads) on G blocks, one
+// per SM:
+//   warm:  the same kernel run just before, on the same grid;
+//   cold:  another kernel's code (EVICT_BYTES of it) run on every SM in between;
+//   cold+L2: also 256 MB written in between, so the code comes from HBM, not the L2.
+// It prints the median block's time and the time per 128-byte line of code. The LL combine's reduce
+// loop is about 3.5 KB of code; docs/ll_kernels.md ("Instruction fetch") uses these figures.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a tools/dev/ifetch_probe.cu -o /tmp/ifetch_probe && /tmp/ifetch_probe
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+namespace {
+
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// kSalt makes each instance another piece of code: the eviction kernel shares no line with the probe.
+template <int kFmas, int kSalt>
+__global__ void __launch_bounds__(32, 1) straight(float* out, unsigned long long* ns, float a) {
+    float x[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = threadIdx.x + j + kSalt;
+    __syncwarp();
+    const unsigned long long t0 = now_ns();
+#pragma unroll
+    for (int i = 0; i < kFmas; ++i) asm volatile("fma.rn.f32 %0, %0, %1, %1;" : "+f"(x[i & 7]) : "f"(a));
+    __syncwarp();
+    const unsigned long long t1 = now_ns();
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += x[j];
+    if (threadIdx.x == 0) ns[blockIdx.x] = t1 - t0;
+    if (s == 1234.5f) out[blockIdx.x] = s;   // keeps the chain live; never true for these inputs
+}
+
+void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) {
+        std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+        std::exit(1);
+    }
+}
+
+constexpr int kProbeFmas = 2048;    // 32 KB of code
+constexpr int kEvictFmas = 16384;   // 256 KB of code
+
+double median_block_us(unsigned long long* d_ns, int blocks) {
+    std::vector<unsigned long long> h(blocks);
+    check(cudaMemcpy(h.data(), d_ns, blocks * sizeof(unsigned long long), cudaMemcpyDeviceToHost), "copy");
+    std::sort(h.begin(), h.end());
+    return h[blocks / 2] / 1000.0;
+}
+
+}  // namespace
+
+int main() {
+    cudaDeviceProp prop;
+    check(cudaGetDeviceProperties(&prop, 0), "props");
+    const int sms = prop.multiProcessorCount;
+    float* out;
+    unsigned long long* ns;
+    void* flush;
+    const size_t flush_bytes = 256u << 20;
+    check(cudaMalloc(&out, sms * sizeof(float)), "malloc");
+    check(cudaMalloc(&ns, sms * sizeof(unsigned long long)), "malloc");
+    check(cudaMalloc(&flush, flush_bytes), "malloc");
+    const double lines = kProbeFmas * 16.0 / 128.0;
+    std::printf("instruction fetch probe, %s, %d SMs: %d FMAs (%.0f KB of code, %.0f lines of 128 B) per block\n",
+                prop.name, sms, kProbeFmas, kProbeFmas * 16.0 / 1024, lines);
+    std::printf("%7s %10s %12s %12s %14s %14s\n", "blocks", "warm us", "cold us", "cold+L2 us", "cold ns/line",
+                "cold+L2 ns/ln");
+    const int grids[] = {1, 66, sms};
+    for (int g : grids) {
+        double warm = 1e30, cold = 1e30, cold_l2 = 1e30;
+        for (int rep = 0; rep < 5; ++rep) {
+            straight<kProbeFmas, 0><<<g, 32>>>(out, ns, 1.0f);
+            straight<kProbeFmas, 0><<<g, 32>>>(out, ns, 1.0f);
+            check(cudaDeviceSynchronize(), "warm");
+            warm = std::min(warm, median_block_us(ns, g));
+            straight<kEvictFmas, 1><<<sms, 32>>>(out, ns, 1.0f);
+            straight<kProbeFmas, 0><<<g, 32>>>(out, ns, 1.0f);
+            check(cudaDeviceSynchronize(), "cold");
+            cold = std::min(cold, median_block_us(ns, g));
+            straight<kEvictFmas, 1><<<sms, 32>>>(out, ns, 1.0f);
+            check(cudaMemsetAsync(flush, rep, flush_bytes), "flush");
+            straight<kProbeFmas, 0><<<g, 32>>>(out, ns, 1.0f);
+            check(cudaDeviceSynchronize(), "cold+L2");
+            cold_l2 = std::min(cold_l2, median_block_us(ns, g));
+        }
+        std::printf("%7d %10.2f %12.2f %12.2f %14.0f %14.0f\n", g, warm, cold, cold_l2, (cold - warm) * 1000 / lines,
+                    (cold_l2 - warm) * 1000 / lines);
+    }
+    std::printf("least of 5 of the median block; ns/line = (cold - warm) / lines\n");
+    return 0;
+}
