@@ -6,8 +6,10 @@
 //   warm:  the same kernel run just before, on the same grid;
 //   cold:  another kernel's code (EVICT_BYTES of it) run on every SM in between;
 //   cold+L2: also 256 MB written in between, so the code comes from HBM, not the L2.
-// It prints the median block's time and the time per 128-byte line of code. The LL combine's reduce
-// loop is about 3.5 KB of code; docs/ll_kernels.md ("Instruction fetch") uses these figures.
+// It prints the median block's time and the time per 128-byte line of code. A second kernel runs the
+// same amount of code as 32 pieces of 1 KB entered in a runtime order (a switch: an indirect jump to
+// each piece), so every piece starts at a cold jump target: its cold - warm, against the straight
+// code's for the same bytes, is what cold jump targets add. docs/performance.md ("Open questions", the first reduce item) uses them.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a tools/dev/ifetch_probe.cu -o /tmp/ifetch_probe && /tmp/ifetch_probe
 #include <cuda_runtime.h>
@@ -41,6 +43,41 @@ __global__ void __launch_bounds__(32, 1) straight(float* out, unsigned long long
     for (int j = 0; j < 8; ++j) s += x[j];
     if (threadIdx.x == 0) ns[blockIdx.x] = t1 - t0;
     if (s == 1234.5f) out[blockIdx.x] = s;   // keeps the chain live; never true for these inputs
+}
+
+// The same FMAs as straight<kPieces * kPerPiece>, in kPieces pieces entered in the order
+// (i * stride + first) % kPieces: a jump to a piece the warp has not run before at every step.
+template <int kPieces, int kPerPiece>
+__global__ void __launch_bounds__(32, 1) jumps(float* out, unsigned long long* ns, float a, int first, int stride) {
+    float x[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = threadIdx.x + j;
+    __syncwarp();
+    const unsigned long long t0 = now_ns();
+#pragma unroll 1
+    for (int i = 0; i < kPieces; ++i) {
+        switch ((i * stride + first) % kPieces) {
+#define PYEP_PIECE(n)                                                                                 \
+    case n:                                                                                           \
+        _Pragma("unroll") for (int f = 0; f < kPerPiece; ++f)                                         \
+            asm volatile("fma.rn.f32 %0, %0, %1, %1;" : "+f"(x[f & 7]) : "f"(a + (float)n));          \
+        break;
+            PYEP_PIECE(0) PYEP_PIECE(1) PYEP_PIECE(2) PYEP_PIECE(3) PYEP_PIECE(4) PYEP_PIECE(5) PYEP_PIECE(6)
+            PYEP_PIECE(7) PYEP_PIECE(8) PYEP_PIECE(9) PYEP_PIECE(10) PYEP_PIECE(11) PYEP_PIECE(12)
+            PYEP_PIECE(13) PYEP_PIECE(14) PYEP_PIECE(15) PYEP_PIECE(16) PYEP_PIECE(17) PYEP_PIECE(18)
+            PYEP_PIECE(19) PYEP_PIECE(20) PYEP_PIECE(21) PYEP_PIECE(22) PYEP_PIECE(23) PYEP_PIECE(24)
+            PYEP_PIECE(25) PYEP_PIECE(26) PYEP_PIECE(27) PYEP_PIECE(28) PYEP_PIECE(29) PYEP_PIECE(30)
+            PYEP_PIECE(31)
+#undef PYEP_PIECE
+        }
+    }
+    __syncwarp();
+    const unsigned long long t1 = now_ns();
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += x[j];
+    if (threadIdx.x == 0) ns[blockIdx.x] = t1 - t0;
+    if (s == 1234.5f) out[blockIdx.x] = s;
 }
 
 void check(cudaError_t e, const char* what) {
@@ -100,5 +137,29 @@ int main() {
                     (cold_l2 - warm) * 1000 / lines);
     }
     std::printf("least of 5 of the median block; ns/line = (cold - warm) / lines\n");
+    // The same 32 KB in 32 pieces of 64 FMAs, entered in a scrambled order (stride 13 of 32).
+    std::printf("\n32 pieces of 1 KB entered by indirect jumps, in the order (13 i + 5) %% 32\n");
+    std::printf("%7s %10s %12s %12s %16s\n", "blocks", "warm us", "cold us", "cold+L2 us", "cold-warm ns/jump");
+    for (int g : grids) {
+        double warm = 1e30, cold = 1e30, cold_l2 = 1e30;
+        for (int rep = 0; rep < 5; ++rep) {
+            jumps<32, 64><<<g, 32>>>(out, ns, 1.0f, 5, 13);
+            jumps<32, 64><<<g, 32>>>(out, ns, 1.0f, 5, 13);
+            check(cudaDeviceSynchronize(), "warm");
+            warm = std::min(warm, median_block_us(ns, g));
+            straight<kEvictFmas, 1><<<sms, 32>>>(out, ns, 1.0f);
+            jumps<32, 64><<<g, 32>>>(out, ns, 1.0f, 5, 13);
+            check(cudaDeviceSynchronize(), "cold");
+            cold = std::min(cold, median_block_us(ns, g));
+            straight<kEvictFmas, 1><<<sms, 32>>>(out, ns, 1.0f);
+            check(cudaMemsetAsync(flush, rep, flush_bytes), "flush");
+            jumps<32, 64><<<g, 32>>>(out, ns, 1.0f, 5, 13);
+            check(cudaDeviceSynchronize(), "cold+L2");
+            cold_l2 = std::min(cold_l2, median_block_us(ns, g));
+        }
+        std::printf("%7d %10.2f %12.2f %12.2f %16.0f\n", g, warm, cold, cold_l2, (cold - warm) * 1000 / 32);
+    }
+    std::printf("cold-warm ns/jump = (cold - warm) / 32: a piece's code fetch included, compare with the straight\n"
+                "table's cold - warm for the same 32 KB\n");
     return 0;
 }
