@@ -29,3 +29,23 @@ def test_mean_stats_and_table() -> None:
     text = tr.format_table("dispatch:", m)
     assert "send_begin" in text and "2.0" in text
     assert tr.split_kernels([[[1]], [[2]]]) == {"dispatch": [[1]], "combine": [[2]]}
+
+
+def test_points_match_the_kernels_trace_point_enum() -> None:
+    """POINTS is ll_launch.h's TracePoint in slot order (the kernels stamp by number, the tool names by
+    position), and TIME_ORDER lists each point once."""
+    import os
+    import re
+
+    header = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", "kernels",
+                          "ll_launch.h")
+    text = open(header).read()
+    enum = text[text.index("enum TracePoint"):]
+    enum = enum[:enum.index("};")]
+    slots = {int(n): re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower()
+             for name, n in re.findall(r"kTr(\w+)\s*=\s*(\d+)", enum)}
+    assert sorted(slots) == list(range(len(slots)))
+    assert list(tr.POINTS) == [slots[i] for i in range(len(slots))]
+    assert sorted(tr.TIME_ORDER) == sorted(tr.POINTS) and len(set(tr.TIME_ORDER)) == len(tr.TIME_ORDER)
+    slot_count = int(re.search(r"kTraceSlots\s*=\s*(\d+)", text).group(1))
+    assert len(tr.POINTS) <= slot_count
