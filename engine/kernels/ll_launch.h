@@ -81,7 +81,7 @@ enum TracePoint : int {
     kTrRecvBegin = 5, kTrRecvReady = 6, kTrRecvCopied = 7, kTrRecvDone = 8,
     kTrSendSignaled = 9,   // last block only: the store (NVLink / local) signals are written
     kTrRecvPlanned = 10,   // dispatch: the row prefix over (expert, source) is known
-    kTrRecvReduced = 11,   // combine: the block's reduce items are stored, before its arrival
+    kTrRecvReduced = 11,   // combine: warp 0 stored its reduce items (no barrier: other warps may not have)
 };
 constexpr int kTraceSlots = 16;
 enum TraceKernel : int { kTraceDispatch = 0, kTraceCombine = 1 };

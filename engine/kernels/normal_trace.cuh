@@ -2,7 +2,8 @@
 // a combine spends its time. A combine's senders and reducers are coupled through the rings (a sender
 // waits for the reducer's head, a reducer for the sender's tail), so its kernel time alone cannot say
 // which side paces the other; the trace splits every warp's time into waiting on a peer counter,
-// moving rows, and block or group barriers, summed per block.
+// moving rows, and block or group barriers, summed per block. (The LL kernels' trace is a timeline of
+// fixed points instead, ll_common.cuh trace_point: their phases follow one another.)
 //
 // Only the kTrace instantiation of a kernel reads the clock (the traced build may allocate registers
 // differently; the figures it reports are its own), and only when NormalStatic::trace is set.
