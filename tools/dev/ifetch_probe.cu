@@ -26,23 +26,33 @@ __device__ __forceinline__ unsigned long long now_ns() {
     return t;
 }
 
-// kSalt makes each instance another piece of code: the eviction kernel shares no line with the probe.
-template <int kFmas, int kSalt>
-__global__ void __launch_bounds__(32, 1) straight(float* out, unsigned long long* ns, float a) {
-    float x[8];
+// Eight independent FMA chains a lane, so the warp issues about one FMA a cycle once its code is there.
+__device__ __forceinline__ unsigned long long start_chains(float (&x)[8], int salt) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) x[j] = threadIdx.x + j + kSalt;
+    for (int j = 0; j < 8; ++j) x[j] = threadIdx.x + j + salt;
     __syncwarp();
-    const unsigned long long t0 = now_ns();
-#pragma unroll
-    for (int i = 0; i < kFmas; ++i) asm volatile("fma.rn.f32 %0, %0, %1, %1;" : "+f"(x[i & 7]) : "f"(a));
+    return now_ns();
+}
+// The block's time since t0 to ns[block]; the chains stay live (the sum never equals the test value).
+__device__ __forceinline__ void finish_chains(const float (&x)[8], unsigned long long t0, float* out,
+                                              unsigned long long* ns) {
     __syncwarp();
     const unsigned long long t1 = now_ns();
     float s = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) s += x[j];
     if (threadIdx.x == 0) ns[blockIdx.x] = t1 - t0;
-    if (s == 1234.5f) out[blockIdx.x] = s;   // keeps the chain live; never true for these inputs
+    if (s == 1234.5f) out[blockIdx.x] = s;
+}
+
+// kSalt makes each instance another piece of code: the eviction kernel shares no line with the probe.
+template <int kFmas, int kSalt>
+__global__ void __launch_bounds__(32, 1) straight(float* out, unsigned long long* ns, float a) {
+    float x[8];
+    const unsigned long long t0 = start_chains(x, kSalt);
+#pragma unroll
+    for (int i = 0; i < kFmas; ++i) asm volatile("fma.rn.f32 %0, %0, %1, %1;" : "+f"(x[i & 7]) : "f"(a));
+    finish_chains(x, t0, out, ns);
 }
 
 // The same FMAs as straight<kPieces * kPerPiece>, in kPieces pieces entered in the order
@@ -50,12 +60,10 @@ __global__ void __launch_bounds__(32, 1) straight(float* out, unsigned long long
 template <int kPieces, int kPerPiece>
 __global__ void __launch_bounds__(32, 1) jumps(float* out, unsigned long long* ns, float a, int first, int stride) {
     float x[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) x[j] = threadIdx.x + j;
-    __syncwarp();
-    const unsigned long long t0 = now_ns();
+    const unsigned long long t0 = start_chains(x, 0);
 #pragma unroll 1
     for (int i = 0; i < kPieces; ++i) {
+        // A switch needs its cases written out: the macro writes the 32 (the measured build used it).
         switch ((i * stride + first) % kPieces) {
 #define PYEP_PIECE(n)                                                                                 \
     case n:                                                                                           \
@@ -71,13 +79,7 @@ __global__ void __launch_bounds__(32, 1) jumps(float* out, unsigned long long* n
 #undef PYEP_PIECE
         }
     }
-    __syncwarp();
-    const unsigned long long t1 = now_ns();
-    float s = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) s += x[j];
-    if (threadIdx.x == 0) ns[blockIdx.x] = t1 - t0;
-    if (s == 1234.5f) out[blockIdx.x] = s;
+    finish_chains(x, t0, out, ns);
 }
 
 void check(cudaError_t e, const char* what) {
