@@ -34,12 +34,10 @@ def test_mean_stats_and_table() -> None:
 def test_points_match_the_kernels_trace_point_enum() -> None:
     """POINTS is ll_launch.h's TracePoint in slot order (the kernels stamp by number, the tool names by
     position), and TIME_ORDER lists each point once."""
-    import os
     import re
+    from pathlib import Path
 
-    header = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", "kernels",
-                          "ll_launch.h")
-    text = open(header).read()
+    text = (Path(__file__).resolve().parent.parent / "engine" / "kernels" / "ll_launch.h").read_text()
     enum = text[text.index("enum TracePoint"):]
     enum = enum[:enum.index("};")]
     slots = {int(n): re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower()

@@ -259,7 +259,8 @@ __device__ __forceinline__ void record_bad_entry(const LLStatic& s, const int64_
 
 // ---- timeline trace (diagnostics: LLStatic::trace) ---------------------------------------------------
 // Thread 0 stamps %globaltimer at a point the whole block has reached (callers stamp right after a
-// barrier; recv_reduced is warp 0's own point). Off unless the backend was created with PYEP_LL_TRACE=1: one uniform branch per point.
+// barrier; recv_reduced is warp 0's own point). Off unless the backend was created with
+// PYEP_LL_TRACE=1: one uniform branch per point.
 // (The normal combine's trace sums each warp's time per activity instead, normal_trace.cuh: its senders
 // and reducers run at once.)
 __device__ __forceinline__ void trace_point(const LLStatic& s, int kernel, int point) {
