@@ -9,7 +9,8 @@
 // It prints the median block's time and the time per 128-byte line of code. A second kernel runs the
 // same amount of code as 32 pieces of 1 KB entered in a runtime order (a switch: an indirect jump to
 // each piece), so every piece starts at a cold jump target: its cold - warm, against the straight
-// code's for the same bytes, is what cold jump targets add. docs/performance.md ("Open questions", the first reduce item) uses them.
+// code's for the same bytes, is what cold jump targets add. docs/performance.md ("Open questions", the
+// first reduce item) uses them.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a tools/dev/ifetch_probe.cu -o /tmp/ifetch_probe && /tmp/ifetch_probe
 #include <cuda_runtime.h>
