@@ -4,11 +4,11 @@
 // independent FMAs (16 bytes of code each, no memory access between the two clock reads) on G blocks, one
 // per SM:
 //   warm:  the same kernel run just before, on the same grid;
-//   cold:  another kernel's code (EVICT_BYTES of it) run on every SM in between;
-//   cold+L2: also 256 MB written in between, so the code comes from HBM, not the L2.
+//   cold:  another kernel's code (256 KB of it, kEvictFmas) run on every SM in between;
+//   cold+L2: also 256 MB written in between, meant to push the code out of the L2 too.
 // It prints the median block's time and the time per 128-byte line of code. A second kernel runs the
-// same amount of code as 32 pieces of 1 KB entered in a runtime order (a switch: an indirect jump to
-// each piece), so every piece starts at a cold jump target: its cold - warm, against the straight
+// same amount of code as 32 pieces of 1 KB entered in a runtime order (a switch: a tree of branches
+// to each piece), so every piece starts at a cold jump target: its cold - warm, against the straight
 // code's for the same bytes, is what cold jump targets add. docs/performance.md ("Open questions", the
 // first reduce item) uses them.
 //
