@@ -340,6 +340,16 @@ def test_native_pending_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(PeerTimeout):
         b.check_errors()
     assert b._broken
+    # A one-copy descriptor outside the pool, and a lost path record: both break the buffer too.
+    from pyep.ep.normal.errors import ERR_DIRECT_DESC, ERR_LOST_PATH, BadOutputDescriptor, LostDispatchPath
+    for words, exc in (([ERR_DIRECT_DESC, 1, 2, 99], BadOutputDescriptor),
+                       ([ERR_LOST_PATH, 1, 7, 0], LostDispatchPath)):
+        b._broken = False
+        err[:4] = torch.tensor(words)
+        with pytest.raises(exc, match="rank 1's"):
+            b.pending_error()
+        with pytest.raises(BufferBroken, match="one-copy descriptor"):
+            b.pending_error()
 
 
 def test_reference_refusal_that_meets_no_peer(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -226,8 +226,9 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
 
     def _pending_error(self) -> Optional[Exception]:
         if self._broken:
-            raise BufferBroken("a peer timed out or the ranks were at different calls in an earlier call of this "
-                               "buffer: call clean() on every live rank before using it again")
+            raise BufferBroken("an earlier call of this buffer left the ranks out of step (a peer timed out, the ranks "
+                               "were at different calls, or a one-copy descriptor was invalid or lost): call clean() "
+                               "on every live rank before using it again")
         void = self.records.take_void()
         value = self.records.take_error()
         for exc in (void, value):
