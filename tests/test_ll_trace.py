@@ -21,6 +21,21 @@ def test_summarize_relative_to_first_block_and_skips_unreached() -> None:
     assert tr.summarize([[0] * slots]) == []
 
 
+def test_summarize_on_a_common_clock() -> None:
+    """Ranks sharing a GPU: a t0 taken over all of them keeps each rank's offset (its skew)."""
+    slots = 16
+    early = [[0] * slots]
+    late = [[0] * slots]
+    early[0][:2] = [1_000, 2_000]
+    late[0][:2] = [4_000, 6_000]
+    assert tr.first_stamp(early) == 1_000 and tr.first_stamp([[0] * slots]) == 0
+    t0 = min(tr.first_stamp(early), tr.first_stamp(late))
+    own = {p.point: p for p in tr.summarize(late)}
+    common = {p.point: p for p in tr.summarize(late, t0)}
+    assert own["send_begin"].first_us == 0.0 and own["send_routed"].first_us == 2.0
+    assert common["send_begin"].first_us == 3.0 and common["send_routed"].first_us == 5.0
+
+
 def test_mean_stats_and_table() -> None:
     a = [tr.PointStat("send_begin", 4, 0.0, 1.0, 2.0), tr.PointStat("recv_done", 4, 10.0, 12.0, 14.0)]
     b = [tr.PointStat("send_begin", 3, 0.0, 3.0, 4.0)]

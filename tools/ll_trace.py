@@ -85,13 +85,27 @@ def main(argv: list) -> int:
     for _ in range(3):
         one_call()
     per_kernel = {k: [] for k in tr.KERNELS}
+    raws = []
     for _ in range(args.iters):
         raw = tr.split_kernels(one_call())
+        raws.append(raw)
         for k in tr.KERNELS:
             per_kernel[k].append(tr.summarize(raw[k]))
     mine = {k: tr.mean_stats(v) for k, v in per_kernel.items()}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
+    # Ranks sharing one GPU read one %globaltimer: each call's earliest stamp over all ranks puts them on
+    # one clock, which shows their skew and how long a flag took from one rank's store to another's poll.
+    one_clock = {}
+    if plan is not None and plan.shared and plan.gpus == 1:
+        starts = [None] * world
+        dist.all_gather_object(starts, [{k: tr.first_stamp(raw[k]) for k in tr.KERNELS} for raw in raws])
+        for k in tr.KERNELS:
+            t0s = [min(s[i][k] for s in starts if s[i][k]) if any(s[i][k] for s in starts) else None
+                   for i in range(len(raws))]
+            one_clock[k] = tr.mean_stats([tr.summarize(raw[k], t0) for raw, t0 in zip(raws, t0s) if t0])
+        clocks = [None] * world
+        dist.all_gather_object(clocks, one_clock)
     if rank == 0:
         mode = "hook (send and receive launched separately)" if args.hook else "one launch"
         print(f"LL kernel timeline, {world} ranks, T={args.tokens} H={args.hidden} E={args.experts} K={args.topk}, "
@@ -103,6 +117,10 @@ def main(argv: list) -> int:
                                   max(r[k][i].median_us for r in everyone), max(r[k][i].last_us for r in everyone))
                      for i, p in enumerate(mine[k]) if all(len(r[k]) > i for r in everyone)]
             print(tr.format_table(f"{k}, max over ranks:", worst))
+            if one_clock:
+                for r, c in enumerate(clocks):
+                    title = f"{k}, rank {r}, every rank on one clock (us after any rank's first block):"
+                    print(tr.format_table(title, c[k]))
     if args.host_profile:
         prof = cProfile.Profile()
         for _ in range(20):

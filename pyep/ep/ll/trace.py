@@ -10,7 +10,7 @@ them (the system fence), waiting for peers or copying out. tools/ll_trace.py run
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 # Slot order (ll_launch.h TracePoint); the late additions are listed where they happen in time by
 # TIME_ORDER.
@@ -39,13 +39,20 @@ def _median(v: Sequence[float]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def summarize(stamps: Sequence[Sequence[int]]) -> List[PointStat]:
+def first_stamp(stamps: Sequence[Sequence[int]]) -> int:
+    """The earliest stamp of a call (ns), 0 when no block stamped anything."""
+    return min((t for row in stamps for t in row[:len(POINTS)] if t), default=0)
+
+
+def summarize(stamps: Sequence[Sequence[int]], t0: Optional[int] = None) -> List[PointStat]:
     """stamps[block][slot] in ns (0 = not reached in this call) -> one PointStat per reached point,
-    times relative to the earliest stamp of the call."""
-    reached = [t for row in stamps for t in row[:len(POINTS)] if t]
-    if not reached:
+    times relative to `t0`: by default the earliest stamp of the call. Ranks that share a GPU read one
+    %globaltimer, so passing the earliest stamp over all of them puts every rank on one clock (GPUs'
+    timers are not aligned with each other: across GPUs only the default is meaningful)."""
+    if not first_stamp(stamps):
         return []
-    t0 = min(reached)
+    if t0 is None:
+        t0 = first_stamp(stamps)
     out = []
     for name in TIME_ORDER:
         i = POINTS.index(name)
