@@ -36,6 +36,16 @@ def test_summarize_on_a_common_clock() -> None:
     assert common["send_begin"].first_us == 3.0 and common["send_routed"].first_us == 5.0
 
 
+def test_one_clock_summary() -> None:
+    r0 = [tr.PointStat("send_begin", 2, 0.0, 0.1, 0.2), tr.PointStat("send_fenced", 2, 3.0, 3.5, 6.0),
+          tr.PointStat("recv_ready", 2, 20.0, 20.5, 21.0)]
+    r1 = [tr.PointStat("send_begin", 2, 15.0, 15.1, 15.2), tr.PointStat("send_fenced", 2, 18.0, 18.5, 19.0),
+          tr.PointStat("recv_ready", 2, 20.0, 20.2, 20.4)]
+    line = tr.one_clock_summary([r0, r1])
+    assert line == "start skew 15.0 us; last flags after 19.0 us, every rank ready by 20.5 us (+1.5)"
+    assert tr.one_clock_summary([r0[:1], r1[:1]]) == "start skew 15.0 us"
+
+
 def test_mean_stats_and_table() -> None:
     a = [tr.PointStat("send_begin", 4, 0.0, 1.0, 2.0), tr.PointStat("recv_done", 4, 10.0, 12.0, 14.0)]
     b = [tr.PointStat("send_begin", 3, 0.0, 3.0, 4.0)]

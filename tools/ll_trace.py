@@ -8,7 +8,9 @@ Builds an EpBuffer with PYEP_LL_TRACE=1 (pyep.ep.ll.trace), runs aligned dispatc
 way `pyep bench` does, and prints, for rank 0 and as the maximum over ranks, when the blocks reached
 each point of the kernels: routed (slot bases known), issued (all stores handed to the memory
 system), fenced (the system-scope fence: stores acknowledged), done (signals sent), then the receive
-side's ready (every source's signal seen), copied and done. --host-profile adds a cProfile of the
+side's ready (every source's signal seen), copied and done. With all ranks on one GPU (they read one
+%globaltimer) it also prints every rank's timeline on one clock and a line per kernel with the ranks'
+start skew and the time from the last flags to every rank's ready. --host-profile adds a cProfile of the
 Python side of the calls. A diagnostic tool: per-kernel performance figures come from `pyep bench`.
 """
 from __future__ import annotations
@@ -118,6 +120,7 @@ def main(argv: list) -> int:
                      for i, p in enumerate(mine[k]) if all(len(r[k]) > i for r in everyone)]
             print(tr.format_table(f"{k}, max over ranks:", worst))
             if one_clock:
+                print(f"{k}, every rank on one clock: {tr.one_clock_summary([c[k] for c in clocks])}")
                 for r, c in enumerate(clocks):
                     title = f"{k}, rank {r}, every rank on one clock (us after any rank's first block):"
                     print(tr.format_table(title, c[k]))

@@ -83,6 +83,24 @@ def format_table(title: str, stats: Sequence[PointStat]) -> str:
     return "\n".join(lines)
 
 
+def one_clock_summary(per_rank: Sequence[Sequence[PointStat]]) -> str:
+    """One line for a kernel's timelines of all ranks on one clock (summarize with a common t0): the
+    ranks' start skew, when the last rank's last block had fenced (its flags go out right after), and
+    when every rank's median block had seen all flags -- the gap is a flag's way from store to poll."""
+    def at(stats: Sequence[PointStat], name: str) -> Optional[PointStat]:
+        return next((p for p in stats if p.point == name), None)
+    starts = [p.first_us for p in (at(r, "send_begin") for r in per_rank) if p]
+    fenced = [p.last_us for p in (at(r, "send_fenced") for r in per_rank) if p]
+    ready = [p.median_us for p in (at(r, "recv_ready") for r in per_rank) if p]
+    parts = []
+    if len(starts) == len(per_rank) and starts:
+        parts.append(f"start skew {max(starts) - min(starts):.1f} us")
+    if fenced and ready and len(ready) == len(per_rank):
+        parts.append(f"last flags after {max(fenced):.1f} us, every rank ready by {max(ready):.1f} us "
+                     f"(+{max(ready) - max(fenced):.1f})")
+    return "; ".join(parts)
+
+
 def split_kernels(raw: Sequence[Sequence[Sequence[int]]]) -> Dict[str, Sequence[Sequence[int]]]:
     """raw[kernel][block][slot] (NativeBackend's trace tensor as lists) -> {"dispatch": ..., "combine": ...}."""
     return {name: raw[i] for i, name in enumerate(KERNELS)}
