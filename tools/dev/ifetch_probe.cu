@@ -9,8 +9,9 @@
 // It prints the median block's time and the time per 128-byte line of code. A second kernel runs the
 // same amount of code as 32 pieces of 1 KB entered in a runtime order (a switch: a tree of branches
 // to each piece), so every piece starts at a cold jump target: its cold - warm, against the straight
-// code's for the same bytes, is what cold jump targets add. docs/performance.md ("Open questions", the
-// first reduce item) uses them.
+// code's for the same bytes, is what cold jump targets add. A third kernel reads 16 lines of its
+// parameters in a dependent chain, twice: what a launch's first touch of each parameter line costs.
+// docs/performance.md ("Open questions", the first reduce item) uses them.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a tools/dev/ifetch_probe.cu -o /tmp/ifetch_probe && /tmp/ifetch_probe
 #include <cuda_runtime.h>
@@ -81,6 +82,31 @@ __global__ void __launch_bounds__(32, 1) jumps(float* out, unsigned long long* n
         }
     }
     finish_chains(x, t0, out, ns);
+}
+
+// Kernel parameters are a fresh constant buffer at every launch, so each SM's first read of each line
+// of them misses. params_chain reads one word from each of kLines 64-byte lines in a dependent chain
+// (every index depends on the word read before: the host fills the words with 0), then the same chain
+// again: ns[3 * block] is the first pass, ns[3 * block + 1] the second.
+struct BigParams {
+    unsigned long long w[128];   // 1 KB: 16 lines of 64 bytes
+};
+template <int kLines>
+__global__ void __launch_bounds__(32, 1) params_chain(const BigParams p, unsigned long long* ns) {
+    unsigned long long idx = 0;
+    __syncwarp();
+    const unsigned long long t0 = now_ns();
+#pragma unroll 1
+    for (int i = 0; i < kLines; ++i) idx = p.w[(i * 8 + (int)idx) & 127];
+    const unsigned long long t1 = now_ns();
+#pragma unroll 1
+    for (int i = 0; i < kLines; ++i) idx = p.w[(i * 8 + (int)idx) & 127];
+    const unsigned long long t2 = now_ns();
+    if (threadIdx.x == 0) {
+        ns[3 * blockIdx.x] = t1 - t0;
+        ns[3 * blockIdx.x + 1] = t2 - t1;
+        ns[3 * blockIdx.x + 2] = idx;
+    }
 }
 
 void check(cudaError_t e, const char* what) {
@@ -164,5 +190,28 @@ int main() {
     }
     std::printf("cold-warm ns/jump = (cold - warm) / 32: a piece's code fetch included, compare with the straight\n"
                 "table's cold - warm for the same 32 KB\n");
+
+    // Parameter lines: first read of each of 16 lines in a launch, against the same reads again.
+    BigParams bp{};
+    unsigned long long* pns;
+    check(cudaMalloc(&pns, 3 * sms * sizeof(unsigned long long)), "malloc");
+    std::printf("\nkernel parameters: 16 lines of 64 B read in a dependent chain, first pass and again\n");
+    std::printf("%7s %14s %14s %16s\n", "blocks", "first pass us", "again us", "first ns/line");
+    for (int g : grids) {
+        double first = 1e30, again = 1e30;
+        for (int rep = 0; rep < 5; ++rep) {
+            params_chain<16><<<g, 32>>>(bp, pns);
+            check(cudaDeviceSynchronize(), "params");
+            std::vector<unsigned long long> h(3 * g);
+            check(cudaMemcpy(h.data(), pns, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost), "copy");
+            std::vector<unsigned long long> a(g), b(g);
+            for (int i = 0; i < g; ++i) a[i] = h[3 * i], b[i] = h[3 * i + 1];
+            std::sort(a.begin(), a.end());
+            std::sort(b.begin(), b.end());
+            first = std::min(first, a[g / 2] / 1000.0);
+            again = std::min(again, b[g / 2] / 1000.0);
+        }
+        std::printf("%7d %14.2f %14.2f %16.0f\n", g, first, again, first * 1000 / 16);
+    }
     return 0;
 }
