@@ -51,11 +51,12 @@ __global__ void __launch_bounds__(32, 1) timed_fmas(float* out, unsigned long lo
 enum Load { kSpin = 0, kFenceGpu = 1, kFenceSys = 2, kStoreSys = 3 };
 const char* const kLoadNames[] = {"spin", "fence.gpu", "fence.sys", "store+sys"};
 
-// Runs until *stop is set (by the host after A finished), so it covers all of A.
+// Runs until *stop is set (by the host after A finished), so it covers all of A; the flag lives in host
+// memory and is read every 256 trips, so the loop is the load and not the PCIe read.
 __global__ void __launch_bounds__(128, 1) background(int mode, volatile int* stop, int4* scratch, float a) {
     float x = threadIdx.x;
     int4* mine = scratch + (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    for (int it = 0; !*stop; ++it) {
+    for (int it = 0; (it & 255) != 0 || !*stop; ++it) {
         if (mode == kSpin) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) asm volatile("fma.rn.f32 %0, %0, %1, %1;" : "+f"(x) : "f"(a));
@@ -70,6 +71,10 @@ __global__ void __launch_bounds__(128, 1) background(int mode, volatile int* sto
     }
     if (x == 1234.5f) scratch[0].x = 1;
 }
+
+// Both kernels take this much dynamic shared memory, more than half an SM's: no SM holds a block of each,
+// so A's SMs run A alone and what B does reaches them only through what the SMs share.
+constexpr int kSmemBytes = 120 * 1024;
 
 void check(cudaError_t e, const char* what) {
     if (e != cudaSuccess) {
@@ -94,6 +99,8 @@ int main() {
     check(cudaMalloc(&scratch, (size_t)half * 128 * sizeof(int4)), "malloc");
     int* d_stop;
     check(cudaHostGetDevicePointer(&d_stop, stop, 0), "device pointer");
+    check(cudaFuncSetAttribute(timed_fmas, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), "smem A");
+    check(cudaFuncSetAttribute(background, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), "smem B");
     cudaStream_t sa, sb;
     check(cudaStreamCreateWithFlags(&sa, cudaStreamNonBlocking), "stream");
     check(cudaStreamCreateWithFlags(&sb, cudaStreamNonBlocking), "stream");
@@ -105,13 +112,13 @@ int main() {
         for (int rep = 0; rep < 5; ++rep) {
             *stop = 0;
             if (mode >= 0) {
-                background<<<half, 128, 0, sb>>>(mode, d_stop, scratch, 1.0f);
+                background<<<half, 128, kSmemBytes, sb>>>(mode, d_stop, scratch, 1.0f);
                 check(cudaGetLastError(), "launch B");
             }
-            // Give B time to occupy its SMs before A starts.
-            timed_fmas<<<1, 32, 0, sa>>>(out, ns, 1.0f);
+            // One A block first, so B has taken its SMs before the timed A starts.
+            timed_fmas<<<1, 32, kSmemBytes, sa>>>(out, ns, 1.0f);
             check(cudaStreamSynchronize(sa), "warm-up");
-            timed_fmas<<<half, 32, 0, sa>>>(out, ns, 1.0f);
+            timed_fmas<<<half, 32, kSmemBytes, sa>>>(out, ns, 1.0f);
             check(cudaStreamSynchronize(sa), "A");
             *stop = 1;
             check(cudaStreamSynchronize(sb), "B");
