@@ -1,14 +1,18 @@
-// Whether fences on some SMs slow other SMs that only compute. On one GPU the LL kernels of the ranks
-// run side by side, and every send half ends in system-scope fences; the LL combine's first reduce item
-// (docs/results/2026-11-27k-h200) takes 4-6 us after the flags with no memory access in it, and every
-// block ends it at the same instant. Kernel A (half the SMs) times a straight block of FMAs; kernel B
-// (the other half, another stream, started first) meanwhile spins in one of these loops:
+// Whether what some SMs do slows other SMs that compute or read the L2. On one GPU the LL kernels of the
+// ranks run side by side: every block of a phase ends in a fence and an atomic on one counter, and the
+// receive polls a few flag words from every block; the LL combine's first reduce item
+// (docs/results/2026-11-27k-h200, 2026-11-27l-onegpu) takes 4-6 us after the flags, also with no loads,
+// and every block of both ranks ends it at the same instant. Kernel A (half the SMs) times either a
+// straight block of FMAs or a dependent chain of L2-resident loads (ld.global.cg, one 128-byte line
+// apart); kernel B (the other half, another stream, started first) meanwhile loops on one of:
 //   idle:       nothing (B not launched);
 //   spin:       FMAs only;
 //   fence.gpu:  __threadfence() in a loop;
 //   fence.sys:  __threadfence_system() in a loop;
-//   store+sys:  a 16-byte store per lane, then __threadfence_system(), in a loop.
-// It prints A's median block time for each, least of 5.
+//   store+sys:  a 16-byte store per lane, then __threadfence_system(), in a loop;
+//   poll:       threads 0 and 1 of each block read one word with ld.acquire.sys, as the LL receive polls;
+//   atomic:     thread 0 of each block adds to one word, as blocks arrive on a phase's counter.
+// It prints A's median and slowest block for each, least of 5: the FMAs' time, and ns per load.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a tools/dev/fence_probe.cu -o /tmp/fence_probe && /tmp/fence_probe
 #include <cuda_runtime.h>
@@ -48,8 +52,26 @@ __global__ void __launch_bounds__(32, 1) timed_fmas(float* out, unsigned long lo
     if (s == 1234.5f) out[blockIdx.x] = s;
 }
 
-enum Load { kSpin = 0, kFenceGpu = 1, kFenceSys = 2, kStoreSys = 3 };
-const char* const kLoadNames[] = {"spin", "fence.gpu", "fence.sys", "store+sys"};
+constexpr int kChainWords = 1 << 18;   // 1 MB: stays in the L2
+constexpr int kChainLoads = 512;
+
+// Thread 0 follows the chain (each word holds the next index), every load a round trip to the L2.
+__global__ void __launch_bounds__(32, 1) timed_chase(const unsigned* chain, unsigned long long* ns, unsigned* sink) {
+    if (threadIdx.x != 0) return;
+    unsigned i = (blockIdx.x * 4099u * 32u) % kChainWords;
+    const unsigned long long t0 = now_ns();
+    for (int k = 0; k < kChainLoads; ++k) {
+        unsigned v;
+        asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(chain + i) : "memory");
+        i = v;
+    }
+    const unsigned long long t1 = now_ns() + (i == 0xffffffffu);
+    ns[blockIdx.x] = t1 - t0;
+    if (i == 0xffffffffu) sink[0] = i;
+}
+
+enum Load { kSpin = 0, kFenceGpu = 1, kFenceSys = 2, kStoreSys = 3, kPoll = 4, kAtomic = 5 };
+const char* const kLoadNames[] = {"spin", "fence.gpu", "fence.sys", "store+sys", "poll", "atomic"};
 
 // Runs until *stop is set (by the host after A finished), so it covers all of A; the flag lives in host
 // memory and is read every 256 trips, so the loop is the load and not the PCIe read.
@@ -64,9 +86,17 @@ __global__ void __launch_bounds__(128, 1) background(int mode, volatile int* sto
             __threadfence();
         } else if (mode == kFenceSys) {
             __threadfence_system();
-        } else {
+        } else if (mode == kStoreSys) {
             *mine = make_int4(it, it, it, it);
             __threadfence_system();
+        } else if (mode == kPoll) {
+            if (threadIdx.x < 2) {
+                int v;
+                asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(&scratch[0].y) : "memory");
+                x += v;
+            }
+        } else if (threadIdx.x == 0) {
+            atomicAdd(&scratch[0].z, 1);
         }
     }
     if (x == 1234.5f) scratch[0].x = 1;
@@ -93,43 +123,61 @@ int main() {
     unsigned long long* ns;
     int* stop;   // host-mapped: the host raises it while B runs
     int4* scratch;
+    unsigned *chain, *sink;
     check(cudaMalloc(&out, half * sizeof(float)), "malloc");
     check(cudaMalloc(&ns, half * sizeof(unsigned long long)), "malloc");
     check(cudaHostAlloc(&stop, sizeof(int), cudaHostAllocMapped), "host alloc");
     check(cudaMalloc(&scratch, (size_t)half * 128 * sizeof(int4)), "malloc");
+    check(cudaMemset(scratch, 0, (size_t)half * 128 * sizeof(int4)), "memset");
+    check(cudaMalloc(&chain, kChainWords * sizeof(unsigned)), "malloc");
+    check(cudaMalloc(&sink, sizeof(unsigned)), "malloc");
+    {
+        // Word i points 37 lines on: every load of a chain is another 128-byte line.
+        std::vector<unsigned> h(kChainWords);
+        for (int i = 0; i < kChainWords; ++i) h[i] = (unsigned)((i + 37 * 32) % kChainWords);
+        check(cudaMemcpy(chain, h.data(), h.size() * sizeof(unsigned), cudaMemcpyHostToDevice), "chain");
+    }
     int* d_stop;
     check(cudaHostGetDevicePointer(&d_stop, stop, 0), "device pointer");
     check(cudaFuncSetAttribute(timed_fmas, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), "smem A");
+    check(cudaFuncSetAttribute(timed_chase, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), "smem A");
     check(cudaFuncSetAttribute(background, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), "smem B");
     cudaStream_t sa, sb;
     check(cudaStreamCreateWithFlags(&sa, cudaStreamNonBlocking), "stream");
     check(cudaStreamCreateWithFlags(&sb, cudaStreamNonBlocking), "stream");
-    std::printf("fence probe, %s: A = %d blocks x %d FMAs timed, B = %d blocks of 128 threads beside it\n", prop.name,
-                half, kFmas, half);
-    std::printf("%-10s %12s %12s\n", "B", "A median us", "A max us");
-    for (int mode = -1; mode <= kStoreSys; ++mode) {
-        double best_med = 1e30, best_max = 1e30;
+    std::printf("fence probe, %s: A = %d blocks (%d FMAs, or a chain of %d L2 loads), B = %d blocks of 128 "
+                "threads beside it\n", prop.name, half, kFmas, kChainLoads, half);
+    std::printf("%-10s %14s %12s %16s %14s\n", "B", "FMA median us", "FMA max us", "load median ns", "load max ns");
+    for (int mode = -1; mode <= kAtomic; ++mode) {
+        double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};   // [fmas, chase][median, max]
         for (int rep = 0; rep < 5; ++rep) {
-            *stop = 0;
-            if (mode >= 0) {
-                background<<<half, 128, kSmemBytes, sb>>>(mode, d_stop, scratch, 1.0f);
-                check(cudaGetLastError(), "launch B");
+            for (int kind = 0; kind < 2; ++kind) {
+                *stop = 0;
+                if (mode >= 0) {
+                    background<<<half, 128, kSmemBytes, sb>>>(mode, d_stop, scratch, 1.0f);
+                    check(cudaGetLastError(), "launch B");
+                }
+                // One A block first, so B has taken its SMs before the timed A starts (and the chain is
+                // in the L2).
+                if (kind == 0) timed_fmas<<<1, 32, kSmemBytes, sa>>>(out, ns, 1.0f);
+                else timed_chase<<<1, 32, kSmemBytes, sa>>>(chain, ns, sink);
+                check(cudaStreamSynchronize(sa), "warm-up");
+                if (kind == 0) timed_fmas<<<half, 32, kSmemBytes, sa>>>(out, ns, 1.0f);
+                else timed_chase<<<half, 32, kSmemBytes, sa>>>(chain, ns, sink);
+                check(cudaStreamSynchronize(sa), "A");
+                *stop = 1;
+                check(cudaStreamSynchronize(sb), "B");
+                std::vector<unsigned long long> h(half);
+                check(cudaMemcpy(h.data(), ns, half * sizeof(unsigned long long), cudaMemcpyDeviceToHost), "copy");
+                std::sort(h.begin(), h.end());
+                const double unit = kind == 0 ? 1000.0 : (double)kChainLoads;   // us, or ns per load
+                best[kind][0] = std::min(best[kind][0], h[half / 2] / unit);
+                best[kind][1] = std::min(best[kind][1], h[half - 1] / unit);
             }
-            // One A block first, so B has taken its SMs before the timed A starts.
-            timed_fmas<<<1, 32, kSmemBytes, sa>>>(out, ns, 1.0f);
-            check(cudaStreamSynchronize(sa), "warm-up");
-            timed_fmas<<<half, 32, kSmemBytes, sa>>>(out, ns, 1.0f);
-            check(cudaStreamSynchronize(sa), "A");
-            *stop = 1;
-            check(cudaStreamSynchronize(sb), "B");
-            std::vector<unsigned long long> h(half);
-            check(cudaMemcpy(h.data(), ns, half * sizeof(unsigned long long), cudaMemcpyDeviceToHost), "copy");
-            std::sort(h.begin(), h.end());
-            best_med = std::min(best_med, h[half / 2] / 1000.0);
-            best_max = std::min(best_max, h[half - 1] / 1000.0);
         }
-        std::printf("%-10s %12.2f %12.2f\n", mode < 0 ? "idle" : kLoadNames[mode], best_med, best_max);
+        std::printf("%-10s %14.2f %12.2f %16.0f %14.0f\n", mode < 0 ? "idle" : kLoadNames[mode], best[0][0],
+                    best[0][1], best[1][0], best[1][1]);
     }
-    std::printf("least of 5; A's time is its FMAs only (no memory access between its clock reads)\n");
+    std::printf("least of 5; A's FMA time has no memory access between its clock reads\n");
     return 0;
 }
