@@ -22,34 +22,22 @@
 #include <cstdlib>
 #include <vector>
 
-namespace {
+#include "probe_common.h"
 
-__device__ __forceinline__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
+namespace {
+using namespace probe;
 
 constexpr int kFmas = 8192;
 
 __global__ void __launch_bounds__(32, 1) timed_fmas(float* out, unsigned long long* ns, float a) {
     float x[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) x[j] = threadIdx.x + j;
-    __syncwarp();
-    const unsigned long long t0 = now_ns();
+    const unsigned long long t0 = start_chains(x, 0);
 #pragma unroll 1
     for (int r = 0; r < 4; ++r) {
 #pragma unroll
         for (int i = 0; i < kFmas / 4; ++i) asm volatile("fma.rn.f32 %0, %0, %1, %1;" : "+f"(x[i & 7]) : "f"(a));
     }
-    __syncwarp();
-    const unsigned long long t1 = now_ns();
-    float s = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) s += x[j];
-    if (threadIdx.x == 0) ns[blockIdx.x] = t1 - t0;
-    if (s == 1234.5f) out[blockIdx.x] = s;
+    finish_chains(x, t0, out, ns);
 }
 
 constexpr int kChainWords = 1 << 18;   // 1 MB: stays in the L2
@@ -105,13 +93,6 @@ __global__ void __launch_bounds__(128, 1) background(int mode, volatile int* sto
 // Both kernels take this much dynamic shared memory, more than half an SM's: no SM holds a block of each,
 // so A's SMs run A alone and what B does reaches them only through what the SMs share.
 constexpr int kSmemBytes = 120 * 1024;
-
-void check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) {
-        std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-        std::exit(1);
-    }
-}
 
 }  // namespace
 

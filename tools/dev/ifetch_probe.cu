@@ -20,32 +20,10 @@
 #include <cstdio>
 #include <vector>
 
+#include "probe_common.h"
+
 namespace {
-
-__device__ __forceinline__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-// Eight independent FMA chains a lane, so the warp issues about one FMA a cycle once its code is there.
-__device__ __forceinline__ unsigned long long start_chains(float (&x)[8], int salt) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) x[j] = threadIdx.x + j + salt;
-    __syncwarp();
-    return now_ns();
-}
-// The block's time since t0 to ns[block]; the chains stay live (the sum never equals the test value).
-__device__ __forceinline__ void finish_chains(const float (&x)[8], unsigned long long t0, float* out,
-                                              unsigned long long* ns) {
-    __syncwarp();
-    const unsigned long long t1 = now_ns();
-    float s = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) s += x[j];
-    if (threadIdx.x == 0) ns[blockIdx.x] = t1 - t0;
-    if (s == 1234.5f) out[blockIdx.x] = s;
-}
+using namespace probe;
 
 // kSalt makes each instance another piece of code: the eviction kernel shares no line with the probe.
 template <int kFmas, int kSalt>
@@ -106,13 +84,6 @@ __global__ void __launch_bounds__(32, 1) params_chain(const BigParams p, unsigne
         ns[3 * blockIdx.x] = t1 - t0;
         ns[3 * blockIdx.x + 1] = t2 - t1;
         ns[3 * blockIdx.x + 2] = idx;
-    }
-}
-
-void check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) {
-        std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-        std::exit(1);
     }
 }
 

@@ -15,9 +15,11 @@
 
 #include "kernels/normal_common.cuh"
 #include "median_us.h"
+#include "probe_common.h"
 
 namespace {
 using namespace pyep::normal;
+using probe::check;
 
 constexpr int kThreads = 768;   // the dispatch's blocks
 constexpr int kWarps = kThreads / 32;
@@ -68,13 +70,6 @@ __global__ void __launch_bounds__(kThreads, 1) one_copy(const uint8_t* x, uint8_
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int r = blockIdx.x * kWarps + warp; r < rows; r += gridDim.x * kWarps)
         warp_copy(out + (size_t)r * row_bytes, x + (size_t)r * row_bytes, row_bytes, lane);
-}
-
-void check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) {
-        std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-        std::exit(1);
-    }
 }
 
 }  // namespace

@@ -21,18 +21,16 @@
 #include <cstdio>
 #include <vector>
 
+#include "probe_common.h"
+
 namespace {
+using namespace probe;
 
 constexpr size_t kPage = 2u << 20;
 constexpr int kPagesPerBlock = 8;
 constexpr int kPages = 1056;   // 132 blocks x 8 pages: 2.1 GB walked
 constexpr size_t kSweepBytes = size_t(8) << 30;
 
-__device__ __forceinline__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 __device__ __forceinline__ unsigned long long ld_cg(const unsigned long long* p) {
     unsigned long long v;
     asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -69,13 +67,6 @@ __global__ void sweep(const char* buf, size_t bytes, unsigned long long* sink) {
          page += (size_t)gridDim.x * blockDim.x)
         acc += ld_cg(reinterpret_cast<const unsigned long long*>(buf + page * kPage + 4096));
     if (acc == 1) sink[0] = acc;
-}
-
-void check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) {
-        std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-        std::exit(1);
-    }
 }
 
 double median_ns_per_load(unsigned long long* ns_dev, int blocks) {
