@@ -98,8 +98,9 @@ def main(argv: list) -> int:
     dist.all_gather_object(everyone, mine)
     # Ranks sharing one GPU read one %globaltimer: each call's earliest stamp over all ranks puts them on
     # one clock, which shows their skew and how long a flag took from one rank's store to another's poll.
+    # Only when every rank is on this node's one GPU: other GPUs' and other nodes' timers are not aligned.
     one_clock = {}
-    if plan is not None and plan.shared and plan.gpus == 1:
+    if plan is not None and plan.shared and plan.gpus == 1 and plan.local_world == plan.world:
         starts = [None] * world
         dist.all_gather_object(starts, [{k: tr.first_stamp(raw[k]) for k in tr.KERNELS} for raw in raws])
         for k in tr.KERNELS:
