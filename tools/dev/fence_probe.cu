@@ -9,6 +9,7 @@
 //   spin:       FMAs only;
 //   fence.gpu:  __threadfence() in a loop;
 //   fence.sys:  __threadfence_system() in a loop;
+//   acqrel.gpu, acqrel.sys: fence.acq_rel at that scope in a loop (the fence.sc above are MEMBAR.SC);
 //   store+sys:  a 16-byte store per lane, then __threadfence_system(), in a loop;
 //   poll:       threads 0 and 1 of each block read one word with ld.acquire.sys, as the LL receive polls;
 //   atomic:     thread 0 of each block adds to one word, as blocks arrive on a phase's counter.
@@ -58,8 +59,10 @@ __global__ void __launch_bounds__(32, 1) timed_chase(const unsigned* chain, unsi
     if (i == 0xffffffffu) sink[0] = i;
 }
 
-enum Load { kSpin = 0, kFenceGpu = 1, kFenceSys = 2, kStoreSys = 3, kPoll = 4, kAtomic = 5 };
-const char* const kLoadNames[] = {"spin", "fence.gpu", "fence.sys", "store+sys", "poll", "atomic"};
+enum Load { kSpin = 0, kFenceGpu = 1, kFenceSys = 2, kAcqRelGpu = 3, kAcqRelSys = 4, kStoreSys = 5, kPoll = 6,
+            kAtomic = 7 };
+const char* const kLoadNames[] = {"spin", "fence.gpu", "fence.sys", "acqrel.gpu", "acqrel.sys", "store+sys", "poll",
+                                  "atomic"};
 
 // Runs until *stop is set (by the host after A finished), so it covers all of A; the flag lives in host
 // memory and is read every 256 trips, so the loop is the load and not the PCIe read.
@@ -74,6 +77,10 @@ __global__ void __launch_bounds__(128, 1) background(int mode, volatile int* sto
             __threadfence();
         } else if (mode == kFenceSys) {
             __threadfence_system();
+        } else if (mode == kAcqRelGpu) {
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        } else if (mode == kAcqRelSys) {
+            asm volatile("fence.acq_rel.sys;" ::: "memory");
         } else if (mode == kStoreSys) {
             *mine = make_int4(it, it, it, it);
             __threadfence_system();
