@@ -64,8 +64,10 @@ enum Load { kSpin = 0, kFenceGpu = 1, kFenceSys = 2, kAcqRelGpu = 3, kAcqRelSys 
 const char* const kLoadNames[] = {"spin", "fence.gpu", "fence.sys", "acqrel.gpu", "acqrel.sys", "store+sys", "poll",
                                   "atomic"};
 
-// Runs until *stop is set (by the host after A finished), so it covers all of A; the flag lives in host
-// memory and is read every 256 trips, so the loop is the load and not the PCIe read.
+// Runs until *stop is set, so it covers all of A. The flag is device memory, raised by a copy on a third
+// stream after A finished, and read every 256 trips: a host-mapped flag (the first form) put B's threads
+// on PCIe reads in the short-loop modes, and there one block of A's loads slowed to 7-8 us each
+// (docs/results/2026-11-28-x2, run 1).
 __global__ void __launch_bounds__(128, 1) background(int mode, volatile int* stop, int4* scratch, float a) {
     float x = threadIdx.x;
     int4* mine = scratch + (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -109,12 +111,15 @@ int main() {
     const int half = prop.multiProcessorCount / 2;
     float* out;
     unsigned long long* ns;
-    int* stop;   // host-mapped: the host raises it while B runs
+    int* stop;   // device memory: raised by a copy on stream sc while B runs
+    int* one;    // pinned host word holding 1, the copy's source
     int4* scratch;
     unsigned *chain, *sink;
     check(cudaMalloc(&out, half * sizeof(float)), "malloc");
     check(cudaMalloc(&ns, half * sizeof(unsigned long long)), "malloc");
-    check(cudaHostAlloc(&stop, sizeof(int), cudaHostAllocMapped), "host alloc");
+    check(cudaMalloc(&stop, sizeof(int)), "malloc");
+    check(cudaHostAlloc(&one, sizeof(int), cudaHostAllocDefault), "host alloc");
+    *one = 1;
     check(cudaMalloc(&scratch, (size_t)half * 128 * sizeof(int4)), "malloc");
     check(cudaMemset(scratch, 0, (size_t)half * 128 * sizeof(int4)), "memset");
     check(cudaMalloc(&chain, kChainWords * sizeof(unsigned)), "malloc");
@@ -125,14 +130,13 @@ int main() {
         for (int i = 0; i < kChainWords; ++i) h[i] = (unsigned)((i + 37 * 32) % kChainWords);
         check(cudaMemcpy(chain, h.data(), h.size() * sizeof(unsigned), cudaMemcpyHostToDevice), "chain");
     }
-    int* d_stop;
-    check(cudaHostGetDevicePointer(&d_stop, stop, 0), "device pointer");
     check(cudaFuncSetAttribute(timed_fmas, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), "smem A");
     check(cudaFuncSetAttribute(timed_chase, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), "smem A");
     check(cudaFuncSetAttribute(background, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), "smem B");
-    cudaStream_t sa, sb;
+    cudaStream_t sa, sb, sc;
     check(cudaStreamCreateWithFlags(&sa, cudaStreamNonBlocking), "stream");
     check(cudaStreamCreateWithFlags(&sb, cudaStreamNonBlocking), "stream");
+    check(cudaStreamCreateWithFlags(&sc, cudaStreamNonBlocking), "stream");
     std::printf("fence probe, %s: A = %d blocks (%d FMAs, or a chain of %d L2 loads), B = %d blocks of 128 "
                 "threads beside it\n", prop.name, half, kFmas, kChainLoads, half);
     std::printf("%-10s %14s %12s %16s %14s\n", "B", "FMA median us", "FMA max us", "load median ns", "load max ns");
@@ -140,9 +144,9 @@ int main() {
         double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};   // [fmas, chase][median, max]
         for (int rep = 0; rep < 5; ++rep) {
             for (int kind = 0; kind < 2; ++kind) {
-                *stop = 0;
+                check(cudaMemset(stop, 0, sizeof(int)), "stop = 0");
                 if (mode >= 0) {
-                    background<<<half, 128, kSmemBytes, sb>>>(mode, d_stop, scratch, 1.0f);
+                    background<<<half, 128, kSmemBytes, sb>>>(mode, stop, scratch, 1.0f);
                     check(cudaGetLastError(), "launch B");
                 }
                 // One A block first, so B has taken its SMs before the timed A starts (and the chain is
@@ -153,7 +157,7 @@ int main() {
                 if (kind == 0) timed_fmas<<<half, 32, kSmemBytes, sa>>>(out, ns, 1.0f);
                 else timed_chase<<<half, 32, kSmemBytes, sa>>>(chain, ns, sink);
                 check(cudaStreamSynchronize(sa), "A");
-                *stop = 1;
+                check(cudaMemcpyAsync(stop, one, sizeof(int), cudaMemcpyHostToDevice, sc), "stop = 1");
                 check(cudaStreamSynchronize(sb), "B");
                 std::vector<unsigned long long> h(half);
                 check(cudaMemcpy(h.data(), ns, half * sizeof(unsigned long long), cudaMemcpyDeviceToHost), "copy");
