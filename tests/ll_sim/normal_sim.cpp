@@ -132,6 +132,7 @@ PYBIND11_MODULE(normal_sim, m) {
     m.attr("desc_ints") = kDescInts;
     m.attr("desc_path") = kDescPath;
     // normal_launch.h NormalError by pyep/ep/normal/errors.py's names: the test checks that file against it.
+    // A code this list misses is caught by tests/test_error_enums.py, which reads the enum from the header.
     py::dict codes;
     codes["ERR_NONE"] = (int)kErrNone; codes["ERR_EXPERT_ID"] = (int)kErrExpertId;
     codes["ERR_WORST_TOKENS"] = (int)kErrWorstTokens; codes["ERR_PEER_TIMEOUT"] = (int)kErrPeerTimeout;
