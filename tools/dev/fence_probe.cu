@@ -65,9 +65,9 @@ const char* const kLoadNames[] = {"spin", "fence.gpu", "fence.sys", "acqrel.gpu"
                                   "atomic"};
 
 // Runs until *stop is set, so it covers all of A. The flag is device memory, raised by a copy on a third
-// stream after A finished, and read every 256 trips: a host-mapped flag (the first form) put B's threads
-// on PCIe reads in the short-loop modes, and there one block of A's loads slowed to 7-8 us each
-// (docs/results/2026-11-28-x2, run 1).
+// stream after A finished, and read every 256 trips. The first form read a host-mapped flag, which put
+// B's threads on PCIe reads in the short-loop modes; in those modes one block of A's loads slowed to
+// 7-8 us each (docs/results/2026-11-28-x2, run 1; the cause is open).
 __global__ void __launch_bounds__(128, 1) background(int mode, volatile int* stop, int4* scratch, float a) {
     float x = threadIdx.x;
     int4* mine = scratch + (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -144,7 +144,9 @@ int main() {
         double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};   // [fmas, chase][median, max]
         for (int rep = 0; rep < 5; ++rep) {
             for (int kind = 0; kind < 2; ++kind) {
-                check(cudaMemset(stop, 0, sizeof(int)), "stop = 0");
+                // On B's own stream: the streams are non-blocking, so a legacy-stream memset could land
+                // after B started and B would see the last rep's 1.
+                check(cudaMemsetAsync(stop, 0, sizeof(int), sb), "stop = 0");
                 if (mode >= 0) {
                     background<<<half, 128, kSmemBytes, sb>>>(mode, stop, scratch, 1.0f);
                     check(cudaGetLastError(), "launch B");
