@@ -60,13 +60,12 @@ def test_points_match_the_kernels_trace_point_enum() -> None:
     """POINTS is ll_launch.h's TracePoint in slot order (the kernels stamp by number, the tool names by
     position), and TIME_ORDER lists each point once."""
     import re
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "engine" / "kernels" / "ll_launch.h").read_text()
-    enum = text[text.index("enum TracePoint"):]
-    enum = enum[:enum.index("};")]
-    slots = {int(n): re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower()
-             for name, n in re.findall(r"kTr(\w+)\s*=\s*(\d+)", enum)}
+    from header_enums import enum_codes, header_text
+
+    text = header_text("ll_launch.h")
+    codes = enum_codes(text, "TracePoint")                       # {"TR_SEND_BEGIN": 0, ...}
+    slots = {v: k[len("TR_"):].lower() for k, v in codes.items()}
     assert sorted(slots) == list(range(len(slots)))
     assert list(tr.POINTS) == [slots[i] for i in range(len(slots))]
     assert sorted(tr.TIME_ORDER) == sorted(tr.POINTS) and len(set(tr.TIME_ORDER)) == len(tr.TIME_ORDER)
