@@ -26,6 +26,7 @@ struct GateShared {
     int is_void;
     uint32_t mine;                      // the buffer's mask at the call (mask_bits)
     unsigned int cmask;                 // the call's mask: mine AND every answering peer's, less the marked
+    int tag[kMaxRanks][kTagOffSig + kTagSigInts];   // gate_read_tags: what gate_decide compares, per peer
 };
 
 // Thread 0: this call's number (advanced on the device: a graph replay is a new call), the generation,
@@ -139,7 +140,18 @@ __device__ __forceinline__ void gate_publish_and_wait(const NormalStatic& s, con
     }
 }
 
-// Thread 0, after every wait ended: read the peers' tags (own slots), decide whether the call is void,
+// All threads, after every wait ended and the block's acquire fence: warp d copies peer d's tag words that
+// gate_decide compares (its own slot of the call's parity) into shared memory, a word a lane. Thread 0
+// reading them itself made one dependent load a word (each comparison short-circuits the next), 14 L2
+// round trips a peer: most of a gate_only call's time at 2 ranks and growing with the rank count.
+static_assert(kTagOffSig + kTagSigInts <= 32, "gate_read_tags: a word a lane");
+__device__ __forceinline__ void gate_read_tags(const NormalStatic& s, GateShared& g) {
+    const int d = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (d >= s.num_ranks || d == s.rank || lane >= kTagOffSig + kTagSigInts) return;
+    g.tag[d][lane] = ld_volatile(gate_slot(s, reinterpret_cast<uint8_t*>(s.buf), (int)(g.seq & 1u), d) + lane);
+}
+
+// Thread 0, after gate_read_tags: the peers' tags (own slots), decide whether the call is void,
 // tell the host why (the tag record) and the call's kernels (kWsVoid, kWsOrigin).
 __device__ __forceinline__ void gate_decide(const NormalStatic& s, const NotifyArgs& a, GateShared& g) {
     const int R = s.num_ranks, me = s.rank, parity = (int)(g.seq & 1u);
@@ -156,23 +168,23 @@ __device__ __forceinline__ void gate_decide(const NormalStatic& s, const NotifyA
             mismatch = d;
             break;
         }
-        const int* t = gate_slot(s, own, parity, d);
-        const int status = ld_volatile(t + 4);
-        if (ld_volatile(t) != kTagMagic || status == kTagNotice || (uint32_t)ld_volatile(t + 1) != g.epoch ||
-            (uint32_t)ld_volatile(t + 2) != g.seq || (status == kTagProxy && ld_volatile(t + 5) < 0)) {
+        const int* t = g.tag[d];
+        const int status = t[4];
+        if (t[0] != kTagMagic || status == kTagNotice || (uint32_t)t[1] != g.epoch || (uint32_t)t[2] != g.seq ||
+            (status == kTagProxy && t[5] < 0)) {
             mismatch = d;
             break;
         }
         if (status != kTagOk) {
             if (refused < 0) {
                 refused = d;
-                origin = ld_volatile(t + 5);
+                origin = t[5];
             }
             continue;
         }
-        bool same = ld_volatile(t + 3) == a.kind;
+        bool same = t[3] == a.kind;
         for (int i = 0; i < kTagSigInts; ++i)
-            same = same && ld_volatile(t + kTagOffSig + i) == gate_tag_word(a, g, kTagOffSig + i, g.seq, g.status);
+            same = same && t[kTagOffSig + i] == gate_tag_word(a, g, kTagOffSig + i, g.seq, g.status);
         if (!same && g.status == kTagOk) mismatch = d;
     }
     if (mismatch >= 0) {

@@ -17,6 +17,7 @@ namespace {
 
 constexpr int kLayoutThreads = 256;
 constexpr int kNotifyThreads = 256;
+static_assert(kNotifyThreads / 32 >= kMaxRanks, "gate_read_tags: a warp a peer");
 
 // One thread per token: its ranks (a bit mask), per-expert and per-rank counts in shared memory,
 // flushed with one atomic per non-zero counter and block. Ids outside [-1, E) count as -1 and are
@@ -185,6 +186,8 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
     }
     __syncthreads();
     fence_acq_rel_sys();
+    gate_read_tags(s, g);
+    __syncthreads();
     if (threadIdx.x == 0) gate_decide(s, a, g);
     __syncthreads();
     const bool aborted = g.is_void;
