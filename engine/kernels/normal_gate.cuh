@@ -143,7 +143,7 @@ __device__ __forceinline__ void gate_publish_and_wait(const NormalStatic& s, con
 // All threads, after every wait ended and the block's acquire fence: warp d copies peer d's tag words that
 // gate_decide compares (its own slot of the call's parity) into shared memory, a word a lane. Thread 0
 // reading them itself made one dependent load a word (each comparison short-circuits the next), 14 L2
-// round trips a peer: most of a gate_only call's time at 2 ranks and growing with the rank count.
+// round trips a peer: on one H100 about 1 us of a gate's 8.5 at 2 ranks, 10 of 24-31 at 8.
 static_assert(kTagOffSig + kTagSigInts <= 32, "gate_read_tags: a word a lane");
 __device__ __forceinline__ void gate_read_tags(const NormalStatic& s, GateShared& g) {
     const int d = threadIdx.x / 32, lane = threadIdx.x % 32;
