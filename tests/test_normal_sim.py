@@ -196,7 +196,7 @@ def case_gate_behind_a_stalled_peer(path: str) -> str:
 
 
 WS_SEQ, WS_VOID = 1, 3                                  # normal_tags.h kWsSeq, kWsVoid
-REC_VOIDS, REC_KIND, REC_PEER, KIND_REFUSED = 0, 2, 3, 1   # device_records.py
+REC_VOIDS, REC_KIND, REC_PEER, KIND_REFUSED, KIND_MISMATCH = 0, 2, 3, 1, 2   # device_records.py
 
 
 def case_refused_call(path: str) -> str:
@@ -230,6 +230,30 @@ def case_refused_call(path: str) -> str:
     handles, outs = w.dispatch(inputs, handles=handles)
     assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
     check_dispatch(inputs, handles, outs, E, "after the void call")
+    return "ok"
+
+
+def case_signature_mismatch(path: str) -> str:
+    """Rank 2's call signature differs from its peers' in its last host word (tag word 11): the gate's
+    decision compares every signature word it copied (normal_gate.cuh gate_read_tags), so on every rank
+    the call is void and its tag record says mismatch, each naming the first peer whose tag differs."""
+    sys.path.insert(0, SIM_DIR)
+    from normal_world import Handle, NormalWorld, load, make_inputs
+    sim = load(path)
+    R, H, K, E = 3, 256, 4, 12
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 8)
+    inputs = make_inputs(R, [60, 70, 50], H, K, E, False, seed=72)
+    same = [H, 2, 32, 12, 4, 0]
+    notified = w.notify(inputs, sig={0: same, 1: same, 2: same[:5] + [1]})
+    for r in range(R):
+        assert notified[r]["ready"] == 2 and int(w.ws[r][WS_VOID]) == 1, (r, notified[r]["ready"], w.ws[r].tolist())
+    peers = {0: 2, 1: 2, 2: 0}
+    for r in range(R):
+        rec = w.tag_record[r].tolist()
+        assert (rec[REC_VOIDS], rec[REC_KIND], rec[REC_PEER]) == (1, KIND_MISMATCH, peers[r]), (r, rec[:8])
+    handles, outs = w.dispatch(inputs, handles=[Handle(inputs, r, R, E, w.C) for r in range(R)])
+    for r in range(R):
+        assert (outs[r]["recv_src_idx"] == -7).all(), f"rank {r}: a void call's dispatch wrote rows"
     return "ok"
 
 
@@ -516,6 +540,7 @@ CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     "notify_dispatch_combine_pipeline": (case_notify_pipeline, ()),
     "gate_waits_for_a_peer_stalled_behind_a_dead_rank": (case_gate_behind_a_stalled_peer, ()),
     "a_call_refused_by_one_rank_is_void_everywhere": (case_refused_call, ()),
+    "a_signature_that_differs_voids_the_call_everywhere": (case_signature_mismatch, ()),
     "launch_checks_refuse_bad_rings": (case_launch_checks, ()),
     # One-copy dispatch: 2 ranks, and 3 with one of them without tokens.
     "direct_two_ranks": (case_direct, (2, [150, 131])),

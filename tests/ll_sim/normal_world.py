@@ -175,11 +175,11 @@ class NormalWorld:
         return x, sc, stage
 
     def notify(self, inputs: List[RankInputs], ranks: Optional[List[int]] = None, alignment: int = 1,
-               status: Optional[Dict[int, int]] = None) -> List[dict]:
+               status: Optional[Dict[int, int]] = None, sig: Optional[Dict[int, List[int]]] = None) -> List[dict]:
         """get_dispatch_layout on each rank, then one call's routing and gate on `ranks` at once (the
         native dispatch's first kernels): per rank the layout tensors, the handle's matrices, send_head,
         the host-visible counts and the dropped tokens. `status`: a rank's tag status (tags.py; 1 =
-        this rank refuses the call)."""
+        this rank refuses the call); `sig`: a rank's host signature words (NotifyArgs.sig, else 0s)."""
         R, E = self.R, self.E
         ranks = list(range(R)) if ranks is None else ranks
         outs, args = [], []
@@ -204,7 +204,8 @@ class NormalWorld:
                 num_experts=E, num_channels=self.C, expert_alignment=alignment,
                 rank_prefix_matrix=o["rpm"].data_ptr(), channel_prefix_matrix=o["cpm"].data_ptr(),
                 recv_channel_prefix_matrix=o["rcp"].data_ptr(), send_head=_ptr(o["send_head"]), check_layout=1,
-                dropped=self.dropped[r].data_ptr(), status=(status or {}).get(r, 0)))
+                dropped=self.dropped[r].data_ptr(), status=(status or {}).get(r, 0),
+                **({"sig": sig[r]} if sig and r in sig else {})))
         self.sim.notify([self.static(r) for r in ranks], [args[r] for r in ranks])
         for r in ranks:
             outs[r]["ready"], outs[r]["rows"] = int(self.host[r][0]), int(self.host[r][1])
