@@ -63,6 +63,31 @@ def test_first_fit_hold_and_release(pool: Tuple[OutputPool, List[Any], FakeEp]) 
     assert p.held_bytes() == 2 * OutputLayout.of(64, 256, 2, False, 4).total
 
 
+def test_spare_outputs_leave_as_much_free(pool: Tuple[OutputPool, List[Any], FakeEp]) -> None:
+    """spare=True (a ring-path dispatch's recv_x, for a pull combine): placed only where as much again stays
+    free behind it, so that a one-copy dispatch of the same size still finds room."""
+    p, held, ep = pool
+    a = p.outputs(64, 256, torch.bfloat16, False, 4, 5, 5, spare=True)
+    assert a is not None, "an empty pool of room for two takes a spare output"
+    assert p.outputs(64, 256, torch.bfloat16, False, 4, 5, 5, spare=True) is None, "no room for two behind it"
+    b = p.outputs(64, 256, torch.bfloat16, False, 4, 5, 5)
+    assert b is not None and b.stage != a.stage, "the room a spare output left is a one-copy output's"
+    held.clear()
+    assert p.outputs(32, 256, torch.bfloat16, False, None, 5, 5, spare=True) is not None
+
+
+def test_pull_switch(monkeypatch: Any) -> None:
+    from pyep.ep.normal.direct_pool import pull_combine_enabled
+    monkeypatch.delenv("PYEP_NORMAL_PULL", raising=False)
+    assert pull_combine_enabled()
+    monkeypatch.setenv("PYEP_NORMAL_PULL", "0")
+    assert not pull_combine_enabled()
+    for bad in ("", "on", "2"):
+        monkeypatch.setenv("PYEP_NORMAL_PULL", bad)
+        with pytest.raises(ValueError, match="PYEP_NORMAL_PULL must be 0"):
+            pull_combine_enabled()
+
+
 def test_reuse_on_another_stream_waits(pool: Tuple[OutputPool, List[Any], FakeEp]) -> None:
     p, held, ep = pool
     p.outputs(32, 256, torch.float8_e4m3fn, True, None, 5, 9)    # async: launch 5, caller 9

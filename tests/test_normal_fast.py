@@ -29,7 +29,8 @@ class Backend(NativeFastPath):
     """The state NativeFastPath reads, with a stand-in for NormalFast."""
 
     def __init__(self) -> None:
-        self._fast = SimpleNamespace(ready=None, voids_seen=None, geo_ring=-1, geo_slot=-1, pool=object())
+        self._fast = SimpleNamespace(ready=None, voids_seen=None, geo_ring=-1, geo_slot=-1, pool=object(), pull=None)
+        self._pool, self._pull = object(), True
         self._broken = self._destroyed = False
         self._mask = None
         self._grace_left = 0
@@ -50,6 +51,10 @@ def test_ready_only_in_the_plain_state(change: str) -> None:
         b._grace_left = 3
     b._sync_fast()
     assert b._fast.ready is (change == "none")
+    assert b._fast.pull is True, "pull offers follow the pool and PYEP_NORMAL_PULL, not the state"
+    b._pull = False
+    b._sync_fast()
+    assert b._fast.pull is False
 
 
 def test_voids_and_geometry_follow_the_python_path() -> None:

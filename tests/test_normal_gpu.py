@@ -174,3 +174,13 @@ def test_fast_path_matches_reference_and_declines(pools, pooled):
     arguments, refusals and stale handles to the Python path."""
     from normal_gpu_fast import fast_path
     pools[2].run(fast_path, (256, 7168, 32, 8), pooled, timeout_s=220)
+
+
+@requires_gpus
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_pull_combine_matches_reference(pools, world):
+    """Pull combine (normal_gpu_pull.pull_combine): combines of pooled inputs read the peers' rows where they
+    lie, bit for bit the reference's, on the Python and the fast path; inputs outside the pool push."""
+    from normal_gpu_pull import pull_combine
+    pools[world].run(pull_combine, (256, 7168, 32, 8), timeout_s=220)

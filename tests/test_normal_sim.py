@@ -398,6 +398,126 @@ def case_direct(path: str, R: int, sizes: List[int], H: int = 256) -> str:
     return "ok"
 
 
+def _gated_dispatch(w: Any, inputs: List[Any], what: str) -> List[Any]:
+    """A dispatch as native.py makes one without a handle: layout, route and gate, then the kernel."""
+    from normal_world import Handle, check_dispatch
+    R, E = w.R, w.E
+    notified = w.notify(inputs)
+    handles = [Handle(inputs, r, R, E, w.C) for r in range(R)]
+    for r in range(R):
+        _adopt(handles[r], notified[r], r)
+    handles, outs = w.dispatch(inputs, handles=handles)
+    assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
+    check_dispatch(inputs, handles, outs, E, what)
+    return handles
+
+
+def _check_pull(w: Any, handles: List[Any], ys: List[Any], comb: List[dict], what: str,
+                bias: Optional[List[Any]] = None) -> None:
+    import torch
+    from normal_world import expected_combine
+    ws0 = [torch.zeros((y.shape[0], 1)) for y in ys]
+    for r in range(len(comb)):
+        want, _ = expected_combine(handles, ys, ws0, r, bias[r] if bias else None)
+        bad = (comb[r]["out"].view(torch.int16) != want.view(torch.int16)).any(dim=1).nonzero().flatten().tolist()
+        assert not bad, f"{what}: rank {r} combined tokens {bad[:8]} differ"
+
+
+def case_pull(path: str, R: int, sizes: List[int]) -> str:
+    """Pull combine (normal_pull.cuh), every call through its real gate: every rank's x in its pool, so
+    each token's owner reads the rows where they lie -- the sums bit for bit the push path's (bias, rank
+    order), the rings and their counters untouched, every block's pulled[] word at the call number; a
+    call where one rank offers nothing pushes on every rank; then dispatch and push again, the counters
+    consistent across both paths."""
+    sys.path.insert(0, SIM_DIR)
+    import torch
+    from normal_world import NormalWorld, expert_outputs, load, make_inputs
+    sim = load(path)
+    H, K, E, C = 256, 4, 4 * R, 2
+    w = NormalWorld(sim, R, H, K, E, C, 32, 6, pool_bytes=max(4 << 20, 8 * H * sum(sizes)))
+    plan = [("pull", list(range(R)), True), ("rank 1 offers nothing: push", [r for r in range(R) if r != 1], False),
+            ("pull again", list(range(R)), False)]
+    for i, (what, offer, with_bias) in enumerate(plan):
+        what = f"R={R} {what}"
+        inputs = make_inputs(R, sizes, H, K, E, False, seed=600 + 10 * R + i)
+        handles = _gated_dispatch(w, inputs, what + " dispatch")
+        ys, _ = expert_outputs(handles, H, K, 70 + i)
+        g = torch.Generator().manual_seed(90 + i)
+        bias = [torch.randn((n, H), generator=g).to(torch.bfloat16) for n in sizes] if with_bias else None
+        pulls = len(offer) == R
+        for r in range(R):
+            w.rings(r).zero_()
+        before = [b[:w.ring_off].clone() for b in w.bufs]   # the control area
+        comb = w.combine(handles, ys, None, bias, pull=offer)
+        assert w.errors() == [[0, 0, 0, 0]] * R, (what, w.errors())
+        _check_pull(w, handles, ys, comb, what, bias)
+        seq = int(w.ws[0][1])
+        for r in range(R):
+            if pulls:
+                assert not w.rings(r).any(), f"{what}: rank {r}'s rings were written on a pull call"
+                words = w.bufs[r].view(torch.int32)
+                for name in ("tail", "head", "tx_pos", "rx_pos"):
+                    lo = w.words[name]
+                    assert torch.equal(words[lo:lo + 64 * R], before[r].view(torch.int32)[lo:lo + 64 * R]), \
+                        f"{what}: rank {r}'s {name} counters moved on a pull call"
+                pulled = words[w.words["pulled"]:w.words["pulled"] + 2 * C * R].view(2 * C, R)
+                want = torch.full((2 * C, R), seq, dtype=torch.int32)
+                want[:, r] = 0   # nobody writes a rank's own word
+                assert torch.equal(pulled, want), f"{what}: rank {r}'s pulled words {pulled.tolist()}"
+            elif sum(sizes):
+                assert any(w.rings(q).any() for q in range(R)), f"{what}: the push path left every ring empty"
+    # Push (with weights) after pulls: the counters the pull calls left alone are still the rings'.
+    inputs = make_inputs(R, sizes, H, K, E, False, seed=690 + R)
+    handles = _gated_dispatch(w, inputs, "dispatch after pulls")
+    from normal_world import check_combine
+    ys, ws = expert_outputs(handles, H, K, 99)
+    comb = w.combine(handles, ys, ws)
+    assert w.errors() == [[0, 0, 0, 0]] * R, w.errors()
+    check_combine(handles, ys, ws, comb, list(range(R)), "push after pulls")
+    return "ok"
+
+
+def case_pull_bad_offer(path: str) -> str:
+    """A rank whose pull offer has fewer rows than the handle says it received: every rank records
+    kErrDirectDesc naming it (field 5), reads nothing, and still ends (the pulled[] exchange runs)."""
+    sys.path.insert(0, SIM_DIR)
+    from normal_world import NormalWorld, expert_outputs, load, make_inputs
+    from pyep.ep.normal.errors import BadOutputDescriptor, error_from_record
+    sim = load(path)
+    R, H, K, E = 3, 256, 4, 12
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 6, pool_bytes=1 << 20, timeout_ns=2_000_000_000)
+    handles = _gated_dispatch(w, make_inputs(R, [40, 50, 30], H, K, E, False, seed=72), "dispatch")
+    ys, _ = expert_outputs(handles, H, K, 73)
+    short = (1, handles[1].num_rows - 1, w.pool_lo)
+    comb = w.combine(handles, ys, None, pull=list(range(R)), offers={1: short})
+    for r in range(R):
+        code, peer, field, rows = w.errors()[r]
+        assert (code, peer, field, rows) == (ERR_DIRECT_DESC, 1, 5, short[1]), (r, w.errors())
+        err = error_from_record(w.errors()[r], E, 1000)
+        assert isinstance(err, BadOutputDescriptor) and "rank 1's" in str(err) and "combine" in str(err), err
+        assert (comb[r]["out"].float() == 7.0).all(), f"rank {r}: a failed pull wrote its output"
+    return "ok"
+
+
+def case_pull_silent_rank(path: str) -> str:
+    """Rank 2 of 3 runs its combine gate (offering) but never launches the combine kernel: ranks 0 and 1
+    read its rows (there since its gate), sum right, then wait for its pulled[] words and give up after
+    the timeout with PeerTimeout naming it in the combine phase."""
+    sys.path.insert(0, SIM_DIR)
+    from normal_world import NormalWorld, expert_outputs, load, make_inputs
+    sim = load(path)
+    R, H, K, E = 3, 256, 4, 12
+    w = NormalWorld(sim, R, H, K, E, 2, 32, 6, pool_bytes=1 << 20, timeout_ns=300_000_000)
+    handles = _gated_dispatch(w, make_inputs(R, [40, 50, 30], H, K, E, False, seed=74), "dispatch")
+    ys, _ = expert_outputs(handles, H, K, 75)
+    comb = w.combine(handles, ys, None, ranks=[0, 1], pull=list(range(R)))
+    for r in (0, 1):
+        code, peer, phase, _ = w.errors()[r]
+        assert (code, peer, phase) == (ERR_PEER_TIMEOUT, 2, PHASES.index("combine")), (r, w.errors())
+    _check_pull(w, handles, ys, comb[:2], "the ranks that ran")
+    return "ok"
+
+
 def case_direct_bad_descriptor(path: str) -> str:
     """A rank whose one-copy descriptor points outside its pool: every rank records kErrDirectDesc naming
     it (field 2, recv_x) and moves nothing; no rank waits for rows that will never come."""
@@ -547,6 +667,11 @@ CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     "direct_three_ranks_one_empty": (case_direct, (3, [97, 0, 120])),
     "direct_bad_descriptor_is_named": (case_direct_bad_descriptor, ()),
     "direct_lost_path_is_named": (case_direct_lost_path, ()),
+    # Pull combine: 2 ranks, and 3 with one of them without tokens.
+    "pull_two_ranks": (case_pull, (2, [150, 131])),
+    "pull_three_ranks_one_empty": (case_pull, (3, [97, 0, 120])),
+    "pull_bad_offer_is_named": (case_pull_bad_offer, ()),
+    "pull_silent_rank_is_named": (case_pull_silent_rank, ()),
     # BF16 rows of 8448 bytes go to peers by bulk copy (normal_tma.cuh peer_bulk: longer than a warp's
     # stages), FP8 rows by warp copies: the ring path's and one-copy's extra drains and barriers, and a
     # silent rank's give-up path after bulk copies.

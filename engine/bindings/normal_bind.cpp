@@ -45,6 +45,7 @@ void register_normal(py::module_& m) {
         .def_readwrite("layout_scratch", &NormalStatic::layout_scratch)
         .def_readwrite("active", &NormalStatic::active)
         .def_readwrite("off_direct", &NormalStatic::off_direct)
+        .def_readwrite("off_pulled", &NormalStatic::off_pulled)
         .def_readwrite("pool_lo", &NormalStatic::pool_lo)
         .def_readwrite("pool_hi", &NormalStatic::pool_hi)
         .def_readwrite("trace", &NormalStatic::trace);
@@ -106,6 +107,9 @@ void register_normal(py::module_& m) {
         .def_readwrite("upstream", &NotifyArgs::upstream)
         .def_readwrite("check_layout", &NotifyArgs::check_layout)
         .def_readwrite("dropped", &NotifyArgs::dropped)
+        .def_readwrite("pull_offer", &NotifyArgs::pull_offer)
+        .def_readwrite("pull_rows", &NotifyArgs::pull_rows)
+        .def_readwrite("pull_x", &NotifyArgs::pull_x)
         .def_property(
             "sig", [](const NotifyArgs& a) { return std::vector<int>(a.sig, a.sig + kTagSigHandle); },
             [](NotifyArgs& a, const std::vector<int>& v) {
@@ -194,9 +198,11 @@ void register_normal(py::module_& m) {
         [](const NormalStatic& s, uint64_t x, uint64_t topk_weights, uint64_t bias0, uint64_t bias1,
            uint64_t send_head, uint64_t rank_prefix, uint64_t channel_prefix, uint64_t recv_channel_prefix,
            int num_tokens, int hidden, int num_topk, int num_channels, int ring_tokens, int chunk_tokens,
-           uint64_t out, uint64_t out_weights, uint64_t row_map, uint64_t stream, uint64_t dropped, int use_tma) {
+           uint64_t out, uint64_t out_weights, uint64_t row_map, uint64_t stream, uint64_t dropped, int use_tma,
+           int pull) {
             CombineArgs a;
             a.use_tma = use_tma;
+            a.pull = pull;
             a.dropped = dropped;
             a.x = x;
             a.topk_weights = topk_weights;
@@ -221,9 +227,10 @@ void register_normal(py::module_& m) {
         py::arg("send_head"), py::arg("rank_prefix"), py::arg("channel_prefix"), py::arg("recv_channel_prefix"),
         py::arg("num_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("num_channels"), py::arg("ring_tokens"),
         py::arg("chunk_tokens"), py::arg("out"), py::arg("out_weights"), py::arg("row_map"), py::arg("stream"),
-        py::arg("dropped") = 0, py::arg("use_tma") = 0,
+        py::arg("dropped") = 0, py::arg("use_tma") = 0, py::arg("pull") = 0,
         "Launch the combine kernel (dropped: device int32 [R] or 0; use_tma: normal_tma.cuh kTmaPeer, rows into "
-        "peers' rings by bulk copy, | kTmaLocal, the reduce's rows loaded by bulk copy; 0 = warp loads/stores)");
+        "peers' rings by bulk copy, | kTmaLocal, the reduce's rows loaded by bulk copy; 0 = warp loads/stores; "
+        "pull: this rank offered x for pulling in the call's gate, normal_pull.cuh)");
 }
 
 pyep::bindings::Registrar reg("normal", &register_normal);

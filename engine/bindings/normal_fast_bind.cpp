@@ -88,6 +88,7 @@ struct NormalFast {
     int device = 0;
     uint64_t timeout_ns = 0;     // the buffer's kernel timeout (the Python path widens it in a grace window)
     int tma_dispatch = 0, tma_combine = 0;
+    bool pull = false;           // pull combine offers (native.py pull_offer; set with `ready`)
     py::object pool;             // OutputPool.fast_outputs, or None: no output pool (no one-copy handshake)
     // Kept by NormalNativeBackend.
     bool ready = false;
@@ -119,8 +120,12 @@ struct NormalFast {
         return cudaStreamIsCapturing(*st, &cap) == cudaSuccess && cap == cudaStreamCaptureStatusNone;
     }
 
-    void gate(int kind, int64_t w0, int64_t w1, int64_t w2, int64_t w3, uint64_t handle_tag, cudaStream_t st) {
+    void gate(int kind, int64_t w0, int64_t w1, int64_t w2, int64_t w3, uint64_t handle_tag, cudaStream_t st,
+              int pull_offer = 0, int64_t pull_rows = 0, uint64_t pull_x = 0) {
         NotifyArgs a;
+        a.pull_offer = pull_offer;
+        a.pull_rows = static_cast<int>(pull_rows);
+        a.pull_x = pull_x;
         a.gate_only = 1;
         a.kind = kind;
         a.status = kTagOk;
@@ -220,7 +225,15 @@ struct NormalFast {
         cudaStream_t st = nullptr;
         if (!current_stream(&st)) return py::none();
 
-        gate(kKindCombine, h, p.channels, p.ring, k, p.tag, st);
+        // The pull offer (native.py pull_offer): x inside the output pool, no weights (ready: no mask).
+        int offer = 0;
+        uint64_t x_off = 0;
+        if (pull && !k && s->pool_hi) {
+            const uint64_t xa = addr(*x), lo = s->buf + s->pool_lo, hi = s->buf + s->pool_hi;
+            if (rows == 0) offer = 1, x_off = s->pool_lo;
+            else if (xa >= lo && xa <= hi && static_cast<uint64_t>(rows * h * 2) <= hi - xa) offer = 1, x_off = xa - s->buf;
+        }
+        gate(kKindCombine, h, p.channels, p.ring, k, p.tag, st, offer, offer ? rows : 0, x_off);
         at::Tensor out = empty_2d(caffe2::TypeMeta::Make<c10::BFloat16>(), n, h);
         at::Tensor out_w;
         if (k) out_w = empty_2d(caffe2::TypeMeta::Make<float>(), n, k);
@@ -233,6 +246,7 @@ struct NormalFast {
         a.num_topk = static_cast<int>(k);
         a.out = addr(out);
         a.out_weights = k ? addr(out_w) : 0;
+        a.pull = offer;
         launch_combine(*s, a, reinterpret_cast<uint64_t>(st));
         ++calls;
         return py::make_tuple(out, k ? py::cast(out_w) : py::none());
@@ -265,6 +279,7 @@ void register_normal_fast(py::module_& m) {
         .def_readonly("id", &NormalFast::id)
         .def_readwrite("pool", &NormalFast::pool)
         .def_readwrite("ready", &NormalFast::ready)
+        .def_readwrite("pull", &NormalFast::pull)
         .def_readwrite("epoch", &NormalFast::epoch)
         .def_readwrite("voids_seen", &NormalFast::voids_seen)
         .def_readwrite("geo_ring", &NormalFast::geo_ring)

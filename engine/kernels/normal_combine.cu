@@ -1,4 +1,5 @@
-// Normal-mode intranode combine: the dispatch retraced. An even block sends channel c's received rows
+// Normal-mode intranode combine: the dispatch retraced (or, when every rank's x lies in its output pool,
+// pulled: normal_pull.cuh). An even block sends channel c's received rows
 // back to their source ranks (warp group g serves source g, rows in received order); an odd block
 // reduces channel c's own tokens: token t's row from rank d sits at position send_head[t][d] of the
 // ring (c, d) in this rank's buffer. Sum in fp32: bias_0, bias_1, then ranks ascending (contract.py).
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "kernels/normal_common.cuh"
+#include "kernels/normal_pull.cuh"
 #include "kernels/normal_tma.cuh"
 #include "kernels/normal_trace.cuh"
 
@@ -288,7 +290,54 @@ __device__ void combine_recv(const NormalStatic& s, const CombineArgs& a, const 
     }
 }
 
+// A pull call (normal_pull.cuh): block b = 2c + h reduces every other token of channel c (h, h + 2, ...),
+// reading rank d's row of token t at d's x row p.row0[d] + send_head[t][d], in the same order and with
+// the same rounding as combine_recv. Then the pulled[] exchange: no peer reads this rank's x once the
+// kernel ends. A failed handshake (path -1) reads nothing but still takes part in the exchange.
 template <bool kTrace>
+__device__ void combine_pull(const NormalStatic& s, const CombineArgs& a, const CombineRow& row, const PullPlan& p,
+                             uint32_t seq, PhaseClock<kTrace>& clk) {
+    const int R = s.num_ranks, C = a.num_channels, b = blockIdx.x, c = b >> 1;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, vecs = a.hidden / 8;
+    int t0, t1;
+    channel_range(a.num_tokens, C, c, t0, t1);
+    const int* send_head = reinterpret_cast<const int*>(a.send_head);
+    const int4* bias0 = reinterpret_cast<const int4*>(a.bias0);
+    const int4* bias1 = reinterpret_cast<const int4*>(a.bias1);
+    int4* out = reinterpret_cast<int4*>(a.out);
+    for (int t = t0 + (b & 1) + 2 * warp; p.path == 1 && t < t1; t += 2 * kCombineWarps) {
+        int pos = lane < R ? send_head[(int64_t)t * R + lane] : -1;
+        if (pos >= 0 && p.row0[lane] + pos >= p.rows[lane]) {
+            // A handle that does not describe this call (its matrices are the caller's tensors): never a
+            // read past the peer's x.
+            record_error(s, kErrBadHandle, c, t, pos);
+            pos = -1;
+        }
+        const uint8_t* rows[kMaxRanks];
+        int nsrc = 0;
+        for (int d = 0; d < R; ++d) {
+            const int q = __shfl_sync(0xffffffffu, pos, d);
+            if (q >= 0) rows[nsrc++] = reinterpret_cast<const uint8_t*>(p.x[d]) + (uint64_t)(p.row0[d] + q) * row.payload;
+        }
+        const int4* b0 = bias0 ? bias0 + (int64_t)t * vecs : nullptr;
+        const int4* b1 = bias1 ? bias1 + (int64_t)t * vecs : nullptr;
+        int4* o = out + (int64_t)t * vecs;
+        // The register path only: combine_recv's bulk loads (twice the bytes in flight) gained nothing here
+        // (8 ranks on one H200, 16 SMs: 193 against 192 GB/s; docs/results/2026-11-28c-h200x1).
+        if (nsrc <= 2) reduce_token<2, 4>(rows, nsrc, b0, b1, o, vecs, lane);
+        else if (nsrc <= 4) reduce_token<4, 2>(rows, nsrc, b0, b1, o, vecs, lane);
+        else reduce_token<kMaxRanks, 1>(rows, nsrc, b0, b1, o, vecs, lane);
+        clk.lap(kTraceWork);
+        clk.moved(1);
+    }
+    pull_done_exchange(s, b, c, seq);
+    clk.lap(kTraceSync);
+}
+
+// kPull: built with the pull path, launched when this rank offered (a.pull); a rank that did not offer
+// knows the call pushes (every rank reads its 0), and its kernel keeps the push path's registers (the pull
+// path in the same kernel raised the push path's spills from 20 to 112 bytes a thread).
+template <bool kTrace, bool kPull>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine(NormalStatic s, CombineArgs a) {
     // A void call (normal_gate.cuh) moves no row and leaves every counter as it was, on every rank alike.
     if (reinterpret_cast<const int*>(s.workspace)[kWsVoid]) return;
@@ -298,6 +347,19 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine(NormalStatic s, Co
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     uint8_t* tma_smem = tma_shared();
     WarpTma tma = tma_setup(tma_smem, reinterpret_cast<uint64_t*>(tma_smem + tma_smem_data(kCombineWarps)), warp, lane);
+    if (kPull) {
+        PullPlan& p = block_shared<PullPlan>();
+        const uint32_t seq = (uint32_t)reinterpret_cast<const int*>(s.workspace)[kWsSeq];   // set by the gate
+        if (threadIdx.x == 0) p.path = read_pull_plan(s, a, seq, c, p);
+        __syncthreads();
+        const int path = p.path;
+        if (path) {
+            combine_pull(s, a, row, p, seq, clk);
+            clk.finish(s, blockIdx.x, kTraceRoleReduce);
+            return;
+        }
+        __syncthreads();   // the simulation's block scratch is combine_recv's too: read before it is reused
+    }
     if (blockIdx.x & 1) {
         combine_recv(s, a, row, c, tma, clk);
         clk.finish(s, blockIdx.x, kTraceRoleReduce);
@@ -325,17 +387,20 @@ void launch_combine(const NormalStatic& s, const CombineArgs& a, uint64_t stream
     const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
     if (s.trace) {   // the traced build (normal_trace.cuh), on words zeroed for this call (all of them:
                      // a reader tells the call's blocks by their role, whatever its channel count)
-        static std::atomic<uint64_t> traced_smem_devices{0};
-        reserve_stage_smem(combine<true>, smem, traced_smem_devices, "normal combine (traced)");
         const cudaError_t z = cudaMemsetAsync(reinterpret_cast<void*>(s.trace), 0,
                                               (size_t)2 * kMaxChannels * kTraceWords * 8, st);
         if (z != cudaSuccess) throw std::runtime_error(std::string("normal combine trace: ") + cudaGetErrorString(z));
-        combine<true><<<2 * a.num_channels, kCombineThreads, smem, st>>>(s, a);
-    } else {
-        static std::atomic<uint64_t> smem_devices{0};
-        reserve_stage_smem(combine<false>, smem, smem_devices, "normal combine");
-        combine<false><<<2 * a.num_channels, kCombineThreads, smem, st>>>(s, a);
     }
+    // One flag word per build: each reserves its shared memory once per device.
+    static std::atomic<uint64_t> smem_devices[4];
+    auto run = [&](auto kernel, int which, const char* what) {
+        reserve_stage_smem(kernel, smem, smem_devices[which], what);
+        kernel<<<2 * a.num_channels, kCombineThreads, smem, st>>>(s, a);
+    };
+    if (s.trace && a.pull) run(combine<true, true>, 3, "normal combine (traced, pull)");
+    else if (s.trace) run(combine<true, false>, 2, "normal combine (traced)");
+    else if (a.pull) run(combine<false, true>, 1, "normal combine (pull)");
+    else run(combine<false, false>, 0, "normal combine");
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw std::runtime_error(std::string("normal combine launch: ") + cudaGetErrorString(e));
 }

@@ -52,6 +52,12 @@ __device__ __forceinline__ uint64_t slot_offset(const NormalStatic& s, int pos, 
     return (uint64_t)(pos % ring_tokens) * s.slot_bytes;
 }
 
+// [off, off + len) inside the output pool (one-copy dispatch outputs, pull combine inputs), `align`-byte
+// aligned: the check of a peer's descriptor (the pool sits at the same offsets in every rank's buffer).
+__device__ __forceinline__ bool in_pool(const NormalStatic& s, uint64_t off, uint64_t len, uint64_t align) {
+    return off % align == 0 && off >= s.pool_lo && off <= s.pool_hi && len <= s.pool_hi - off;
+}
+
 // Channel c's token range of a rank with n tokens and C channels (contract.py: P = ceil(n / C)).
 __device__ __forceinline__ void channel_range(int n, int C, int c, int& t0, int& t1) {
     const int per = (n + C - 1) / C;

@@ -48,11 +48,6 @@ __device__ __forceinline__ uint64_t desc_u64(const int* d, int i) {
     return (uint64_t)(uint32_t)ld_volatile(d + i) | (uint64_t)(uint32_t)ld_volatile(d + i + 1) << 32;
 }
 
-// [off, off + len) inside the pool, `align`-byte aligned.
-__device__ __forceinline__ bool in_pool(const NormalStatic& s, uint64_t off, uint64_t len, uint64_t align) {
-    return off % align == 0 && off >= s.pool_lo && off <= s.pool_hi && len <= s.pool_hi - off;
-}
-
 // Thread 0 of a receiving block: this rank's descriptor of channel c for call `seq`.
 __device__ __forceinline__ void publish_desc(const NormalStatic& s, const DispatchArgs& a, int c, uint32_t seq) {
     int* d = desc_of(s, reinterpret_cast<uint8_t*>(s.buf), c);

@@ -45,7 +45,8 @@ enum NormalError : int {
     kErrNodeCount = 9,     // a = node, b = num_tokens_per_rdma_rank's value, c = tokens is_token_in_rank gives
     kErrVoidHandle = 10,   // a = the call number of the void dispatch whose handle this call used
     kErrDirectDesc = 11,   // a = rank, b = which field (1 rows, 2 recv_x, 3 scales, 4 staging), c = its rows:
-                           // a one-copy output descriptor outside the pool (normal_direct.cuh)
+                           // a one-copy output descriptor outside the pool (normal_direct.cuh); b = 5 (its
+                           // rows) or 6 (x): a pull combine's input descriptor (normal_pull.cuh)
     kErrLostPath = 12,     // a = rank, b = the call number: the ring kernel found no path of this call
                            // recorded by the one-copy kernel (normal_direct.cuh recorded_path)
 };
@@ -102,6 +103,8 @@ struct NormalStatic {
     // and the output pool, [pool_lo, pool_hi) in bytes from the buffer's start (pool_hi 0: no pool).
     uint32_t off_direct = 0;
     uint64_t pool_lo = 0, pool_hi = 0;
+    // Pull combine (normal_pull.cuh): word offset of pulled[2 * kMaxChannels][R] (layout.py "pulled").
+    uint32_t off_pulled = 0;
     // Device uint64[2 * kMaxChannels][kTraceWords], or 0: the combine's per-block trace
     // (normal_trace.cuh; PYEP_NORMAL_TRACE). Set: the traced build of the kernel runs.
     uint64_t trace = 0;
@@ -146,6 +149,11 @@ struct NotifyArgs {
     char reason[kTagReasonBytes] = {};
     int check_layout = 0;         // check is_token_in_rank and num_tokens_per_expert against topk_idx
     uint64_t dropped = 0;         // device int32 [R] or 0: tokens routed to rank r left out (inactive)
+    // A combine's gate: this rank's pull offer (normal_pull.cuh), written where a dispatch's counts go:
+    // pull_offer 1 when its combine input x lies in the output pool, pull_x bytes from the buffer's
+    // start, pull_rows rows.
+    int pull_offer = 0, pull_rows = 0;
+    uint64_t pull_x = 0;
 };
 
 struct DispatchArgs {
@@ -193,6 +201,8 @@ struct CombineArgs {
     uint64_t dropped = 0;                 // device int32 [R] or 0: tokens this call did not deliver to rank r
     int use_tma = 3;                      // normal_tma.cuh kTmaPeer: rows into peers' rings by bulk copy;
                                           // kTmaLocal: the reduce's rows loaded by bulk copy
+    int pull = 0;                         // 1: this rank offered x for pulling in the call's gate (normal_pull.cuh);
+                                          // 0: it did not, and so the call pushes on every rank
 };
 
 // Bytes of one ring slot for a call (payload, FP8 scales, top-k ids and weights, source index).

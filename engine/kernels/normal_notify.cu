@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kernels/normal_gate.cuh"
+#include "kernels/normal_pull.cuh"
 
 namespace pyep {
 namespace normal {
@@ -173,6 +174,7 @@ __global__ void __launch_bounds__(kNotifyThreads) normal_notify_kernel(NormalSta
         words(peer_buf(s, i / a.extra_ints), s.off_notify)[(parity * R + me) * NI + kNotifyExtra + i % a.extra_ints] =
             extra[i % a.extra_ints];
     }
+    publish_pull_offer(s, a, parity, g.mine);
     gate_write_tags(s, a, g);
     __syncthreads();
     if (threadIdx.x < R) {

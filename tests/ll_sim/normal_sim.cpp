@@ -32,7 +32,7 @@ NormalStatic static_from(const py::dict& d) {
     set(d, "off_alive", s.off_alive);
     set(d, "err", s.err); set(d, "workspace", s.workspace); set(d, "timeout_ns", s.timeout_ns);
     opt(d, "active", s.active);
-    opt(d, "off_direct", s.off_direct); opt(d, "trace", s.trace); opt(d, "pool_lo", s.pool_lo); opt(d, "pool_hi", s.pool_hi);
+    opt(d, "off_direct", s.off_direct); opt(d, "off_pulled", s.off_pulled); opt(d, "trace", s.trace); opt(d, "pool_lo", s.pool_lo); opt(d, "pool_hi", s.pool_hi);
     opt(d, "off_flag", s.off_flag); opt(d, "off_notify", s.off_notify); opt(d, "notify_ints", s.notify_ints);
     set(d, "host_counts", s.host_counts); set(d, "tag_record", s.tag_record); set(d, "layout_scratch", s.layout_scratch);
     check_static(s);   // the launchers' own checks (normal_notify.cu)
@@ -80,6 +80,7 @@ NotifyArgs notify_from(const py::dict& d) {
     opt(d, "expert_alignment", a.expert_alignment); opt(d, "num_worst_tokens", a.num_worst_tokens);
     opt(d, "gate_only", a.gate_only); opt(d, "kind", a.kind); opt(d, "status", a.status);
     opt(d, "check_layout", a.check_layout); opt(d, "dropped", a.dropped); opt(d, "tag_out", a.tag_out);
+    opt(d, "pull_offer", a.pull_offer); opt(d, "pull_rows", a.pull_rows); opt(d, "pull_x", a.pull_x);
     if (d.contains("sig")) {
         const auto sig = d["sig"].cast<std::vector<int>>();
         for (size_t i = 0; i < sig.size() && i < (size_t)kTagSigHandle; ++i) a.sig[i] = sig[i];
@@ -96,7 +97,7 @@ CombineArgs combine_from(const py::dict& d) {
     set(d, "num_channels", a.num_channels); set(d, "ring_tokens", a.ring_tokens); set(d, "chunk_tokens", a.chunk_tokens);
     set(d, "out", a.out); set(d, "out_weights", a.out_weights);
     opt(d, "bias0", a.bias0); opt(d, "bias1", a.bias1); opt(d, "dropped", a.dropped);
-    opt(d, "use_tma", a.use_tma);
+    opt(d, "use_tma", a.use_tma); opt(d, "pull", a.pull);
     return a;
 }
 
@@ -211,8 +212,10 @@ PYBIND11_MODULE(normal_sim, m) {
         }
         launch_on_every_rank<CombineArgs>(statics, args, combine_from, kCombineThreads,
                                           [](const NormalStatic& s, const CombineArgs& a) {
-                                              if (s.trace) combine<true>(s, a);
-                                              else combine<false>(s, a);
+                                              if (s.trace && a.pull) combine<true, true>(s, a);
+                                              else if (s.trace) combine<true, false>(s, a);
+                                              else if (a.pull) combine<false, true>(s, a);
+                                              else combine<false, false>(s, a);
                                           });
     });
 }

@@ -150,7 +150,7 @@ class NormalWorld:
                     off_flag=w["notify_flag"], off_notify=w["notify"], notify_ints=layout.notify_ints(),
                     host_counts=self.host[r].data_ptr(), tag_record=self.tag_record[r].data_ptr(),
                     layout_scratch=self.scratch[r].data_ptr(),
-                    off_direct=w["direct"], pool_lo=self.pool_lo, pool_hi=self.pool_hi,
+                    off_direct=w["direct"], pool_lo=self.pool_lo, pool_hi=self.pool_hi, off_pulled=w["pulled"],
                     trace=self.trace[r].data_ptr() if self.trace is not None else 0)
 
     def rings(self, r: int) -> torch.Tensor:
@@ -286,12 +286,49 @@ class NormalWorld:
         self.sim.dispatch([self.static(r) for r in ranks], [args[r] for r in ranks], between)
         return handles, outs
 
-    def combine(self, handles: List[Handle], ys: List[torch.Tensor], ws: List[torch.Tensor],
-                bias: Optional[List[torch.Tensor]] = None, ranks: Optional[List[int]] = None
-                ) -> List[Dict[str, torch.Tensor]]:
-        """Combines ys[r] (bf16 [rows_r, H], received-row order) with weights ws[r] back to their sources."""
+    def pull_gate(self, offers: List[tuple], K: int, ranks: Optional[List[int]] = None) -> None:
+        """A combine's call gate alone (the notify kernel, gate_only) on `ranks` at once, carrying offers[r] =
+        (offer, rows, byte offset of x in rank r's buffer) as native.py gate(pull=...) does."""
+        R = self.R
+        ranks = list(range(R)) if ranks is None else ranks
+        args = [dict(topk=0, num_topk=0, num_tokens_per_rank=0, num_tokens_per_expert=0, is_token_in_rank=0,
+                     num_tokens=0, num_experts=self.E, num_channels=self.C, rank_prefix_matrix=0,
+                     channel_prefix_matrix=0, recv_channel_prefix_matrix=0, send_head=0, gate_only=1, kind=4,
+                     sig=[self.H, self.C, self.Q, K], pull_offer=offers[r][0], pull_rows=offers[r][1],
+                     pull_x=offers[r][2]) for r in range(R)]
+        self.sim.notify([self.static(r) for r in ranks], [args[r] for r in ranks])
+
+    def pool_tensor(self, r: int, like: torch.Tensor) -> tuple:
+        """A copy of `like` (bf16 [rows, H]) at the start of rank r's output pool, and its offer."""
+        assert self.pool_hi, "a world without an output pool"
+        n = like.numel() * 2
+        assert self.pool_lo + n <= self.pool_hi, "the simulated pool is too small"
+        t = self.bufs[r][self.pool_lo:self.pool_lo + n].view(torch.bfloat16).view(like.shape)
+        t.copy_(like)
+        return t, (1, like.shape[0], self.pool_lo)
+
+    def combine(self, handles: List[Handle], ys: List[torch.Tensor], ws: Optional[List[torch.Tensor]],
+                bias: Optional[List[torch.Tensor]] = None, ranks: Optional[List[int]] = None,
+                pull: Optional[List[int]] = None, offers: Optional[Dict[int, tuple]] = None,
+                gate_ranks: Optional[List[int]] = None) -> List[Dict[str, torch.Tensor]]:
+        """Combines ys[r] (bf16 [rows_r, H], received-row order) with weights ws[r] back to their sources.
+        `pull`: the call runs its gate first (on `gate_ranks`, all by default), and the ranks listed copy
+        their ys into their pool and offer it (normal_pull.cuh); no weights then (ws None). `offers`
+        overrides what a rank offers: (offer, rows, byte offset)."""
         R, H, K = self.R, self.H, self.K
         ranks = list(range(R)) if ranks is None else ranks
+        offered = [0] * R
+        if pull is not None:
+            assert ws is None, "a pull combine takes no weights"
+            given, gate_offers = [], []
+            for r in range(R):
+                t, offer = self.pool_tensor(r, ys[r]) if r in pull else (ys[r], (0, 0, 0))
+                offer = (offers or {}).get(r, offer)
+                given.append(t)
+                gate_offers.append(offer)
+                offered[r] = offer[0]
+            self.pull_gate(gate_offers, 0, gate_ranks)
+            ys = given
         outs, args = [], []
         for r in range(R):
             h = handles[r]
@@ -299,13 +336,14 @@ class NormalWorld:
             o = {"out": torch.full((n, H), 7.0, dtype=torch.bfloat16),
                  "out_weights": torch.full((n, K), -7.0, dtype=torch.float32)}
             outs.append(o)
-            a = dict(x=ys[r].data_ptr() if ys[r].numel() else 0, topk_weights=_ptr(ws[r]),
+            a = dict(x=ys[r].data_ptr() if ys[r].numel() else 0, topk_weights=_ptr(ws[r]) if ws else 0,
                      send_head=_ptr(h.send_head), rank_prefix_matrix=h.rank_prefix.data_ptr(),
                      channel_prefix_matrix=h.channel_prefix.data_ptr(),
                      recv_channel_prefix_matrix=h.recv_channel_prefix.data_ptr(), num_tokens=n, hidden=H,
-                     num_topk=K, num_channels=self.C, ring_tokens=self.Q, chunk_tokens=self.chunk,
-                     out=_ptr(o["out"]), out_weights=_ptr(o["out_weights"]), dropped=self.dropped[r].data_ptr(),
-                     use_tma=self.use_tma)
+                     num_topk=K if ws else 0, num_channels=self.C, ring_tokens=self.Q, chunk_tokens=self.chunk,
+                     out=_ptr(o["out"]), out_weights=_ptr(o["out_weights"]) if ws else 0,
+                     dropped=self.dropped[r].data_ptr(), use_tma=self.use_tma,
+                     pull=offered[r])
             if bias is not None:
                 a["bias0"] = bias[r].data_ptr()
             args.append(a)

@@ -536,6 +536,21 @@ class NormalBuffer(NormalBufferMembership):
             self._remember_fast(KIND_COMBINE, hd, config_arg, config, int(x.shape[1]))
         return res.combined_x, res.combined_topk_weights, event
 
+    def get_combine_input(self, handle: NormalHandle) -> "torch.Tensor":
+        """An uninitialised bf16 [rows received, hidden] tensor for the experts' output of `handle`'s dispatch,
+        in this buffer's output pool where it has room (a plain allocation otherwise, or on a backend
+        without a pool). Write the experts' output into it (matmul(..., out=), copy_) and pass it to
+        combine: a combine whose input lies in the pool on every rank reads each rank's rows where they
+        lie, instead of pushing them through the rings (docs/normal_mode.md, "Pull combine"). The
+        dispatch's own recv_x, when it came from the pool, pulls too. Made on the current stream; the
+        memory returns to the pool when the tensor is gone."""
+        import torch
+        hd = v.check_handle(handle, owner=self._owner, epoch=self._epoch, num_ranks=self._num_ranks)
+        rows = hd.num_recv_rows
+        made = getattr(self._backend, "combine_input", None)
+        t = made(rows, self._hidden) if made is not None else None
+        return t if t is not None else torch.empty((rows, self._hidden), dtype=torch.bfloat16, device=self._device)
+
     def _remember_fast(self, kind: int, handle: NormalHandle, config_arg: Optional[Config], config: Config,
                        hidden: int) -> None:
         """After the Python path made a plain cached dispatch or combine (no events, no bias): the handle's

@@ -43,6 +43,18 @@ def one_copy_enabled() -> bool:
     return value == "1"
 
 
+def pull_combine_enabled() -> bool:
+    """Whether a combine whose input lies in the output pool on every rank reads the peers' rows where they
+    lie (engine/kernels/normal_pull.cuh): on unless PYEP_NORMAL_PULL=0 (every combine then pushes its rows
+    through the rings)."""
+    import os
+    value = os.environ.get("PYEP_NORMAL_PULL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PYEP_NORMAL_PULL must be 0 (combines push through the rings) or 1 (a combine whose "
+                         f"inputs lie in the output pool pulls them, the default), got {value!r}")
+    return value == "1"
+
+
 def _align(v: int, a: int = POOL_ALIGN) -> int:
     return (v + a - 1) // a * a
 
@@ -139,14 +151,16 @@ class OutputPool:
         return start if start + need <= self.hi else None
 
     def outputs(self, rows: int, hidden: int, dtype: Any, fp8: bool, stage_k: Optional[int],
-                launch_stream: int, caller_stream: int) -> Optional[DirectOutputs]:
+                launch_stream: int, caller_stream: int, spare: bool = False) -> Optional[DirectOutputs]:
         """recv_x [rows, hidden] of dtype, recv_x_scales [rows, hidden / 128] (FP8) and staging rows (stage_k:
         the call's top-k, None for a dispatch with a handle) in a free region, or None. launch_stream (a
-        raw handle) first waits for the uses, on other streams, of earlier outputs that lived there."""
+        raw handle) first waits for the uses, on other streams, of earlier outputs that lived there.
+        spare: only where as much again stays free right behind the region (outputs that only a pull
+        combine gains from leave room for one-copy dispatches)."""
         import torch
         elem = dtype.itemsize
         lay = OutputLayout.of(rows, hidden, elem, fp8, stage_k)
-        off = self._place(lay.total)
+        off = self._place(2 * lay.total if spare else lay.total)
         if off is None:
             return None
         end = off + lay.total

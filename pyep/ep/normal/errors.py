@@ -22,7 +22,7 @@ ERR_EXPERT_COUNT = 7     # a = expert, b = num_tokens_per_expert's value, c = en
 ERR_RANK_COUNT = 8       # a = rank, b = num_tokens_per_rank's value, c = tokens is_token_in_rank selects
 ERR_NODE_COUNT = 9       # a = node, b = num_tokens_per_rdma_rank's value, c = tokens is_token_in_rank selects
 ERR_VOID_HANDLE = 10     # a = the call number of the void dispatch whose handle the call used
-ERR_DIRECT_DESC = 11     # a = rank, b = field (1 rows, 2 recv_x, 3 scales, 4 staging), c = its rows
+ERR_DIRECT_DESC = 11     # a = rank, b = field (1 rows, 2 recv_x, 3 scales, 4 staging; pull combine: 5 rows, 6 x), c = rows
 ERR_LOST_PATH = 12       # a = rank, b = the call number
 PHASES = ("notify", "dispatch", "combine")
 
@@ -108,11 +108,18 @@ class ElasticUnsupported(NormalModeError, NotImplementedError):
 
 
 class BadOutputDescriptor(NormalModeError):
-    """A rank's one-copy output descriptor (normal_direct.cuh) lay outside the output pool: nothing of the
-    call was sent, and the buffer refuses calls until clean() (its peers time out on this rank)."""
+    """A rank's one-copy output descriptor (normal_direct.cuh) lay outside the output pool, or its pull
+    combine offer (normal_pull.cuh, fields 5 and 6) did not describe its input: nothing of the call was
+    sent or read, and the buffer refuses calls until clean()."""
 
     def __init__(self, peer: int, field: int, rows: int) -> None:
         self.peer, self.field, self.rows = peer, field, rows
+        if field in (5, 6):
+            what = "fewer rows than the handle says it received" if field == 5 else "x outside the output pool"
+            super().__init__(f"rank {peer}'s pull combine offer is invalid ({what}, {rows} rows): the ranks' "
+                             f"buffers differ in size or layout, the handles differ, or its memory was overwritten; "
+                             f"nothing was read (PYEP_NORMAL_PULL=0 makes every combine push)")
+            return
         what = {1: "its row count", 2: "recv_x", 3: "recv_x_scales", 4: "its staging rows"}.get(field, f"field {field}")
         super().__init__(f"rank {peer}'s one-copy dispatch descriptor is invalid ({what}, {rows} rows, outside the "
                          f"output pool): the ranks' buffers differ in size or layout, or its memory was overwritten; "

@@ -12,8 +12,10 @@ explains who writes what.
                                            its call tag (tags.py); an internode call's extra words
                i32 direct[MAX_CHANNELS][DESC_INTS] my one-copy output descriptor per channel
                                            (normal_direct.cuh): call, offer, rows, pool offsets
+               i32 pulled[2 * MAX_CHANNELS][R] call number of the last pull combine whose block b
+                                           of rank s finished reading my x (normal_pull.cuh)
     [rings]    slot[C][R][Q] of slot_bytes: ring (c, s) holds the rows source s sends me on channel c
-    [pool]     optional, at the buffer's end: one-copy dispatch outputs (direct_pool.py)
+    [pool]     optional, at the buffer's end: one-copy dispatch outputs, pull combine inputs (direct_pool.py)
 
 Counters are absolute (they only grow, modulo 2**32) so no call ever has to reset them; each call
 starts on empty rings (a sender waits until its previous rows were consumed), so the channel count,
@@ -54,7 +56,8 @@ def control_words(num_ranks: int, extra: int = 0) -> dict:
     off = {"tail": 0, "head": n, "tx_pos": 2 * n, "rx_pos": 3 * n, "alive": 4 * n, "notify_flag": 4 * n + 4}
     off["notify"] = off["notify_flag"] + 2 * num_ranks
     off["direct"] = off["notify"] + 2 * num_ranks * notify_ints(extra)
-    off["end"] = off["direct"] + MAX_CHANNELS * DESC_INTS
+    off["pulled"] = off["direct"] + MAX_CHANNELS * DESC_INTS
+    off["end"] = off["pulled"] + 2 * MAX_CHANNELS * num_ranks
     return off
 
 

@@ -21,7 +21,7 @@ from .config import MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_RANKS, Config
 from .contract import CombineCall, CombineResult, DispatchCall, DispatchResult, LayoutResult
 from .device_records import TAG_RECORD_INTS, DeviceRecords
 from ..devmem import DeviceMemory
-from .direct_pool import OutputPool, one_copy_enabled, pool_bounds, ring_reserve
+from .direct_pool import OutputPool, one_copy_enabled, pool_bounds, pull_combine_enabled, ring_reserve
 from .errors import (ERR_PEER_TIMEOUT, BadOutputDescriptor, BufferBroken, LostDispatchPath, NormalCallMismatch,
                      NotCapturable, PeerTimeout)
 from .events import wait_bound_s
@@ -116,6 +116,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
                              f"({layout.ring_offset(r_n, notify_extra)} bytes); NormalBuffer.size_hint() says what a shape needs")
         self._setup_timeout_s = max(SETUP_TIMEOUT_FLOOR_S, 3 * timeout_us / 1e6)
         pool_on = output_pool and one_copy_enabled()
+        self._pull = pool_on and pull_combine_enabled()
         ring_end = layout.ring_offset(r_n, notify_extra) + ring_reserve(r_n, num_sms, hidden)
         self._pool_lo, self._pool_hi = pool_bounds(self._bytes, ring_end) if pool_on else (0, 0)
         self._pool: Optional[OutputPool] = None
@@ -168,6 +169,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
                  sorted({int(b) for b in buffer_bytes}))
         self._pool.close()
         self._pool, self._pool_lo, self._pool_hi = None, 0, 0
+        self._pull = False
 
     def _make_static(self) -> Any:
         words = layout.control_words(self.num_ranks, self._extra)
@@ -178,6 +180,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
         s.ring_off = layout.ring_offset(self.num_ranks, self._extra)
         s.ring_capacity = self._ring_capacity()
         s.off_direct, s.pool_lo, s.pool_hi = words["direct"], self._pool_lo, self._pool_hi
+        s.off_pulled = words["pulled"]
         s.slot_bytes = layout.slot_bytes(self.hidden)
         s.off_tail, s.off_head, s.off_tx, s.off_rx = words["tail"], words["head"], words["tx_pos"], words["rx_pos"]
         s.off_flag, s.off_notify, s.off_alive = words["notify_flag"], words["notify"], words["alive"]
@@ -260,12 +263,14 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
         return layout.fit_rings(config, self.num_ranks, self.hidden, self._ring_capacity())
 
     def gate(self, kind: int, sig: List[int], *, status: int = tags.STATUS_OK, reason: str = "",
-             handle_tag: Any = None, upstream: int = 0) -> None:
+             handle_tag: Any = None, upstream: int = 0, pull: Tuple[int, int, int] = (0, 0, 0)) -> None:
         """The call gate alone (normal_gate.cuh): every rank's tag for this call, before a cached dispatch
-        or a combine moves rows, or in place of a call refused on the host."""
+        or a combine moves rows, or in place of a call refused on the host. `pull`: a combine's offer
+        (pull_offer)."""
         a = self._n.NotifyArgs()
         a.gate_only = 1
         a.kind, a.status, a.sig = kind, status, sig
+        a.pull_offer, a.pull_rows, a.pull_x = pull
         a.reason = reason.encode("utf-8", "replace")[:tags.REASON_BYTES]
         a.handle_tag = handle_tag.data_ptr() if handle_tag is not None else 0
         a.upstream = upstream
@@ -405,6 +410,11 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
         outs = None
         if direct and not torch.cuda.is_current_stream_capturing():
             outs = self._pool.outputs(rows, h, call.x.dtype, fp8, None if cached else k, stream, call.caller_stream)
+        elif (self._pull and self._pool is not None and self._mask is None and not fp8
+              and not torch.cuda.is_current_stream_capturing()):
+            # A ring-path BF16 dispatch: its recv_x in the pool where that leaves as much again free, so that
+            # a combine of it as it came (an in-place expert, DeepEP's tests) pulls (normal_pull.cuh).
+            outs = self._pool.outputs(rows, h, call.x.dtype, False, None, stream, call.caller_stream, spare=True)
         if outs is not None:
             recv_x, recv_scales = outs.recv_x, outs.recv_x_scales
         else:
@@ -423,7 +433,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
                          0 if cached else recv_src.data_ptr(), 0, 0, stream, 0, ptr(dropped),
                          send_head.data_ptr() if dropped is not None else 0,
                          *(call.x_scales.stride() if fp8 else (-1, -1)),   # scales read in place, any layout
-                         direct, outs is not None, outs.stage if outs is not None else 0)
+                         direct, direct and outs is not None, outs.stage if direct and outs is not None else 0)
         # With a mask the handle keeps the call's is_token_in_rank less the ranks out of it (as the
         # reference backend's does); the kernels' own view is send_head, cleared for rows not sent.
         in_rank_kept = (in_rank & (self._mask != 0).view(1, -1)) if dropped is not None and not cached else None
@@ -433,6 +443,31 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
                               recv_src_idx=recv_src, send_head=send_head, num_recv_tokens=real, tag=tag,
                               is_token_in_rank=in_rank_kept, num_dropped_tokens=dropped)
 
+    def pull_offer(self, x: "torch.Tensor", k: int) -> Tuple[int, int, int]:
+        """This rank's pull combine offer (engine/kernels/normal_pull.cuh) for input x: (1, rows, byte offset
+        of x in the buffer) when x lies in the output pool (an empty x offers the pool's start), else
+        (0, 0, 0). Not with weights (the reduce would need the peers' weights where they lie too) or a mask
+        (a marked peer's memory must not be read). The combine pulls only when every rank offers."""
+        if not self._pull or self._mask is not None or k:
+            return (0, 0, 0)
+        rows = int(x.shape[0])
+        if rows == 0:
+            return (1, 0, self._pool_lo)
+        lo, size = x.data_ptr() - self._buf, rows * int(x.shape[1]) * x.element_size()
+        if not x.is_contiguous() or lo < self._pool_lo or lo + size > self._pool_hi:
+            return (0, 0, 0)
+        return (1, rows, lo)
+
+    def combine_input(self, rows: int, hidden: int) -> Optional["torch.Tensor"]:
+        """A bf16 [rows, hidden] tensor in the output pool on the current stream (NormalBuffer.get_combine_input),
+        or None: no pool, pull combine off, a mask, or no free region that fits."""
+        import torch
+        if not self._pull or self._pool is None or self._mask is not None:
+            return None
+        stream = raw_current_stream(self.device)
+        o = self._pool.outputs(rows, hidden, torch.bfloat16, False, None, stream, stream)
+        return None if o is None else o.recv_x
+
     def combine(self, call: CombineCall) -> CombineResult:
         import torch
         hd = call.handle
@@ -441,7 +476,9 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
         k = int(call.topk_weights.shape[1]) if call.topk_weights is not None else 0
         self._settle_ring_geometry(cfg.num_max_nvl_chunked_recv_tokens, h, "normal combine")
         self._call_timeout()
-        self.gate(tags.KIND_COMBINE, [h, hd.num_channels, cfg.num_max_nvl_chunked_recv_tokens, k], handle_tag=hd.tag)
+        pull = self.pull_offer(call.x, k)
+        self.gate(tags.KIND_COMBINE, [h, hd.num_channels, cfg.num_max_nvl_chunked_recv_tokens, k], handle_tag=hd.tag,
+                  pull=pull)
         out = torch.empty((n, h), dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty((n, k), dtype=torch.float32, device=self.device) if k else None
         dropped = self._dropped()
@@ -451,7 +488,7 @@ class NormalNativeBackend(NativeCallState, NativeNormalMembership, NativeFastPat
                         hd.send_head.data_ptr(), hd.rank_prefix_matrix.data_ptr(), hd.channel_prefix_matrix.data_ptr(),
                         hd.recv_channel_prefix_matrix.data_ptr(), n, h, k, hd.num_channels,
                         cfg.num_max_nvl_chunked_recv_tokens, cfg.num_max_nvl_chunked_send_tokens, out.data_ptr(),
-                        ptr(out_w), 0, raw_current_stream(self.device), ptr(dropped), self._tma_combine)
+                        ptr(out_w), 0, raw_current_stream(self.device), ptr(dropped), self._tma_combine, pull[0])
         return CombineResult(out, out_w, num_dropped_tokens=dropped)
 
     # ------------------------------------------------------------------ for native_internode.py

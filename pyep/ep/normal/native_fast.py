@@ -38,6 +38,7 @@ class NativeFastPath:
     _n: Any
     _static: Any
     _pool: Any
+    _pull: bool
     _mask: Optional["torch.Tensor"]
     _geometry: Optional[Tuple[int, int]]
     _broken: bool
@@ -61,6 +62,7 @@ class NativeFastPath:
         if f is None:
             return
         f.ready = not (self._broken or self._destroyed or self._mask is not None or self._grace_left > 0)
+        f.pull = bool(self._pull and self._pool is not None)
         f.voids_seen = self.records.voids_seen
         if self._geometry is not None:
             f.geo_ring, f.geo_slot = self._geometry
