@@ -184,6 +184,8 @@ def test_survivor_restarts_only_the_streams_shared_with_the_restarted_rank(monke
         col = w[off[name]:off[name] + MAX_CHANNELS * 3].view(MAX_CHANNELS, 3)
         assert col[:, 2].tolist() == [0] * MAX_CHANNELS, name          # its streams restart at 0
         assert col[:, :2].eq(7).all(), name                             # the others' are untouched
+    pulled = w[off["pulled"]:off["pulled"] + 2 * MAX_CHANNELS * 3].view(2 * MAX_CHANNELS, 3)
+    assert pulled[:, 2].tolist() == [0] * (2 * MAX_CHANNELS) and pulled[:, :2].eq(7).all()   # pull combine words
     b.activate_peer(2, None)
     flags = w[off["notify_flag"]:off["notify_flag"] + 6].view(2, 3)
     want = flags_in_step(41)                           # in step before call 42: (40, 41) by parity

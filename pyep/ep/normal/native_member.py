@@ -119,6 +119,8 @@ class NativeNormalMembership:
         w, off, r_n = self._words(), layout.control_words(self.num_ranks, self._extra), self.num_ranks
         for name in ("tail", "head", "tx_pos", "rx_pos"):
             w[off[name] + rank:off[name] + MAX_CHANNELS * r_n:r_n] = 0
+        # Its pull combine words too (normal_pull.cuh): call numbers of the old process.
+        w[off["pulled"] + rank:off["pulled"] + 2 * MAX_CHANNELS * r_n:r_n] = 0
 
     def _flags_in_step(self, src: int, seq: int) -> None:
         """The gate flags this rank holds for source `src`, as a peer in step at call `seq` shows them."""
