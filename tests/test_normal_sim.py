@@ -13,7 +13,9 @@ with PeerTimeout naming it. A live rank stalled behind a dead one (its combine w
 is not marked by a peer waiting for it in the next call's gate: waiting ranks beat a heartbeat
 (normal_common.cuh PeerClock). A call one rank refuses at its gate is void on every rank: tag records
 naming it, no row moved, the next call right. The launchers' host checks (check_static, check_rings)
-refuse rings that do not fit and too many channels. Each case runs in a worker process with a hard
+refuse rings that do not fit and too many channels. Pull combine (normal_pull.cuh) through the real gate:
+the sums, the rings untouched, the pulled[] words, offers that are too short or run past the pool, a
+rank that offers and never launches. Each case runs in a worker process with a hard
 timeout (a kernel bug that deadlocks a barrier must fail the test, not hang CI)."""
 from __future__ import annotations
 
@@ -477,9 +479,10 @@ def case_pull(path: str, R: int, sizes: List[int]) -> str:
     return "ok"
 
 
-def case_pull_bad_offer(path: str) -> str:
-    """A rank whose pull offer has fewer rows than the handle says it received: every rank records
-    kErrDirectDesc naming it (field 5), reads nothing, and still ends (the pulled[] exchange runs)."""
+def case_pull_bad_offer(path: str, field: int) -> str:
+    """A rank whose pull offer has fewer rows than the handle says it received (field 5), or whose x runs
+    past the pool's end (field 6): every rank records kErrDirectDesc naming it and the field, reads
+    nothing, and still ends (the pulled[] exchange runs)."""
     sys.path.insert(0, SIM_DIR)
     from normal_world import NormalWorld, expert_outputs, load, make_inputs
     from pyep.ep.normal.errors import BadOutputDescriptor, error_from_record
@@ -488,11 +491,11 @@ def case_pull_bad_offer(path: str) -> str:
     w = NormalWorld(sim, R, H, K, E, 2, 32, 6, pool_bytes=1 << 20, timeout_ns=2_000_000_000)
     handles = _gated_dispatch(w, make_inputs(R, [40, 50, 30], H, K, E, False, seed=72), "dispatch")
     ys, _ = expert_outputs(handles, H, K, 73)
-    short = (1, handles[1].num_rows - 1, w.pool_lo)
-    comb = w.combine(handles, ys, None, pull=list(range(R)), offers={1: short})
+    rows1 = handles[1].num_rows
+    bad = (1, rows1 - 1, w.pool_lo) if field == 5 else (1, rows1, w.pool_hi - 128)
+    comb = w.combine(handles, ys, None, pull=list(range(R)), offers={1: bad})
     for r in range(R):
-        code, peer, field, rows = w.errors()[r]
-        assert (code, peer, field, rows) == (ERR_DIRECT_DESC, 1, 5, short[1]), (r, w.errors())
+        assert w.errors()[r] == [ERR_DIRECT_DESC, 1, field, bad[1]], (r, w.errors())
         err = error_from_record(w.errors()[r], E, 1000)
         assert isinstance(err, BadOutputDescriptor) and "rank 1's" in str(err) and "combine" in str(err), err
         assert (comb[r]["out"].float() == 7.0).all(), f"rank {r}: a failed pull wrote its output"
@@ -670,7 +673,8 @@ CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     # Pull combine: 2 ranks, and 3 with one of them without tokens.
     "pull_two_ranks": (case_pull, (2, [150, 131])),
     "pull_three_ranks_one_empty": (case_pull, (3, [97, 0, 120])),
-    "pull_bad_offer_is_named": (case_pull_bad_offer, ()),
+    "pull_short_offer_is_named": (case_pull_bad_offer, (5,)),
+    "pull_offer_past_the_pool_is_named": (case_pull_bad_offer, (6,)),
     "pull_silent_rank_is_named": (case_pull_silent_rank, ()),
     # BF16 rows of 8448 bytes go to peers by bulk copy (normal_tma.cuh peer_bulk: longer than a warp's
     # stages), FP8 rows by warp copies: the ring path's and one-copy's extra drains and barriers, and a
