@@ -479,18 +479,24 @@ def case_pull(path: str, R: int, sizes: List[int]) -> str:
     return "ok"
 
 
+def _pull_world(path: str, timeout_ns: int, seed: int) -> Tuple[Any, List[Any], List[Any]]:
+    """3 ranks with output pools after a gated dispatch: (world, handles, expert outputs)."""
+    sys.path.insert(0, SIM_DIR)
+    from normal_world import NormalWorld, expert_outputs, load, make_inputs
+    R, H, K, E = 3, 256, 4, 12
+    w = NormalWorld(load(path), R, H, K, E, 2, 32, 6, pool_bytes=1 << 20, timeout_ns=timeout_ns)
+    handles = _gated_dispatch(w, make_inputs(R, [40, 50, 30], H, K, E, False, seed=seed), "dispatch")
+    ys, _ = expert_outputs(handles, H, K, seed + 1)
+    return w, handles, ys
+
+
 def case_pull_bad_offer(path: str, field: int) -> str:
     """A rank whose pull offer has fewer rows than the handle says it received (field 5), or whose x runs
     past the pool's end (field 6): every rank records kErrDirectDesc naming it and the field, reads
     nothing, and still ends (the pulled[] exchange runs)."""
-    sys.path.insert(0, SIM_DIR)
-    from normal_world import NormalWorld, expert_outputs, load, make_inputs
     from pyep.ep.normal.errors import BadOutputDescriptor, error_from_record
-    sim = load(path)
-    R, H, K, E = 3, 256, 4, 12
-    w = NormalWorld(sim, R, H, K, E, 2, 32, 6, pool_bytes=1 << 20, timeout_ns=2_000_000_000)
-    handles = _gated_dispatch(w, make_inputs(R, [40, 50, 30], H, K, E, False, seed=72), "dispatch")
-    ys, _ = expert_outputs(handles, H, K, 73)
+    w, handles, ys = _pull_world(path, 2_000_000_000, 72)
+    R, E = w.R, w.E
     rows1 = handles[1].num_rows
     bad = (1, rows1 - 1, w.pool_lo) if field == 5 else (1, rows1, w.pool_hi - 128)
     comb = w.combine(handles, ys, None, pull=list(range(R)), offers={1: bad})
@@ -506,14 +512,8 @@ def case_pull_silent_rank(path: str) -> str:
     """Rank 2 of 3 runs its combine gate (offering) but never launches the combine kernel: ranks 0 and 1
     read its rows (there since its gate), sum right, then wait for its pulled[] words and give up after
     the timeout with PeerTimeout naming it in the combine phase."""
-    sys.path.insert(0, SIM_DIR)
-    from normal_world import NormalWorld, expert_outputs, load, make_inputs
-    sim = load(path)
-    R, H, K, E = 3, 256, 4, 12
-    w = NormalWorld(sim, R, H, K, E, 2, 32, 6, pool_bytes=1 << 20, timeout_ns=300_000_000)
-    handles = _gated_dispatch(w, make_inputs(R, [40, 50, 30], H, K, E, False, seed=74), "dispatch")
-    ys, _ = expert_outputs(handles, H, K, 75)
-    comb = w.combine(handles, ys, None, ranks=[0, 1], pull=list(range(R)))
+    w, handles, ys = _pull_world(path, 300_000_000, 74)
+    comb = w.combine(handles, ys, None, ranks=[0, 1], pull=list(range(w.R)))
     for r in (0, 1):
         code, peer, phase, _ = w.errors()[r]
         assert (code, peer, phase) == (ERR_PEER_TIMEOUT, 2, PHASES.index("combine")), (r, w.errors())
