@@ -1,6 +1,6 @@
 // Pull combine (docs/normal_mode.md, "Pull combine"): when every rank's combine input x lies in its
 // buffer's output pool (the dispatch's recv_x handed back as it came, or a tensor the caller took from
-// the pool with NormalBuffer.combine_input), each token's owner reads every rank's row of that token
+// the pool with NormalBuffer.get_combine_input), each token's owner reads every rank's row of that token
 // where it lies and sums it into its output. A peer's row then crosses memory once, read by the owner,
 // instead of three times (read and stored into the owner's ring by the peer, read again by the owner's
 // reduce); no ring is used, no head or tail moves, so the next call may push or pull.
