@@ -508,6 +508,27 @@ def case_pull_bad_offer(path: str, field: int) -> str:
     return "ok"
 
 
+def case_pull_bad_handle(path: str) -> str:
+    """Rank 0's send_head names a position past what rank 1 received: rank 0 records ERR_BAD_HANDLE for
+    that channel and reads nothing past rank 1's x; the other tokens' sums are right, the other ranks clean."""
+    import torch
+    from normal_world import expected_combine
+    from pyep.ep.normal.errors import ERR_BAD_HANDLE
+    w, handles, ys = _pull_world(path, 2_000_000_000, 76)
+    sh = handles[0].send_head
+    t = int(torch.nonzero(sh[:, 1] >= 0)[0])
+    sh[t, 1] = 1 << 20
+    comb = w.combine(handles, ys, None, pull=list(range(w.R)))
+    code, channel, left, need = w.errors()[0]
+    assert (code, channel, need) == (ERR_BAD_HANDLE, 0, (1 << 20) + 1) and 0 < left < need, w.errors()
+    assert w.errors()[1:] == [[0, 0, 0, 0]] * (w.R - 1), w.errors()
+    ws0 = [torch.zeros((y.shape[0], 1)) for y in ys]
+    want, _ = expected_combine(handles, ys, ws0, 0)   # token t's sum lacks rank 1's row: left out
+    others = [i for i in range(sh.shape[0]) if i != t]
+    assert torch.equal(comb[0]["out"][others].view(torch.int16), want[others].view(torch.int16)), "rank 0's sums"
+    return "ok"
+
+
 def case_pull_silent_rank(path: str) -> str:
     """Rank 2 of 3 runs its combine gate (offering) but never launches the combine kernel: ranks 0 and 1
     read its rows (there since its gate), sum right, then wait for its pulled[] words and give up after
@@ -675,6 +696,7 @@ CASES: Dict[str, Tuple[Callable[..., str], tuple]] = {
     "pull_three_ranks_one_empty": (case_pull, (3, [97, 0, 120])),
     "pull_short_offer_is_named": (case_pull_bad_offer, (5,)),
     "pull_offer_past_the_pool_is_named": (case_pull_bad_offer, (6,)),
+    "pull_send_head_past_a_peers_rows_is_named": (case_pull_bad_handle, ()),
     "pull_silent_rank_is_named": (case_pull_silent_rank, ()),
     # BF16 rows of 8448 bytes go to peers by bulk copy (normal_tma.cuh peer_bulk: longer than a warp's
     # stages), FP8 rows by warp copies: the ring path's and one-copy's extra drains and barriers, and a

@@ -309,8 +309,9 @@ __device__ void combine_pull(const NormalStatic& s, const CombineArgs& a, const 
         int pos = lane < R ? send_head[(int64_t)t * R + lane] : -1;
         if (pos >= 0 && p.row0[lane] + pos >= p.rows[lane]) {
             // A handle that does not describe this call (its matrices are the caller's tensors): never a
-            // read past the peer's x.
-            record_error(s, kErrBadHandle, c, t, pos);
+            // read past the peer's x. Recorded as the rows left in that peer's x from this channel's
+            // first, against the rows send_head needs.
+            record_error(s, kErrBadHandle, c, (int)(p.rows[lane] - p.row0[lane]), pos + 1);
             pos = -1;
         }
         const uint8_t* rows[kMaxRanks];
