@@ -28,11 +28,11 @@ class RankFailure(AssertionError):
 
 
 def _worker(rank: int, world: int, port: int, backend: str, pg_timeout_s: float,
-            tasks: "mp.Queue", results: "mp.Queue") -> None:
+            tasks: "mp.Queue", results: "mp.Queue", processes_on_gpu: int) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # keep gloo's own sockets on 127.0.0.1
     from pyep.softnic.cuda_env import softnic_cuda_env
     # Before CUDA starts: GPU cases post to the softnic, and the workers may all share one GPU.
-    softnic_cuda_env(os.environ, processes_on_gpu=world)
+    softnic_cuda_env(os.environ, processes_on_gpu=processes_on_gpu)
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)   # n workers share a few cores; oversubscription only slows them down
@@ -68,10 +68,13 @@ def _worker(rank: int, world: int, port: int, backend: str, pg_timeout_s: float,
 
 class DistPool:
     def __init__(self, world_size: int, backend: str = "gloo", start_timeout_s: float = 120.0,
-                 pg_timeout_s: float = 60.0) -> None:
+                 pg_timeout_s: float = 60.0, processes_on_gpu: Optional[int] = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
+        # How many processes may share a GPU with these workers (their CUDA work-queue share,
+        # pyep/softnic/cuda_env.py); default: the pool's own.
+        self.processes_on_gpu = max(world_size, processes_on_gpu or 0)
         self.backend = backend
         self.start_timeout_s = start_timeout_s
         self.pg_timeout_s = pg_timeout_s
@@ -92,7 +95,8 @@ class DistPool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [ctx.Process(target=_worker, name=f"dist-rank{r}", daemon=True,
                                    args=(r, self.world_size, self._store.port, self.backend,
-                                         self.pg_timeout_s, self._tasks[r], self._results))
+                                         self.pg_timeout_s, self._tasks[r], self._results,
+                                         self.processes_on_gpu))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()
@@ -116,6 +120,10 @@ class DistPool:
                 p.kill()
                 p.join(5.0)
         self._procs, self._tasks, self._results, self._store = [], [], None, None
+
+    def running(self) -> bool:
+        """Whether the workers are up (a pool starts them at its first run, again after a close)."""
+        return bool(self._procs)
 
     def __enter__(self) -> "DistPool":
         return self
@@ -184,14 +192,24 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 
 class LazyPools(dict):
     """{world size: DistPool}, each pool started on first use (GPU tests use the sizes the machine
-    has, and a pool per size costs a start-up). close() ends every pool it started."""
+    has, and a pool per size costs a start-up). close() ends every pool it started.
 
-    def __init__(self, **pool_kwargs: Any) -> None:
+    The pools' workers live side by side on the GPU(s) and share its hardware work queues
+    (pyep/softnic/cuda_env.py): with the 2- and 4-rank pools of a module up at once, 2 x 32 + 4 x 24
+    queues made every context of the 4-rank pool fail under the MPS daemon ("CUDA-capable device(s)
+    is/are busy or unavailable"). So every worker's share is taken as if `planned` processes shared
+    the GPU, and a pool that would take the live workers past that closes the others first."""
+
+    def __init__(self, planned: int = 6, **pool_kwargs: Any) -> None:
         super().__init__()
+        self._planned = planned
         self._kwargs = pool_kwargs
 
     def __missing__(self, world: int) -> DistPool:
-        pool = DistPool(world, **self._kwargs)
+        if sum(p.world_size for p in self.values()) + world > self._planned:
+            self.close()
+            self.clear()
+        pool = DistPool(world, processes_on_gpu=max(self._planned, world), **self._kwargs)
         self[world] = pool
         return pool
 

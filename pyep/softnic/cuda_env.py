@@ -14,8 +14,11 @@ your own sets it before it imports torch (or before its first CUDA call).
 The queues are a resource of the GPU that every context on it draws from: 16 processes on one H200 with
 32 each failed to create their contexts ("out of memory" in cudaSetDevice), with CUDA's 8 each they ran;
 on one H100 under the MPS daemon 4 test workers with 32 each (beside their parent's context) failed the
-same way (one context in four), with 16 each they ran. So processes that share a GPU split a budget of QUEUE_BUDGET (never
-below CUDA's default)."""
+same way (one context in four), with 16 each they ran. On one H200 under the daemon
+(tools/dev/context_budget.py, docs/results/2026-11-28d-h200x2): 6 processes with 16 each (96) all made
+their contexts; 4 with 32 (128) lost one ("out of memory"); 2 with 32 and then 4 with 24 (160) lost two
+("CUDA-capable device(s) is/are busy or unavailable"). So processes that share a GPU split a budget of
+QUEUE_BUDGET (never below CUDA's default)."""
 from __future__ import annotations
 
 import os
