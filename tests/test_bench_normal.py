@@ -242,6 +242,10 @@ class FakeNormalBuffer:
         import torch.distributed as dist
         self.group, self.rank, self.R = group, dist.get_rank(group), dist.get_world_size(group)
         self.buffer_bytes = num_nvl_bytes
+        self.hidden = hidden
+        self.handed_out: List[Any] = []          # tensors get_combine_input made
+        self.combined_from_pool: List[bool] = []   # per combine: was x one of them
+        FakeNormalBuffer.last = self
 
     def destroy(self) -> None:
         pass
@@ -332,7 +336,13 @@ class FakeNormalBuffer:
                 torch.tensor(ws, dtype=torch.float32).reshape(-1, k),
                 [counts.get(e, 0) for e in range(el)], h, None)
 
+    def get_combine_input(self, handle):  # type: ignore[no-untyped-def]
+        t = torch.full((int(handle.recv_src_idx.shape[0]), self.hidden), float("nan"), dtype=torch.bfloat16)
+        self.handed_out.append(t)
+        return t
+
     def combine(self, x, handle, topk_weights=None, **kw):  # type: ignore[no-untyped-def]
+        self.combined_from_pool.append(any(x is t for t in self.handed_out))
         everyone = self._all((x, topk_weights, handle.recv_src_idx, handle.rank_prefix_matrix))
         n, H = handle.is_token_in_rank.shape[0], x.shape[1]
         out = torch.zeros(n, H, dtype=torch.float32)
@@ -348,7 +358,7 @@ class FakeNormalBuffer:
         return out.to(torch.bfloat16), out_w, None
 
 
-def _suite(corrupt: bool, gpu_sms: int = 0) -> Any:
+def _suite(corrupt: bool, gpu_sms: int = 0, combine_input: str = "fresh") -> Any:
     """gpu_sms > 0: the ranks pretend to share one GPU of that many SMs (native rows that do not fit it
     must be skipped, not run)."""
     import torch.distributed as dist
@@ -357,12 +367,14 @@ def _suite(corrupt: bool, gpu_sms: int = 0) -> Any:
     FakeNormalBuffer.corrupt = corrupt
     cfg = NormalBenchConfig(tokens=24, hidden=256, topk=3, experts=8, num_sms=(4, 6),
                             backends=("native",) if gpu_sms else ("reference",),
-                            iters=2, warmup=1, wait_timeout_s=60.0, plot=False, copy_mb=1)
+                            iters=2, warmup=1, wait_timeout_s=60.0, plot=False, copy_mb=1, combine_input=combine_input)
     suite = NormalSuite(cfg, dist.group.WORLD, torch.device("cpu"), buffer_class=FakeNormalBuffer)
     if gpu_sms:
         suite.sharing = Sharing(True, ["fake GPU"] * 2, ["h/gpu0"] * 2, gpu_sms, MpsStatus(True, "fake"))
     rows = suite.run()
     copy = suite.copy.as_dict() if suite.copy is not None else None
+    if combine_input == "pool":   # which combines read a get_combine_input tensor (the last row's buffer)
+        return [r.as_dict() for r in rows], exit_code(rows), FakeNormalBuffer.last.combined_from_pool
     return [r.as_dict() for r in rows], exit_code(rows), FakeNormalBuffer.num_sms, copy
 
 
@@ -392,6 +404,15 @@ def test_suite_with_stand_in_buffer(pool2) -> None:  # type: ignore[no-untyped-d
             assert r["wall_us"][p]["mean"] > 0 and len(r["samples_us"]["wall"][p][0]) == 2
         assert r["kernel_time_source"].startswith("wall")
     assert res[1][1] == 0
+
+
+def test_suite_combines_a_pool_input(pool2) -> None:  # type: ignore[no-untyped-def]
+    # --combine-input pool: the guard writes the expert output into get_combine_input's tensor (NaN until
+    # then, so a combine of the unwritten tensor fails the guard) and every timed combine reads it.
+    res = pool2.run(_suite, False, 0, "pool", timeout_s=120)
+    for rows, code, from_pool in res:
+        assert code == 0 and all(r["check"]["status"] == "PASS" for r in rows)
+        assert from_pool and all(from_pool), from_pool
 
 
 def test_guard_catches_a_wrong_row(pool2) -> None:  # type: ignore[no-untyped-def]

@@ -85,6 +85,20 @@ def test_copy_mb_is_a_normal_mode_option() -> None:
     assert config_from_args(_args("--mode", "normal", "--copy-mb", "4"), cuda=False)[0].copy_mb == 4
 
 
+def test_combine_input_is_a_normal_mode_choice() -> None:
+    from pyep.cli import CliError
+    from pyep.cli.bench import run
+    with pytest.raises(CliError, match="--combine-input is a normal-mode option"):
+        run(_args("--combine-input", "pool"), {})
+    with pytest.raises(SystemExit):
+        _args("--mode", "normal", "--combine-input", "ring")
+    from pyep.bench.normal import NormalBenchConfig
+    with pytest.raises(ValueError, match="combine_input"):
+        NormalBenchConfig(combine_input="ring")
+    from pyep.bench.normal_report import config_from_args
+    assert config_from_args(_args("--mode", "normal", "--combine-input", "pool"), cuda=False)[0].combine_input == "pool"
+
+
 @pytest.mark.parametrize("content", ["[1, 2]", "{not json", ""], ids=["json-list", "json-broken", "json-empty"])
 def test_deepep_json_not_a_document(tmp_path, content: str) -> None:  # type: ignore[no-untyped-def]
     from pyep.bench.deepep_run import deepep_figures

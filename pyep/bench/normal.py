@@ -49,6 +49,7 @@ log = logging.getLogger("pyep.bench")
 # Issue 23's sweep: DeepEP V1 uses 24 SMs; V2 claims the same bandwidth with 4-6.
 DEFAULT_SWEEP_SMS: Tuple[int, ...] = (4, 6, 8, 12, 16, 24)
 NORMAL_BACKENDS = ("native", "reference")
+COMBINE_INPUTS = ("fresh", "pool")
 FP8_FACTOR = (1 + 4 / 128) / 2      # test_intranode.py: FP8 bytes per BF16 byte (payload + fp32 scales)
 
 
@@ -72,6 +73,9 @@ class NormalBenchConfig:
     wait_timeout_s: float = 120.0
     plot: bool = True
     copy_mb: int = DEFAULT_COPY_MB             # the copy-rate measurement (copy_rate.py); 0 skips it
+    # Where the combine's input lies: "fresh", a tensor of the caller's (as an expert GEMM returns it:
+    # the push combine), or "pool", one from NormalBuffer.get_combine_input (the pull combine).
+    combine_input: str = "fresh"
 
     def __post_init__(self) -> None:
         from ..ep.normal.config import MAX_TOPK
@@ -99,6 +103,8 @@ class NormalBenchConfig:
             raise ValueError(f"hot_expert must be in [0, {self.experts}), got {self.hot_expert}")
         if not 0.0 <= float(self.drop_fraction) <= 1.0:
             raise ValueError(f"drop_fraction must be in [0, 1], got {self.drop_fraction}")
+        if self.combine_input not in COMBINE_INPUTS:
+            raise ValueError(f"combine_input must be one of {COMBINE_INPUTS}, got {self.combine_input!r}")
         if not 0.001 <= float(self.wait_timeout_s) <= 86400:
             raise ValueError(f"wait_timeout_s must be in [0.001, 86400], got {self.wait_timeout_s}")
 
@@ -344,7 +350,8 @@ class NormalSuite:
             configs = {k: _cfg_dict(v) for k, v in _default_configs(cls, self.world_size).items()}
             row = NormalRow(backend, num_sms, c.tokens, c.hidden, c.routing.label, configs=configs,
                             buffer_bytes=_buffer_bytes(buf))
-            check, reuse = run_guard(buf, inp, self.rank, self.sync, self.ranks_per_node)
+            check, reuse = run_guard(buf, inp, self.rank, self.sync, self.ranks_per_node,
+                                     pool_input=c.combine_input == "pool")
             flags = self.sync.gather(torch.tensor([1 if check.passed else 0], dtype=torch.int32), "guard results")
             check.failed_ranks = [r for r, f in enumerate(flags) if int(f[0]) == 0]
             if check.failed_ranks and check.passed:

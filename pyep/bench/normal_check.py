@@ -281,13 +281,14 @@ def gather_inputs(inp: GuardInputs, sync: Any) -> Tuple[List["torch.Tensor"], Li
             gather(inp.topk_weights, "guard: top-k weights"))
 
 
-def run_guard(buf: Any, inp: GuardInputs, rank: int, sync: Any,
-              ranks_per_node: Optional[int] = None) -> Tuple[CheckResult, Dict[str, Any]]:
+def run_guard(buf: Any, inp: GuardInputs, rank: int, sync: Any, ranks_per_node: Optional[int] = None,
+              pool_input: bool = False) -> Tuple[CheckResult, Dict[str, Any]]:
     """One layout, BF16 dispatch, FP8 dispatch, cached BF16 dispatch and combine on `buf` (default
     config), each compared with the oracle for the node size ranks_per_node (None: one node). Returns
     the check (not yet agreed over ranks) and what the timing loops reuse: the layout, the handle, the
     expert output, the received rows and (across nodes) the RDMA tokens of DeepEP's count: the sum of
-    num_tokens_per_rdma_rank, a token once per node it reaches."""
+    num_tokens_per_rdma_rank, a token once per node it reaches. With pool_input the expert output is
+    written into a tensor from buf.get_combine_input (the pull combine), as an expert GEMM with out= does."""
     from ..ep import fp8
     node_size = ranks_per_node or sync.world_size
     xs, topks, ws = gather_inputs(inp, sync)
@@ -315,6 +316,8 @@ def run_guard(buf: Any, inp: GuardInputs, rank: int, sync: Any,
     if expert_out is None:
         problems.append("BF16 dispatch returned a tuple")
         expert_out = expert_output(exp.recv_x, rank)
+    if pool_input:
+        expert_out = buf.get_combine_input(handle).copy_(expert_out)
     comb_x, comb_w, _ = buf.combine(expert_out, handle, topk_weights=out[2])
     sync.device_wait("guard: combine")
     problems += [f"combine {p}" for p in check_combine(comb_x, comb_w, exp)]

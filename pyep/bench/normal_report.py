@@ -76,6 +76,8 @@ def render(console: Any, cfg: NormalBenchConfig, env: Dict[str, Any], rows: Sequ
     on_cpu = bool(measured) and all(r.kernel_source.startswith("wall") for r in measured)
     figs = _best(deepep)
     shape = f"N={cfg.tokens} H={cfg.hidden} K={cfg.topk} E={cfg.experts} {cfg.routing.label}, {where(env)}"
+    if cfg.combine_input == "pool":
+        shape += "; combine input from get_combine_input (pull)"
     run_lines(console, env)
     for kind in (["wall"] if on_cpu else ["kernel", "wall"]):
         what = ("per-kernel GPU time (kineto; main + notify/layout kernels)" if kind == "kernel" else
@@ -226,7 +228,8 @@ def config_from_args(args: Any, cuda: bool) -> Tuple[NormalBenchConfig, List[str
         seed=args.seed, transport=args.transport or "auto",
         timeout_us=args.timeout_us if args.timeout_us is not None else 10_000_000,
         wait_timeout_s=args.wait_timeout_s, plot=not args.no_plot,
-        copy_mb=NormalBenchConfig.copy_mb if args.copy_mb is None else args.copy_mb)
+        copy_mb=NormalBenchConfig.copy_mb if args.copy_mb is None else args.copy_mb,
+        combine_input=args.combine_input)
     if backend == "auto" and not cuda:
         notes.append("no CUDA device: measuring the reference backend only")
     return cfg, notes

@@ -49,6 +49,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "show its figures; normal mode: its test_intranode.py on DeepEP and on pyep's shim")
     g.add_argument("--deepep-json", metavar="PATH", help="show DeepEP figures from an earlier "
                                                           "tools/deepep_baseline.py run instead")
+    g.add_argument("--combine-input", choices=("fresh", "pool"), default="fresh",
+                   help="the combine's input: a fresh tensor, as an expert GEMM returns it (push combine; "
+                        "default), or one from NormalBuffer.get_combine_input (pull combine)")
     g.add_argument("--copy-mb", type=int, help="MB of the device's copy-rate measurement (default 256; 0 skips it)")
     g = p.add_argument_group("shape")
     g.add_argument("--tokens", help="max dispatch tokens per rank T, or a comma list (default 128; "
@@ -185,7 +188,8 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     if getattr(args, "mode", "ll") == "normal":
         return _run_normal(args, env)
     for flag, given in (("--num-sms", args.num_sms), ("--sweep-sms", args.sweep_sms),
-                        ("--deepep-json", args.deepep_json), ("--copy-mb", args.copy_mb)):
+                        ("--deepep-json", args.deepep_json), ("--copy-mb", args.copy_mb),
+                        ("--combine-input", None if args.combine_input == "fresh" else args.combine_input)):
         if given is not None:
             raise CliError(f"{flag} is a normal-mode option: add --mode normal")
     cfg, dist_backend, notes = config_from_args(args, env)
