@@ -428,6 +428,14 @@ def expected_combine(handles: List[Handle], ys: List[torch.Tensor], ws: List[tor
     return acc.to(torch.bfloat16), wacc
 
 
+def adopt_notified(handle: Handle, notified: dict, me: int) -> None:
+    """The handle the layout, route and gate kernels built (NormalWorld.notify) in place of the
+    contract's, once a check found them equal: the dispatch then runs on the kernels' own matrices."""
+    handle.rank_prefix, handle.channel_prefix = notified["rpm"], notified["cpm"]
+    handle.recv_channel_prefix, handle.send_head = notified["rcp"], notified["send_head"]
+    handle.in_rank[me] = notified["in_rank"]
+
+
 def expert_outputs(handles: List[Handle], H: int, K: int, seed: int) -> tuple:
     """(ys, ws): random expert outputs bf16 [rows, H] and combine weights fp32 [rows, K] per rank."""
     g = torch.Generator().manual_seed(seed)
