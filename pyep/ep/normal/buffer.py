@@ -4,7 +4,8 @@
 The front checks every argument on the host (pyep.ep.normal.validate; never tensor values), keeps the
 handle bookkeeping (owner token, epoch), raises errors the device recorded for earlier calls, does the
 stream/event bookkeeping (pyep.ep.normal.events) and hands the work to a backend (contract.py): the
-native NVLink kernels where they can run, else the reference over torch.distributed. All ranks of the
+native NVLink kernels where they can run, else the reference over torch.distributed (the choice:
+backend_select.py). All ranks of the
 group make the same calls in the same order. The active_ranks mask, store-based buffers (reference
 backend over store mailbox keys) and rejoin: buffer_member.py (docs/elastic.md, "Normal mode").
 """
@@ -22,8 +23,8 @@ from ..backend import profiled_range, torch_function_off
 from ..streams import raw_current_stream
 from ..config import DEFAULT_TIMEOUT_US, TRANSPORTS
 from . import validate as v
-from .._dist import all_reduce_min_bounded as all_reduce_min
 from .config import DEFAULT_NUM_SMS, MAX_CHANNELS, Config, default_config, sizing_configs
+from .backend_select import make_backend
 from .buffer_member import NormalBufferMembership, check_active_ranks
 from .contract import CombineCall, DispatchCall, NormalBackend
 from .errors import ElasticUnsupported, RefusingArgs
@@ -41,53 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pyep.ep.normal")
 RecvX = Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]]
 BACKENDS = ("auto", "native", "reference")
-
-
-def _native_class(nodes: NodeLayout) -> Any:
-    """The native backend for the group: the staged internode one when it spans nodes."""
-    if nodes.internode:
-        from .native_internode import NormalInternodeBackend
-        return NormalInternodeBackend
-    from .native import NormalNativeBackend
-    return NormalNativeBackend
-
-
-def _native_unavailable_reason(group: "dist.ProcessGroup", kwargs: dict) -> Optional[str]:
-    """Local check (no communication): can this process run the native backend? None if yes.
-    unavailable_reason takes the constructor's arguments."""
-    import torch
-    try:
-        cls = _native_class(kwargs["nodes"])
-    except ImportError as exc:
-        return f"the native normal backend is not importable ({type(exc).__name__}: {exc})"
-    if not torch.cuda.is_available():
-        return "no CUDA device is available"
-    return cls.unavailable_reason(group, **kwargs)
-
-
-def _make_backend(group: "dist.ProcessGroup", backend: str, kwargs: dict) -> NormalBackend:
-    import torch
-    from .reference import NormalReferenceBackend
-    nodes: NodeLayout = kwargs["nodes"]
-    mask = kwargs.pop("mask")
-    elastic = kwargs.pop("elastic")
-    if nodes.internode:   # an elastic internode buffer runs rank to rank (native_internode.py)
-        kwargs["elastic"] = elastic
-    if backend == "reference":
-        return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes, mask=mask)
-    reason = _native_unavailable_reason(group, kwargs)
-    if backend == "native":
-        if reason is not None:
-            from ..backend import BackendUnavailable
-            raise BackendUnavailable(f"NormalBuffer(backend='native') cannot run here: {reason}")
-        return _native_class(nodes)(group, **kwargs)
-    # "auto": every rank must pick the same backend, so agree on the local answers first.
-    flag = torch.tensor([0 if reason else 1], dtype=torch.int32, device=group_device(group))
-    all_reduce_min(flag, group, kwargs["timeout_us"], "NormalBuffer backend selection")
-    if int(flag.item()) == 1:
-        return _native_class(nodes)(group, **kwargs)
-    log.info("NormalBuffer: using the reference backend (%s)", reason or "another rank cannot run the native one")
-    return NormalReferenceBackend(group, timeout_us=kwargs["timeout_us"], nodes=nodes, mask=mask)
 
 
 @functools.lru_cache(maxsize=64)   # a pure function of its arguments, asked on every call; Config is frozen
@@ -174,7 +128,7 @@ class NormalBuffer(NormalBufferMembership):
                                                      num_rdma_bytes=num_rdma_bytes))
         else:
             self._nodes = detect_node_layout(self._group, ranks_per_node, timeout_us)
-            self._backend = _make_backend(self._group, backend, dict(
+            self._backend = make_backend(self._group, backend, dict(
                 num_nvl_bytes=num_nvl_bytes, hidden=hidden, transport=transport, timeout_us=timeout_us,
                 num_sms=sms, nodes=self._nodes, num_rdma_bytes=num_rdma_bytes, mask=self._mask,
                 elastic=elastic or active_ranks is not None))
