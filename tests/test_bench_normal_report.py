@@ -43,6 +43,30 @@ def test_baseline_reads_the_full_log_of_either_library(tmp_path) -> None:  # typ
         tool.run("intranode", 2, root=str(tmp_path), on="nccl")
 
 
+def test_baseline_refuses_visible_gpus_its_runner_would_not_share(  # type: ignore[no-untyped-def]
+        tmp_path, monkeypatch) -> None:
+    """CUDA_VISIBLE_DEVICES=0 on a 2-GPU machine, 2 ranks: a runner that counts nvidia-smi's GPUs would
+    give rank 1 a GPU it cannot see; the tool says so before running. A runner that follows the variable,
+    enough visible GPUs, or a machine with no more GPUs than visible ones: it runs."""
+    import pyep.config.host as host
+    tool = dr.load_baseline_tool()
+    (tmp_path / ".anchors" / "deepep" / "csrc").mkdir(parents=True)
+    (tmp_path / "log.txt").write_text(INTRANODE_LOG)
+    script = tmp_path / ".anchors" / "deepep_v1.sh"
+    body = f'cp {tmp_path / "log.txt"} "$OUT/${{DEEPEP_ON}}_$1_$2.log"\n'
+    script.write_text('ngpu=$(nvidia-smi -L | wc -l)\n' + body)
+    monkeypatch.setattr(host, "count_gpus", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(tool.DeepEpUnavailable, match=r"CUDA_VISIBLE_DEVICES=0 leaves 1 of this machine's 2 GPUs"):
+        tool.run("intranode", 2, root=str(tmp_path), out_dir=str(tmp_path / "a"))
+    assert tool.run("intranode", 1, root=str(tmp_path), out_dir=str(tmp_path / "b"))["ok"]
+    monkeypatch.setattr(host, "count_gpus", lambda: 1)
+    assert tool.run("intranode", 2, root=str(tmp_path), out_dir=str(tmp_path / "c"))["ok"]
+    monkeypatch.setattr(host, "count_gpus", lambda: 2)
+    script.write_text('[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && ngpu=1\n' + body)
+    assert tool.run("intranode", 2, root=str(tmp_path), out_dir=str(tmp_path / "d"))["ok"]
+
+
 # ---------------------------------------------------------------------- tables, JSON and the plot
 def _shared_env(world: int, mps: bool = True) -> dict:
     from pyep.bench.sharing import MpsStatus, Sharing

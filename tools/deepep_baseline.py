@@ -155,6 +155,30 @@ def check_available(root: str = ROOT) -> None:
                                 f"{SCRIPT}; on the GPU machine, carry .anchors)")
 
 
+def check_visible_gpus(num_ranks: int, env: Dict[str, str], root: str = ROOT) -> None:
+    """CUDA_VISIBLE_DEVICES that leaves fewer GPUs than the ranks, on a machine with more: the ranks
+    must share the visible ones, which the runner does only when it counts them (a runner that counts
+    `nvidia-smi -L` gives each rank a GPU of its own, and DeepEP's ranks past the visible ones fail to
+    start). DeepEpUnavailable says so before anything runs."""
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return
+    visible = [p for p in raw.split(",") if p.strip()]
+    if num_ranks <= len(visible):
+        return
+    with open(os.path.join(root, SCRIPT), encoding="utf-8", errors="replace") as fh:
+        if "CUDA_VISIBLE_DEVICES" in fh.read():
+            return
+    from pyep.config.host import count_gpus
+    physical = count_gpus()
+    if physical > len(visible):
+        raise DeepEpUnavailable(
+            f"CUDA_VISIBLE_DEVICES={raw} leaves {len(visible)} of this machine's {physical} GPUs for "
+            f"{num_ranks} ranks, but {SCRIPT} counts the machine's GPUs (nvidia-smi), so its ranks would not "
+            "share the visible ones: give it a GPU count that follows CUDA_VISIBLE_DEVICES "
+            "(docs/performance.md, 'Ranks sharing one GPU'), or unset the variable")
+
+
 def log_name(on: str, mode: str, num_ranks: int) -> str:
     """The full log deepep_v1.sh writes into $OUT (its tag: library, mode, ranks)."""
     return f"{on}_{mode}_{num_ranks}.log"
@@ -171,6 +195,7 @@ def run(mode: str, num_ranks: int, extra: Sequence[str] = (), out_dir: Optional[
     if num_ranks < 1:
         raise ValueError(f"number of ranks must be >= 1, got {num_ranks}")
     check_available(root)
+    check_visible_gpus(num_ranks, dict(os.environ), root)
     out_dir = out_dir or os.path.join(root, "runs", "deepep-" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
