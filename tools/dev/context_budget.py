@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import sys
 import time
 from typing import List, Tuple
@@ -48,7 +49,10 @@ def run_case(conns: List[int]) -> Tuple[int, List[str]]:
         p = ctx.Process(target=_client, args=(c, started, release))
         p.start()
         procs.append(p)
-        _, got, err = started.get(timeout=180)
+        try:
+            _, got, err = started.get(timeout=180)
+        except queue.Empty:
+            got, err = c, f"process {p.pid} made no context within 180 s"
         if err is None:
             ok += 1
         else:
