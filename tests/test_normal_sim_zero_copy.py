@@ -202,6 +202,30 @@ def case_pull_bad_handle(path: str) -> str:
     return "ok"
 
 
+def case_pull_negative_prefix(path: str) -> str:
+    """Rank 1's rank_prefix_matrix says rank 0 received -1000 rows from rank 2: the first row of rank 1's
+    rows in rank 2's x lies before its start. Rank 1 records ERR_BAD_HANDLE and reads nothing there
+    (its tokens from rank 2 are summed without that row); the other ranks are clean."""
+    import torch
+    from normal_world import expected_combine
+    from pyep.ep.normal.errors import ERR_BAD_HANDLE
+    w, handles, ys = _pull_world(path, 2_000_000_000, 78)
+    kept = int(handles[1].rank_prefix[0, 2])
+    handles[1].rank_prefix[0, 2] = -1000
+    from_2 = (handles[1].send_head[:, 2] >= 0).nonzero().flatten().tolist()
+    assert from_2, "rank 1 sent rank 2 no tokens: the case tests nothing"
+    comb = w.combine(handles, ys, None, pull=list(range(w.R)))
+    code, _channel, left, need = w.errors()[1]
+    assert code == ERR_BAD_HANDLE and left > 1000 and need >= 1, w.errors()
+    assert w.errors()[0] == w.errors()[2] == [0, 0, 0, 0], w.errors()
+    handles[1].rank_prefix[0, 2] = kept   # the oracle reads the handle's matrices too
+    ws0 = [torch.zeros((y.shape[0], 1)) for y in ys]
+    want, _ = expected_combine(handles, ys, ws0, 1)
+    others = [i for i in range(comb[1]["out"].shape[0]) if i not in from_2]
+    assert torch.equal(comb[1]["out"][others].view(torch.int16), want[others].view(torch.int16)), "rank 1's sums"
+    return "ok"
+
+
 def case_pull_silent_rank(path: str) -> str:
     """Rank 2 of 3 runs its combine gate (offering) but never launches the combine kernel: ranks 0 and 1
     read its rows (there since its gate), sum right, then wait for its pulled[] words and give up after
@@ -278,6 +302,7 @@ CASES = {
     "pull_short_offer_is_named": (case_pull_bad_offer, (5,)),
     "pull_offer_past_the_pool_is_named": (case_pull_bad_offer, (6,)),
     "pull_send_head_past_a_peers_rows_is_named": (case_pull_bad_handle, ()),
+    "pull_negative_prefix_is_named": (case_pull_negative_prefix, ()),
     "pull_silent_rank_is_named": (case_pull_silent_rank, ()),
 }
 

@@ -307,10 +307,12 @@ __device__ void combine_pull(const NormalStatic& s, const CombineArgs& a, const 
     int4* out = reinterpret_cast<int4*>(a.out);
     for (int t = t0 + (b & 1) + 2 * warp; p.path == 1 && t < t1; t += 2 * kCombineWarps) {
         int pos = lane < R ? send_head[(int64_t)t * R + lane] : -1;
-        if (pos >= 0 && p.row0[lane] + pos >= p.rows[lane]) {
+        const int64_t at = pos >= 0 ? p.row0[lane] + pos : 0;
+        if (pos >= 0 && (at < 0 || at >= p.rows[lane])) {
             // A handle that does not describe this call (its matrices are the caller's tensors): never a
-            // read past the peer's x. Recorded as the rows left in that peer's x from this channel's
-            // first, against the rows send_head needs.
+            // read outside the peer's x, past its end or (negative prefix entries) before its start.
+            // Recorded as the rows left in that peer's x from this channel's first, against the rows
+            // send_head needs.
             record_error(s, kErrBadHandle, c, (int)(p.rows[lane] - p.row0[lane]), pos + 1);
             pos = -1;
         }
